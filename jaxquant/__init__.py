@@ -1,0 +1,30 @@
+"""jaxquant: low-precision training for JAX/Flax with role-dispatched, per-direction quantization.
+
+Quantizers describe formats; `jaxquant.ops` quantizes and multiplies (reference path everywhere,
+FFI kernels where built); recipes map module roles to quantizers; `jaxquant.flax` has the modules.
+"""
+
+from jaxquant import factories, formats, ops
+from jaxquant.explain import Decision, Report, explain, explain_recording
+from jaxquant.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer,
+                                 Float8DelayedScalingQuantizer, HybridQuantizer,
+                                 IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer)
+from jaxquant.recipes import (BUILTIN_RECIPES, CustomRecipe, DelayedScaling, Float8BlockScaling,
+                              Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling, Recipe,
+                              autocast, current_recipe)
+from jaxquant import recipes
+from jaxquant.roles import QuantizerRole
+from jaxquant.state import DelayedScalingState, delayed_scaling_update, init_state, update_state
+from jaxquant.tensors import QuantizedTensor, ScaledTensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "QuantizerRole", "Quantizer", "Float8CurrentScalingQuantizer",
+    "Float8DelayedScalingQuantizer", "MXFP8Quantizer", "NVFP4Quantizer", "Float8BlockQuantizer",
+    "IdentityQuantizer", "HybridQuantizer", "ScaledTensor", "QuantizedTensor", "Recipe",
+    "CustomRecipe", "Float8CurrentScaling", "DelayedScaling", "MXFP8BlockScaling",
+    "Float8BlockScaling", "NVFP4BlockScaling", "BUILTIN_RECIPES", "autocast", "current_recipe",
+    "DelayedScalingState", "init_state", "delayed_scaling_update", "update_state", "explain",
+    "explain_recording", "Decision", "Report", "factories", "formats", "ops", "recipes",
+]

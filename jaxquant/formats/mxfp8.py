@@ -1,0 +1,46 @@
+"""MXFP8: blocks of 32 along the contraction axis, each with an E8M0 power-of-two scale.
+
+The block exponent rounds `amax / fmax` up to a power of two, so a finite block never
+saturates; a block holding NaN gets exponent 255 and an all-NaN payload.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxquant.formats.base import (Format, QuantizeContext, block_amax, expand_blocks,
+                                   pad_to_blocks, register, tensor_amax)
+from jaxquant.numerics import e8m0_decode_exponent, e8m0_from_amax, exp2i, spec_for_dtype
+from jaxquant.numerics.minifloat import decode, encode, to_storage
+from jaxquant.quantizers import MXFP8Quantizer
+from jaxquant.tensors import ScaledTensor
+
+BLOCK = 32
+
+
+def quantize(mat: jax.Array, quantizer: MXFP8Quantizer, ctx: QuantizeContext) -> ScaledTensor:
+  spec = spec_for_dtype(quantizer.dtype)
+  rows, cols = mat.shape
+  x = pad_to_blocks(mat.astype(jnp.float32), 1, BLOCK)
+  exponent = e8m0_from_amax(block_amax(x, 1, BLOCK), spec.fmax)  # [rows, nblocks] uint32
+  e = expand_blocks(exponent, 1, BLOCK)
+  code = encode(x * exp2i(127 - jnp.minimum(e, 254).astype(jnp.int32)), spec)
+  code = jnp.where(e == 255, jnp.uint8(spec.nan_code), code)
+  data = to_storage(code, spec)[:rows, :cols]
+  scale_inv = lax.bitcast_convert_type(exponent.astype(jnp.uint8), jnp.float8_e8m0fnu)
+  return ScaledTensor(data, scale_inv, tensor_amax(mat), quantizer, ctx.orig_dtype, ctx.rht)
+
+
+def block_exponents(t: ScaledTensor) -> jax.Array:
+  return lax.bitcast_convert_type(t.scale_inv, jnp.uint8)
+
+
+def dequantize_raw(t: ScaledTensor) -> jax.Array:
+  rows, cols = t.shape
+  scale = expand_blocks(e8m0_decode_exponent(block_exponents(t)), 1, BLOCK)[:, :cols]
+  return decode(t.data) * scale
+
+
+register(MXFP8Quantizer, Format("mxfp8", quantize, dequantize_raw))

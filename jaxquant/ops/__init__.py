@@ -1,0 +1,197 @@
+"""Public ops: `quantize`, `dequantize`, `transpose`, `gemm` (DESIGN.md section 4).
+
+Each op validates its arguments, picks the reference or FFI implementation
+(`jaxquant.ops.dispatch`) and records the choice for `jaxquant.explain`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant import explain as _explain
+from jaxquant.numerics.random_bits import key_words
+from jaxquant.ops import dispatch, reference
+from jaxquant.quantizers import (HIGH_PRECISION_DTYPES, HybridQuantizer, IdentityQuantizer,
+                                 NVFP4Quantizer, Quantizer)
+from jaxquant.tensors import QuantizedTensor, ScaledTensor
+
+Operand = Union[ScaledTensor, jax.Array]
+
+__all__ = ["quantize", "dequantize", "transpose", "gemm"]
+
+
+def _as_matrix(x: jax.Array) -> jax.Array:
+  if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+    raise TypeError(f"x: expected a jax array, got {type(x).__name__}")
+  if np.dtype(x.dtype) not in HIGH_PRECISION_DTYPES:
+    raise TypeError(f"x: dtype {np.dtype(x.dtype).name} cannot be quantized; expected "
+                    "bfloat16, float16 or float32")
+  if x.ndim == 0:
+    raise ValueError("x: a scalar cannot be quantized; expected at least 1 dimension")
+  return x.reshape(-1, x.shape[-1]) if x.ndim != 2 else x
+
+
+def _needs_key(quantizer: Quantizer) -> bool:
+  return any(isinstance(q, NVFP4Quantizer) and q.stochastic_rounding for q in quantizer.leaves())
+
+
+def _check_rht_shape(x2d: jax.Array, quantizer: Quantizer) -> None:
+  if reference.uses_rht(quantizer, "columnwise") and x2d.shape[0] % 16:
+    raise ValueError(
+        f"x: NVFP4Quantizer(rht=True) transforms the columnwise copy along x's rows (the "
+        f"wgrad contraction axis) in chunks of 16; got {x2d.shape[0]} rows. Use a row count "
+        "(tokens) that is a multiple of 16, or rht=False.")
+
+
+def _single(x2d, quantizer, *, rowwise, columnwise, orig_dtype, key, state, role):
+  """Quantize with one single-format quantizer via the selected backend."""
+  if columnwise:
+    _check_rht_shape(x2d, quantizer)
+  row_words = col_words = None
+  if isinstance(quantizer, NVFP4Quantizer) and quantizer.stochastic_rounding:
+    row_words = key_words(jax.random.fold_in(key, 0))
+    col_words = key_words(jax.random.fold_in(key, 1))
+  directions = "+".join(d for d, on in (("rowwise", rowwise), ("columnwise", columnwise)) if on)
+  ffi = dispatch.ffi_module()
+  reason = "jaxquant FFI extension not built" if ffi is None else ffi.quantize_unsupported(
+      x2d, quantizer, rowwise=rowwise, columnwise=columnwise)
+  if isinstance(quantizer, IdentityQuantizer):
+    path, reason = "reference", ""  # nothing to compute
+  else:
+    path, reason = dispatch.choose("quantize", reason)
+  impl = ffi.quantize_single if path == "ffi" else reference.quantize_single
+  _explain.record(_explain.Decision("quantize", role, f"{directions}: {quantizer}",
+                                    path if path == "reference" else ffi.path_name(), reason))
+  return impl(x2d, quantizer, rowwise=rowwise, columnwise=columnwise, orig_dtype=orig_dtype,
+              row_key_words=row_words, col_key_words=col_words, state=state)
+
+
+def quantize(x: jax.Array, quantizer: Quantizer, *, rowwise: bool = True,
+             columnwise: bool = True, key: Optional[jax.Array] = None, state: Any = None,
+             role: Any = None) -> QuantizedTensor:
+  """Quantize `x` (leading axes flattened into rows; the last axis is the contraction axis).
+
+  Args:
+    x: bfloat16, float16 or float32 array.
+    quantizer: any jaxquant quantizer; a `HybridQuantizer` quantizes each direction with its own
+      half.
+    rowwise, columnwise: which copies to produce (the columnwise copy is stored transposed).
+    key: PRNG key, required when a quantizer uses stochastic rounding.
+    state: the quantizer's state (`jaxquant.init_state`), required for delayed scaling.
+    role: optional `QuantizerRole`, used only to label `jaxquant.explain` output.
+
+  Returns:
+    A `QuantizedTensor` with the requested copies.
+  """
+  if not isinstance(quantizer, Quantizer):
+    raise TypeError(f"quantizer: expected a jaxquant Quantizer, got {type(quantizer).__name__}")
+  if not (rowwise or columnwise):
+    raise ValueError("rowwise and columnwise are both False; ask for at least one direction")
+  x2d = _as_matrix(x)
+  orig_dtype = np.dtype(x.dtype)
+  if _needs_key(quantizer) and key is None:
+    raise ValueError(f"key: {quantizer} uses stochastic rounding and needs a PRNG key")
+  if quantizer.stateful and state is None:
+    raise ValueError(f"state: {quantizer} is stateful; pass state=jaxquant.init_state(quantizer)")
+  common = dict(orig_dtype=orig_dtype, key=key, role=role)
+  if not isinstance(quantizer, HybridQuantizer):
+    row, col = _single(x2d, quantizer, rowwise=rowwise, columnwise=columnwise, state=state,
+                       **common)
+    return QuantizedTensor(row, col, quantizer)
+  row_state, col_state = state if state is not None else (None, None)
+  from_rowwise = columnwise and quantizer.columnwise_source == "rowwise_dequantized"
+  row = col = None
+  if rowwise or from_rowwise:
+    row, _ = _single(x2d, quantizer.rowwise, rowwise=True, columnwise=False, state=row_state,
+                     **common)
+  if columnwise:
+    source = row.dequantize(jnp.float32) if from_rowwise else x2d
+    key_col = None if key is None else jax.random.fold_in(key, 2)
+    _, col = _single(source, quantizer.columnwise, rowwise=False, columnwise=True,
+                     state=col_state, **dict(common, key=key_col))
+  return QuantizedTensor(row if rowwise else None, col, quantizer)
+
+
+def dequantize(t: Union[QuantizedTensor, ScaledTensor], dtype=jnp.float32) -> jax.Array:
+  """High-precision values of a quantized tensor (`[rows, cols]`)."""
+  if not isinstance(t, (QuantizedTensor, ScaledTensor)):
+    raise TypeError(f"t: expected a QuantizedTensor or ScaledTensor, got {type(t).__name__}")
+  return t.dequantize(dtype)
+
+
+def transpose(t: ScaledTensor) -> ScaledTensor:
+  """Columnwise copy of a per-tensor FP8 `ScaledTensor` by transposing its bytes (no
+  re-quantization). Block-scaled formats cannot be transposed this way: quantize columnwise."""
+  if not isinstance(t, ScaledTensor):
+    raise TypeError(f"t: expected a ScaledTensor, got {type(t).__name__}")
+  if not reference.is_transposable(t):
+    raise ValueError(f"t: transpose needs per-tensor FP8 data; {t.quantizer} has block scales "
+                     "along its rows, so quantize the columnwise direction instead")
+  ffi = dispatch.ffi_module()
+  reason = "jaxquant FFI extension not built" if ffi is None else ffi.transpose_unsupported(t)
+  path, reason = dispatch.choose("transpose", reason)
+  _explain.record(_explain.Decision("transpose", None, str(t.quantizer),
+                                    path if path == "reference" else ffi.path_name(), reason))
+  return (ffi.transpose if path == "ffi" else reference.transpose)(t)
+
+
+def _check_operand(name: str, operand: Operand) -> None:
+  if isinstance(operand, QuantizedTensor):
+    raise TypeError(f"{name}: pass one direction of the QuantizedTensor (its .rowwise or "
+                    ".columnwise ScaledTensor), not the pair")
+  if not isinstance(operand, ScaledTensor):
+    if not hasattr(operand, "dtype") or np.dtype(operand.dtype) not in HIGH_PRECISION_DTYPES:
+      raise TypeError(f"{name}: expected a ScaledTensor or a bfloat16/float16/float32 array")
+  if operand.ndim != 2:
+    raise ValueError(f"{name}: expected a 2-D [rows, contraction] operand, got shape "
+                     f"{tuple(operand.shape)}")
+
+
+def gemm_path_unsupported(a: Operand, b: Operand) -> Optional[str]:
+  ffi = dispatch.ffi_module()
+  return "jaxquant FFI extension not built" if ffi is None else ffi.gemm_unsupported(a, b)
+
+
+def gemm(a: Operand, b: Operand, *, out_dtype=None, bias: Optional[jax.Array] = None,
+         role: Any = None, precision=None) -> jax.Array:
+  """`C[m, n] = sum_k a[m, k] * b[n, k] (+ bias[n])` on the TN storage convention.
+
+  Args:
+    a, b: `ScaledTensor`s or plain high-precision arrays, each `[rows, K]`.
+    out_dtype: output dtype; default: `a`'s original (pre-quantization) dtype.
+    bias: optional `[n]` bias, added once in float32 after accumulation.
+    role: optional label for `jaxquant.explain`.
+  """
+  _check_operand("a", a)
+  _check_operand("b", b)
+  if a.shape[1] != b.shape[1]:
+    raise ValueError(f"a and b: contraction lengths differ ({a.shape[1]} vs {b.shape[1]}); "
+                     "both operands are [rows, K]")
+  rht_a = isinstance(a, ScaledTensor) and a.rht
+  rht_b = isinstance(b, ScaledTensor) and b.rht
+  if rht_a != rht_b:
+    raise ValueError(f"a and b disagree on the random Hadamard transform (a.rht={rht_a}, "
+                     f"b.rht={rht_b}); the transform cancels only when both operands carry it")
+  if bias is not None and tuple(bias.shape) != (b.shape[0],):
+    raise ValueError(f"bias: expected shape ({b.shape[0]},), got {tuple(bias.shape)}")
+  if out_dtype is None:
+    out_dtype = a.orig_dtype if isinstance(a, ScaledTensor) else a.dtype
+  path, reason = dispatch.choose("gemm", gemm_path_unsupported(a, b))
+  ffi = dispatch.ffi_module()
+  detail = f"{_describe(a)} x {_describe(b)}"
+  _explain.record(_explain.Decision("gemm", role, detail,
+                                    "reference" if path == "reference" else ffi.gemm_path(a, b),
+                                    reason))
+  impl = ffi.gemm if path == "ffi" else reference.gemm
+  return impl(a, b, out_dtype=out_dtype, bias=bias, precision=precision)
+
+
+def _describe(operand: Operand) -> str:
+  if isinstance(operand, ScaledTensor):
+    return type(operand.quantizer).__name__.replace("Quantizer", "") + ("+rht" if operand.rht
+                                                                         else "")
+  return np.dtype(operand.dtype).name

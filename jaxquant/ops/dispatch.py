@@ -1,0 +1,51 @@
+"""Choosing between the reference path and the FFI kernels.
+
+`JAXQUANT_BACKEND` = `auto` (default: FFI where the extension is loaded and supports the case,
+else reference), `reference`, or `ffi` (forcing the FFI where it cannot serve the case is an
+error, never a silent fallback). Every choice is recorded for `jaxquant.explain`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import jax
+
+BACKENDS = ("auto", "reference", "ffi")
+
+
+def requested_backend() -> str:
+  value = os.environ.get("JAXQUANT_BACKEND", "auto").strip().lower() or "auto"
+  if value not in BACKENDS:
+    raise ValueError(f"JAXQUANT_BACKEND={value!r}; expected one of {BACKENDS}")
+  return value
+
+
+def current_platform() -> str:
+  """The platform ops are lowered for (the default backend): "cpu", "cuda", ..."""
+  platform = jax.default_backend()
+  return "cuda" if platform == "gpu" else platform
+
+
+def ffi_module():
+  """The loaded `jaxquant.ffi_bindings` module, or None when the extension is not built."""
+  try:
+    from jaxquant import ffi_bindings
+  except ImportError:
+    return None
+  return ffi_bindings if ffi_bindings.available() else None
+
+
+def choose(op: str, unsupported_reason: Optional[str]) -> tuple[str, str]:
+  """("ffi" | "reference", reason) for an op whose FFI support check gave `unsupported_reason`
+  (None = the FFI can serve it)."""
+  mode = requested_backend()
+  if mode == "reference":
+    return "reference", "JAXQUANT_BACKEND=reference"
+  if unsupported_reason is None:
+    return "ffi", ""
+  if mode == "ffi":
+    raise RuntimeError(f"JAXQUANT_BACKEND=ffi, but the FFI path cannot serve this {op}: "
+                       f"{unsupported_reason}. Unset JAXQUANT_BACKEND or set it to 'reference'.")
+  return "reference", unsupported_reason
