@@ -1,0 +1,216 @@
+"""The quantized dense contraction: a `jax.custom_vjp` over the TN storage convention.
+
+For `x[M, K]` and a Flax kernel `W[K, N]` (DESIGN.md section 2):
+  forward  y[M, N]  = x_row[M, K]  . W_row[N, K]^T     (W_row = quantized W^T)
+  dgrad    dx[M, K] = dy_row[M, N] . W_col[K, N]^T     (W_col = quantized W)
+  wgrad    dW[K, N] = x_col[K, M]  . dy_col[N, M]^T    (x_col = quantized x^T)
+The forward saves only the quantized columnwise operands (tagged with `checkpoint_name`), and
+only those a backward GEMM will use: no dgrad operand when x needs no gradient, no wgrad operand
+when W needs none. Delayed-scaling states are differentiable inputs whose "gradient" is their
+updated value (Flax's `_overwrite_with_gradient` convention).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxquant import ops
+from jaxquant.quantizers import IdentityQuantizer, Quantizer
+from jaxquant.recipes import Recipe
+from jaxquant.roles import QuantizerRole
+from jaxquant.state import init_state, update_state
+
+RESIDUAL_NAMES = ("jaxquant_input_columnwise", "jaxquant_weight_columnwise")
+TENSOR_TYPES = ("input", "weight", "grad_output")
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseQuantizers:
+  """The three quantizers of one dense contraction, and the roles they were chosen for."""
+
+  input: Quantizer
+  weight: Quantizer
+  grad_output: Quantizer
+  roles: tuple[Optional[QuantizerRole], ...] = (None, None, None)
+
+  def __post_init__(self):
+    for tensor_type in TENSOR_TYPES:
+      value = getattr(self, tensor_type)
+      if not isinstance(value, Quantizer):
+        raise TypeError(f"DenseQuantizers.{tensor_type}: expected a jaxquant Quantizer, got "
+                        f"{type(value).__name__}")
+
+  @classmethod
+  def from_recipe(cls, recipe: Recipe, module_type: str, name: str,
+                  path: str = "") -> "DenseQuantizers":
+    """Ask `recipe` for the quantizer of each role `(module_type, tensor_type, name)`."""
+    roles = tuple(QuantizerRole(module_type, t, name, path) for t in TENSOR_TYPES)
+    return cls(*(recipe.quantizer(role) for role in roles), roles=roles)
+
+  @classmethod
+  def identity(cls) -> "DenseQuantizers":
+    return cls(IdentityQuantizer(), IdentityQuantizer(), IdentityQuantizer())
+
+  def quantizer(self, tensor_type: str) -> Quantizer:
+    return getattr(self, tensor_type)
+
+  def init_states(self) -> tuple[Any, Any, Any]:
+    """Initial delayed-scaling states (None for stateless quantizers)."""
+    return tuple(init_state(self.quantizer(t)) for t in TENSOR_TYPES)
+
+  @property
+  def stateful(self) -> bool:
+    return any(self.quantizer(t).stateful for t in TENSOR_TYPES)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  quantizers: DenseQuantizers
+  precision: Any
+  x_dtype: Any
+  kernel_dtype: Any
+  bias_dtype: Any  # None without bias
+  batch_shape: tuple[int, ...]  # leading axes of x, flattened into the GEMM rows
+  contract_shape: tuple[int, ...]  # trailing axes of x, flattened into the contraction
+  out_shape: tuple[int, ...]  # trailing axes of the kernel and the output
+
+  def gemm_label(self, kind: str) -> str:
+    role = self.quantizers.roles[0]
+    return f"{role.module_type}/{role.name}/{kind}" if role is not None else kind
+
+
+def _keys(key):
+  if key is None:
+    return None, None, None
+  return tuple(jax.random.fold_in(key, i) for i in range(3))
+
+
+def _value(primal):
+  return None if primal is None else primal.value
+
+
+def _forward(config: _Config, x, kernel, bias, key, states, *, need_dgrad: bool,
+             need_wgrad: bool):
+  q = config.quantizers
+  k, n = math.prod(config.contract_shape), math.prod(config.out_shape)
+  key_x, key_w, _ = _keys(key)
+  state_x, state_w, _ = states
+  roles = q.roles
+  qx = ops.quantize(x.reshape(-1, k), q.input, rowwise=True, columnwise=need_wgrad, key=key_x,
+                    state=state_x, role=roles[0])
+  qw = ops.quantize(kernel.reshape(k, n).T, q.weight, rowwise=True, columnwise=need_dgrad,
+                    key=key_w, state=state_w, role=roles[1])
+  y = ops.gemm(qx.rowwise, qw.rowwise, out_dtype=x.dtype,
+               bias=None if bias is None else bias.reshape(n), role=config.gemm_label("fprop"),
+               precision=config.precision)
+  return y.reshape(*config.batch_shape, *config.out_shape), qx, qw
+
+
+def _primal(config, x, kernel, bias, key, states):
+  y, _, _ = _forward(config, x, kernel, bias, key, states, need_dgrad=False, need_wgrad=False)
+  return y
+
+
+def _fwd(config, x, kernel, bias, key, states):
+  need_dgrad, need_wgrad = x.perturbed, kernel.perturbed
+  x, kernel, bias, key, states = (_value(x), _value(kernel), _value(bias), _value(key),
+                                  jax.tree_util.tree_map(_value, states))
+  y, qx, qw = _forward(config, x, kernel, bias, key, states, need_dgrad=need_dgrad,
+                       need_wgrad=need_wgrad)
+  q = config.quantizers
+  new_states = (update_state(q.input, states[0], qx), update_state(q.weight, states[1], qw),
+                states[2])
+  x_col = jax.tree_util.tree_map(lambda a: checkpoint_name(a, RESIDUAL_NAMES[0]), qx.columnwise)
+  w_col = jax.tree_util.tree_map(lambda a: checkpoint_name(a, RESIDUAL_NAMES[1]), qw.columnwise)
+  return y, (x_col, w_col, key, new_states)
+
+
+def _bwd(config, residuals, dy):
+  x_col, w_col, key, states = residuals
+  q = config.quantizers
+  _, _, key_g = _keys(key)
+  roles = q.roles
+  dy_nd = dy
+  dy = dy.reshape(-1, math.prod(config.out_shape))
+  dqy = ops.quantize(dy, q.grad_output, rowwise=w_col is not None,
+                     columnwise=x_col is not None, key=key_g, state=states[2], role=roles[2])
+  dx = dkernel = None
+  if w_col is not None:
+    dx = ops.gemm(dqy.rowwise, w_col, out_dtype=config.x_dtype,
+                  role=config.gemm_label("dgrad"), precision=config.precision)
+    dx = dx.reshape(*config.batch_shape, *config.contract_shape)
+  if x_col is not None:
+    dkernel = ops.gemm(x_col, dqy.columnwise, out_dtype=config.kernel_dtype,
+                       role=config.gemm_label("wgrad"), precision=config.precision)
+    dkernel = dkernel.reshape(*config.contract_shape, *config.out_shape)
+  dbias = None
+  if config.bias_dtype is not None:
+    # The same reduction autodiff of `y + bias` performs, so Identity matches nn.Dense exactly.
+    batch_axes = tuple(range(len(config.batch_shape)))
+    dbias = jax.lax.reduce(dy_nd, jnp.zeros((), dy_nd.dtype), jax.lax.add, batch_axes)
+    dbias = dbias.astype(config.bias_dtype)
+  new_states = (states[0], states[1], update_state(q.grad_output, states[2], dqy))
+  return dx, dkernel, dbias, None, new_states
+
+
+_dense_nd = jax.custom_vjp(_primal, nondiff_argnums=(0,))
+_dense_nd.defvjp(_fwd, _bwd, symbolic_zeros=True)
+
+
+def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
+          quantizers: Optional[DenseQuantizers] = None, *, key: Optional[jax.Array] = None,
+          states: Optional[tuple] = None, contracting_dims: int = 1,
+          precision: Any = None) -> jax.Array:
+  """Quantized `x @ kernel + bias` with a custom backward pass.
+
+  Args:
+    x: `[..., K1..Kc]` activations (bfloat16/float16/float32).
+    kernel: `[K1..Kc, N1..Nn]` weights in the same dtype as `x` (promote first).
+    bias: optional `[N1..Nn]`.
+    quantizers: the `DenseQuantizers` for input, weight and grad_output (None: no quantization,
+      a plain `dot_general` exactly like `flax.linen.Dense`).
+    key: PRNG key, required when a quantizer uses stochastic rounding.
+    states: `(input, weight, grad_output)` delayed-scaling states from
+      `quantizers.init_states()`; their gradient is their updated value.
+    contracting_dims: how many trailing axes of `x` (leading axes of `kernel`) are contracted.
+    precision: `jax.lax.Precision` for high-precision (Identity) GEMMs.
+
+  Returns:
+    `[..., N1..Nn]` in `x`'s dtype.
+  """
+  if contracting_dims < 1 or contracting_dims > min(x.ndim, kernel.ndim):
+    raise ValueError(f"contracting_dims={contracting_dims} must be between 1 and "
+                     f"min(x.ndim, kernel.ndim)={min(x.ndim, kernel.ndim)}")
+  contract_shape = x.shape[x.ndim - contracting_dims:]
+  if tuple(kernel.shape[:contracting_dims]) != tuple(contract_shape):
+    raise ValueError(f"kernel: leading axes {kernel.shape[:contracting_dims]} must equal x's "
+                     f"contracted axes {contract_shape}")
+  batch_shape = x.shape[:x.ndim - contracting_dims]
+  out_features = kernel.shape[contracting_dims:]
+  if bias is not None and tuple(bias.shape) != tuple(out_features):
+    raise ValueError(f"bias: expected shape {tuple(out_features)}, got {tuple(bias.shape)}")
+  if quantizers is None:
+    y = jax.lax.dot_general(x, kernel, ((tuple(range(x.ndim - contracting_dims, x.ndim)),
+                                         tuple(range(contracting_dims))), ((), ())),
+                            precision=precision)
+    if bias is not None:
+      y = y + bias.reshape((1,) * len(batch_shape) + tuple(out_features))
+    return y
+  if not isinstance(quantizers, DenseQuantizers):
+    raise TypeError(f"quantizers: expected DenseQuantizers or None, got "
+                    f"{type(quantizers).__name__}")
+  if states is None:
+    if quantizers.stateful:
+      raise ValueError("states: the quantizers are stateful (delayed scaling); pass "
+                       "states=quantizers.init_states() (kept by the Flax modules)")
+    states = (None, None, None)
+  config = _Config(quantizers, precision, x.dtype, kernel.dtype,
+                   None if bias is None else bias.dtype, tuple(batch_shape),
+                   tuple(contract_shape), tuple(out_features))
+  return _dense_nd(config, x, kernel, bias, key, tuple(states))
