@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxquant.dense import dense
+from jaxquant.quantized_dense import dense
 from jaxquant.flax.quantization import module_key, module_quantizers, module_states
 from jaxquant.recipes import Recipe
 

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import flax.linen as nn
 import jax
 
-from jaxquant.dense import TENSOR_TYPES, DenseQuantizers
+from jaxquant.quantized_dense import TENSOR_TYPES, DenseQuantizers
 from jaxquant.quantizers import NVFP4Quantizer
 from jaxquant.recipes import Recipe, current_recipe
 from jaxquant.state import DelayedScalingState
