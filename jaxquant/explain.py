@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import itertools
 from typing import Any, Callable, Iterator, Optional
 
 import jax
@@ -59,8 +60,14 @@ def explain_recording() -> Iterator[Report]:
     _ACTIVE.reset(token)
 
 
+# Each `explain` call traces under a fresh value of this jit-cache-sensitive context, so jitted
+# functions that were traced before are traced again and their decisions recorded.
+_EXPLAIN_CALL = jax.make_user_context(default_value=0)
+_explain_calls = itertools.count(1)
+
+
 def explain(fn: Callable, *args, **kwargs) -> Report:
   """Trace `fn(*args, **kwargs)` abstractly and report every quantize/GEMM decision."""
-  with explain_recording() as report:
+  with explain_recording() as report, _EXPLAIN_CALL(next(_explain_calls)):
     jax.eval_shape(fn, *args, **kwargs)
   return report

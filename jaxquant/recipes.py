@@ -9,10 +9,11 @@ traced (a context variable, so it is per thread and nests).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 from typing import Callable, Iterator, Optional
+
+import jax
 
 from jaxquant import factories
 from jaxquant.quantizers import Quantizer
@@ -123,8 +124,9 @@ BUILTIN_RECIPES = {
     "nvfp4": NVFP4BlockScaling,
 }
 
-_CURRENT: contextvars.ContextVar[Optional[Recipe]] = contextvars.ContextVar("jaxquant_recipe",
-                                                                           default=None)
+# The active recipe is part of `jax.jit`'s cache key, so a function traced under one recipe is
+# re-traced (not silently reused) under another.
+_CURRENT = jax.make_user_context(default_value=None)
 
 
 @contextlib.contextmanager
@@ -132,13 +134,10 @@ def autocast(recipe: Optional[Recipe]) -> Iterator[Optional[Recipe]]:
   """Use `recipe` for modules traced inside this block (None: no quantization)."""
   if recipe is not None and not isinstance(recipe, Recipe):
     raise TypeError(f"recipe: expected a jaxquant Recipe or None, got {type(recipe).__name__}")
-  token = _CURRENT.set(recipe)
-  try:
+  with _CURRENT(recipe):
     yield recipe
-  finally:
-    _CURRENT.reset(token)
 
 
 def current_recipe() -> Optional[Recipe]:
   """The recipe set by the innermost `autocast`, or None."""
-  return _CURRENT.get()
+  return _CURRENT.value
