@@ -1,0 +1,47 @@
+"""Shared fixtures: random inputs drawn fresh each run, with the seed recorded.
+
+`rng` is a `numpy.random.Generator` seeded from `secrets` (or from `JAXQUANT_TEST_SEED` to replay
+a failure); `prng_key` is a JAX key from the same seed. The seed is printed (visible with `-s` or
+in the captured output of a failing test) and appended to the report of every failing test that
+used either fixture, so any failure can be reproduced with `JAXQUANT_TEST_SEED=<seed>`.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+import jax
+import numpy as np
+import pytest
+
+jax.config.update("jax_enable_x64", False)
+
+
+@pytest.fixture
+def seed(request) -> int:
+  value = os.environ.get("JAXQUANT_TEST_SEED")
+  value = int(value) if value else secrets.randbits(31)
+  request.node.jaxquant_seed = value
+  print(f"[jaxquant tests] {request.node.nodeid}: seed={value} "
+        f"(replay with JAXQUANT_TEST_SEED={value})")
+  return value
+
+
+@pytest.fixture
+def rng(seed) -> np.random.Generator:
+  return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def prng_key(seed) -> jax.Array:
+  return jax.random.key(seed)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+  report = yield
+  seed_value = getattr(item, "jaxquant_seed", None)
+  if seed_value is not None and report.failed:
+    report.sections.append(("jaxquant seed", f"JAXQUANT_TEST_SEED={seed_value}"))
+  return report
