@@ -26,7 +26,10 @@ def quantize(mat: jax.Array, quantizer: MXFP8Quantizer, ctx: QuantizeContext) ->
   x = pad_to_blocks(mat.astype(jnp.float32), 1, BLOCK)
   exponent = e8m0_from_amax(block_amax(x, 1, BLOCK), spec.fmax)  # [rows, nblocks] uint32
   e = expand_blocks(exponent, 1, BLOCK)
-  code = encode(x * exp2i(127 - jnp.minimum(e, 254).astype(jnp.int32)), spec)
+  # x * 2^(127 - e) as two normal power-of-two factors: 2^-127 (e = 254, a block holding inf) is
+  # subnormal, and backends that flush subnormal operands (XLA:CPU) would turn inf * 0 into NaN.
+  k = 127 - jnp.minimum(e, 254).astype(jnp.int32)
+  code = encode(x * exp2i(jnp.maximum(k, -126)) * exp2i(jnp.minimum(k + 126, 0)), spec)
   code = jnp.where(e == 255, jnp.uint8(spec.nan_code), code)
   data = to_storage(code, spec)[:rows, :cols]
   scale_inv = lax.bitcast_convert_type(exponent.astype(jnp.uint8), jnp.float8_e8m0fnu)
