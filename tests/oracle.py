@@ -227,4 +227,4 @@ def random_matrix(rng, shape, dtype=np.float32, spread=True) -> np.ndarray:
   x = rng.standard_normal(shape)
   if spread:
     x = x * np.exp2(rng.uniform(-8, 8, size=shape))
-  return np.asarray(jnp.asarray(x, dtype))
+  return np.array(jnp.asarray(x, dtype))  # a writable copy
