@@ -228,3 +228,30 @@ def random_matrix(rng, shape, dtype=np.float32, spread=True) -> np.ndarray:
   if spread:
     x = x * np.exp2(rng.uniform(-8, 8, size=shape))
   return np.array(jnp.asarray(x, dtype))  # a writable copy
+
+
+def lowbias32(x) -> np.ndarray:
+  """The "lowbias32" integer hash of jaxquant.numerics.random_bits' docstring, in numpy."""
+  x = np.asarray(x).astype(np.uint64) & 0xFFFFFFFF
+  x ^= x >> 16
+  x = (x * 0x7FEB352D) & 0xFFFFFFFF
+  x ^= x >> 15
+  x = (x * 0x846CA68B) & 0xFFFFFFFF
+  return x ^ (x >> 16)
+
+
+def sr_uniform(k0: int, k1: int, rows: int, cols: int, row_offset=0, col_offset=0):
+  """The documented counter-based draws u[row, col] in [0, 1) (float64, exact)."""
+  r = (np.arange(rows, dtype=np.uint64) + row_offset)[:, None]
+  c = (np.arange(cols, dtype=np.uint64) + col_offset)[None, :]
+  h = lowbias32((r * 0x9E3779B9 + k0) & 0xFFFFFFFF)
+  h = lowbias32(h ^ ((c * 0x85EBCA6B + k1) & 0xFFFFFFFF))
+  return (h >> 8).astype(np.float64) * 2.0**-24
+
+
+def e2m1_neighbours(a) -> tuple[np.ndarray, np.ndarray]:
+  """(lo, hi): the E2M1 grid values at or below and at or above |a| <= 6 (float64)."""
+  a = np.abs(np.asarray(a, np.float64))
+  lo = E2M1_VALUES[np.searchsorted(E2M1_VALUES, a, side="right") - 1]
+  hi = E2M1_VALUES[np.minimum(np.searchsorted(E2M1_VALUES, a, side="left"), 7)]
+  return lo, hi

@@ -241,25 +241,12 @@ def test_rht16_rejects_length_not_multiple_of_16():
 # Counter-based random bits
 
 
-def _lowbias32(x: np.ndarray) -> np.ndarray:
-  x = x.astype(np.uint64) & 0xFFFFFFFF
-  x ^= x >> 16
-  x = (x * 0x7FEB352D) & 0xFFFFFFFF
-  x ^= x >> 15
-  x = (x * 0x846CA68B) & 0xFFFFFFFF
-  return x ^ (x >> 16)
-
-
 def test_stochastic_round_bits_follow_the_documented_hash(prng_key):
   words = random_bits.key_words(prng_key)
   k0, k1 = (int(w) for w in np.asarray(words))
   rows, cols, r0, c0 = 5, 7, 3, 11
   got = np.asarray(random_bits.stochastic_round_bits(words, rows, cols, r0, c0))
-  r = (np.arange(rows, dtype=np.uint64) + r0)[:, None]
-  c = (np.arange(cols, dtype=np.uint64) + c0)[None, :]
-  h = _lowbias32((r * 0x9E3779B9 + k0) & 0xFFFFFFFF)
-  h = _lowbias32(h ^ ((c * 0x85EBCA6B + k1) & 0xFFFFFFFF))
-  want = (h >> 8).astype(np.float64) * 2.0**-24
+  want = oracle.sr_uniform(k0, k1, rows, cols, r0, c0)
   np.testing.assert_array_equal(got.astype(np.float64), want)
   assert np.all((got >= 0) & (got < 1))
 
