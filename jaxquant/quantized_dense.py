@@ -91,6 +91,10 @@ def _keys(key):
   return tuple(jax.random.fold_in(key, i) for i in range(3))
 
 
+def _high_precision(operand) -> bool:
+  return isinstance(operand.quantizer, IdentityQuantizer)
+
+
 def _value(primal):
   return None if primal is None else primal.value
 
@@ -146,8 +150,14 @@ def _bwd(config, residuals, dy):
                   role=config.gemm_label("dgrad"), precision=config.precision)
     dx = dx.reshape(*config.batch_shape, *config.contract_shape)
   if x_col is not None:
-    dkernel = ops.gemm(x_col, dqy.columnwise, out_dtype=config.kernel_dtype,
-                       role=config.gemm_label("wgrad"), precision=config.precision)
+    if _high_precision(x_col) and _high_precision(dqy.columnwise):
+      # JAX's transpose rule of dot_general computes (dy^T x)^T; the same operand order (XLA
+      # folds the transpose into the dot) keeps an Identity wgrad bit-identical to nn.Dense's.
+      dkernel = ops.gemm(dqy.columnwise, x_col, out_dtype=config.kernel_dtype,
+                         role=config.gemm_label("wgrad"), precision=config.precision).T
+    else:
+      dkernel = ops.gemm(x_col, dqy.columnwise, out_dtype=config.kernel_dtype,
+                         role=config.gemm_label("wgrad"), precision=config.precision)
     dkernel = dkernel.reshape(*config.contract_shape, *config.out_shape)
   dbias = None
   if config.bias_dtype is not None:
