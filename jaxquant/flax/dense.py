@@ -8,8 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxquant.quantized_dense import dense
-from jaxquant.flax.quantization import module_key, module_quantizers, module_states
+from jaxquant.flax.quantization import quantized_contraction
 from jaxquant.recipes import Recipe
 
 default_kernel_init = nn.initializers.lecun_normal()
@@ -55,8 +54,4 @@ class Dense(nn.Module):
     if self.use_bias:
       bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
     inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-    quantizers = module_quantizers(self)
-    if quantizers is None:
-      return dense(inputs, kernel, bias, precision=self.precision)
-    return dense(inputs, kernel, bias, quantizers, key=module_key(self, quantizers),
-                 states=module_states(self, quantizers), precision=self.precision)
+    return quantized_contraction(self, inputs, kernel, bias, precision=self.precision)

@@ -1,4 +1,4 @@
-"""How a Flax module obtains its quantizers, delayed-scaling state and rounding key.
+"""How a Flax linen module obtains its quantizers, delayed-scaling state and rounding key.
 
 Modules only map roles to quantizers (the recipe does the choosing, `jaxquant.dense` the math):
 - recipe: the module's `recipe` attribute if set, else the innermost `jaxquant.autocast`;
@@ -14,8 +14,9 @@ from typing import Any, Optional
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
-from jaxquant.quantized_dense import TENSOR_TYPES, DenseQuantizers
+from jaxquant.quantized_dense import TENSOR_TYPES, DenseQuantizers, dense
 from jaxquant.quantizers import NVFP4Quantizer
 from jaxquant.recipes import Recipe, current_recipe
 from jaxquant.state import DelayedScalingState
@@ -24,47 +25,79 @@ OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 QUANTIZE_RNG = "quantize"
 
 
-def resolve_recipe(module: nn.Module) -> Optional[Recipe]:
-  recipe = getattr(module, "recipe", None)
-  if recipe is None:
-    recipe = current_recipe()
+def check_recipe(recipe: Any, owner: str) -> Optional[Recipe]:
+  """`recipe` if it is a `Recipe` or None, else a TypeError naming `owner`."""
   if recipe is not None and not isinstance(recipe, Recipe):
-    raise TypeError(f"{type(module).__name__}.recipe: expected a jaxquant Recipe or None, got "
-                    f"{type(recipe).__name__}")
+    raise TypeError(f"{owner}: expected a jaxquant Recipe (e.g. jaxquant.Float8CurrentScaling()) "
+                    f"or None, got {recipe!r} ({type(recipe).__name__})")
   return recipe
 
 
+def resolve_recipe(module: nn.Module) -> Optional[Recipe]:
+  """The module's `recipe` attribute if set, else the innermost `jaxquant.autocast` recipe."""
+  recipe = check_recipe(getattr(module, "recipe", None), f"{type(module).__name__}.recipe")
+  return recipe if recipe is not None else current_recipe()
+
+
+def module_name(module: nn.Module) -> str:
+  """The module's short instance name (Flax's auto-name such as "Dense_0" when none was given)."""
+  return module.name or type(module).__name__
+
+
+def module_path(module: nn.Module) -> str:
+  path = "/".join(str(p) for p in module.path) if module.scope is not None else ""
+  return path or module_name(module)
+
+
 def module_quantizers(module: nn.Module, module_type: str = "linear",
-                      name: Optional[str] = None) -> Optional[DenseQuantizers]:
-  """The quantizers a module's contraction uses, or None when no recipe is active."""
-  recipe = resolve_recipe(module)
+                      name: Optional[str] = None,
+                      recipe: Optional[Recipe] = None) -> Optional[DenseQuantizers]:
+  """The quantizers of a module's contraction, or None when no recipe is active.
+
+  Args:
+    module: the bound module that owns the contraction.
+    module_type: the roles' `module_type`.
+    name: the roles' `name` (default: the module's own name).
+    recipe: use this recipe instead of resolving one from the module (`quantize_dense`).
+  """
+  recipe = check_recipe(recipe, "recipe") if recipe is not None else resolve_recipe(module)
   if recipe is None:
     return None
-  name = name if name is not None else (module.name or type(module).__name__)
-  path = "/".join(str(p) for p in module.path) if module.scope is not None else name
-  return DenseQuantizers.from_recipe(recipe, module_type, name, path)
+  return DenseQuantizers.from_recipe(recipe, module_type,
+                                     name if name is not None else module_name(module),
+                                     module_path(module))
 
 
-def _state_variables(module: nn.Module, prefix: str, state: Any):
+def _state_variables(module: nn.Module, prefix: str, state: Any, batch_shape: tuple[int, ...]):
   """Mirror an init state pytree as variables of the overwrite-with-gradient collection."""
   if state is None:
     return None
   if isinstance(state, tuple):  # Hybrid: (rowwise, columnwise)
-    return tuple(_state_variables(module, f"{prefix}_{d}", s)
+    return tuple(_state_variables(module, f"{prefix}_{d}", s, batch_shape)
                  for d, s in zip(("rowwise", "columnwise"), state))
-  scale = module.variable(OVERWRITE_WITH_GRADIENT, f"{prefix}_scale", lambda: state.scale)
+
+  def init(value):
+    return lambda: jnp.broadcast_to(value, batch_shape + value.shape)
+
+  scale = module.variable(OVERWRITE_WITH_GRADIENT, f"{prefix}_scale", init(state.scale))
   history = module.variable(OVERWRITE_WITH_GRADIENT, f"{prefix}_amax_history",
-                            lambda: state.amax_history)
+                            init(state.amax_history))
   return DelayedScalingState(scale.value, history.value)
 
 
-def module_states(module: nn.Module, quantizers: DenseQuantizers,
-                  prefix: str = "") -> Optional[tuple]:
-  """Delayed-scaling states of a module's three roles, kept as Flax variables."""
+def module_states(module: nn.Module, quantizers: DenseQuantizers, prefix: str = "",
+                  batch_shape: tuple[int, ...] = ()) -> Optional[tuple]:
+  """Delayed-scaling states of a module's three roles, kept as Flax variables.
+
+  Variables are named `{prefix}{tensor_type}_scale` and `{prefix}{tensor_type}_amax_history`
+  (`..._rowwise_...`/`..._columnwise_...` for a Hybrid whose halves are stateful). With a
+  `batch_shape` (DenseGeneral's `batch_dims`) every batch element keeps its own state.
+  """
   if not quantizers.stateful:
     return None
   init = quantizers.init_states()
-  return tuple(_state_variables(module, f"{prefix}{t}", s) for t, s in zip(TENSOR_TYPES, init))
+  return tuple(_state_variables(module, f"{prefix}{t}", s, tuple(batch_shape))
+               for t, s in zip(TENSOR_TYPES, init))
 
 
 def stochastic_roles(quantizers: DenseQuantizers) -> list:
@@ -89,6 +122,20 @@ def module_key(module: nn.Module, quantizers: DenseQuantizers) -> Optional[jax.A
   if module.is_initializing():
     return jax.random.key(0)
   raise ValueError(
-      f"{type(module).__name__} '{module.name or type(module).__name__}': the recipe rounds "
+      f"{type(module).__name__} '{module_name(module)}': the recipe rounds "
       f"{', '.join(str(r) for r in roles)} stochastically and needs the Flax RNG stream "
       f"'{QUANTIZE_RNG}'; pass rngs={{'{QUANTIZE_RNG}': key}} to apply")
+
+
+def quantized_contraction(module: nn.Module, inputs: jax.Array, kernel: jax.Array,
+                          bias: Optional[jax.Array], *, contracting_dims: int = 1,
+                          precision: Any = None, recipe: Optional[Recipe] = None,
+                          name: Optional[str] = None) -> jax.Array:
+  """`jaxquant.dense` of a module's (promoted) operands, with the module's quantizers, state
+  and key; a plain contraction when no recipe is active."""
+  quantizers = module_quantizers(module, name=name, recipe=recipe)
+  if quantizers is None:
+    return dense(inputs, kernel, bias, contracting_dims=contracting_dims, precision=precision)
+  return dense(inputs, kernel, bias, quantizers, key=module_key(module, quantizers),
+               states=module_states(module, quantizers), contracting_dims=contracting_dims,
+               precision=precision)

@@ -1,0 +1,146 @@
+"""`jaxquant.flax.DenseGeneral`: `flax.linen.DenseGeneral` with a quantized contraction."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant.flax.quantization import module_key, module_quantizers, module_states
+from jaxquant.quantized_dense import dense
+from jaxquant.recipes import Recipe
+
+default_kernel_init = nn.initializers.lecun_normal()
+
+
+def _as_tuple(value: Union[int, Sequence[int]], name: str) -> tuple[int, ...]:
+  if isinstance(value, (int, np.integer)):
+    return (int(value),)
+  try:
+    return tuple(int(v) for v in value)
+  except TypeError:
+    raise TypeError(f"{name}: expected an int or a sequence of ints, got {value!r}") from None
+
+
+def _normalize_axes(axes: tuple[int, ...], ndim: int, name: str) -> tuple[int, ...]:
+  for ax in axes:
+    if not -ndim <= ax < ndim:
+      raise ValueError(f"{name}={axes}: axis {ax} is out of range for an input of rank {ndim}")
+  normalized = tuple(sorted(ax % ndim for ax in axes))  # sorted, as Flax: fixes kernel layout
+  if len(set(normalized)) != len(normalized):
+    raise ValueError(f"{name}={axes}: repeated axes")
+  return normalized
+
+
+def _flat_init(init, n_batch: int, n_axis: int, n_features: int):
+  """Initialize as a 2-D matrix `[batch * contracted, features]` (or a vector `[batch *
+  features]` when `n_axis` is None) and reshape, exactly as Flax's DenseGeneral does, so the
+  same rng gives the same parameters (fan-in and fan-out of the flattened matrix)."""
+
+  def wrapped(rng, shape, dtype=jnp.float32):
+    batch = int(np.prod(shape[:n_batch]))
+    feats = int(np.prod(shape[len(shape) - n_features:]))
+    if n_axis is None:
+      flat_shape = (batch * feats,)
+    else:
+      flat_shape = (batch * int(np.prod(shape[n_batch:n_batch + n_axis])), feats)
+    value = init(rng, flat_shape, dtype)
+    if isinstance(value, nn.meta.AxisMetadata):
+      return nn.meta.replace_boxed(value, jnp.reshape(value.unbox(), shape))
+    return jnp.reshape(value, shape)
+
+  return wrapped
+
+
+class DenseGeneral(nn.Module):
+  """A linear transformation over any input axes, quantized by a recipe.
+
+  Same attributes and parameter tree as `flax.linen.DenseGeneral` (`kernel [batch..., axis...,
+  features...]`, `bias [batch..., features...]`, initialized the same way), so checkpoints load
+  into either. The contracted `axis` are moved to the end and flattened into the GEMM's
+  contraction (in increasing axis order, as Flax lays out the kernel); the remaining non-batch axes become its rows. Each `batch_dims` element is its
+  own quantized GEMM (`jax.vmap`): own per-tensor scales, own delayed-scaling state.
+
+  Example::
+
+    layer = jaxquant.flax.DenseGeneral((heads, head_dim), recipe=jaxquant.MXFP8BlockScaling())
+    variables = layer.init(jax.random.key(0), x)  # x: [batch, seq, hidden]
+    qkv = layer.apply(variables, x)               # [batch, seq, heads, head_dim]
+
+  Attributes:
+    features: int or tuple of output features.
+    axis: int or tuple of input axes to contract.
+    batch_dims: leading input axes (consecutive from 0) with one kernel per element.
+    use_bias: whether to add a bias.
+    dtype: computation dtype (None: inferred from inputs and params).
+    param_dtype: dtype of the parameters.
+    kernel_init: initializer of the kernel (called on the flattened 2-D shape).
+    bias_init: initializer of the bias (called on the flattened 1-D shape).
+    precision: precision of high-precision (Identity) contractions.
+    recipe: quantization recipe; None: the innermost `jaxquant.autocast`, or no quantization.
+  """
+
+  features: Union[int, Sequence[int]]
+  axis: Union[int, Sequence[int]] = -1
+  batch_dims: Sequence[int] = ()
+  use_bias: bool = True
+  dtype: Optional[Any] = None
+  param_dtype: Any = jnp.float32
+  kernel_init: Any = default_kernel_init
+  bias_init: Any = nn.initializers.zeros_init()
+  precision: Any = None
+  recipe: Optional[Recipe] = None
+
+  @nn.compact
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    features = _as_tuple(self.features, "features")
+    ndim = inputs.ndim
+    axis = _normalize_axes(_as_tuple(self.axis, "axis"), ndim, "axis")
+    batch_dims = _normalize_axes(_as_tuple(self.batch_dims, "batch_dims"), ndim, "batch_dims")
+    if set(batch_dims) != set(range(len(batch_dims))):
+      raise ValueError(f"batch_dims={tuple(self.batch_dims)} must be consecutive leading axes "
+                       "starting from 0")
+    if set(axis) & set(batch_dims):
+      raise ValueError(f"axis={tuple(self.axis)} and batch_dims={tuple(self.batch_dims)} "
+                       "overlap; an axis is either contracted or a batch axis")
+    n_batch, n_axis, n_features = len(batch_dims), len(axis), len(features)
+    batch_shape = tuple(inputs.shape[ax] for ax in batch_dims)
+    kernel = self.param("kernel", _flat_init(self.kernel_init, n_batch, n_axis, n_features),
+                        batch_shape + tuple(inputs.shape[ax] for ax in axis) + features,
+                        self.param_dtype)
+    bias = None
+    if self.use_bias:
+      bias = self.param("bias", _flat_init(self.bias_init, n_batch, None, n_features),
+                        batch_shape + features, self.param_dtype)
+    inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+
+    quantizers = module_quantizers(self)
+    if quantizers is None:  # Flax's own contraction, unchanged
+      out = jax.lax.dot_general(inputs, kernel,
+                                ((axis, tuple(range(n_batch, n_batch + n_axis))),
+                                 (batch_dims, tuple(range(n_batch)))), precision=self.precision)
+      if bias is not None:
+        bias_shape = tuple(inputs.shape[ax] if ax in batch_dims else 1
+                           for ax in range(ndim) if ax not in axis)
+        out = out + jnp.reshape(bias, bias_shape + features)
+      return out
+
+    # Batch axes first, then the rows of the GEMM, then the contracted axes (sorted):
+    # the output [batch..., rows..., features...] is laid out as dot_general's.
+    free = tuple(ax for ax in range(ndim) if ax not in axis and ax not in batch_dims)
+    inputs = jnp.transpose(inputs, batch_dims + free + axis)
+    key = module_key(self, quantizers)
+    states = module_states(self, quantizers, batch_shape=batch_shape)
+
+    def contract(x, w, b, k, s):
+      return dense(x, w, b, quantizers, key=k, states=s, contracting_dims=n_axis,
+                   precision=self.precision)
+
+    if n_batch:
+      key = None if key is None else jax.random.split(key, batch_shape)
+      for _ in range(n_batch):
+        contract = jax.vmap(contract)
+    return contract(inputs, kernel, bias, key, states)
