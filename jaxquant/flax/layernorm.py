@@ -1,0 +1,217 @@
+"""`LayerNormDense` and `LayerNormMLP`: a normalization followed by quantized dense layers.
+
+As in TransformerEngine, the norm and the dense layers form one module so a recipe sees the
+whole block; each contraction still goes through `jaxquant.dense` with roles
+`("linear", tensor_type, name)`: the module's own name for `LayerNormDense`, `fc1`/`fc2` (or
+the configured names) for `LayerNormMLP`.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Any, Callable, Optional, Sequence, Union
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxquant.flax.dense import Dense
+from jaxquant.flax.dense_general import DenseGeneral, _as_tuple, _flat_init
+from jaxquant.flax.norm import check_norm_type, normalize
+from jaxquant.flax.quantization import quantized_contraction
+from jaxquant.recipes import Recipe
+
+default_kernel_init = nn.initializers.lecun_normal()
+
+
+def _quick_gelu(x):
+  return x * jax.nn.sigmoid(1.702 * x)
+
+
+def _squared_relu(x):
+  return jnp.square(jax.nn.relu(x))
+
+
+#: Activation names accepted by `LayerNormMLP.activations`.
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "gelu": jax.nn.gelu,  # tanh approximation, as Flax and TransformerEngine
+    "gelu_exact": functools.partial(jax.nn.gelu, approximate=False),
+    "quick_gelu": _quick_gelu,
+    "relu": jax.nn.relu,
+    "squared_relu": _squared_relu,
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "sigmoid": jax.nn.sigmoid,
+    "tanh": jnp.tanh,
+    "linear": lambda x: x,
+}
+
+#: Gated shorthands: `fc1` produces one slice per entry, and their activations are multiplied.
+GATED_ACTIVATIONS: dict[str, tuple[str, ...]] = {
+    "swiglu": ("silu", "linear"),
+    "geglu": ("gelu", "linear"),
+    "reglu": ("relu", "linear"),
+    "qgeglu": ("quick_gelu", "linear"),
+}
+
+
+def activation_functions(activations: Union[str, Callable, Sequence[Union[str, Callable]]]
+                         ) -> tuple[Callable, ...]:
+  """Resolve `LayerNormMLP.activations` to functions (one per slice of `fc1`'s output)."""
+  if isinstance(activations, str) or callable(activations):
+    activations = (activations,)
+  activations = tuple(activations)
+  if len(activations) == 1 and isinstance(activations[0], str):
+    activations = GATED_ACTIVATIONS.get(activations[0], activations)
+  if not activations:
+    raise ValueError("activations: expected at least one activation, got ()")
+  functions = []
+  for act in activations:
+    if callable(act):
+      functions.append(act)
+    elif act in ACTIVATIONS:
+      functions.append(ACTIVATIONS[act])
+    else:
+      raise ValueError(f"activations: unknown activation {act!r}; expected a callable, one of "
+                       f"{sorted(ACTIVATIONS)}, or a gated shorthand {sorted(GATED_ACTIVATIONS)}")
+  return tuple(functions)
+
+
+class LayerNormDense(nn.Module):
+  """LayerNorm (or RMSNorm) followed by a quantized dense layer over the last axis.
+
+  Parameters: `scale` and `ln_bias` (the norm), `kernel [in, *features]` and `bias [*features]`
+  (the dense layer). The contraction's roles are named after this module.
+
+  Example::
+
+    qkv = jaxquant.flax.LayerNormDense(3 * hidden, name="qkv")(x)
+
+  Attributes:
+    features: int or tuple of output features.
+    norm_type: "layernorm" or "rmsnorm".
+    epsilon: added to the variance.
+    use_scale: whether the norm has a learned scale (`scale`).
+    use_norm_bias: whether the norm has a learned bias (`ln_bias`).
+    zero_centered_gamma: store the norm scale as `gamma - 1` (initialized to 0).
+    scale_init: initializer of `scale` (None: ones, or zeros with `zero_centered_gamma`).
+    norm_bias_init: initializer of `ln_bias`.
+    use_bias: whether the dense layer adds a bias.
+    kernel_init: initializer of the kernel (called on the flattened `[in, prod(features)]`).
+    bias_init: initializer of the dense bias.
+    return_layernorm_output: also return the normalized input: `(y, ln_out)`.
+    dtype: computation dtype (None: inferred from inputs and params).
+    param_dtype: dtype of the parameters.
+    precision: precision of high-precision (Identity) contractions.
+    recipe: quantization recipe; None: the innermost `jaxquant.autocast`, or no quantization.
+  """
+
+  features: Union[int, Sequence[int]]
+  norm_type: str = "layernorm"
+  epsilon: float = 1e-6
+  use_scale: bool = True
+  use_norm_bias: bool = True
+  zero_centered_gamma: bool = False
+  scale_init: Optional[Any] = None
+  norm_bias_init: Any = nn.initializers.zeros_init()
+  use_bias: bool = True
+  kernel_init: Any = default_kernel_init
+  bias_init: Any = nn.initializers.zeros_init()
+  return_layernorm_output: bool = False
+  dtype: Optional[Any] = None
+  param_dtype: Any = jnp.float32
+  precision: Any = None
+  recipe: Optional[Recipe] = None
+
+  @nn.compact
+  def __call__(self, inputs: jax.Array):
+    check_norm_type(self.norm_type)
+    features = _as_tuple(self.features, "features")
+    ln_out = normalize(self, inputs, norm_type=self.norm_type, epsilon=self.epsilon,
+                       use_scale=self.use_scale, use_bias=self.use_norm_bias,
+                       zero_centered_gamma=self.zero_centered_gamma,
+                       scale_init=self.scale_init, bias_init=self.norm_bias_init,
+                       dtype=self.dtype, param_dtype=self.param_dtype)
+    kernel = self.param("kernel", _flat_init(self.kernel_init, 0, 1, len(features)),
+                        (inputs.shape[-1],) + features, self.param_dtype)
+    bias = None
+    if self.use_bias:
+      bias = self.param("bias", _flat_init(self.bias_init, 0, None, len(features)), features,
+                        self.param_dtype)
+    x, kernel, bias = nn.dtypes.promote_dtype(ln_out, kernel, bias, dtype=self.dtype)
+    y = quantized_contraction(self, x, kernel, bias, precision=self.precision)
+    return (y, ln_out) if self.return_layernorm_output else y
+
+
+class LayerNormMLP(nn.Module):
+  """LayerNorm (or RMSNorm), dense `fc1`, activation(s), dense `fc2`; both dense quantized.
+
+  With one activation `fc1` is a `Dense(intermediate_dim)`; with several (a gated unit such as
+  `"swiglu"` = `("silu", "linear")`) `fc1` is one `DenseGeneral((n, intermediate_dim))` GEMM
+  whose `n` slices go through their activations and are multiplied. `fc2` maps back to the
+  input width. Parameters: `scale`, `ln_bias`, `{fc1_name: {kernel, bias}}`,
+  `{fc2_name: {kernel, bias}}`; roles are named `fc1_name` and `fc2_name`.
+
+  Example::
+
+    y = jaxquant.flax.LayerNormMLP(4 * hidden, activations="swiglu", name="mlp")(x)
+
+  Attributes:
+    intermediate_dim: width of the hidden layer.
+    activations: an activation name, a gated shorthand ("swiglu", "geglu", "reglu",
+      "qgeglu"), a callable, or a sequence of them (one per `fc1` slice, multiplied).
+    fc1_name, fc2_name: names of the two dense submodules (and of their roles).
+    norm_type, epsilon, use_scale, use_norm_bias, zero_centered_gamma, scale_init,
+      norm_bias_init: the norm, as in `LayerNormDense`.
+    use_bias: whether `fc1` and `fc2` add a bias.
+    kernel_init, bias_init: initializers of both dense layers.
+    return_layernorm_output: also return the normalized input: `(y, ln_out)`.
+    dtype, param_dtype, precision: as in `Dense`.
+    recipe: quantization recipe for both dense layers; None: the innermost `jaxquant.autocast`.
+  """
+
+  intermediate_dim: int = 2048
+  activations: Union[str, Callable, Sequence[Union[str, Callable]]] = ("gelu",)
+  fc1_name: str = "fc1"
+  fc2_name: str = "fc2"
+  norm_type: str = "layernorm"
+  epsilon: float = 1e-6
+  use_scale: bool = True
+  use_norm_bias: bool = True
+  zero_centered_gamma: bool = False
+  scale_init: Optional[Any] = None
+  norm_bias_init: Any = nn.initializers.zeros_init()
+  use_bias: bool = True
+  kernel_init: Any = default_kernel_init
+  bias_init: Any = nn.initializers.zeros_init()
+  return_layernorm_output: bool = False
+  dtype: Optional[Any] = None
+  param_dtype: Any = jnp.float32
+  precision: Any = None
+  recipe: Optional[Recipe] = None
+
+  @nn.compact
+  def __call__(self, inputs: jax.Array):
+    check_norm_type(self.norm_type)
+    if self.fc1_name == self.fc2_name:
+      raise ValueError(f"fc1_name and fc2_name are both {self.fc1_name!r}; the two dense layers "
+                       "need distinct names")
+    functions = activation_functions(self.activations)
+    ln_out = normalize(self, inputs, norm_type=self.norm_type, epsilon=self.epsilon,
+                       use_scale=self.use_scale, use_bias=self.use_norm_bias,
+                       zero_centered_gamma=self.zero_centered_gamma,
+                       scale_init=self.scale_init, bias_init=self.norm_bias_init,
+                       dtype=self.dtype, param_dtype=self.param_dtype)
+    common = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
+                  precision=self.precision, kernel_init=self.kernel_init,
+                  bias_init=self.bias_init, recipe=self.recipe)
+    if len(functions) == 1:
+      hidden = functions[0](Dense(self.intermediate_dim, name=self.fc1_name, **common)(ln_out))
+    else:
+      gates = DenseGeneral((len(functions), self.intermediate_dim), name=self.fc1_name,
+                           **common)(ln_out)
+      hidden = functools.reduce(operator.mul, [f(gates[..., i, :])
+                                               for i, f in enumerate(functions)])
+    y = Dense(inputs.shape[-1], name=self.fc2_name, **common)(hidden)
+    return (y, ln_out) if self.return_layernorm_output else y
