@@ -44,6 +44,15 @@ def prng_key(seed) -> jax.Array:
   return jax.random.key(seed)
 
 
+@pytest.fixture
+def core_backend(monkeypatch):
+  """Run on the reference path (the specification) unless `JAXQUANT_BACKEND` is set, so the
+  core tests check the spec even where the FFI extension is built; run the same tests with
+  `JAXQUANT_BACKEND=ffi` to hold the kernels to the same expectations."""
+  if not os.environ.get("JAXQUANT_BACKEND"):
+    monkeypatch.setenv("JAXQUANT_BACKEND", "reference")
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
   report = yield

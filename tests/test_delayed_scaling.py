@@ -12,6 +12,8 @@ import jaxquant as jq
 import oracle
 from helpers import data_codes, quantize, rowwise
 
+pytestmark = pytest.mark.usefixtures("core_backend")
+
 DELAYED = jq.Float8DelayedScalingQuantizer
 
 

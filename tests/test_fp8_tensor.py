@@ -11,6 +11,8 @@ import jaxquant as jq
 import oracle
 from helpers import data_codes, dequantize, quantize, rowwise
 
+pytestmark = pytest.mark.usefixtures("core_backend")
+
 E4M3 = jq.Float8CurrentScalingQuantizer(jnp.float8_e4m3fn)
 E5M2 = jq.Float8CurrentScalingQuantizer(jnp.float8_e5m2)
 

@@ -11,6 +11,8 @@ import jaxquant as jq
 import oracle
 from helpers import data_codes, dequantize, quantize, rowwise, scale_bytes
 
+pytestmark = pytest.mark.usefixtures("core_backend")
+
 MX_E4M3 = jq.MXFP8Quantizer()
 MX_E5M2 = jq.MXFP8Quantizer(jnp.float8_e5m2)
 

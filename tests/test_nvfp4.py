@@ -15,6 +15,8 @@ from helpers import columnwise, data_codes, dequantize, quantize, rowwise, scale
 from jaxquant.numerics import hadamard
 from jaxquant.numerics.random_bits import key_words
 
+pytestmark = pytest.mark.usefixtures("core_backend")
+
 NV = jq.NVFP4Quantizer()
 NV_2D = jq.NVFP4Quantizer(block_2d=True)
 NV_ROW = jq.NVFP4Quantizer(row_scaled=True)
