@@ -1,13 +1,47 @@
 // nanobind module exposing jaxquant's XLA FFI handlers as capsules, per platform.
+//
+//   registrations() -> {"cpu": {target: capsule}, "CUDA": {target: capsule}}  (CUDA when built)
+//   has_cuda() -> whether the CUDA kernels were compiled in
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <string>
+
+#include "handlers.h"
 
 namespace nb = nanobind;
+
+namespace {
+
+nb::dict table(const std::vector<jqffi::Target>& targets) {
+  nb::dict d;
+  for (const jqffi::Target& t : targets) d[t.name] = nb::capsule(t.handler);
+  return d;
+}
+
+}  // namespace
 
 NB_MODULE(_jaxquant_ffi, m) {
   m.def("registrations", []() {
     nb::dict platforms;
-    platforms["cpu"] = nb::dict();
+    platforms["cpu"] = table(jqffi::cpu_targets());
+#ifdef JAXQUANT_WITH_CUDA
+    platforms["CUDA"] = table(jqffi::cuda_targets());
+#endif
     return platforms;
   });
-  m.def("has_cuda", []() { return false; });
+  m.def("has_cuda", []() {
+#ifdef JAXQUANT_WITH_CUDA
+    return true;
+#else
+    return false;
+#endif
+  });
+  m.def("cuda_archs", []() {
+#ifdef JAXQUANT_CUDA_ARCHS
+    return std::string(JAXQUANT_CUDA_ARCHS);
+#else
+    return std::string();
+#endif
+  });
 }

@@ -1,50 +1,65 @@
 """The FFI path: registers the extension's handlers with XLA and says what it can serve.
 
 `available()` is False when the extension was not built (or registered nothing); the ops then
-take the reference path and `jaxquant.explain` says why.
+take the reference path and `jaxquant.explain` says why. The kernels' Python wrappers live in
+`jaxquant.kernels`; this module is the seam `jaxquant.ops` dispatches through.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
-import jax
-
-try:
-  from jaxquant import _jaxquant_ffi as _ext
-except ImportError:  # extension not built
-  _ext = None
+from jaxquant.kernels import quantize as _quantize
+from jaxquant.kernels import registry as _registry
+from jaxquant.kernels import transpose as _transpose
 
 
-@functools.lru_cache(maxsize=None)
-def _registered_platforms() -> tuple[str, ...]:
-  if _ext is None:
-    return ()
-  platforms = []
-  for platform, targets in _ext.registrations().items():
-    for name, capsule in targets.items():
-      jax.ffi.register_ffi_target(name, capsule, platform=platform)
-    if targets:
-      platforms.append(platform)
-  return tuple(platforms)
+def _platform() -> str:
+  from jaxquant.ops.dispatch import current_platform
+  return current_platform()
 
 
 def available() -> bool:
-  return bool(_registered_platforms())
+  """Whether the extension is built and registered handlers for at least one platform."""
+  return bool(_registry.registered_platforms())
 
 
 def path_name() -> str:
-  return "ffi"
+  """The implementation name `jaxquant.explain` shows: "ffi-cuda" or "ffi-cpu"."""
+  return f"ffi-{_platform()}"
 
 
 def quantize_unsupported(x2d, quantizer, *, rowwise: bool, columnwise: bool) -> Optional[str]:
-  return "the FFI quantize kernels are not built yet"
+  reason = _registry.unserved_reason(_platform())
+  if reason is not None:
+    return reason
+  return _quantize.unsupported(x2d, quantizer, rowwise=rowwise, columnwise=columnwise)
+
+
+def quantize_single(x2d, quantizer, *, rowwise: bool, columnwise: bool, orig_dtype,
+                    row_key_words=None, col_key_words=None, state=None):
+  """Same contract as `jaxquant.ops.reference.quantize_single`."""
+  return _quantize.quantize_single(x2d, quantizer, rowwise=rowwise, columnwise=columnwise,
+                                   orig_dtype=orig_dtype, row_key_words=row_key_words,
+                                   col_key_words=col_key_words, state=state)
 
 
 def transpose_unsupported(t) -> Optional[str]:
-  return "the FFI transpose kernel is not built yet"
+  reason = _registry.unserved_reason(_platform())
+  return reason if reason is not None else _transpose.unsupported(t)
+
+
+def transpose(t):
+  return _transpose.transpose(t)
 
 
 def gemm_unsupported(a, b) -> Optional[str]:
   return "the FFI GEMM is not built yet"
+
+
+def gemm_path(a, b) -> str:
+  raise NotImplementedError("the FFI GEMM is not built yet")
+
+
+def gemm(a, b, *, out_dtype, bias=None, precision=None):
+  raise NotImplementedError("the FFI GEMM is not built yet")

@@ -1,0 +1,356 @@
+// CPU handlers of every jaxquant FFI target: plain loops over the numerics header.
+//
+// They exist so CI exercises the FFI path (lowering, argument checking, output layouts) without
+// a GPU, with the same scalar math as the CUDA kernels. Speed is not a goal: each direction is
+// materialized as a float32 matrix (the columnwise one transposed, and Hadamard-transformed for
+// NVFP4 rht) and quantized row by row.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "handler_common.h"
+#include "handlers.h"
+
+namespace jqffi {
+namespace {
+
+using jq::bits_of;
+using jq::float_of;
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+  if (e == 0x1F) return float_of(sign | 0x7F800000u | (m << 13));
+  if (e != 0) return float_of(sign | ((e - 15 + 127) << 23) | (m << 13));
+  // f16 subnormal: m * 2^-24, a normal float32 (built from bits: DAZ-proof).
+  if (m == 0) return float_of(sign);
+  int shift = 0;
+  uint32_t mm = m;
+  while (!(mm & 0x400u)) { mm <<= 1; ++shift; }
+  return float_of(sign | static_cast<uint32_t>(127 - 15 - shift + 1) << 23 | ((mm & 0x3FFu) << 13));
+}
+
+float load(const Input& x, int64_t i) {
+  switch (x.type) {
+    case In::kBF16: return float_of(uint32_t(static_cast<const uint16_t*>(x.data)[i]) << 16);
+    case In::kF16: return half_to_float(static_cast<const uint16_t*>(x.data)[i]);
+    default: return static_cast<const float*>(x.data)[i];
+  }
+}
+
+// A direction's matrix: x itself (rowwise) or x^T, RHT'd along its rows when asked.
+struct Matrix {
+  std::vector<float> v;
+  int64_t rows, cols;
+  float at(int64_t r, int64_t c) const { return v[r * cols + c]; }
+};
+
+Matrix direction_matrix(const Input& x, bool transposed, bool rht) {
+  Matrix m{std::vector<float>(static_cast<size_t>(x.rows * x.cols)),
+           transposed ? x.cols : x.rows, transposed ? x.rows : x.cols};
+  for (int64_t r = 0; r < x.rows; ++r) {
+    for (int64_t c = 0; c < x.cols; ++c) {
+      const float value = load(x, r * x.cols + c);
+      if (transposed) m.v[c * x.rows + r] = value; else m.v[r * x.cols + c] = value;
+    }
+  }
+  if (rht) {
+    for (int64_t r = 0; r < m.rows; ++r) {
+      for (int64_t c = 0; c < m.cols; c += 16) jq::rht16(&m.v[r * m.cols + c]);
+    }
+  }
+  return m;
+}
+
+uint32_t amax_bits_of_range(const Matrix& m, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+  uint32_t a = 0;
+  for (int64_t r = r0; r < std::min(r1, m.rows); ++r) {
+    for (int64_t c = c0; c < std::min(c1, m.cols); ++c) a = std::max(a, jq::abs_bits(m.at(r, c)));
+  }
+  return a;
+}
+
+// ------------------------------------------ amax ---------------------------------------------
+
+ffi::Error AmaxCpu(ffi::AnyBuffer x, ffi::RemainingRets rets, int32_t outputs) {
+  AmaxArgs a;
+  JQ_RETURN_IF_ERROR(decode_amax(x, rets, outputs, &a));
+  if (a.tensor || a.rows) {
+    const Matrix m = direction_matrix(a.x, false, false);
+    if (a.tensor) *a.tensor = float_of(amax_bits_of_range(m, 0, m.rows, 0, m.cols));
+    if (a.rows) for (int64_t r = 0; r < m.rows; ++r) a.rows[r] = float_of(amax_bits_of_range(m, r, r + 1, 0, m.cols));
+  }
+  if (a.cols) {
+    const Matrix m = direction_matrix(a.x, true, false);
+    for (int64_t r = 0; r < m.rows; ++r) a.cols[r] = float_of(amax_bits_of_range(m, r, r + 1, 0, m.cols));
+  }
+  if (a.tensor_rht || a.cols_rht) {
+    const Matrix m = direction_matrix(a.x, true, true);
+    if (a.tensor_rht) *a.tensor_rht = float_of(amax_bits_of_range(m, 0, m.rows, 0, m.cols));
+    if (a.cols_rht) for (int64_t r = 0; r < m.rows; ++r) a.cols_rht[r] = float_of(amax_bits_of_range(m, r, r + 1, 0, m.cols));
+  }
+  return ffi::Error::Success();
+}
+
+// --------------------------------------- FP8 per tensor --------------------------------------
+
+void fp8_with_scale(const Matrix& m, float scale, jq::Fp8 fmt, uint8_t* out) {
+  for (int64_t i = 0; i < m.rows * m.cols; ++i) out[i] = uint8_t(jq::encode_fp8(m.v[i] * scale, fmt));
+}
+
+ffi::Error QuantizeFp8Cpu(ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::RemainingRets rets,
+                          bool rowwise, bool columnwise, bool delayed, bool pow2_scale,
+                          float amax_epsilon) {
+  Fp8TensorArgs a;
+  JQ_RETURN_IF_ERROR(decode_fp8_tensor(x, s, rets, rowwise, columnwise, delayed, pow2_scale,
+                                       amax_epsilon, &a));
+  const float fmax = jq::spec_of(a.fmt).fmax;
+  const float scale = delayed ? *a.s : jq::scale_from_amax(*a.s, fmax, pow2_scale, amax_epsilon);
+  if (rowwise) fp8_with_scale(direction_matrix(a.x, false, false), scale, a.fmt, a.row_data);
+  if (columnwise) fp8_with_scale(direction_matrix(a.x, true, false), scale, a.fmt, a.col_data);
+  *a.scale_inv = 1.0f / scale;
+  if (delayed) {
+    const Matrix m = direction_matrix(a.x, false, false);
+    *a.amax = float_of(amax_bits_of_range(m, 0, m.rows, 0, m.cols));
+  }
+  return ffi::Error::Success();
+}
+
+// -------------------------------------------- MXFP8 ------------------------------------------
+
+void mxfp8_matrix(const Matrix& m, jq::Fp8 fmt, uint8_t* data, uint8_t* scale) {
+  const int64_t nb = ceil_div(m.cols, 32);
+  for (int64_t r = 0; r < m.rows; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float amax = float_of(amax_bits_of_range(m, r, r + 1, 32 * b, 32 * b + 32));
+      const uint32_t e = jq::e8m0_from_amax(amax, jq::inv_fmax_of(fmt));
+      scale[r * nb + b] = uint8_t(e);
+      const jq::Mxfp8Factors f = jq::mxfp8_factors(e);
+      for (int64_t c = 32 * b; c < std::min(32 * b + 32, m.cols); ++c) {
+        data[r * m.cols + c] = e == 255 ? uint8_t(0x7F) : uint8_t(jq::encode_fp8(m.at(r, c) * f.a * f.b, fmt));
+      }
+    }
+  }
+}
+
+ffi::Error QuantizeMxfp8Cpu(ffi::AnyBuffer x, ffi::RemainingRets rets, bool rowwise,
+                            bool columnwise) {
+  Mxfp8Args a;
+  JQ_RETURN_IF_ERROR(decode_mxfp8(x, rets, rowwise, columnwise, &a));
+  const Matrix m = direction_matrix(a.x, false, false);
+  if (rowwise) mxfp8_matrix(m, a.fmt, a.row_data, a.row_scale);
+  if (columnwise) mxfp8_matrix(direction_matrix(a.x, true, false), a.fmt, a.col_data, a.col_scale);
+  *a.amax = float_of(amax_bits_of_range(m, 0, m.rows, 0, m.cols));
+  return ffi::Error::Success();
+}
+
+// ------------------------------------------ Float8Block --------------------------------------
+
+void fp8_block_matrix(const Matrix& m, int64_t block_rows, const Fp8BlockArgs& a, uint8_t* data,
+                      float* scale_inv) {
+  const float fmax = jq::spec_of(a.fmt).fmax;
+  const int64_t nbr = ceil_div(m.rows, block_rows), nbc = ceil_div(m.cols, 128);
+  for (int64_t br = 0; br < nbr; ++br) {
+    for (int64_t bc = 0; bc < nbc; ++bc) {
+      const int64_t r0 = br * block_rows, c0 = bc * 128;
+      const float amax = float_of(amax_bits_of_range(m, r0, r0 + block_rows, c0, c0 + 128));
+      const float scale = jq::scale_from_amax(amax, fmax, a.pow2_scale, a.amax_epsilon);
+      scale_inv[br * nbc + bc] = 1.0f / scale;
+      for (int64_t r = r0; r < std::min(r0 + block_rows, m.rows); ++r) {
+        for (int64_t c = c0; c < std::min(c0 + 128, m.cols); ++c) {
+          data[r * m.cols + c] = uint8_t(jq::encode_fp8(m.at(r, c) * scale, a.fmt));
+        }
+      }
+    }
+  }
+}
+
+ffi::Error QuantizeFp8BlockCpu(ffi::AnyBuffer x, ffi::RemainingRets rets, bool rowwise,
+                               bool columnwise, bool block_2d, bool pow2_scale,
+                               float amax_epsilon) {
+  Fp8BlockArgs a;
+  JQ_RETURN_IF_ERROR(decode_fp8_block(x, rets, rowwise, columnwise, block_2d, pow2_scale,
+                                      amax_epsilon, &a));
+  const int64_t block_rows = block_2d ? 128 : 1;
+  const Matrix m = direction_matrix(a.x, false, false);
+  if (rowwise) fp8_block_matrix(m, block_rows, a, a.row_data, a.row_scale);
+  if (columnwise) fp8_block_matrix(direction_matrix(a.x, true, false), block_rows, a, a.col_data, a.col_scale);
+  *a.amax = float_of(amax_bits_of_range(m, 0, m.rows, 0, m.cols));
+  return ffi::Error::Success();
+}
+
+// --------------------------------------------- NVFP4 -----------------------------------------
+
+// XLA's packed FP4 layout: element i of the row-major matrix in nibble i (low nibble first).
+void put_nibble(uint8_t* out, int64_t i, uint32_t code) {
+  uint8_t& byte = out[i >> 1];
+  byte = (i & 1) ? uint8_t((byte & 0x0F) | (code << 4)) : uint8_t(code & 0x0F);
+}
+
+void nvfp4_matrix(const Matrix& m, int64_t block_rows, bool row_scaled, const float* amax,
+                  const uint32_t* key, uint8_t* data, uint8_t* scale) {
+  const int64_t nbr = ceil_div(m.rows, block_rows), nbc = ceil_div(m.cols, 16);
+  std::vector<float> s_enc(row_scaled ? m.rows : 1);
+  for (size_t i = 0; i < s_enc.size(); ++i) s_enc[i] = jq::nvfp4_global_encode_scale(amax[i]);
+  // Block scales first (a 16x16 tile spans 16 rows).
+  for (int64_t br = 0; br < nbr; ++br) {
+    for (int64_t bc = 0; bc < nbc; ++bc) {
+      const int64_t r0 = br * block_rows, c0 = bc * 16;
+      const float block_amax = float_of(amax_bits_of_range(m, r0, r0 + block_rows, c0, c0 + 16));
+      scale[br * nbc + bc] = uint8_t(jq::nvfp4_block_decode_code(block_amax, s_enc[row_scaled ? r0 : 0]));
+    }
+  }
+  // Payload in linear (nibble) order, so a row of odd length shares its last byte correctly.
+  for (int64_t r = 0; r < m.rows; ++r) {
+    const float row_s_enc = s_enc[row_scaled ? r : 0];
+    const uint32_t row_hash = key ? jq::sr_row_hash(key[0], uint32_t(r)) : 0;
+    for (int64_t c = 0; c < m.cols; ++c) {
+      const float s_dec = jq::decode_e4m3(scale[(r / block_rows) * nbc + c / 16]);
+      const float v = m.at(r, c) * jq::nvfp4_block_encode_scale(s_dec, row_s_enc);
+      const uint32_t code = key ? jq::encode_e2m1_stochastic(v, jq::sr_uniform(row_hash, key[1], uint32_t(c)))
+                                : jq::encode_e2m1(v);
+      put_nibble(data, r * m.cols + c, code);
+    }
+  }
+}
+
+ffi::Error QuantizeNvfp4Cpu(ffi::AnyBuffer x, ffi::AnyBuffer row_amax, ffi::AnyBuffer col_amax,
+                            ffi::AnyBuffer row_key, ffi::AnyBuffer col_key,
+                            ffi::RemainingRets rets, bool rowwise, bool columnwise,
+                            bool row_scaled, bool block_2d, bool rht, bool stochastic) {
+  Nvfp4Args a;
+  JQ_RETURN_IF_ERROR(decode_nvfp4(x, row_amax, col_amax, row_key, col_key, rets, rowwise,
+                                  columnwise, row_scaled, block_2d, rht, stochastic, &a));
+  const int64_t block_rows = block_2d ? 16 : 1;
+  if (rowwise) {
+    nvfp4_matrix(direction_matrix(a.x, false, false), block_rows, row_scaled, a.row_amax,
+                 stochastic ? a.row_key : nullptr, a.row_data, a.row_scale);
+  }
+  if (columnwise) {
+    nvfp4_matrix(direction_matrix(a.x, true, rht), block_rows, row_scaled, a.col_amax,
+                 stochastic ? a.col_key : nullptr, a.col_data, a.col_scale);
+  }
+  return ffi::Error::Success();
+}
+
+// ------------------------------------------- transpose ---------------------------------------
+
+ffi::Error TransposeFp8Cpu(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out) {
+  TransposeArgs a;
+  JQ_RETURN_IF_ERROR(decode_transpose(in, out, &a));
+  for (int64_t r = 0; r < a.rows; ++r) {
+    for (int64_t c = 0; c < a.cols; ++c) a.out[c * a.rows + r] = a.in[r * a.cols + c];
+  }
+  return ffi::Error::Success();
+}
+
+// -------------------------------------------- debug ------------------------------------------
+
+// Copies the first N raw bytes of any buffer into u8[N] (N = the result's length): how tests
+// read the storage of an FP4 array (XLA packs it; size_bytes() cannot say so).
+ffi::Error RawBytesCpu(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out) {
+  if (out->element_type() != ffi::DataType::U8 || out->dimensions().size() != 1) {
+    return invalid("jaxquant_debug_raw_bytes", "the result must be a 1-D uint8 array");
+  }
+  std::memcpy(out->untyped_data(), in.untyped_data(), out->element_count());
+  return ffi::Error::Success();
+}
+
+// Counts inputs in [start, start + count * stride) (stride-spaced float32 bit patterns) where
+// the fast encoders differ from the spec forms. On the host only E2M1 has a separate fast
+// form; the CUDA handler checks the hardware FP8 conversions too.
+ffi::Error EncoderMismatchesCpu(ffi::Result<ffi::AnyBuffer> out, int64_t start, int64_t count,
+                                int64_t stride) {
+  JQ_RETURN_IF_ERROR(expect("jaxquant_debug_encoder_mismatches", "the result", *out,
+                            {ffi::DataType::U32}, {6}));
+  uint32_t* r = static_cast<uint32_t*>(out->untyped_data());
+  uint32_t counts[3] = {0, 0, 0}, first[3] = {0, 0, 0};
+  for (int64_t i = 0; i < count; ++i) {
+    const uint32_t b = uint32_t(start + i * stride);
+    const float v = float_of(b);
+    const bool bad[3] = {
+        jq::encode_fp8(v, jq::Fp8::kE4M3) != jq::encode_spec(v, jq::e4m3()),
+        jq::encode_fp8(v, jq::Fp8::kE5M2) != jq::encode_spec(v, jq::e5m2()),
+        jq::encode_e2m1(v) != jq::encode_spec(v, jq::e2m1())};
+    for (int k = 0; k < 3; ++k) {
+      if (bad[k] && counts[k]++ == 0) first[k] = b;
+    }
+  }
+  for (int k = 0; k < 3; ++k) { r[k] = counts[k]; r[3 + k] = first[k]; }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER(kAmaxCpu, AmaxCpu,
+                       ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().RemainingRets().Attr<int32_t>("outputs"));
+
+XLA_FFI_DEFINE_HANDLER(kQuantizeFp8Cpu, QuantizeFp8Cpu,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .RemainingRets()
+                           .Attr<bool>("rowwise")
+                           .Attr<bool>("columnwise")
+                           .Attr<bool>("delayed")
+                           .Attr<bool>("pow2_scale")
+                           .Attr<float>("amax_epsilon"));
+
+XLA_FFI_DEFINE_HANDLER(kQuantizeMxfp8Cpu, QuantizeMxfp8Cpu,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::AnyBuffer>()
+                           .RemainingRets()
+                           .Attr<bool>("rowwise")
+                           .Attr<bool>("columnwise"));
+
+XLA_FFI_DEFINE_HANDLER(kQuantizeFp8BlockCpu, QuantizeFp8BlockCpu,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::AnyBuffer>()
+                           .RemainingRets()
+                           .Attr<bool>("rowwise")
+                           .Attr<bool>("columnwise")
+                           .Attr<bool>("block_2d")
+                           .Attr<bool>("pow2_scale")
+                           .Attr<float>("amax_epsilon"));
+
+XLA_FFI_DEFINE_HANDLER(kQuantizeNvfp4Cpu, QuantizeNvfp4Cpu,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .RemainingRets()
+                           .Attr<bool>("rowwise")
+                           .Attr<bool>("columnwise")
+                           .Attr<bool>("row_scaled")
+                           .Attr<bool>("block_2d")
+                           .Attr<bool>("rht")
+                           .Attr<bool>("stochastic"));
+
+XLA_FFI_DEFINE_HANDLER(kTransposeFp8Cpu, TransposeFp8Cpu,
+                       ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER(kRawBytesCpu, RawBytesCpu,
+                       ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER(kEncoderMismatchesCpu, EncoderMismatchesCpu,
+                       ffi::Ffi::Bind()
+                           .Ret<ffi::AnyBuffer>()
+                           .Attr<int64_t>("start")
+                           .Attr<int64_t>("count")
+                           .Attr<int64_t>("stride"));
+
+std::vector<Target> cpu_targets() {
+  return {
+      {"jaxquant_amax", reinterpret_cast<void*>(kAmaxCpu)},
+      {"jaxquant_quantize_fp8", reinterpret_cast<void*>(kQuantizeFp8Cpu)},
+      {"jaxquant_quantize_mxfp8", reinterpret_cast<void*>(kQuantizeMxfp8Cpu)},
+      {"jaxquant_quantize_fp8_block", reinterpret_cast<void*>(kQuantizeFp8BlockCpu)},
+      {"jaxquant_quantize_nvfp4", reinterpret_cast<void*>(kQuantizeNvfp4Cpu)},
+      {"jaxquant_transpose_fp8", reinterpret_cast<void*>(kTransposeFp8Cpu)},
+      {"jaxquant_debug_raw_bytes", reinterpret_cast<void*>(kRawBytesCpu)},
+      {"jaxquant_debug_encoder_mismatches", reinterpret_cast<void*>(kEncoderMismatchesCpu)},
+  };
+}
+
+}  // namespace jqffi

@@ -1,0 +1,336 @@
+// jaxquant numerics: the scalar and block math of DESIGN.md section 3, for host and device.
+//
+// This is the one C++ copy of the formulas in jaxquant/numerics/*.py (the spec); the CPU
+// handlers and the CUDA kernels both include it, and the tests compare both bit-for-bit with
+// the Python reference. Every function mirrors the Python one named in its comment.
+//
+// Floating-point environment: the CPU side is compiled with -ffp-contract=off and the CUDA side
+// with -fmad=false (no FMA contraction), no fast-math, FTZ off on the device. On the host the
+// handlers inherit XLA:CPU's MXCSR (FTZ+DAZ on), exactly like the reference they are compared
+// with; see ffi/NOTES.md.
+//
+// Two encoders have a faster exact form (checked against the spec form exhaustively over all
+// 2^32 float32 inputs by the `jaxquant_debug_encoder_mismatches` target):
+//   * E4M3/E5M2 on the device use the hardware `cvt.rn.satfinite.{e4m3,e5m2}x2.f32` (sm_89+),
+//     with NaN canonicalized to the spec's code 0x7F;
+//   * E2M1 uses a threshold ladder (E2M1 has 8 magnitudes) on host and device.
+#pragma once
+
+#include <stdint.h>
+
+#include <cmath>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define JQ_HD __host__ __device__ __forceinline__
+#include <cuda_fp8.h>
+#else
+#define JQ_HD inline
+#endif
+
+namespace jq {
+
+// ---------------------------------------------------------------------------------------------
+// Bits and NaN-propagating min/max (jnp.minimum / jnp.maximum semantics).
+// ---------------------------------------------------------------------------------------------
+
+JQ_HD uint32_t bits_of(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+#endif
+}
+
+JQ_HD float float_of(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+#endif
+}
+
+JQ_HD bool is_nan(float x) { return (bits_of(x) & 0x7FFFFFFFu) > 0x7F800000u; }
+JQ_HD bool is_inf(float x) { return (bits_of(x) & 0x7FFFFFFFu) == 0x7F800000u; }
+JQ_HD float abs_f(float x) { return float_of(bits_of(x) & 0x7FFFFFFFu); }
+JQ_HD float min_prop(float a, float b) { return is_nan(a) ? a : (is_nan(b) ? b : (b < a ? b : a)); }
+JQ_HD float max_prop(float a, float b) { return is_nan(a) ? a : (is_nan(b) ? b : (b > a ? b : a)); }
+JQ_HD int max_i(int a, int b) { return a > b ? a : b; }
+JQ_HD uint32_t min_u(uint32_t a, uint32_t b) { return a < b ? a : b; }
+JQ_HD uint32_t max_u(uint32_t a, uint32_t b) { return a > b ? a : b; }
+
+JQ_HD float rint_f(float x) {  // round half to even (jnp.round)
+#if defined(__CUDA_ARCH__)
+  return rintf(x);
+#else
+  return std::nearbyint(x);
+#endif
+}
+
+JQ_HD float floor_f(float x) {
+#if defined(__CUDA_ARCH__)
+  return floorf(x);
+#else
+  return std::floor(x);
+#endif
+}
+
+// |x| as ordered bits: for non-negative floats the uint32 order is the float order, and every
+// NaN pattern is above +inf, so a max over these bits is a NaN-propagating amax.
+JQ_HD uint32_t abs_bits(float x) { return bits_of(x) & 0x7FFFFFFFu; }
+
+constexpr float kFltMax = 0x1.fffffep+127f;
+constexpr float kOneSixth = 0x1.555556p-3f;  // jnp.float32(1.0 / 6.0)
+constexpr float kNvfp4GlobalNumerator = 2688.0f;  // 448 * 6
+
+// minifloat._pow2: 2^k for k in the normal range [-126, 127].
+JQ_HD float pow2_normal(int k) { return float_of(static_cast<uint32_t>(k + 127) << 23); }
+
+// scales.exp2i: 2^k for k in [-149, 127], subnormals included.
+JQ_HD float exp2i(int k) {
+  if (k >= -126) return float_of(static_cast<uint32_t>(k + 127) << 23);
+  int s = k + 149;
+  s = s < 0 ? 0 : (s > 22 ? 22 : s);
+  return float_of(1u << s);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Minifloat formats (minifloat.MinifloatSpec).
+// ---------------------------------------------------------------------------------------------
+
+struct Spec {
+  int mbits, emin, bias;
+  float fmax;
+  uint32_t nan_code, sign_bit;
+};
+
+// Functions rather than globals, so device code can use them without device symbols.
+JQ_HD constexpr Spec e4m3() { return Spec{3, -6, 7, 448.0f, 0x7Fu, 0x80u}; }
+JQ_HD constexpr Spec e5m2() { return Spec{2, -14, 15, 57344.0f, 0x7Fu, 0x80u}; }
+JQ_HD constexpr Spec e2m1() { return Spec{1, 0, 1, 6.0f, 0x7u, 0x8u}; }
+
+enum class Fp8 : int { kE4M3 = 0, kE5M2 = 1 };
+
+JQ_HD Spec spec_of(Fp8 f) { return f == Fp8::kE4M3 ? e4m3() : e5m2(); }
+
+// minifloat._code_from_magnitude: code of the on-grid magnitude `mag` with the sign of `v`.
+JQ_HD uint32_t code_from_magnitude(float v, float mag, Spec s) {
+  if (is_nan(v)) return s.nan_code;
+  const uint32_t mag_bits = bits_of(mag);
+  const int mag_exp = static_cast<int>((mag_bits >> 23) & 0xFFu) - 127;
+  const uint32_t normal_code = (static_cast<uint32_t>(mag_exp + s.bias) << s.mbits) |
+                               ((mag_bits >> (23 - s.mbits)) & ((1u << s.mbits) - 1u));
+  uint32_t code;
+  if (mag < pow2_normal(s.emin)) {
+    code = static_cast<uint32_t>(mag * pow2_normal(s.mbits - s.emin));  // exact integer
+  } else {
+    code = normal_code;
+  }
+  if (bits_of(v) >> 31) code |= s.sign_bit;
+  return code & 0xFFu;
+}
+
+// minifloat.encode (round_to_grid + code): RNE, saturating, NaN -> nan_code. The spec form.
+JQ_HD uint32_t encode_spec(float v, Spec s) {
+  const float a = min_prop(abs_f(v), 2.0f * s.fmax);
+  const int exponent = static_cast<int>((bits_of(a) >> 23) & 0xFFu) - 127;
+  const int quantum_exp = max_i(exponent, s.emin) - s.mbits;
+  const float steps = rint_f(a * pow2_normal(-quantum_exp));
+  const float rounded = steps * pow2_normal(quantum_exp);
+  return code_from_magnitude(v, min_prop(rounded, s.fmax), s);
+}
+
+// E2M1 magnitude code of |a| rounded half-to-even onto {0, .5, 1, 1.5, 2, 3, 4, 6}, saturating.
+// Midpoints go to the even code: 0.25->0, 0.75->1.0, 1.25->1.0, 1.75->2, 2.5->2, 3.5->4, 5->4.
+// NaN compares false everywhere (the caller maps NaN to 0x7).
+JQ_HD uint32_t e2m1_magnitude_code(float a) {
+  const uint32_t hi = a >= 1.75f ? 1u : 0u;
+  const float t1 = hi ? 3.5f : 0.75f;
+  const uint32_t mid = a >= t1 ? 1u : 0u;
+  const float t0 = hi ? (mid ? 5.0f : 2.5f) : (mid ? 1.25f : 0.25f);
+  const uint32_t lo = a > t0 ? 1u : 0u;
+  return (hi << 2) | (mid << 1) | lo;
+}
+
+// encode(v, E2M1), fast exact form.
+JQ_HD uint32_t encode_e2m1(float v) {
+  if (is_nan(v)) return 0x7u;
+  return e2m1_magnitude_code(abs_f(v)) | ((bits_of(v) >> 31) << 3);
+}
+
+// minifloat.encode_stochastic for E2M1: round |v| (clamped to fmax) up to the next grid value
+// when u < (|v| - lo) / quantum.
+JQ_HD uint32_t encode_e2m1_stochastic(float v, float u) {
+  if (is_nan(v)) return 0x7u;
+  const float a = min_prop(abs_f(v), 6.0f);
+  const int exponent = static_cast<int>((bits_of(a) >> 23) & 0xFFu) - 127;
+  const int quantum_exp = max_i(exponent, 0) - 1;  // E2M1: emin 0, 1 mantissa bit
+  const float quantum = pow2_normal(quantum_exp);
+  const float inv_quantum = pow2_normal(-quantum_exp);
+  const float lo = floor_f(a * inv_quantum) * quantum;
+  const float frac = (a - lo) * inv_quantum;
+  const float mag = u < frac ? lo + quantum : lo;
+  // `mag` is on the grid, where the RNE ladder is the identity map to its code.
+  return e2m1_magnitude_code(mag) | ((bits_of(v) >> 31) << 3);
+}
+
+// encode(v, E4M3 | E5M2) for one value (host: spec form; device: hardware cvt).
+JQ_HD uint32_t encode_fp8(float v, Fp8 f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const __nv_fp8_interpretation_t kind = f == Fp8::kE4M3 ? __NV_E4M3 : __NV_E5M2;
+  uint32_t code = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, kind);
+  return is_nan(v) ? 0x7Fu : code;
+#else
+  return encode_spec(v, spec_of(f));
+#endif
+}
+
+#if defined(__CUDACC__)
+// Four FP8 codes packed little-endian (v0 in the low byte), device fast path: two hardware
+// conversions plus a SIMD canonicalization of NaN codes (satfinite never yields a NaN code for
+// a non-NaN input: E4M3 NaN is x7F, E5M2 NaNs are x7D..x7F).
+__device__ __forceinline__ uint32_t encode_fp8x4(float v0, float v1, float v2, float v3,
+                                                 Fp8 f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const __nv_fp8_interpretation_t kind = f == Fp8::kE4M3 ? __NV_E4M3 : __NV_E5M2;
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v0, v1), __NV_SATFINITE, kind);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v2, v3), __NV_SATFINITE, kind);
+  const uint32_t code = lo | (hi << 16);
+  const uint32_t mag = code & 0x7F7F7F7Fu;
+  const uint32_t limit = f == Fp8::kE4M3 ? 0x7E7E7E7Eu : 0x7C7C7C7Cu;
+  const uint32_t nan_mask = __vcmpgtu4(mag, limit);  // 0xFF in each NaN byte
+  return (code & ~nan_mask) | (0x7F7F7F7Fu & nan_mask);
+#else
+  return encode_fp8(v0, f) | (encode_fp8(v1, f) << 8) | (encode_fp8(v2, f) << 16) |
+         (encode_fp8(v3, f) << 24);
+#endif
+}
+#endif
+
+// Exact float32 value of an E4M3 code (XLA's f8e4m3fn -> f32 conversion).
+JQ_HD float decode_e4m3(uint32_t code) {
+  const uint32_t sign = (code >> 7) & 1u, e = (code >> 3) & 0xFu, m = code & 7u;
+  if (e == 0xFu && m == 7u) return float_of(0x7FC00000u | (sign << 31));
+  float mag;
+  if (e == 0) {
+    mag = static_cast<float>(m) * 0x1p-9f;
+  } else {
+    mag = float_of(((e - 7u + 127u) << 23) | (m << 20));
+  }
+  return sign ? -mag : mag;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scales (scales.py).
+// ---------------------------------------------------------------------------------------------
+
+// scales.scale_from_amax (per-tensor current scaling, Float8Block).
+JQ_HD float scale_from_amax(float amax, float fmax, bool pow2_scale, float amax_epsilon) {
+  const float a = max_prop(amax, amax_epsilon);
+  float scale = fmax / a;
+  if (is_inf(scale)) scale = kFltMax;
+  if (a == 0.0f || is_inf(a) || is_nan(a)) scale = 1.0f;
+  if (pow2_scale) scale = float_of(bits_of(scale) & 0xFF800000u);
+  return scale;
+}
+
+// scales.e8m0_from_amax: MXFP8 biased block exponent in [0, 255]. `inv_fmax` = float32(1/fmax).
+JQ_HD uint32_t e8m0_from_amax(float block_amax, float inv_fmax) {
+  const float s = block_amax * inv_fmax;
+  const uint32_t b = bits_of(s);
+  const uint32_t exponent = (b >> 23) & 0xFFu;
+  const uint32_t mantissa = b & 0x7FFFFFu;
+  uint32_t e = min_u(exponent + (mantissa != 0 ? 1u : 0u), 254u);
+  if (s == 0.0f) e = 0;
+  if (is_inf(s)) e = 254;
+  if (is_nan(s)) e = 255;
+  return e;
+}
+
+constexpr float kInvFmaxE4M3 = 0x1.24924ap-9f;   // jnp.float32(1 / 448)
+constexpr float kInvFmaxE5M2 = 0x1.24924ap-16f;  // jnp.float32(1 / 57344)
+
+JQ_HD float inv_fmax_of(Fp8 f) { return f == Fp8::kE4M3 ? kInvFmaxE4M3 : kInvFmaxE5M2; }
+
+// MXFP8 applies 2^(127 - e) before the cast as two normal power-of-two factors, x * a * b
+// (formats/mxfp8.py): a single 2^-127 (e = 254) would be subnormal, which flush-to-zero backends
+// turn into 0. (e == 255 gives a NaN payload, handled by the caller.)
+struct Mxfp8Factors {
+  float a, b;
+};
+
+JQ_HD Mxfp8Factors mxfp8_factors(uint32_t e) {
+  const int k = 127 - static_cast<int>(min_u(e, 254u));
+  return {exp2i(k > -126 ? k : -126), exp2i(k + 126 < 0 ? k + 126 : 0)};
+}
+
+// scales.nvfp4_global_encode_scale: S_enc.
+JQ_HD float nvfp4_global_encode_scale(float amax_g) {
+  const float s_enc = min_prop(kNvfp4GlobalNumerator / amax_g, kFltMax);
+  return (amax_g == 0.0f || s_enc == 0.0f) ? 1.0f : s_enc;
+}
+
+// scales.nvfp4_block_decode_scale: the E4M3 code of S_dec_b.
+JQ_HD uint32_t nvfp4_block_decode_code(float block_amax, float s_enc) {
+  return encode_fp8(block_amax * (s_enc * kOneSixth), Fp8::kE4M3);
+}
+
+// scales.nvfp4_block_encode_scale: S_enc_b from the decoded S_dec_b.
+JQ_HD float nvfp4_block_encode_scale(float s_dec_b, float s_enc) {
+  const float inv = 1.0f / (s_dec_b * (1.0f / s_enc));
+  return s_dec_b == 0.0f ? 0.0f : min_prop(inv, kFltMax);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Random Hadamard transform (hadamard.rht16) and stochastic-rounding bits (random_bits.py).
+// ---------------------------------------------------------------------------------------------
+
+// diag(RHT_SIGNS) as a sign mask: bit i set where the sign is -1.
+constexpr uint32_t kRhtNegativeMask = (1u << 3) | (1u << 5) | (1u << 6) | (1u << 7) | (1u << 8) |
+                                      (1u << 9) | (1u << 10) | (1u << 12) | (1u << 14) |
+                                      (1u << 15);
+
+// v <- (v * signs) @ H16 * 0.25, butterfly stages h = 1, 2, 4, 8 with pairs (a + b, a - b).
+JQ_HD void rht16(float* v) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    if ((kRhtNegativeMask >> i) & 1u) v[i] = -v[i];  // x * -1 is exact
+  }
+#pragma unroll
+  for (int h = 1; h < 16; h *= 2) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      if ((i & h) == 0) {
+        const float a = v[i], b = v[i + h];
+        v[i] = a + b;
+        v[i + h] = a - b;
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = v[i] * 0.25f;
+}
+
+JQ_HD uint32_t lowbias32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// The per-row half of random_bits.stochastic_round_bits: mix(row * 0x9E3779B9 + k0).
+JQ_HD uint32_t sr_row_hash(uint32_t k0, uint32_t row) { return lowbias32(row * 0x9E3779B9u + k0); }
+
+// The uniform draw in [0, 1) of element (row, col), given its row hash.
+JQ_HD float sr_uniform(uint32_t row_hash, uint32_t k1, uint32_t col) {
+  const uint32_t h = lowbias32(row_hash ^ (col * 0x85EBCA6Bu + k1));
+  return static_cast<float>(h >> 8) * 0x1p-24f;
+}
+
+}  // namespace jq

@@ -1,0 +1,218 @@
+"""FFI quantize: one wrapper per format, returning the reference's `ScaledTensor`s bit-for-bit.
+
+Each wrapper makes at most two FFI calls: `jaxquant_amax` when the format's scales depend on the
+tensor (or row) amax, then the format's fused quantize target, which reads `x` once and writes
+the rowwise copy and/or the transposed columnwise copy with their scales. The amax is a separate
+call on purpose: a sharded caller inserts its `pmax` between the two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant.kernels import calls
+from jaxquant.quantizers import (HIGH_PRECISION_DTYPES, Float8BlockQuantizer,
+                                 Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer,
+                                 MXFP8Quantizer, NVFP4Quantizer, Quantizer)
+from jaxquant.state import DelayedScalingState
+from jaxquant.tensors import ScaledTensor
+
+Pair = tuple[Optional[ScaledTensor], Optional[ScaledTensor]]
+_MAX_DIM = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """One quantize call: the matrix, the directions, and the per-call inputs."""
+
+  x2d: jax.Array
+  rowwise: bool
+  columnwise: bool
+  orig_dtype: Any
+  row_key_words: Optional[jax.Array] = None
+  col_key_words: Optional[jax.Array] = None
+  state: Any = None
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    return tuple(self.x2d.shape)
+
+
+def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype))
+
+
+def _data_results(req: Request, dtype, row_scale=None, col_scale=None) -> list:
+  """Result shapes in target order: [row data, row scale], [col data, col scale]."""
+  rows, cols = req.shape
+  out = []
+  if req.rowwise:
+    out.append(_sds((rows, cols), dtype))
+    if row_scale is not None:
+      out.append(row_scale)
+  if req.columnwise:
+    out.append(_sds((cols, rows), dtype))
+    if col_scale is not None:
+      out.append(col_scale)
+  return out
+
+
+def _split(req: Request, outs: list, with_scales: bool):
+  """Pops (row data, row scale, col data, col scale) off the front of `outs`."""
+  row = row_scale = col = col_scale = None
+  if req.rowwise:
+    row = outs.pop(0)
+    row_scale = outs.pop(0) if with_scales else None
+  if req.columnwise:
+    col = outs.pop(0)
+    col_scale = outs.pop(0) if with_scales else None
+  return row, row_scale, col, col_scale
+
+
+def _pair(req: Request, quantizer, row, row_scale, row_amax, col, col_scale, col_amax,
+          col_rht=False) -> Pair:
+  make = lambda d, s, a, rht: ScaledTensor(d, s, a, quantizer, req.orig_dtype, rht)
+  return (make(row, row_scale, row_amax, False) if req.rowwise else None,
+          make(col, col_scale, col_amax, col_rht) if req.columnwise else None)
+
+
+# --------------------------------------- per-tensor FP8 ---------------------------------------
+
+def _fp8_tensor(req: Request, quantizer, *, delayed: bool) -> Pair:
+  if delayed:
+    if not isinstance(req.state, DelayedScalingState):
+      raise ValueError("state: Float8DelayedScalingQuantizer needs its DelayedScalingState "
+                       "(jaxquant.init_state(quantizer)); got "
+                       f"{type(req.state).__name__}")
+    s = req.state.scale.astype(jnp.float32).reshape(())
+    pow2_scale, eps = False, 0.0
+  else:
+    (s,) = calls.amax(req.x2d, calls.AMAX_TENSOR)
+    pow2_scale, eps = quantizer.pow2_scale, quantizer.amax_epsilon
+  results = _data_results(req, quantizer.dtype) + [_sds((), np.float32)]
+  if delayed:
+    results.append(_sds((), np.float32))
+  outs = calls.call("jaxquant_quantize_fp8", results, req.x2d, s, rowwise=req.rowwise,
+                    columnwise=req.columnwise, delayed=delayed, pow2_scale=pow2_scale,
+                    amax_epsilon=float(eps))
+  row, _, col, _ = _split(req, outs, with_scales=False)
+  scale_inv = outs.pop(0)
+  amax = outs.pop(0) if delayed else s
+  return _pair(req, quantizer, row, scale_inv, amax, col, scale_inv, amax)
+
+
+# -------------------------------------------- MXFP8 -------------------------------------------
+
+def _mxfp8(req: Request, quantizer: MXFP8Quantizer) -> Pair:
+  rows, cols = req.shape
+  e8m0 = jnp.float8_e8m0fnu
+  results = _data_results(req, quantizer.dtype, _sds((rows, -(-cols // 32)), e8m0),
+                          _sds((cols, -(-rows // 32)), e8m0)) + [_sds((), np.float32)]
+  outs = calls.call("jaxquant_quantize_mxfp8", results, req.x2d, rowwise=req.rowwise,
+                    columnwise=req.columnwise)
+  row, row_scale, col, col_scale = _split(req, outs, with_scales=True)
+  amax = outs.pop(0)
+  return _pair(req, quantizer, row, row_scale, amax, col, col_scale, amax)
+
+
+# ------------------------------------------ Float8Block ---------------------------------------
+
+def _fp8_block(req: Request, quantizer: Float8BlockQuantizer) -> Pair:
+  rows, cols = req.shape
+  block_2d = quantizer.block == (128, 128)
+  nr, nc = -(-rows // 128), -(-cols // 128)
+  row_scale = _sds((nr, nc) if block_2d else (rows, nc), np.float32)
+  col_scale = _sds((nc, nr) if block_2d else (cols, nr), np.float32)
+  results = _data_results(req, quantizer.dtype, row_scale, col_scale) + [_sds((), np.float32)]
+  outs = calls.call("jaxquant_quantize_fp8_block", results, req.x2d, rowwise=req.rowwise,
+                    columnwise=req.columnwise, block_2d=block_2d,
+                    pow2_scale=quantizer.pow2_scale, amax_epsilon=float(quantizer.amax_epsilon))
+  row, row_scale, col, col_scale = _split(req, outs, with_scales=True)
+  amax = outs.pop(0)
+  return _pair(req, quantizer, row, row_scale, amax, col, col_scale, amax)
+
+
+# --------------------------------------------- NVFP4 ------------------------------------------
+
+def _nvfp4_amax(req: Request, q: NVFP4Quantizer) -> tuple[jax.Array, jax.Array]:
+  """(row amax, col amax): the global-scale inputs of each requested direction, from one
+  `jaxquant_amax` pass (placeholders for a direction not requested)."""
+  row_bit = (calls.AMAX_ROWS if q.row_scaled else calls.AMAX_TENSOR) if req.rowwise else 0
+  col_bit = 0
+  if req.columnwise:
+    if q.row_scaled:
+      col_bit = calls.AMAX_COLS_RHT if q.rht else calls.AMAX_COLS
+    else:
+      col_bit = calls.AMAX_TENSOR_RHT if q.rht else calls.AMAX_TENSOR
+  outs = calls.amax(req.x2d, row_bit | col_bit)
+  by_bit = dict(zip([b for b in (1, 2, 4, 8, 16) if (row_bit | col_bit) & b], outs))
+  placeholder = jnp.zeros((), jnp.float32)
+  return by_bit.get(row_bit, placeholder), by_bit.get(col_bit, placeholder)
+
+
+def _key(words: Optional[jax.Array], stochastic: bool) -> jax.Array:
+  if not stochastic:
+    return jnp.zeros((2,), jnp.uint32)
+  if words is None:
+    raise ValueError("key: NVFP4Quantizer(stochastic_rounding=True) needs a PRNG key")
+  return jnp.asarray(words, jnp.uint32).reshape(2)
+
+
+def _nvfp4(req: Request, q: NVFP4Quantizer) -> Pair:
+  rows, cols = req.shape
+  br = 16 if q.block_2d else 1
+  row_amax, col_amax = _nvfp4_amax(req, q)
+  e4m3 = jnp.float8_e4m3fn
+  row_scale = _sds((-(-rows // br), -(-cols // 16)), e4m3)
+  col_scale = _sds((-(-cols // br), -(-rows // 16)), e4m3)
+  results = _data_results(req, jnp.float4_e2m1fn, row_scale, col_scale)
+  outs = calls.call("jaxquant_quantize_nvfp4", results, req.x2d, row_amax, col_amax,
+                    _key(req.row_key_words, q.stochastic_rounding),
+                    _key(req.col_key_words, q.stochastic_rounding), rowwise=req.rowwise,
+                    columnwise=req.columnwise, row_scaled=q.row_scaled, block_2d=q.block_2d,
+                    rht=q.rht, stochastic=q.stochastic_rounding)
+  row, row_s, col, col_s = _split(req, outs, with_scales=True)
+  return _pair(req, q, row, row_s, row_amax, col, col_s, col_amax, col_rht=q.rht)
+
+
+# ------------------------------------------- registry -----------------------------------------
+
+_FORMATS: dict[type, Callable[[Request, Quantizer], Pair]] = {
+    Float8CurrentScalingQuantizer: lambda req, q: _fp8_tensor(req, q, delayed=False),
+    Float8DelayedScalingQuantizer: lambda req, q: _fp8_tensor(req, q, delayed=True),
+    MXFP8Quantizer: _mxfp8,
+    Float8BlockQuantizer: _fp8_block,
+    NVFP4Quantizer: _nvfp4,
+}
+
+
+def unsupported(x2d, quantizer: Quantizer, *, rowwise: bool, columnwise: bool) -> Optional[str]:
+  """None when a kernel serves this quantize, else the reason (the reference path is taken)."""
+  if type(quantizer) not in _FORMATS:
+    return f"no FFI quantize kernel for {type(quantizer).__name__}"
+  if x2d.ndim != 2 or 0 in x2d.shape:
+    return f"the FFI kernels need a non-empty 2-D matrix; got shape {tuple(x2d.shape)}"
+  if np.dtype(x2d.dtype) not in HIGH_PRECISION_DTYPES:
+    return f"the FFI kernels read bfloat16/float16/float32, not {np.dtype(x2d.dtype).name}"
+  if max(x2d.shape) > _MAX_DIM:
+    return f"shape {tuple(x2d.shape)} has a dimension >= 2^31"
+  if (isinstance(quantizer, NVFP4Quantizer) and quantizer.rht and columnwise
+      and x2d.shape[0] % 16):
+    return "NVFP4 rht needs a row count that is a multiple of 16"
+  return None
+
+
+def quantize_single(x2d, quantizer: Quantizer, *, rowwise: bool, columnwise: bool,
+                    orig_dtype: Any, row_key_words=None, col_key_words=None,
+                    state=None) -> Pair:
+  """Same contract as `jaxquant.ops.reference.quantize_single`, through the FFI kernels."""
+  reason = unsupported(x2d, quantizer, rowwise=rowwise, columnwise=columnwise)
+  if reason is not None:
+    raise ValueError(f"FFI quantize cannot serve {quantizer}: {reason}")
+  req = Request(x2d, rowwise, columnwise, orig_dtype, row_key_words, col_key_words, state)
+  return _FORMATS[type(quantizer)](req, quantizer)

@@ -1,0 +1,46 @@
+"""Loading `jaxquant._jaxquant_ffi` and registering its handlers with XLA, once per process."""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+
+try:
+  from jaxquant import _jaxquant_ffi as _ext
+except ImportError:  # extension not built
+  _ext = None
+
+# XLA platform names (as registered) for jaxquant's platform names (`dispatch.current_platform`).
+_XLA_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}
+
+
+@functools.lru_cache(maxsize=None)
+def registered_platforms() -> tuple[str, ...]:
+  """XLA platforms ("cpu", "CUDA") whose handlers were registered; () without the extension."""
+  if _ext is None:
+    return ()
+  platforms = []
+  for platform, targets in _ext.registrations().items():
+    for name, capsule in targets.items():
+      jax.ffi.register_ffi_target(name, capsule, platform=platform)
+    if targets:
+      platforms.append(platform)
+  return tuple(platforms)
+
+
+def extension_built() -> bool:
+  return _ext is not None
+
+
+def unserved_reason(platform: str) -> Optional[str]:
+  """None when the extension has handlers for `platform` ("cpu", "cuda"), else why not."""
+  if _ext is None:
+    return "jaxquant FFI extension not built"
+  xla_platform = _XLA_PLATFORM.get(platform)
+  if xla_platform is None or xla_platform not in registered_platforms():
+    built = ", ".join(registered_platforms()) or "none"
+    hint = " (it was built without nvcc)" if platform == "cuda" else ""
+    return f"the jaxquant FFI extension has no {platform} handlers{hint}; built for: {built}"
+  return None
