@@ -87,9 +87,20 @@ def block_view(mat: jax.Array, block_rows: int, block_cols: int) -> jax.Array:
   return mat.reshape(rows // block_rows, block_rows, cols // block_cols, block_cols)
 
 
+def abs_max(x: jax.Array, axis=None) -> jax.Array:
+  """Max |x| over `axis` as float32, NaN-propagating on every backend.
+
+  Taken over the bits of |x|: for non-negative floats the uint32 order is the float order and
+  every NaN sorts above +inf. (A float `jnp.max` is not enough: XLA:CPU's YNN reduction fusion,
+  on by default in jax 0.10.2, drops NaNs from float max reductions and can even return -inf.)
+  """
+  bits = jax.lax.bitcast_convert_type(jnp.abs(x.astype(jnp.float32)), jnp.uint32)
+  return jax.lax.bitcast_convert_type(jnp.max(bits, axis=axis), jnp.float32)
+
+
 def block_amax(mat: jax.Array, block_rows: int, block_cols: int) -> jax.Array:
   """Max |x| per block of a padded matrix: `[R/br, C/bc]` float32, NaN-propagating."""
-  return jnp.max(jnp.abs(block_view(mat, block_rows, block_cols)), axis=(1, 3))
+  return abs_max(block_view(mat, block_rows, block_cols), axis=(1, 3))
 
 
 def expand_blocks(per_block: jax.Array, block_rows: int, block_cols: int) -> jax.Array:
@@ -98,4 +109,4 @@ def expand_blocks(per_block: jax.Array, block_rows: int, block_cols: int) -> jax
 
 
 def tensor_amax(mat: jax.Array) -> jax.Array:
-  return jnp.max(jnp.abs(mat.astype(jnp.float32)))
+  return abs_max(mat)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxquant.formats.base import (Format, QuantizeContext, block_amax, expand_blocks,
-                                   pad_to_blocks, register, tensor_amax)
+from jaxquant.formats.base import (Format, QuantizeContext, abs_max, block_amax,
+                                   expand_blocks, pad_to_blocks, register, tensor_amax)
 from jaxquant.numerics import (nvfp4_block_decode_scale, nvfp4_block_encode_scale,
                                nvfp4_global_encode_scale, stochastic_round_bits)
 from jaxquant.numerics.minifloat import E2M1, E4M3, decode, encode, encode_stochastic, to_storage
@@ -32,7 +32,7 @@ def quantize(mat: jax.Array, quantizer: NVFP4Quantizer, ctx: QuantizeContext) ->
   block_rows, block_cols = block_shape(quantizer)
   x = pad_to_blocks(mat.astype(jnp.float32), block_rows, block_cols)
   if quantizer.row_scaled:
-    amax = jnp.max(jnp.abs(x), axis=1)  # [rows]; block_rows == 1 so no row padding
+    amax = abs_max(x, axis=1)  # [rows]; block_rows == 1 so no row padding
     s_enc = nvfp4_global_encode_scale(amax)[:, None]
   else:
     amax = tensor_amax(mat)
