@@ -1,0 +1,356 @@
+// CUDA handlers of the GEMM targets.
+//
+// jaxquant_gemm_fp8: cuBLASLt FP8 matmul on the TN convention (per-tensor scales, or Hopper's
+//   VEC128_32F / BLK128x128_32F block scales). Our C[M, N] = a[M, K] b[N, K]^T is cuBLASLt's
+//   column-major D[N, M] = op(A) B with A = b (TRANSA = T), B = a (TRANSB = N). The cuBLASLt
+//   handle (one per device) and, per problem (shape, dtypes, scale modes, bias, fast-accum,
+//   workspace), the matmul descriptor, layouts and heuristic algorithm are created once and
+//   cached; a call only sets the scale/bias pointers and enqueues the matmul on the FFI
+//   stream with the workspace XLA passes as an output buffer (no allocation, no sync).
+// jaxquant_gemm_dequant: the in-kernel-dequantize wgmma kernel (dequant_kernel.cuh), sm_90a.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "gemm/dequant_launch.h"
+#include "gemm/gemm_args.h"
+#include "gemm/handlers.h"
+
+namespace jaxquant_gemm {
+namespace {
+
+ffi::Error cuda_error(const char* target, const char* what, cudaError_t e) {
+  return ffi::Error::Internal(std::string(target) + ": " + what + ": " + cudaGetErrorString(e));
+}
+
+// Compute capability of the current device (cached per device ordinal).
+ffi::Error device_capability(const char* target, int* major, int* minor) {
+  static std::mutex mu;
+  static std::unordered_map<int, std::pair<int, int>> cache;
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) {
+    return cuda_error(target, "cudaGetDevice", e);
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(device);
+  if (it == cache.end()) {
+    int mj = 0, mn = 0;
+    cudaDeviceGetAttribute(&mj, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&mn, cudaDevAttrComputeCapabilityMinor, device);
+    it = cache.emplace(device, std::make_pair(mj, mn)).first;
+  }
+  *major = it->second.first;
+  *minor = it->second.second;
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------
+// jaxquant_gemm_dequant
+// ---------------------------------------------------------------------------------------------
+
+template <Elem EA>
+cudaError_t launch_for_b(const DequantParams& p, cudaStream_t s) {
+  switch (p.b.elem) {
+    case Elem::kE4M3: return launch_dequant_gemm<EA, Elem::kE4M3>(p, s);
+    case Elem::kE5M2: return launch_dequant_gemm<EA, Elem::kE5M2>(p, s);
+    default: return launch_dequant_gemm<EA, Elem::kE2M1>(p, s);
+  }
+}
+
+ffi::Error DequantGemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_scale,
+                           ffi::AnyBuffer a_factor, ffi::AnyBuffer b, ffi::AnyBuffer b_scale,
+                           ffi::AnyBuffer b_factor, ffi::AnyBuffer bias,
+                           ffi::Result<ffi::AnyBuffer> out, int64_t k, int64_t a_scale_tile_rows,
+                           int64_t b_scale_tile_rows) {
+  constexpr const char* kTarget = "jaxquant_gemm_dequant";
+  DequantParams p;
+  if (ffi::Error e = decode_dequant_gemm(kTarget, a, a_scale, a_factor, b, b_scale, b_factor,
+                                         bias, *out, k, a_scale_tile_rows, b_scale_tile_rows, &p);
+      e.failure()) {
+    return e;
+  }
+  int major = 0, minor = 0;
+  if (ffi::Error e = device_capability(kTarget, &major, &minor); e.failure()) return e;
+  if (major != 9 || minor != 0) {
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      std::string(kTarget) + ": the kernel is built for sm_90a (Hopper) only; "
+                      "this device is sm_" + std::to_string(major) + std::to_string(minor) +
+                      " (use the dequant-bf16 path)");
+  }
+  cudaError_t e;
+  switch (p.a.elem) {
+    case Elem::kE4M3: e = launch_for_b<Elem::kE4M3>(p, stream); break;
+    case Elem::kE5M2: e = launch_for_b<Elem::kE5M2>(p, stream); break;
+    default: e = launch_for_b<Elem::kE2M1>(p, stream); break;
+  }
+  if (e != cudaSuccess) return cuda_error(kTarget, "kernel launch", e);
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------
+// jaxquant_gemm_fp8 (cuBLASLt)
+// ---------------------------------------------------------------------------------------------
+
+const char* cublas_status_name(cublasStatus_t s) {
+  switch (s) {
+    case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
+    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
+    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
+    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
+    case CUBLAS_STATUS_INTERNAL_ERROR: return "CUBLAS_STATUS_INTERNAL_ERROR";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+    default: return "cuBLAS error";
+  }
+}
+
+#define JQ_CUBLAS(call)                                                                   \
+  do {                                                                                    \
+    cublasStatus_t st_ = (call);                                                          \
+    if (st_ != CUBLAS_STATUS_SUCCESS) {                                                   \
+      return ffi::Error::Internal(std::string("jaxquant_gemm_fp8: ") + #call + " -> " +   \
+                                  cublas_status_name(st_));                               \
+    }                                                                                     \
+  } while (0)
+
+cudaDataType_t cuda_type(int kind) {
+  return kind == kBF16 ? CUDA_R_16BF : (kind == kF16 ? CUDA_R_16F : CUDA_R_32F);
+}
+
+struct PlanKey {
+  int device;
+  int64_t M, N, K;
+  bool a_e5m2, b_e5m2;
+  int a_mode, b_mode, out_kind, bias_kind;
+  bool fast_accum;
+  size_t workspace;
+  bool operator==(const PlanKey& o) const { return std::memcmp(this, &o, sizeof(*this)) == 0; }
+};
+
+struct PlanKeyHash {
+  size_t operator()(const PlanKey& k) const {
+    const unsigned char* p = reinterpret_cast<const unsigned char*>(&k);
+    size_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < sizeof(k); ++i) h = (h ^ p[i]) * 1099511628211ull;
+    return h;
+  }
+};
+
+struct Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;  // cuBLASLt's A (= our b), B, D
+  cublasLtMatmulAlgo_t algo{};
+  std::mutex mu;  // the descriptor's pointer attributes are set per call
+  ~Plan() {
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (d) cublasLtMatrixLayoutDestroy(d);
+    if (desc) cublasLtMatmulDescDestroy(desc);
+  }
+};
+
+ffi::Error lt_handle(int device, cublasLtHandle_t* out) {
+  static std::mutex mu;
+  static std::unordered_map<int, cublasLtHandle_t> handles;  // live for the process
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = handles.find(device);
+  if (it == handles.end()) {
+    cublasLtHandle_t h = nullptr;
+    JQ_CUBLAS(cublasLtCreate(&h));
+    it = handles.emplace(device, h).first;
+  }
+  *out = it->second;
+  return ffi::Error::Success();
+}
+
+ffi::Error make_plan(cublasLtHandle_t handle, const PlanKey& key, const Fp8Gemm& g,
+                     const void* bias_ptr, size_t ws_bytes, Plan* plan) {
+  JQ_CUBLAS(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta,
+                                           sizeof(ta)));
+  JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb,
+                                           sizeof(tb)));
+  const int8_t fast = key.fast_accum ? 1 : 0;
+  JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast,
+                                           sizeof(fast)));
+  if (key.a_mode != kPerTensor) {
+    const int32_t mode_a = key.b_mode == kVec128 ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
+                                                 : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+    const int32_t mode_b = key.a_mode == kVec128 ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
+                                                 : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+    JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+                                             &mode_a, sizeof(mode_a)));
+    JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+                                             &mode_b, sizeof(mode_b)));
+  }
+  // Pointers set now so the heuristic sees representative alignments; reset per call.
+  const void* sa = g.b.scale;
+  const void* sb = g.a.scale;
+  JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa,
+                                           sizeof(sa)));
+  JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb,
+                                           sizeof(sb)));
+  if (key.bias_kind != kNone) {
+    const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+    JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
+                                             sizeof(epi)));
+    const int32_t bias_type = cuda_type(key.bias_kind);
+    JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                                             &bias_type, sizeof(bias_type)));
+    JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                             &bias_ptr, sizeof(bias_ptr)));
+  }
+  const cudaDataType_t ta_type = key.b_e5m2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3;
+  const cudaDataType_t tb_type = key.a_e5m2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3;
+  JQ_CUBLAS(cublasLtMatrixLayoutCreate(&plan->a, ta_type, key.K, key.N, key.K));
+  JQ_CUBLAS(cublasLtMatrixLayoutCreate(&plan->b, tb_type, key.K, key.M, key.K));
+  JQ_CUBLAS(cublasLtMatrixLayoutCreate(&plan->d, cuda_type(key.out_kind), key.N, key.M, key.N));
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  JQ_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
+  std::unique_ptr<std::remove_pointer_t<cublasLtMatmulPreference_t>,
+                  decltype(&cublasLtMatmulPreferenceDestroy)>
+      pref_guard(pref, cublasLtMatmulPreferenceDestroy);
+  JQ_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                 &ws_bytes, sizeof(ws_bytes)));
+  cublasLtMatmulHeuristicResult_t results[8];
+  int found = 0;
+  JQ_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->d,
+                                           plan->d, pref, 8, results, &found));
+  for (int i = 0; i < found; ++i) {
+    if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= ws_bytes) {
+      plan->algo = results[i].algo;
+      return ffi::Error::Success();
+    }
+  }
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    "jaxquant_gemm_fp8: cuBLASLt has no algorithm for M=" +
+                        std::to_string(key.M) + " N=" + std::to_string(key.N) +
+                        " K=" + std::to_string(key.K) + " with these dtypes / scale modes");
+}
+
+ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_scale,
+                       ffi::AnyBuffer b, ffi::AnyBuffer b_scale, ffi::AnyBuffer bias,
+                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
+                       int64_t a_scale_mode, int64_t b_scale_mode, bool fast_accum) {
+  constexpr const char* kTarget = "jaxquant_gemm_fp8";
+  Fp8Gemm g;
+  if (ffi::Error e = decode_fp8_gemm(kTarget, a, a_scale, b, b_scale, bias, *out, *workspace,
+                                     a_scale_mode, b_scale_mode, fast_accum, &g);
+      e.failure()) {
+    return e;
+  }
+  if (g.K % 16 != 0 || g.N % 16 != 0) {
+    return invalid(kTarget, "K=" + std::to_string(g.K) + ", N=" + std::to_string(g.N) +
+                                "; cuBLASLt FP8 needs K and N multiples of 16");
+  }
+  if (a_scale_mode != kPerTensor && cublasLtGetVersion() < 120900) {
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      std::string(kTarget) + ": cuBLASLt " + std::to_string(cublasLtGetVersion()) +
+                          " has no Hopper block scaling (needs 12.9+)");
+  }
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) {
+    return cuda_error(kTarget, "cudaGetDevice", e);
+  }
+  // cuBLASLt wants a 256-byte aligned workspace.
+  const uintptr_t base = reinterpret_cast<uintptr_t>(g.workspace);
+  const uintptr_t aligned = (base + 255) & ~uintptr_t(255);
+  void* ws = reinterpret_cast<void*>(aligned);
+  const size_t ws_bytes = g.workspace_bytes > (aligned - base) ? g.workspace_bytes - (aligned - base)
+                                                               : 0;
+  cublasLtHandle_t handle = nullptr;
+  if (ffi::Error e = lt_handle(device, &handle); e.failure()) return e;
+
+  PlanKey key;
+  std::memset(&key, 0, sizeof(key));  // padding bytes take part in hashing / comparison
+  key.device = device;
+  key.M = g.M;
+  key.N = g.N;
+  key.K = g.K;
+  key.a_e5m2 = g.a.e5m2;
+  key.b_e5m2 = g.b.e5m2;
+  key.a_mode = g.a.mode;
+  key.b_mode = g.b.mode;
+  key.out_kind = g.out_kind;
+  key.bias_kind = g.bias_kind;
+  key.fast_accum = g.fast_accum;
+  key.workspace = ws_bytes;
+
+  static std::mutex cache_mu;
+  static std::unordered_map<PlanKey, std::unique_ptr<Plan>, PlanKeyHash> cache;
+  Plan* plan = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(cache_mu);
+    auto it = cache.find(key);
+    if (it == cache.end()) {
+      auto fresh = std::make_unique<Plan>();
+      if (ffi::Error e = make_plan(handle, key, g, g.bias, ws_bytes, fresh.get()); e.failure()) {
+        return e;
+      }
+      it = cache.emplace(key, std::move(fresh)).first;
+    }
+    plan = it->second.get();
+  }
+
+  std::lock_guard<std::mutex> lock(plan->mu);
+  const void* sa = g.b.scale;
+  const void* sb = g.a.scale;
+  JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa,
+                                           sizeof(sa)));
+  JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb,
+                                           sizeof(sb)));
+  if (g.bias_kind != kNone) {
+    JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                             &g.bias, sizeof(g.bias)));
+  }
+  const float alpha = 1.0f, beta = 0.0f;
+  JQ_CUBLAS(cublasLtMatmul(handle, plan->desc, &alpha, g.b.data, plan->a, g.a.data, plan->b,
+                           &beta, g.out, plan->d, g.out, plan->d, &plan->algo, ws, ws_bytes,
+                           stream));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER(kFp8GemmCuda, Fp8GemmCuda,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Arg<ffi::AnyBuffer>()  // a
+                           .Arg<ffi::AnyBuffer>()  // a_scale
+                           .Arg<ffi::AnyBuffer>()  // b
+                           .Arg<ffi::AnyBuffer>()  // b_scale
+                           .Arg<ffi::AnyBuffer>()  // bias
+                           .Ret<ffi::AnyBuffer>()  // out
+                           .Ret<ffi::AnyBuffer>()  // workspace
+                           .Attr<int64_t>("a_scale_mode")
+                           .Attr<int64_t>("b_scale_mode")
+                           .Attr<bool>("fast_accum"));
+
+XLA_FFI_DEFINE_HANDLER(kDequantGemmCuda, DequantGemmCuda,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Arg<ffi::AnyBuffer>()  // a
+                           .Arg<ffi::AnyBuffer>()  // a_scale
+                           .Arg<ffi::AnyBuffer>()  // a_factor
+                           .Arg<ffi::AnyBuffer>()  // b
+                           .Arg<ffi::AnyBuffer>()  // b_scale
+                           .Arg<ffi::AnyBuffer>()  // b_factor
+                           .Arg<ffi::AnyBuffer>()  // bias
+                           .Ret<ffi::AnyBuffer>()  // out
+                           .Attr<int64_t>("k")
+                           .Attr<int64_t>("a_scale_tile_rows")
+                           .Attr<int64_t>("b_scale_tile_rows"));
+
+void* Fp8GemmCudaHandler() { return reinterpret_cast<void*>(kFp8GemmCuda); }
+void* DequantGemmCudaHandler() { return reinterpret_cast<void*>(kDequantGemmCuda); }
+
+}  // namespace jaxquant_gemm

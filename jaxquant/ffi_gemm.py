@@ -1,0 +1,389 @@
+"""The FFI GEMM: which kernel multiplies each operand pair, and the calls that run it.
+
+`C[m, n] = sum_k a[m, k] b[n, k] (+ bias[n])` on the TN storage convention (DESIGN.md sections
+2-4). Paths, as `jaxquant.explain` reports them:
+
+  cublaslt-fp8        per-tensor FP8 x per-tensor FP8 (E4M3 x E4M3, E4M3 x E5M2, E5M2 x E4M3)
+  cublaslt-fp8-block  Float8Block x Float8Block, cuBLASLt's Hopper block scaling (1x128 x 1x128,
+                      1x128 x 128x128, 128x128 x 1x128; cuBLASLt >= 12.9, sm_90)
+  wgmma-dequant-<a>[-<b>]  MXFP8 / NVFP4 operands (any mix, row-scaled NVFP4 included): a
+                      kernel that decodes the payload into bf16 tiles in shared memory and
+                      multiplies them with wgmma (sm_90); no dequantized copy reaches memory
+  dequant-bf16        any other pair: both operands decoded exactly to bf16 by XLA, one bf16
+                      GEMM with float32 accumulation, factors and bias in float32
+  dequant-f32         the same where a decoded value is not exact in bf16 (Float8Block with
+                      pow2_scale=False, float16/float32 Identity operands): a float32 GEMM
+  xla-dot             two high-precision operands: XLA's own dot, exactly like the reference
+On CPU the two kernel targets have simple handlers and the paths read `cpu:<path>`; they serve
+small problems only (M*N*K <= CPU_MAX_MACS), larger ones take the reference path, visibly.
+
+FP8 accumulation (cublaslt-fp8): "fast" lets the tensor cores accumulate in reduced precision
+between promotions, "split" promotes to float32 every k-block. The default is `fast` for the
+forward GEMM and `split` for the backward GEMMs, as TransformerEngine does (see
+ffi/gemm/NOTES.md for the measurement behind it); `JAXQUANT_FP8_ACCUMULATION=fast|split` forces
+one for every GEMM, and `precision=jax.lax.Precision.HIGHEST` forces split for that call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import math
+import os
+from typing import Any, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxquant.formats import format_of
+from jaxquant.ops import reference
+from jaxquant.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer,
+                                 Float8DelayedScalingQuantizer, IdentityQuantizer,
+                                 MXFP8Quantizer, NVFP4Quantizer)
+from jaxquant.tensors import ScaledTensor
+
+Operand = Union[ScaledTensor, jax.Array]
+
+FP8_TARGET = "jaxquant_gemm_fp8"
+DEQUANT_TARGET = "jaxquant_gemm_dequant"
+CUBLASLT_WORKSPACE_BYTES = 32 * 1024 * 1024 + 256  # cuBLASLt's Hopper recommendation + alignment
+CPU_MAX_MACS = 1 << 27
+MIN_CUBLASLT_BLOCK_SCALING = 120900  # cuBLASLt version with VEC128_32F / BLK128x128_32F
+OUT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
+ACCUMULATIONS = ("fast", "split")
+# Default FP8 accumulation per GEMM direction (the last component of the ops-level role label).
+DEFAULT_ACCUMULATION = {"fprop": "fast", "dgrad": "split", "wgrad": "split"}
+
+_SCALE_PER_TENSOR, _SCALE_VEC128, _SCALE_BLK128 = 0, 1, 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Operand classification: one table entry per quantizer class.
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Kind:
+  family: str  # "fp8" | "fp8-block" | "mxfp8" | "nvfp4" | "hp"
+  dtype: np.dtype  # payload dtype (high-precision dtype for "hp")
+  block_2d: bool = False
+  exact_bf16: bool = True  # decoded values (before any factor) are exact in bfloat16
+
+
+_FAMILIES = {
+    Float8CurrentScalingQuantizer: "fp8",
+    Float8DelayedScalingQuantizer: "fp8",
+    Float8BlockQuantizer: "fp8-block",
+    MXFP8Quantizer: "mxfp8",
+    NVFP4Quantizer: "nvfp4",
+    IdentityQuantizer: "hp",
+}
+
+
+def _kind(x: Operand) -> _Kind:
+  if not isinstance(x, ScaledTensor) or x.scale_inv is None:
+    dtype = np.dtype(x.data.dtype if isinstance(x, ScaledTensor) else x.dtype)
+    return _Kind("hp", dtype, exact_bf16=dtype == np.dtype(jnp.bfloat16))
+  q = x.quantizer
+  family = _FAMILIES[type(q)]
+  dtype = np.dtype(x.data.dtype)
+  if family == "fp8-block":
+    return _Kind(family, dtype, block_2d=q.block == (128, 128), exact_bf16=q.pow2_scale)
+  if family == "nvfp4":
+    return _Kind(family, dtype, block_2d=q.block_2d)
+  return _Kind(family, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# What this process can run.
+# ---------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _targets(platform: str) -> frozenset:
+  """GEMM targets the extension registered for `platform` ("cpu", "cuda")."""
+  try:
+    from jaxquant import ffi_bindings
+    from jaxquant import _jaxquant_ffi as ext
+  except ImportError:
+    return frozenset()
+  if not ffi_bindings.available():  # registers every target with XLA
+    return frozenset()
+  names = set()
+  for name, targets in ext.registrations().items():
+    if name.lower() == platform.lower():
+      names |= {t for t in targets if t in (FP8_TARGET, DEQUANT_TARGET)}
+  return frozenset(names)
+
+
+@functools.lru_cache(maxsize=None)
+def cublaslt_version() -> Optional[int]:
+  """cuBLASLt's version (e.g. 130100), from the wheel's library the extension links; None if
+  it cannot be loaded."""
+  try:
+    import nvidia.cu13
+    path = os.path.join(list(nvidia.cu13.__path__)[0], "lib", "libcublasLt.so.13")
+    lib = ctypes.CDLL(path)
+    lib.cublasLtGetVersion.restype = ctypes.c_size_t
+    return int(lib.cublasLtGetVersion())
+  except Exception:  # noqa: BLE001 - any failure means "unknown"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _compute_capability() -> Optional[tuple[int, int]]:
+  try:
+    devices = jax.devices("gpu")
+  except RuntimeError:
+    return None
+  cc = getattr(devices[0], "compute_capability", None) if devices else None
+  if not cc:
+    return None
+  major, minor = str(cc).split(".")[:2]
+  return int(major), int(minor)
+
+
+def _platform() -> str:
+  from jaxquant.ops import dispatch
+  return dispatch.current_platform()
+
+
+# ---------------------------------------------------------------------------------------------
+# Path selection.
+# ---------------------------------------------------------------------------------------------
+
+def _dequant_path(ka: _Kind, kb: _Kind) -> str:
+  return "dequant-bf16" if ka.exact_bf16 and kb.exact_bf16 else "dequant-f32"
+
+
+def _kernel_path(a: Operand, b: Operand, platform: str) -> tuple[str, str]:
+  """(path, why a faster path was not taken or "")."""
+  ka, kb = _kind(a), _kind(b)
+  if ka.family == "hp" and kb.family == "hp":
+    return "xla-dot", ""
+  n, k = b.shape[0], a.shape[1]
+  cuda = platform == "cuda"
+  cc = _compute_capability() if cuda else None
+  e5m2 = np.dtype(jnp.float8_e5m2)
+  if ka.family == kb.family == "fp8":
+    if ka.dtype == e5m2 and kb.dtype == e5m2:
+      return _dequant_path(ka, kb), "cuBLASLt has no E5M2 x E5M2 FP8 GEMM"
+    if cuda and (cc is None or cc < (8, 9)):
+      return _dequant_path(ka, kb), f"FP8 tensor cores need sm_89+, device is {cc}"
+    if k % 16 or n % 16:
+      return _dequant_path(ka, kb), f"cuBLASLt FP8 needs K, N multiples of 16 (K={k}, N={n})"
+    return "cublaslt-fp8", ""
+  if ka.family == kb.family == "fp8-block":
+    if ka.block_2d and kb.block_2d:
+      return _dequant_path(ka, kb), "cuBLASLt has no 128x128 x 128x128 block-scaled GEMM"
+    if ka.dtype == e5m2 and kb.dtype == e5m2:
+      return _dequant_path(ka, kb), "cuBLASLt has no E5M2 x E5M2 FP8 GEMM"
+    if k % 128 or n % 16:
+      return _dequant_path(ka, kb), (f"cuBLASLt block scaling needs K % 128 == 0 and "
+                                     f"N % 16 == 0 (K={k}, N={n})")
+    if cuda:
+      version = cublaslt_version()
+      if version is None or version < MIN_CUBLASLT_BLOCK_SCALING:
+        return _dequant_path(ka, kb), (f"cuBLASLt {version} has no Hopper block scaling "
+                                       f"(needs >= {MIN_CUBLASLT_BLOCK_SCALING})")
+      if cc != (9, 0):
+        return _dequant_path(ka, kb), f"cuBLASLt's 1x128/128x128 modes are sm_90 only ({cc})"
+    return "cublaslt-fp8-block", ""
+  if ka.family in ("mxfp8", "nvfp4") and kb.family in ("mxfp8", "nvfp4"):
+    if cuda and cc != (9, 0):
+      return _dequant_path(ka, kb), f"the wgmma-dequant kernel is built for sm_90a ({cc})"
+    name = ka.family if ka.family == kb.family else f"{ka.family}-{kb.family}"
+    return f"wgmma-dequant-{name}", ""
+  return _dequant_path(ka, kb), f"no kernel multiplies {ka.family} x {kb.family}"
+
+
+def _uses_target(path: str) -> Optional[str]:
+  if path.startswith("cublaslt-"):
+    return FP8_TARGET
+  if path.startswith("wgmma-dequant"):
+    return DEQUANT_TARGET
+  return None
+
+
+def gemm_unsupported(a: Operand, b: Operand) -> Optional[str]:
+  """None when the FFI path can multiply `a` and `b` on the current platform, else why not."""
+  platform = _platform()
+  targets = _targets(platform)
+  if not targets:
+    return f"the jaxquant extension has no GEMM targets for platform {platform!r}"
+  path, _ = _kernel_path(a, b, platform)
+  if platform == "cpu" and _uses_target(path):
+    macs = a.shape[0] * b.shape[0] * a.shape[1]
+    if macs > CPU_MAX_MACS:
+      return (f"the CPU GEMM handlers serve small problems (M*N*K <= {CPU_MAX_MACS}); this one "
+              f"has {macs}")
+  target = _uses_target(path)
+  if target is not None and target not in targets:
+    return f"target {target} is not built for platform {platform!r}"
+  return None
+
+
+def gemm_path(a: Operand, b: Operand) -> str:
+  """The path name `gemm` takes for this pair (for jaxquant.explain)."""
+  platform = _platform()
+  path, _ = _kernel_path(a, b, platform)
+  return f"cpu:{path}" if platform == "cpu" and _uses_target(path) else path
+
+
+def gemm_path_reason(a: Operand, b: Operand) -> str:
+  """Why a slower path than the pair's kernel was taken ("" when none)."""
+  return _kernel_path(a, b, _platform())[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Operand preparation (layouts the kernels expect).
+# ---------------------------------------------------------------------------------------------
+
+def _pad_cols(x: jax.Array, cols: int) -> jax.Array:
+  extra = cols - x.shape[1]
+  return x if extra == 0 else jnp.pad(x, ((0, 0), (0, extra)))
+
+
+def _block_scales(t: ScaledTensor) -> tuple[jax.Array, int]:
+  """Float8Block scales in cuBLASLt's layout: 1x128 -> (ceil(K/128), round_up(rows, 4)) rows
+  fastest; 128x128 -> (ceil(rows/128), round_up(ceil(K/128), 4)) K-blocks fastest."""
+  s = t.scale_inv.astype(jnp.float32)
+  if t.quantizer.block == (128, 128):
+    return _pad_cols(s, -(-s.shape[1] // 4) * 4), _SCALE_BLK128
+  return _pad_cols(s.T, -(-s.shape[0] // 4) * 4), _SCALE_VEC128
+
+
+def _dequant_operand(t: ScaledTensor, kp: int) -> tuple[jax.Array, jax.Array, jax.Array, int]:
+  """(payload, scale bytes, factor, scale tile rows) for jaxquant_gemm_dequant, K padded to kp."""
+  if isinstance(t.quantizer, MXFP8Quantizer):
+    return _pad_cols(t.data, kp), t.scale_inv, jnp.zeros((0,), jnp.float32), 1
+  # float4_e2m1fn is stored packed two per byte (rows byte-aligned once kp % 32 == 0), which
+  # is the layout the kernel reads; no unpacking or copy beyond the padding.
+  data = _pad_cols(t.data, kp)
+  scale = _pad_cols(t.scale_inv, kp // 16)
+  factor = format_of(t.quantizer).gemm_factor(t).astype(jnp.float32)
+  return data, scale, factor, 16 if t.quantizer.block_2d else 1
+
+
+def _empty_bias() -> jax.Array:
+  return jnp.zeros((0,), jnp.float32)
+
+
+def _accumulation(accumulation: Optional[str], role: Any, precision: Any) -> str:
+  forced = os.environ.get("JAXQUANT_FP8_ACCUMULATION", "").strip().lower()
+  if forced and forced not in ACCUMULATIONS:
+    raise ValueError(f"JAXQUANT_FP8_ACCUMULATION={forced!r}; expected one of {ACCUMULATIONS}")
+  if precision is not None and lax.Precision(precision) == lax.Precision.HIGHEST:
+    return "split"
+  if accumulation is not None:
+    if accumulation not in ACCUMULATIONS:
+      raise ValueError(f"accumulation={accumulation!r}; expected one of {ACCUMULATIONS}")
+    return accumulation
+  if forced:
+    return forced
+  direction = role.rsplit("/", 1)[-1] if isinstance(role, str) else None
+  return DEFAULT_ACCUMULATION.get(direction, "split")
+
+
+# ---------------------------------------------------------------------------------------------
+# The calls.
+# ---------------------------------------------------------------------------------------------
+
+def _cublaslt(a: ScaledTensor, b: ScaledTensor, path: str, out_dtype, bias, fast: bool):
+  platform = _platform()
+  m, n = a.shape[0], b.shape[0]
+  # cuBLASLt's FP8 bias epilogue takes bf16 for bf16/f32 outputs and f16 for f16 outputs.
+  want_bias = np.dtype(jnp.float16) if out_dtype == np.dtype(jnp.float16) else np.dtype(
+      jnp.bfloat16)
+  fused = bias is None or np.dtype(bias.dtype) == want_bias
+  kernel_out = out_dtype if fused else np.dtype(jnp.float32)
+  if path == "cublaslt-fp8":
+    a_scale, a_mode = a.scale_inv.astype(jnp.float32), _SCALE_PER_TENSOR
+    b_scale, b_mode = b.scale_inv.astype(jnp.float32), _SCALE_PER_TENSOR
+  else:
+    (a_scale, a_mode), (b_scale, b_mode) = _block_scales(a), _block_scales(b)
+    fast = False
+  workspace = CUBLASLT_WORKSPACE_BYTES if platform == "cuda" else 0
+  call = jax.ffi.ffi_call(
+      FP8_TARGET,
+      (jax.ShapeDtypeStruct((m, n), kernel_out), jax.ShapeDtypeStruct((workspace,), jnp.uint8)),
+      vmap_method="sequential")
+  out, _ = call(a.data, a_scale, b.data, b_scale,
+                bias if (fused and bias is not None) else _empty_bias(),
+                a_scale_mode=np.int64(a_mode), b_scale_mode=np.int64(b_mode),
+                fast_accum=bool(fast))
+  if not fused:  # bias of another dtype: added in float32 after the GEMM, like the reference
+    out = (out + bias.astype(jnp.float32)).astype(out_dtype)
+  return out
+
+
+def _wgmma_dequant(a: ScaledTensor, b: ScaledTensor, out_dtype, bias):
+  k = a.shape[1]
+  fp4 = isinstance(a.quantizer, NVFP4Quantizer) or isinstance(b.quantizer, NVFP4Quantizer)
+  kp = -(-k // 32) * 32 if fp4 else -(-k // 16) * 16
+  a_data, a_scale, a_factor, a_tile = _dequant_operand(a, kp)
+  b_data, b_scale, b_factor, b_tile = _dequant_operand(b, kp)
+  call = jax.ffi.ffi_call(DEQUANT_TARGET,
+                          jax.ShapeDtypeStruct((a.shape[0], b.shape[0]), out_dtype),
+                          vmap_method="sequential")
+  return call(a_data, a_scale, a_factor, b_data, b_scale, b_factor,
+              bias if bias is not None else _empty_bias(), k=np.int64(kp),
+              a_scale_tile_rows=np.int64(a_tile), b_scale_tile_rows=np.int64(b_tile))
+
+
+def _decoded(x: Operand, dtype) -> tuple[jax.Array, Optional[jax.Array]]:
+  """(values without the GEMM factor, factor or None), values cast to `dtype` (exact when
+  the path chose bf16)."""
+  if isinstance(x, ScaledTensor) and x.scale_inv is not None:
+    if _kind(x).family == "fp8":  # the per-tensor scale is arbitrary: keep it for the epilogue
+      return x.data.astype(dtype), x.scale_inv.astype(jnp.float32)
+    fmt = format_of(x.quantizer)
+    return fmt.dequantize_raw(x).astype(dtype), fmt.gemm_factor(x)
+  data = x.data if isinstance(x, ScaledTensor) else x
+  return data.astype(dtype), None
+
+
+def _dequant_xla(a: Operand, b: Operand, path: str, out_dtype, bias):
+  dtype = jnp.bfloat16 if path == "dequant-bf16" else jnp.float32
+  lhs, lhs_factor = _decoded(a, dtype)
+  rhs, rhs_factor = _decoded(b, dtype)
+  acc = lax.dot_general(lhs, rhs, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32)
+  if lhs_factor is not None:
+    acc = acc * (lhs_factor[:, None] if lhs_factor.ndim else lhs_factor)
+  if rhs_factor is not None:
+    acc = acc * (rhs_factor[None, :] if rhs_factor.ndim else rhs_factor)
+  if bias is not None:
+    acc = acc + bias.astype(jnp.float32)
+  return acc.astype(out_dtype)
+
+
+def gemm(a: Operand, b: Operand, *, out_dtype, bias: Optional[jax.Array] = None,
+         precision=None, accumulation: Optional[str] = None, role: Any = None) -> jax.Array:
+  """`C = a b^T (+ bias)` through the path `gemm_path(a, b)` names.
+
+  Args:
+    a, b: `ScaledTensor`s or high-precision arrays, `[M, K]` and `[N, K]` (validated by
+      `jaxquant.ops.gemm`).
+    out_dtype: bfloat16, float16 or float32.
+    bias: optional `[N]` bias (any of those dtypes), added in float32 after accumulation.
+    precision: for high-precision pairs, as `lax.dot_general`; `Precision.HIGHEST` also forces
+      split accumulation on cublaslt-fp8.
+    accumulation: "fast" or "split" for cublaslt-fp8; None = the per-direction default.
+    role: the ops-level label ("linear/fc1/fprop"); its last part picks the default
+      accumulation.
+  """
+  out_dtype = np.dtype(out_dtype)
+  if out_dtype not in OUT_DTYPES:
+    raise ValueError(f"out_dtype: {out_dtype.name} is not supported by the FFI GEMM; expected "
+                     "bfloat16, float16 or float32")
+  path, _ = _kernel_path(a, b, _platform())
+  if path == "xla-dot":
+    return reference.gemm(a, b, out_dtype=out_dtype, bias=bias, precision=precision)
+  if path.startswith("cublaslt-"):
+    fast = _accumulation(accumulation, role, precision) == "fast"
+    return _cublaslt(a, b, path, out_dtype, bias, fast)
+  if path.startswith("wgmma-dequant"):
+    return _wgmma_dequant(a, b, out_dtype, bias)
+  return _dequant_xla(a, b, path, out_dtype, bias)
