@@ -1,0 +1,1 @@
+"""The pieces of `examples/train_lm.py`: data, model, recipes, training loop, reporting."""

@@ -1,0 +1,142 @@
+"""A small GPT-style decoder whose every projection is a `jaxquant.flax.Dense`.
+
+Token embedding, rotary (or learned) positions, pre-norm blocks of causal multi-head attention
+(`qkv`, `proj`) and an MLP (`fc1`, `fc2`), a final norm and an `lm_head` (a quantized Dense, or
+the transposed token embedding when tied). The recipe is a module attribute handed down to every
+Dense, so the module names above are the `QuantizerRole.name`s a factory dispatches on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import jaxquant
+import jaxquant.flax
+
+
+@dataclasses.dataclass(frozen=True)
+class LMConfig:
+  """Model hyperparameters.
+
+  Attributes:
+    vocab: vocabulary size (256 for byte-level tokens).
+    seq: maximum sequence length (learned positions need it).
+    d_model: residual width.
+    layers: number of decoder blocks.
+    heads: attention heads (`d_model` must divide into them).
+    mlp_ratio: MLP hidden width as a multiple of `d_model`.
+    positions: "rope" (rotary) or "learned".
+    tie_embeddings: use the token embedding as the output projection instead of `lm_head`.
+    dtype: compute dtype (parameters stay float32).
+  """
+
+  vocab: int = 256
+  seq: int = 128
+  d_model: int = 128
+  layers: int = 2
+  heads: int = 4
+  mlp_ratio: int = 4
+  positions: str = "rope"
+  tie_embeddings: bool = False
+  dtype: Any = jnp.bfloat16
+
+  def __post_init__(self):
+    if self.d_model % self.heads:
+      raise ValueError(f"d_model={self.d_model} must be a multiple of heads={self.heads}")
+    if self.positions not in ("rope", "learned"):
+      raise ValueError(f"positions={self.positions!r}; expected 'rope' or 'learned'")
+    if self.positions == "rope" and (self.d_model // self.heads) % 2:
+      raise ValueError(f"rotary positions need an even head size; got "
+                       f"{self.d_model // self.heads}")
+
+
+def rotary(x: jax.Array) -> jax.Array:
+  """Rotary position embedding of `x[batch, seq, heads, head_dim]` (half-split convention)."""
+  seq, head_dim = x.shape[1], x.shape[-1]
+  inv_freq = 1.0 / (10000.0 ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+  cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+  config: LMConfig
+  recipe: Optional[jaxquant.Recipe] = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    cfg = self.config
+    batch, seq, _ = x.shape
+    head_dim = cfg.d_model // cfg.heads
+    qkv = jaxquant.flax.Dense(3 * cfg.d_model, dtype=cfg.dtype, recipe=self.recipe,
+                              name="qkv")(x)
+    q, k, v = jnp.split(qkv.reshape(batch, seq, 3 * cfg.heads, head_dim), 3, axis=2)
+    if cfg.positions == "rope":
+      q, k = rotary(q), rotary(k)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    logits = logits / jnp.sqrt(jnp.float32(head_dim))
+    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    logits = jnp.where(causal[None, None], logits, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(logits, axis=-1).astype(cfg.dtype)
+    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, seq, cfg.d_model)
+    return jaxquant.flax.Dense(cfg.d_model, dtype=cfg.dtype, recipe=self.recipe,
+                               name="proj")(out)
+
+
+class MLP(nn.Module):
+  config: LMConfig
+  recipe: Optional[jaxquant.Recipe] = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    cfg = self.config
+    h = jaxquant.flax.Dense(cfg.mlp_ratio * cfg.d_model, dtype=cfg.dtype, recipe=self.recipe,
+                            name="fc1")(x)
+    h = nn.gelu(h)
+    return jaxquant.flax.Dense(cfg.d_model, dtype=cfg.dtype, recipe=self.recipe, name="fc2")(h)
+
+
+class Block(nn.Module):
+  config: LMConfig
+  recipe: Optional[jaxquant.Recipe] = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    cfg = self.config
+    x = x + CausalSelfAttention(cfg, self.recipe, name="attn")(
+        nn.LayerNorm(dtype=cfg.dtype, name="ln1")(x))
+    return x + MLP(cfg, self.recipe, name="mlp")(nn.LayerNorm(dtype=cfg.dtype, name="ln2")(x))
+
+
+class GPT(nn.Module):
+  """Decoder-only LM: `tokens[batch, seq]` (int) -> `logits[batch, seq, vocab]` (float32)."""
+
+  config: LMConfig
+  recipe: Optional[jaxquant.Recipe] = None
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    cfg = self.config
+    embed = nn.Embed(cfg.vocab, cfg.d_model, dtype=cfg.dtype,
+                     embedding_init=nn.initializers.normal(0.02), name="embed")
+    x = embed(tokens)
+    if cfg.positions == "learned":
+      pos = nn.Embed(cfg.seq, cfg.d_model, dtype=cfg.dtype,
+                     embedding_init=nn.initializers.normal(0.02), name="pos_embed")
+      x = x + pos(jnp.arange(tokens.shape[1]))[None]
+    for i in range(cfg.layers):
+      x = Block(cfg, self.recipe, name=f"block_{i}")(x)
+    x = nn.LayerNorm(dtype=cfg.dtype, name="ln_f")(x)
+    if cfg.tie_embeddings:
+      logits = embed.attend(x)
+    else:
+      logits = jaxquant.flax.Dense(cfg.vocab, dtype=cfg.dtype, recipe=self.recipe,
+                                   name="lm_head")(x)
+    return logits.astype(jnp.float32)

@@ -1,0 +1,165 @@
+"""Training one model under one recipe: optimizer, jitted train/eval steps and the loop.
+
+The state is a `flax.training.train_state.TrainState` whose `params` is the *full* variables
+dict, so delayed-scaling state (collection `"_overwrite_with_gradient"`) comes back through the
+gradient and `apply_gradients` stores it; the optimizer only sees `variables["params"]`.
+Stochastic rounding (NVFP4) draws from the `"quantize"` RNG stream, a fresh key every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Iterator, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.training.train_state import TrainState
+from tqdm.auto import tqdm
+
+import jaxquant
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 300
+  lr: float = 3e-3
+  warmup: int = 30
+  weight_decay: float = 0.1
+  clip_norm: float = 1.0
+  eval_every: int = 50
+  seed: int = 0
+  progress: bool = True
+
+
+@dataclasses.dataclass
+class History:
+  """What one run produced: eval points and per-step timings."""
+
+  recipe: str
+  rows: list[dict] = dataclasses.field(default_factory=list)  # step, train/val loss, time
+  step_times: list[float] = dataclasses.field(default_factory=list)  # seconds, step 1 first
+  compile_time: float = 0.0  # seconds of the first train step (jit compile included)
+
+  @property
+  def final_val_loss(self) -> float:
+    return self.rows[-1]["val_loss"]
+
+  @property
+  def steady_step_time(self) -> float:
+    """Median step time after the first (compiling) step."""
+    times = self.step_times[1:] or self.step_times
+    return float(np.median(times)) if times else float("nan")
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+  """AdamW with linear warmup and cosine decay to 10%, gradient clipping, no decay on 1-D params."""
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=cfg.lr, warmup_steps=min(cfg.warmup, max(cfg.steps - 1, 1)),
+      decay_steps=max(cfg.steps, 2), end_value=cfg.lr * 0.1)
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                     optax.adamw(schedule, b2=0.95, weight_decay=cfg.weight_decay,
+                                 mask=decay_mask))
+
+
+def next_token_loss(model: nn.Module, variables, tokens: jax.Array, key: jax.Array) -> jax.Array:
+  """Mean cross-entropy of predicting `tokens[:, 1:]` from `tokens[:, :-1]`."""
+  logits = model.apply(variables, tokens[:, :-1], rngs={"quantize": key})
+  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def create_state(model: nn.Module, tokens: np.ndarray, cfg: TrainConfig) -> TrainState:
+  """Initialize parameters (and any quantizer state) from `cfg.seed`; same params per recipe."""
+  init_keys = {"params": jax.random.key(cfg.seed), "quantize": jax.random.key(cfg.seed + 1)}
+  variables = jax.jit(model.init)(init_keys, jnp.asarray(tokens[:, :-1]))  # eager init is slow
+  return TrainState.create(apply_fn=model.apply, params=dict(variables), tx=make_optimizer(cfg))
+
+
+def make_steps(model: nn.Module) -> tuple[Callable, Callable]:
+  """`(train_step, eval_loss)`, both jitted.
+
+  train_step(state, tokens, key) -> (state, loss); eval_loss(variables, batches, key) -> loss
+  averaged over `batches[num, batch, seq + 1]`.
+  """
+  loss_fn = lambda variables, tokens, key: next_token_loss(model, variables, tokens, key)
+
+  @jax.jit
+  def train_step(state: TrainState, tokens: jax.Array, key: jax.Array):
+    loss, grads = jax.value_and_grad(loss_fn)(state.params, tokens, key)
+    return state.apply_gradients(grads=grads), loss
+
+  @jax.jit
+  def eval_loss(variables, batches: jax.Array, key: jax.Array) -> jax.Array:
+    return jax.lax.map(lambda tokens: loss_fn(variables, tokens, key), batches).mean()
+
+  return train_step, eval_loss
+
+
+def explain_step(model: nn.Module, state: TrainState, tokens: np.ndarray) -> jaxquant.Report:
+  """Every quantize/GEMM decision of one forward + backward step (traced, not run)."""
+  grad_fn = jax.value_and_grad(lambda v, t, k: next_token_loss(model, v, t, k))
+  return jaxquant.explain(grad_fn, state.params, jnp.asarray(tokens), jax.random.key(0))
+
+
+def condense(report: jaxquant.Report) -> str:
+  """`str(report)` with repeated lines (the same role in several blocks) folded into one."""
+  counts: dict[str, int] = {}
+  for decision in report:
+    line = str(decision)
+    counts[line] = counts.get(line, 0) + 1
+  if not counts:
+    return str(report)
+  return "\n".join(line + (f"   [x{n}]" if n > 1 else "") for line, n in counts.items())
+
+
+def train(recipe_name: str, model: nn.Module, cfg: TrainConfig, batches: Iterator[np.ndarray],
+          eval_sets: dict[str, np.ndarray], state: TrainState,
+          log: Callable[[str], None] = print) -> History:
+  """Run `cfg.steps` steps, evaluating at step 0, every `cfg.eval_every` steps and at the end.
+
+  Args:
+    recipe_name: label of the run.
+    model: the Flax model (its recipe is already set).
+    cfg: training hyperparameters.
+    batches: iterator of `[batch, seq + 1]` int32 training windows.
+    eval_sets: `{"train": ..., "val": ...}` fixed `[num, batch, seq + 1]` evaluation windows.
+    state: initial `TrainState` (from `create_state`).
+    log: where eval lines go (tqdm-safe by default).
+  """
+  train_step, eval_loss = make_steps(model)
+  eval_key = jax.random.key(cfg.seed + 2)
+  eval_arrays = {split: jnp.asarray(b) for split, b in eval_sets.items()}
+  history = History(recipe_name)
+  start = time.perf_counter()
+
+  def evaluate(step: int) -> None:
+    losses = {f"{split}_loss": float(eval_loss(state.params, b, eval_key))
+              for split, b in eval_arrays.items()}
+    row = {"step": step, "recipe": recipe_name, **losses,
+           "time": time.perf_counter() - start}
+    history.rows.append(row)
+    log(f"[{recipe_name}] step {step:5d}  train {row['train_loss']:.4f}  "
+        f"val {row['val_loss']:.4f}  ({row['time']:.1f}s)")
+
+  evaluate(0)
+  base_key = jax.random.key(cfg.seed + 3)
+  bar = tqdm(range(1, cfg.steps + 1), desc=recipe_name, disable=not cfg.progress,
+             dynamic_ncols=True, leave=False)
+  for step in bar:
+    tokens = next(batches)
+    t0 = time.perf_counter()
+    state, loss = train_step(state, jnp.asarray(tokens), jax.random.fold_in(base_key, step))
+    loss = float(loss)  # waits for the step: honest per-step timing
+    history.step_times.append(time.perf_counter() - t0)
+    if not np.isfinite(loss):
+      raise FloatingPointError(f"[{recipe_name}] loss is {loss} at step {step}")
+    bar.set_postfix(loss=f"{loss:.3f}")
+    if step % cfg.eval_every == 0 or step == cfg.steps:
+      evaluate(step)
+  bar.close()
+  history.compile_time = history.step_times[0] if history.step_times else 0.0
+  return history
