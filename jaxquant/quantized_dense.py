@@ -185,7 +185,8 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
     bias: optional `[N1..Nn]`.
     quantizers: the `DenseQuantizers` for input, weight and grad_output (None: no quantization,
       a plain `dot_general` exactly like `flax.linen.Dense`).
-    key: PRNG key, required when a quantizer uses stochastic rounding.
+    key: PRNG key, required when a quantizer uses stochastic rounding; the input, weight and
+      grad_output quantizers get `jax.random.fold_in(key, 0 | 1 | 2)`.
     states: `(input, weight, grad_output)` delayed-scaling states from
       `quantizers.init_states()`; their gradient is their updated value.
     contracting_dims: how many trailing axes of `x` (leading axes of `kernel`) are contracted.
