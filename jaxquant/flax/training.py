@@ -4,6 +4,10 @@ Delayed-scaling `scale`/`amax_history` variables live in the `"_overwrite_with_g
 collection: `jax.grad` of a loss with respect to all variables returns their *new values* in
 that collection. `flax.training.train_state.TrainState.apply_gradients` already overwrites
 them; `apply_gradients` below does the same for a plain optax loop.
+
+The convention's limits (Flax's, not ours): the loss must depend on every stateful module's
+output (a state that receives no gradient comes back as zeros), and a stateful module must be
+called once per step (the "gradients" of several calls are summed).
 """
 
 from __future__ import annotations
