@@ -1,0 +1,399 @@
+"""The FFI GEMM (`jaxquant.ffi_gemm`, targets jaxquant_gemm_fp8 / jaxquant_gemm_dequant) against
+the reference GEMM, for every format pair, bias, output dtype and NVFP4 row-scaling combination.
+
+Operands are quantized by the reference quantizers (the spec), so only the GEMM is under test.
+Inputs are fresh random matrices from the seeded `rng` fixture (seed printed, replay with
+JAXQUANT_TEST_SEED); magnitudes spread over 2^-8..2^8 so many binades and FP8 subnormals occur.
+
+Tolerance, per output element, between the FFI result and `jaxquant.ops.reference.gemm`:
+  |got - ref| <= tol_acc * (|A| @ |B|^T) + 4 * 2^-24 * (|A| @ |B|^T + |bias|) + ulp_out(|ref|)
+with |A|, |B| the magnitudes of the dequantized operands (NVFP4 factors included), ulp_out one
+unit in the last place of the output dtype at |ref| (the two results may round to neighbours),
+4 * 2^-24 for the float32 epilogue roundings (two factors, bias), and
+  tol_acc = 2 * K * 2^-24        float32 accumulation in any order (both sides): every kernel
+                                 path with split accumulation, the CPU handlers, dequant-bf16;
+  tol_acc = (K / 32 + 1) * 2^-11 cuBLASLt FP8 with fast accumulation (reduced-precision
+                                 accumulation inside each 32-deep tensor-core step).
+NaN must appear exactly where the reference has NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+import jaxquant.flax  # noqa: F401  (jq.flax)
+import oracle
+from jaxquant import ffi_gemm
+from jaxquant.ops import dispatch, reference
+from jaxquant.state import init_state
+
+PLATFORMS = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
+
+QUANTIZERS = {
+    "fp8": jq.Float8CurrentScalingQuantizer(),
+    "fp8-e5m2": jq.Float8CurrentScalingQuantizer(jnp.float8_e5m2),
+    "fp8-delayed": jq.Float8DelayedScalingQuantizer(),
+    "block-1x128": jq.Float8BlockQuantizer((1, 128)),
+    "block-128x128": jq.Float8BlockQuantizer((128, 128)),
+    "block-1x128-e5m2": jq.Float8BlockQuantizer((1, 128), jnp.float8_e5m2),
+    "block-1x128-fp32": jq.Float8BlockQuantizer((1, 128), pow2_scale=False),
+    "mxfp8": jq.MXFP8Quantizer(),
+    "mxfp8-e5m2": jq.MXFP8Quantizer(jnp.float8_e5m2),
+    "nvfp4": jq.NVFP4Quantizer(),
+    "nvfp4-row": jq.NVFP4Quantizer(row_scaled=True),
+    "nvfp4-2d": jq.NVFP4Quantizer(block_2d=True),
+    "identity": jq.IdentityQuantizer(),
+    "bf16": None,  # plain arrays
+    "f32": None,
+}
+
+# (a format, b format) -> path; covers every family pair the recipes and factories produce,
+# every cuBLASLt FP8 type and block-mode combination and every NVFP4 row-scaling combination.
+PAIRS = {
+    ("fp8", "fp8"): "cublaslt-fp8",
+    ("fp8", "fp8-e5m2"): "cublaslt-fp8",
+    ("fp8-e5m2", "fp8"): "cublaslt-fp8",
+    ("fp8-delayed", "fp8"): "cublaslt-fp8",
+    ("fp8-e5m2", "fp8-e5m2"): "dequant-bf16",
+    ("block-1x128", "block-1x128"): "cublaslt-fp8-block",
+    ("block-1x128", "block-128x128"): "cublaslt-fp8-block",
+    ("block-128x128", "block-1x128"): "cublaslt-fp8-block",
+    ("block-1x128-e5m2", "block-128x128"): "cublaslt-fp8-block",
+    ("block-1x128-fp32", "block-1x128"): "cublaslt-fp8-block",
+    ("block-128x128", "block-128x128"): "dequant-bf16",
+    ("mxfp8", "mxfp8"): "wgmma-dequant-mxfp8",
+    ("mxfp8-e5m2", "mxfp8"): "wgmma-dequant-mxfp8",
+    ("mxfp8", "mxfp8-e5m2"): "wgmma-dequant-mxfp8",
+    ("nvfp4", "nvfp4"): "wgmma-dequant-nvfp4",
+    ("nvfp4", "nvfp4-2d"): "wgmma-dequant-nvfp4",
+    ("nvfp4-row", "nvfp4-2d"): "wgmma-dequant-nvfp4",
+    ("nvfp4-2d", "nvfp4-row"): "wgmma-dequant-nvfp4",
+    ("nvfp4-row", "nvfp4-row"): "wgmma-dequant-nvfp4",
+    ("mxfp8", "nvfp4-row"): "wgmma-dequant-mxfp8-nvfp4",
+    ("nvfp4", "mxfp8-e5m2"): "wgmma-dequant-nvfp4-mxfp8",
+    ("mxfp8", "fp8"): "dequant-bf16",
+    ("fp8", "identity"): "dequant-bf16",
+    ("nvfp4-row", "bf16"): "dequant-bf16",
+    ("block-1x128-fp32", "block-128x128"): "cublaslt-fp8-block",
+    ("block-1x128-fp32", "mxfp8"): "dequant-f32",
+    ("f32", "mxfp8"): "dequant-f32",
+    ("bf16", "identity"): "xla-dot",
+}
+
+M, N, K = 40, 48, 256  # N and K multiples of 16 (cuBLASLt FP8), K of 128 (block scaling)
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers.
+# ----------------------------------------------------------------------------------------------
+
+def _platform_or_skip(platform: str) -> None:
+  backend = jax.default_backend()
+  if platform == "gpu" and backend != "gpu":
+    pytest.skip("no GPU")
+  if platform == "cpu" and backend != "cpu":
+    pytest.skip("the CPU handlers are exercised on CPU-only machines (CI)")
+  if not ffi_gemm._targets("cuda" if platform == "gpu" else "cpu"):
+    pytest.skip("the jaxquant extension has no GEMM targets for this platform")
+
+
+@functools.partial(jax.jit, static_argnames=("quantizer",))
+def _quantize(x, quantizer):
+  row, _ = reference.quantize_single(x, quantizer, rowwise=True, columnwise=False,
+                                     orig_dtype=np.dtype(x.dtype), state=init_state(quantizer))
+  return row
+
+
+def _operand(rng, shape, name, spread=True):
+  """A reference-quantized rowwise operand (Identity and plain arrays from bfloat16 inputs,
+  except "f32")."""
+  x = jnp.asarray(oracle.random_matrix(rng, shape, spread=spread), jnp.float32)
+  q = QUANTIZERS[name]
+  if q is None:
+    return x.astype(jnp.bfloat16 if name == "bf16" else jnp.float32)
+  if name == "identity":
+    x = x.astype(jnp.bfloat16)
+  return _quantize(x, q)
+
+
+def _magnitudes(x) -> np.ndarray:
+  v = x.dequantize(jnp.float32) if isinstance(x, jq.ScaledTensor) else x.astype(jnp.float32)
+  return np.abs(np.asarray(v, np.float64))
+
+
+def _ulp(values: np.ndarray, dtype) -> np.ndarray:
+  info = jnp.finfo(dtype)
+  mant = {np.dtype(jnp.bfloat16): 7, np.dtype(jnp.float16): 10, np.dtype(jnp.float32): 23}
+  m = mant[np.dtype(dtype)]
+  mag = np.maximum(np.abs(values), float(info.tiny))
+  return np.exp2(np.floor(np.log2(mag)) - m)
+
+
+def _assert_close(got, ref, a, b, bias=None, tol_acc=None):
+  got = np.asarray(jnp.asarray(got).astype(jnp.float32), np.float64)
+  ref_f = np.asarray(jnp.asarray(ref).astype(jnp.float32), np.float64)
+  assert got.shape == ref_f.shape
+  np.testing.assert_array_equal(np.isnan(got), np.isnan(ref_f), err_msg="NaN positions differ")
+  k = a.shape[1]
+  mag = _magnitudes(a) @ _magnitudes(b).T
+  bias_mag = 0.0 if bias is None else np.abs(np.asarray(bias.astype(jnp.float32), np.float64))
+  tol_acc = 2 * k * 2.0**-24 if tol_acc is None else tol_acc
+  tol = tol_acc * mag + 4 * 2.0**-24 * (mag + bias_mag) + _ulp(ref_f, ref.dtype) + 1e-30
+  finite = ~np.isnan(ref_f)
+  err = np.where(got == ref_f, 0.0, np.abs(got - ref_f))  # equal infinities match
+  bad = finite & ~(err <= tol)
+  assert not bad.any(), (f"{bad.sum()} of {bad.size} elements outside tolerance; worst "
+                         f"err/tol = {np.max(np.where(finite, err / tol, 0)):.3g}")
+
+
+def _run(platform, fn, *args):
+  device = jax.devices("gpu" if platform == "gpu" else "cpu")[0]
+  with jax.default_device(device):
+    return jax.jit(fn)(*args)
+
+
+# ----------------------------------------------------------------------------------------------
+# Paths.
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pair", list(PAIRS), ids=[f"{a}x{b}" for a, b in PAIRS])
+def test_each_pair_takes_its_documented_path(pair, rng):
+  _platform_or_skip("cpu")
+  a = _operand(rng, (M, K), pair[0])
+  b = _operand(rng, (N, K), pair[1])
+  path = ffi_gemm.gemm_path(a, b)
+  want = PAIRS[pair]
+  assert path == (f"cpu:{want}" if ffi_gemm._uses_target(want) else want)
+  assert ffi_gemm.gemm_unsupported(a, b) is None
+
+
+def test_ops_gemm_reports_the_ffi_path_to_explain(rng, monkeypatch):
+  _platform_or_skip("cpu")
+  monkeypatch.setenv("JAXQUANT_BACKEND", "ffi")
+  a, b = _operand(rng, (M, K), "mxfp8"), _operand(rng, (N, K), "nvfp4-row")
+  report = jq.explain(lambda a, b: jq.ops.gemm(a, b, out_dtype=jnp.float32), a, b)
+  assert report.paths("gemm") == {"cpu:wgmma-dequant-mxfp8-nvfp4"}, str(report)
+
+
+def test_cpu_handlers_leave_large_problems_to_the_reference_visibly(rng):
+  _platform_or_skip("cpu")
+  a = jax.ShapeDtypeStruct((1024, 1024), jnp.float8_e4m3fn)
+  t = jq.ScaledTensor(a, jnp.float32(1), jnp.float32(1), QUANTIZERS["fp8"], np.dtype(jnp.float32))
+  reason = ffi_gemm.gemm_unsupported(t, t)
+  assert reason is not None and "small problems" in reason
+
+
+def test_a_slower_path_says_why(rng):
+  _platform_or_skip("cpu")
+  a, b = _operand(rng, (M, K), "block-128x128"), _operand(rng, (N, K), "block-128x128")
+  assert "128x128 x 128x128" in ffi_gemm.gemm_path_reason(a, b)
+
+
+# ----------------------------------------------------------------------------------------------
+# Numerics: every pair, then output dtypes x bias on one pair per kernel.
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("pair", list(PAIRS), ids=[f"{a}x{b}" for a, b in PAIRS])
+def test_ffi_gemm_matches_reference_for_every_pair(platform, pair, rng):
+  _platform_or_skip(platform)
+  a = _operand(rng, (M, K), pair[0])
+  b = _operand(rng, (N, K), pair[1])
+  bias = jnp.asarray(rng.standard_normal(N), jnp.float32)
+  fn = lambda a, b, bias: ffi_gemm.gemm(a, b, out_dtype=jnp.float32, bias=bias,
+                                         accumulation="split")
+  got = _run(platform, fn, a, b, bias)
+  ref = _run(platform, lambda a, b, bias: reference.gemm(a, b, out_dtype=jnp.float32, bias=bias),
+             a, b, bias)
+  _assert_close(got, ref, a, b, bias)
+
+
+KERNEL_PAIRS = [("fp8", "fp8-e5m2"), ("block-1x128", "block-128x128"), ("mxfp8", "mxfp8"),
+                ("nvfp4-row", "nvfp4-2d"), ("nvfp4", "mxfp8")]
+OUT_DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
+BIASES = [None, jnp.bfloat16, jnp.float32]  # float16 bias: in the float16-output GPU run below
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("bias_dtype", BIASES, ids=lambda d: "nobias" if d is None else
+                         np.dtype(d).name)
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("pair", KERNEL_PAIRS, ids=[f"{a}x{b}" for a, b in KERNEL_PAIRS])
+def test_ffi_gemm_output_dtype_and_bias(platform, pair, out_dtype, bias_dtype, rng):
+  _platform_or_skip(platform)
+  a = _operand(rng, (M, K), pair[0], spread=False)  # products well inside float16's range
+  b = _operand(rng, (N, K), pair[1], spread=False)
+  bias = None if bias_dtype is None else jnp.asarray(rng.standard_normal(N), bias_dtype)
+  fn = lambda a, b, bias: ffi_gemm.gemm(a, b, out_dtype=out_dtype, bias=bias,
+                                         accumulation="split")
+  got = _run(platform, fn, a, b, bias)
+  ref = _run(platform, lambda a, b, bias: reference.gemm(a, b, out_dtype=out_dtype, bias=bias),
+             a, b, bias)
+  assert got.dtype == np.dtype(out_dtype)
+  _assert_close(got, ref, a, b, bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", KERNEL_PAIRS, ids=[f"{a}x{b}" for a, b in KERNEL_PAIRS])
+def test_ffi_gemm_float16_output_with_float16_bias(pair, rng):
+  _platform_or_skip("gpu")
+  a = _operand(rng, (M, K), pair[0], spread=False)
+  b = _operand(rng, (N, K), pair[1], spread=False)
+  bias = jnp.asarray(rng.standard_normal(N), jnp.float16)
+  fn = lambda a, b, bias: ffi_gemm.gemm(a, b, out_dtype=jnp.float16, bias=bias,
+                                         accumulation="split")
+  got = _run("gpu", fn, a, b, bias)
+  ref = _run("gpu", lambda a, b, bias: reference.gemm(a, b, out_dtype=jnp.float16, bias=bias),
+             a, b, bias)
+  _assert_close(got, ref, a, b, bias)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("pair", [("mxfp8", "mxfp8"), ("nvfp4", "nvfp4-row")],
+                         ids=["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("k", [80, 40])
+def test_contraction_lengths_that_need_padding(platform, pair, k, rng):
+  """K not a multiple of the kernel's 16/32-element payload chunks: zero-padded, same result."""
+  _platform_or_skip(platform)
+  a, b = _operand(rng, (M, k), pair[0]), _operand(rng, (N, k), pair[1])
+  got = _run(platform, lambda a, b: ffi_gemm.gemm(a, b, out_dtype=jnp.float32), a, b)
+  ref = _run(platform, lambda a, b: reference.gemm(a, b, out_dtype=jnp.float32), a, b)
+  _assert_close(got, ref, a, b)
+
+
+# ----------------------------------------------------------------------------------------------
+# The wgmma-dequant kernel on a GPU: tile tails, extreme block scales, NaN blocks, big shapes.
+# ----------------------------------------------------------------------------------------------
+
+SHAPES = [(1, 8, 32), (128, 256, 64), (300, 272, 1056), (257, 520, 4160), (2048, 2048, 2048)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("pair", [("mxfp8", "mxfp8"), ("nvfp4-row", "nvfp4-2d"),
+                                  ("mxfp8-e5m2", "nvfp4")], ids=["mxfp8", "nvfp4", "mixed"])
+def test_dequant_kernel_tiles_and_tails(pair, shape, rng):
+  _platform_or_skip("gpu")
+  m, n, k = shape
+  a, b = _operand(rng, (m, k), pair[0]), _operand(rng, (n, k), pair[1])
+  got = _run("gpu", lambda a, b: ffi_gemm.gemm(a, b, out_dtype=jnp.float32), a, b)
+  ref = _run("gpu", lambda a, b: reference.gemm(a, b, out_dtype=jnp.float32), a, b)
+  _assert_close(got, ref, a, b)
+
+
+def _wide_range_matrix(rng, shape, block=32):
+  """Blocks whose magnitudes span 2^-100..2^60 (E8M0 exponents far from 127 on both sides),
+  and elements within a block spread over 2^-14..1 of the block's largest (E4M3 subnormals)."""
+  rows, cols = shape
+  nb = -(-cols // block)
+  scale = np.exp2(rng.integers(-100, 60, size=(rows, nb)).astype(np.float64))
+  x = rng.standard_normal((rows, nb * block)) * np.exp2(rng.uniform(-14, 0, (rows, nb * block)))
+  x = x * np.repeat(scale, block, axis=1)
+  return np.asarray(x[:, :cols], np.float32)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp8-e5m2"])
+def test_dequant_mxfp8_extreme_block_scales_subnormals_and_nan_blocks(platform, fmt, rng):
+  _platform_or_skip(platform)
+  q = QUANTIZERS[fmt]
+  xa, xb = _wide_range_matrix(rng, (M, K)), _wide_range_matrix(rng, (N, K))
+  xa[3, 70] = np.nan  # row 3's block 2 becomes a NaN block (E8M0 255): row 3 of C is NaN
+  a, b = _quantize(jnp.asarray(xa), q), _quantize(jnp.asarray(xb), q)
+  got = _run(platform, lambda a, b: ffi_gemm.gemm(a, b, out_dtype=jnp.float32), a, b)
+  ref = _run(platform, lambda a, b: reference.gemm(a, b, out_dtype=jnp.float32), a, b)
+  assert np.isnan(np.asarray(ref)[3]).all()
+  # Values whose decoded bf16 would be subnormal (below 2^-126) are outside the kernel's exact
+  # range; the generator keeps every block above 2^-100.
+  _assert_close(got, ref, a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("accumulation", ["fast", "split"])
+def test_cublaslt_fp8_accumulation_modes(accumulation, rng):
+  _platform_or_skip("gpu")
+  k = 4096
+  a, b = _operand(rng, (256, k), "fp8"), _operand(rng, (272, k), "fp8-e5m2")
+  got = _run("gpu", lambda a, b: ffi_gemm.gemm(a, b, out_dtype=jnp.float32,
+                                               accumulation=accumulation), a, b)
+  ref = _run("gpu", lambda a, b: reference.gemm(a, b, out_dtype=jnp.float32), a, b)
+  tol_acc = (k / 32 + 1) * 2.0**-11 if accumulation == "fast" else None
+  _assert_close(got, ref, a, b, tol_acc=tol_acc)
+
+
+def test_default_accumulation_is_fast_forward_split_backward(monkeypatch):
+  monkeypatch.delenv("JAXQUANT_FP8_ACCUMULATION", raising=False)
+  assert ffi_gemm._accumulation(None, "linear/fc1/fprop", None) == "fast"
+  assert ffi_gemm._accumulation(None, "linear/fc1/dgrad", None) == "split"
+  assert ffi_gemm._accumulation(None, "linear/fc1/wgrad", None) == "split"
+  assert ffi_gemm._accumulation(None, None, None) == "split"
+  assert ffi_gemm._accumulation(None, "fprop", jax.lax.Precision.HIGHEST) == "split"
+  monkeypatch.setenv("JAXQUANT_FP8_ACCUMULATION", "split")
+  assert ffi_gemm._accumulation(None, "linear/fc1/fprop", None) == "split"
+  monkeypatch.setenv("JAXQUANT_FP8_ACCUMULATION", "sometimes")
+  with pytest.raises(ValueError, match="JAXQUANT_FP8_ACCUMULATION"):
+    ffi_gemm._accumulation(None, "fprop", None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checking in the handlers, and the quantized Dense on the FFI GEMM.
+# ----------------------------------------------------------------------------------------------
+
+def test_handler_rejects_a_block_scale_in_the_wrong_layout(rng):
+  _platform_or_skip("cpu")
+  a = _operand(rng, (M, K), "block-1x128")
+  bad_scale = a.scale_inv  # [M, K/128] row-major; cuBLASLt's layout is (K/128, round_up(M, 4))
+  call = jax.ffi.ffi_call(ffi_gemm.FP8_TARGET, (jax.ShapeDtypeStruct((M, M), jnp.float32),
+                                                jax.ShapeDtypeStruct((0,), jnp.uint8)),
+                          vmap_method="sequential")
+  with pytest.raises(Exception, match="a_scale is float32.*cuBLASLt's layout"):
+    jax.block_until_ready(call(a.data, bad_scale, a.data, bad_scale, jnp.zeros((0,), jnp.float32),
+                               a_scale_mode=np.int64(1), b_scale_mode=np.int64(1),
+                               fast_accum=False))
+
+
+def test_handler_rejects_payload_that_is_not_padded(rng):
+  _platform_or_skip("cpu")
+  a = _operand(rng, (M, 72), "mxfp8")
+  call = jax.ffi.ffi_call(ffi_gemm.DEQUANT_TARGET, jax.ShapeDtypeStruct((M, M), jnp.float32),
+                          vmap_method="sequential")
+  empty = jnp.zeros((0,), jnp.float32)
+  with pytest.raises(Exception, match="multiple of 16"):
+    jax.block_until_ready(call(a.data, a.scale_inv, empty, a.data, a.scale_inv, empty, empty,
+                               k=np.int64(72), a_scale_tile_rows=np.int64(1),
+                               b_scale_tile_rows=np.int64(1)))
+
+
+DENSE_RECIPES = [
+    ("cpu", "Float8CurrentScaling"), ("cpu", "NVFP4BlockScaling"),
+    *[pytest.param("gpu", r, marks=pytest.mark.gpu)
+      for r in ("Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling",
+                "NVFP4BlockScaling")]]
+
+
+@pytest.mark.parametrize("platform,recipe", DENSE_RECIPES)
+def test_quantized_dense_runs_its_gemms_on_the_ffi_path(platform, recipe, rng, monkeypatch):
+  _platform_or_skip(platform)
+  monkeypatch.delenv("JAXQUANT_BACKEND", raising=False)
+  kwargs = {"disable_stochastic_rounding": True} if recipe == "NVFP4BlockScaling" else {}
+  model = jq.flax.Dense(128, recipe=getattr(jq.recipes, recipe)(**kwargs))
+  x = jnp.asarray(rng.standard_normal((64, 256)), jnp.bfloat16)
+  device = jax.devices("gpu" if platform == "gpu" else "cpu")[0]
+  with jax.default_device(device):
+    params = model.init(jax.random.key(0), x)
+
+    def loss(params, x):
+      return jnp.sum(model.apply(params, x, rngs={"quantize": jax.random.key(1)})
+                     .astype(jnp.float32) ** 2)
+
+    report = jq.explain(jax.grad(loss), params, x)
+    grads = jax.jit(jax.grad(loss))(params, x)
+  paths = report.paths("gemm")
+  assert paths and not paths & {"reference"}, str(report)
+  assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in jax.tree.leaves(grads))
