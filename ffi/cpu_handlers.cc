@@ -107,7 +107,7 @@ ffi::Error QuantizeFp8Cpu(ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::RemainingRets
   const float scale = delayed ? *a.s : jq::scale_from_amax(*a.s, fmax, pow2_scale, amax_epsilon);
   if (rowwise) fp8_with_scale(direction_matrix(a.x, false, false), scale, a.fmt, a.row_data);
   if (columnwise) fp8_with_scale(direction_matrix(a.x, true, false), scale, a.fmt, a.col_data);
-  *a.scale_inv = 1.0f / scale;
+  *a.scale_inv = jq::rcp_f32(scale);
   if (delayed) {
     const Matrix m = direction_matrix(a.x, false, false);
     *a.amax = float_of(amax_bits_of_range(m, 0, m.rows, 0, m.cols));
@@ -154,7 +154,7 @@ void fp8_block_matrix(const Matrix& m, int64_t block_rows, const Fp8BlockArgs& a
       const int64_t r0 = br * block_rows, c0 = bc * 128;
       const float amax = float_of(amax_bits_of_range(m, r0, r0 + block_rows, c0, c0 + 128));
       const float scale = jq::scale_from_amax(amax, fmax, a.pow2_scale, a.amax_epsilon);
-      scale_inv[br * nbc + bc] = 1.0f / scale;
+      scale_inv[br * nbc + bc] = jq::rcp_f32(scale);
       for (int64_t r = r0; r < std::min(r0 + block_rows, m.rows); ++r) {
         for (int64_t c = c0; c < std::min(c0 + 128, m.cols); ++c) {
           data[r * m.cols + c] = uint8_t(jq::encode_fp8(m.at(r, c) * scale, a.fmt));

@@ -118,16 +118,61 @@ __device__ __forceinline__ void atomic_max_float(float* out, uint32_t abs_bits) 
   atomicMax(reinterpret_cast<unsigned int*>(out), abs_bits);
 }
 
-// Tile geometry of the quantize kernels: the load phase gives each thread 8 consecutive
-// elements of a row per pass; the column phase gives each thread one column and CH rows.
-template <int TR_, int TC_>
+// Tile geometry of the quantize kernels. Load (row) phase: each thread holds 8 consecutive
+// elements of a tile row per pass. Column phase: each thread owns a 16-row chunk of one tile
+// column (lane % NJ = the chunk, so a block of 32 or 128 rows is reduced with warp shuffles),
+// and the lanes of a warp cover CPW columns: a warp's store writes CPW output rows with
+// NJ * (8 or 16) contiguous bytes each.
+template <typename In, int TR_, int TC_>
 struct Geometry {
   static constexpr int TR = TR_, TC = TC_;
   static constexpr int TPR = TC / 8;           // threads per tile row
   static constexpr int RPP = kThreads / TPR;   // tile rows per pass
   static constexpr int NP = TR / RPP;          // passes
-  static constexpr int NCH = kThreads / TC;    // column chunks
-  static constexpr int CH = TR / NCH;          // rows per column chunk
+  static constexpr int NJ = TR / 16;           // 16-row chunks per column
+  static constexpr int CPW = 32 / NJ;          // columns per warp in the column phase
+  static constexpr int CPI = CPW * (kThreads / 32);  // columns per column-phase iteration
+  static constexpr int ITERS = TC / CPI;
+  static constexpr int EPC = 16 / sizeof(In);  // elements per 16-byte chunk
+  // 16-byte chunks of a tile row are XOR-swizzled by the row's 16-row chunk index, so the NJ
+  // lanes reading one column at rows 16j + i hit distinct banks (f32 rows span two chunks per
+  // 8 columns, hence the factor 2 there).
+  static constexpr int SWM = (sizeof(In) == 4 && NJ == 4) ? 2 : 1;
+  static constexpr int kSmemBytes = TR * TC * int(sizeof(In));
+  static_assert(TPR * RPP == kThreads && NP * RPP == TR && ITERS * CPI == TC, "tile shape");
+
+  __device__ static __forceinline__ int offset(int r, int c) {
+    const int chunk = (c / EPC) ^ (((r >> 4) & (NJ - 1)) * SWM);
+    return r * TC + chunk * EPC + c % EPC;
+  }
+};
+
+// Writes the 8 elements a load-phase thread holds at (r, c..c+7) into the swizzled tile.
+template <typename G, typename In>
+__device__ __forceinline__ void tile_store8(In* tile, int r, int c, const In* v) {
+  reinterpret_cast<uint4*>(tile + G::offset(r, c))[0] = reinterpret_cast<const uint4*>(v)[0];
+  if constexpr (sizeof(In) == 4) {
+    reinterpret_cast<uint4*>(tile + G::offset(r, c + 4))[0] = reinterpret_cast<const uint4*>(v)[1];
+  }
+}
+
+// Reads 16 rows (r0 .. r0+15) of tile column c as floats.
+template <typename G, typename In>
+__device__ __forceinline__ void tile_column16(const In* tile, int r0, int c, float* w) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) w[i] = to_float(tile[G::offset(r0 + i, c)]);
+}
+
+// The column-phase coordinates of this thread in iteration `it`.
+template <typename G>
+struct ColumnSlot {
+  int cl;  // tile column
+  int j;   // 16-row chunk
+  __device__ __forceinline__ ColumnSlot(int it) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    j = lane % G::NJ;
+    cl = it * G::CPI + warp * G::CPW + lane / G::NJ;
+  }
 };
 
 struct TileIndex {
@@ -144,6 +189,17 @@ inline unsigned num_tiles(int64_t R, int64_t C, int TR, int TC) {
 }
 
 inline bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// Launches a tile kernel with `smem` bytes of dynamic shared memory (opting in above 48 KiB).
+template <typename Kernel, typename Params>
+cudaError_t launch_tiles(Kernel kernel, unsigned tiles, int smem, cudaStream_t stream, const Params& p) {
+  if (smem > 48 * 1024) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+  }
+  kernel<<<tiles, kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
 
 // ============================================================================================
 // amax: per tensor, per row, per column, optionally of rht16(x^T) (16-row chunks of columns).
@@ -187,19 +243,33 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const AmaxParams p) {
         for (int j = 0; j < W; ++j) raw[i][j] = (r < p.R && c + j < p.C) ? x[r * p.C + c + j] : zero_of<In>();
       }
     }
+    uint32_t row_part[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-      uint32_t row_part = 0;
+      row_part[i] = 0;
 #pragma unroll
       for (int j = 0; j < W; ++j) {
         const uint32_t a = jq::abs_bits(to_float(raw[i][j]));
-        row_part = max(row_part, a);
+        row_part[i] = max(row_part[i], a);
         col_part[j] = max(col_part[j], a);
       }
-      if (p.rows) {
-        row_part = warp_max(row_part);
-        if (lane == 0 && r0 + i < p.R) atomic_max_float(p.rows + r0 + i, row_part);
+    }
+    if (p.rows) {
+      // Reduce-scatter the 16 row maxima across the warp (8+4+2+1+1 shuffles instead of 16x5):
+      // afterwards lane l holds row 8*b4 + 4*b3 + 2*b2 + b1 (b_k = bit k of l), max over lanes.
+#pragma unroll
+      for (int half = 8, bit = 4; half >= 1; half >>= 1, --bit) {
+        const bool upper = (lane >> bit) & 1;
+#pragma unroll
+        for (int k = 0; k < half; ++k) {
+          const uint32_t send = upper ? row_part[k] : row_part[k + half];
+          const uint32_t keep = upper ? row_part[k + half] : row_part[k];
+          row_part[k] = max(keep, __shfl_xor_sync(0xFFFFFFFFu, send, 1 << bit));
+        }
       }
+      row_part[0] = max(row_part[0], __shfl_xor_sync(0xFFFFFFFFu, row_part[0], 1));
+      const int64_t r = r0 + ((lane >> 1) & 15);
+      if ((lane & 1) == 0 && r < p.R) atomic_max_float(p.rows + r, row_part[0]);
     }
     if (want_rht) {
 #pragma unroll
@@ -245,7 +315,7 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const AmaxParams p) {
 }
 
 // ============================================================================================
-// FP8 per tensor (current and delayed scaling).
+// FP8 per tensor (current and delayed scaling). Tile 128x128.
 // ============================================================================================
 
 struct Fp8TensorParams {
@@ -261,9 +331,13 @@ struct Fp8TensorParams {
 };
 
 template <typename In>
+using FP8Tile = Geometry<In, 128, 128>;
+
+template <typename In>
 __global__ void __launch_bounds__(kThreads) fp8_tensor_kernel(const Fp8TensorParams p) {
-  using G = Geometry<64, 128>;
-  __shared__ alignas(16) In tile[G::TR][G::TC];
+  using G = FP8Tile<In>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  In* tile = reinterpret_cast<In*>(smem);
   __shared__ uint32_t red[kThreads / 32];
   const In* x = static_cast<const In*>(p.x);
   const int tid = threadIdx.x;
@@ -277,7 +351,7 @@ __global__ void __launch_bounds__(kThreads) fp8_tensor_kernel(const Fp8TensorPar
   uint32_t amax = 0;
 #pragma unroll
   for (int pp = 0; pp < G::NP; ++pp) {
-    if (p.do_col) copy8(&tile[pp * G::RPP + lr][lc], raw[pp]);
+    if (p.do_col) tile_store8<G>(tile, pp * G::RPP + lr, lc, raw[pp]);
     float v[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -295,29 +369,28 @@ __global__ void __launch_bounds__(kThreads) fp8_tensor_kernel(const Fp8TensorPar
     amax = cta_max(amax, red);
     if (tid == 0) atomic_max_float(p.amax, amax);
   }
-  if (blockIdx.x == 0 && tid == 0) *p.scale_inv = 1.0f / scale;
+  if (blockIdx.x == 0 && tid == 0) *p.scale_inv = jq::rcp_f32(scale);
   if (!p.do_col) return;
   __syncthreads();
-  const int cl = tid % G::TC, k = tid / G::TC;
-  const int64_t c = t.c0 + cl;
-  if (c >= p.C) return;
 #pragma unroll
-  for (int s = 0; s < G::CH / 16; ++s) {
-    const int l0 = k * G::CH + s * 16;
-    const int64_t rr = t.r0 + l0;
-    if (rr >= p.R) break;
+  for (int it = 0; it < G::ITERS; ++it) {
+    const ColumnSlot<G> slot(it);
+    const int64_t c = t.c0 + slot.cl, rr = t.r0 + 16 * slot.j;
+    if (c >= p.C || rr >= p.R) continue;
     float w[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) w[i] = to_float(tile[l0 + i][cl]) * scale;
+    tile_column16<G>(tile, 16 * slot.j, slot.cl, w);
     uint32_t q[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) q[j] = jq::encode_fp8x4(w[4 * j], w[4 * j + 1], w[4 * j + 2], w[4 * j + 3], p.fmt);
+    for (int k = 0; k < 4; ++k) {
+      q[k] = jq::encode_fp8x4(w[4 * k] * scale, w[4 * k + 1] * scale, w[4 * k + 2] * scale, w[4 * k + 3] * scale,
+                              p.fmt);
+    }
     store_bytes16(p.col + c * p.R + rr, q, int(min64(16, p.R - rr)), p.vec_col);
   }
 }
 
 // ============================================================================================
-// MXFP8: 1x32 blocks along each output's rows, E8M0 scales; fused tensor amax.
+// MXFP8: 1x32 blocks along each output's rows, E8M0 scales; fused tensor amax. Tile 128x128.
 // ============================================================================================
 
 struct Mxfp8Params {
@@ -329,11 +402,16 @@ struct Mxfp8Params {
   float* amax;
 };
 
+__device__ __forceinline__ uint32_t mxfp8_codes4(const float* v, jq::Mxfp8Factors f, uint32_t e, jq::Fp8 fmt) {
+  if (e == 255) return 0x7F7F7F7Fu;
+  return jq::encode_fp8x4(v[0] * f.a * f.b, v[1] * f.a * f.b, v[2] * f.a * f.b, v[3] * f.a * f.b, fmt);
+}
+
 template <typename In>
 __global__ void __launch_bounds__(kThreads) mxfp8_kernel(const Mxfp8Params p) {
-  using G = Geometry<64, 128>;
-  static_assert(G::CH == 32, "one column chunk is one MXFP8 block");
-  __shared__ alignas(16) In tile[G::TR][G::TC];
+  using G = FP8Tile<In>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  In* tile = reinterpret_cast<In*>(smem);
   __shared__ uint32_t red[kThreads / 32];
   const In* x = static_cast<const In*>(p.x);
   const int tid = threadIdx.x;
@@ -347,7 +425,7 @@ __global__ void __launch_bounds__(kThreads) mxfp8_kernel(const Mxfp8Params p) {
   uint32_t amax = 0;
 #pragma unroll
   for (int pp = 0; pp < G::NP; ++pp) {
-    if (p.do_col) copy8(&tile[pp * G::RPP + lr][lc], raw[pp]);
+    if (p.do_col) tile_store8<G>(tile, pp * G::RPP + lr, lc, raw[pp]);
     float v[8];
     uint32_t m = 0;
 #pragma unroll
@@ -363,12 +441,8 @@ __global__ void __launch_bounds__(kThreads) mxfp8_kernel(const Mxfp8Params p) {
     if (r < p.R && c < p.C) {
       const uint32_t e = jq::e8m0_from_amax(__uint_as_float(m), inv_fmax);
       const jq::Mxfp8Factors f = jq::mxfp8_factors(e);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] = v[i] * f.a * f.b;
-      uint32_t w0 = jq::encode_fp8x4(v[0], v[1], v[2], v[3], p.fmt);
-      uint32_t w1 = jq::encode_fp8x4(v[4], v[5], v[6], v[7], p.fmt);
-      if (e == 255) w0 = w1 = 0x7F7F7F7Fu;
-      store_bytes8(p.row + r * p.C + c, w0, w1, int(min64(8, p.C - c)), p.vec_row);
+      store_bytes8(p.row + r * p.C + c, mxfp8_codes4(v, f, e, p.fmt), mxfp8_codes4(v + 4, f, e, p.fmt),
+                   int(min64(8, p.C - c)), p.vec_row);
       if ((tid & 3) == 0) p.row_scale[r * row_nb + c / 32] = uint8_t(e);
     }
   }
@@ -378,28 +452,23 @@ __global__ void __launch_bounds__(kThreads) mxfp8_kernel(const Mxfp8Params p) {
   }
   if (!p.do_col) return;
   __syncthreads();
-  const int cl = tid % G::TC, k = tid / G::TC;
-  const int64_t c = t.c0 + cl, rr0 = t.r0 + k * G::CH;
-  if (c >= p.C || rr0 >= p.R) return;
-  uint32_t m = 0;
 #pragma unroll
-  for (int i = 0; i < 32; ++i) m = max(m, jq::abs_bits(to_float(tile[k * G::CH + i][cl])));
-  const uint32_t e = jq::e8m0_from_amax(__uint_as_float(m), inv_fmax);
-  const jq::Mxfp8Factors f = jq::mxfp8_factors(e);
-  p.col_scale[c * col_nb + rr0 / 32] = uint8_t(e);
+  for (int it = 0; it < G::ITERS; ++it) {
+    const ColumnSlot<G> slot(it);
+    const int64_t c = t.c0 + slot.cl, rr = t.r0 + 16 * slot.j;
+    float w[16];
+    tile_column16<G>(tile, 16 * slot.j, slot.cl, w);
+    uint32_t m = 0;
 #pragma unroll
-  for (int s = 0; s < 2; ++s) {
-    const int64_t rr = rr0 + 16 * s;
-    if (rr >= p.R) break;
+    for (int i = 0; i < 16; ++i) m = max(m, jq::abs_bits(w[i]));
+    m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));  // chunks j, j^1 = one 32-row block
+    if (c >= p.C || rr >= p.R) continue;
+    const uint32_t e = jq::e8m0_from_amax(__uint_as_float(m), inv_fmax);
+    const jq::Mxfp8Factors f = jq::mxfp8_factors(e);
+    if ((slot.j & 1) == 0) p.col_scale[c * col_nb + rr / 32] = uint8_t(e);
     uint32_t q[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int l = k * G::CH + 16 * s + 4 * j;
-      q[j] = e == 255 ? 0x7F7F7F7Fu
-                      : jq::encode_fp8x4(to_float(tile[l][cl]) * f.a * f.b, to_float(tile[l + 1][cl]) * f.a * f.b,
-                                         to_float(tile[l + 2][cl]) * f.a * f.b,
-                                         to_float(tile[l + 3][cl]) * f.a * f.b, p.fmt);
-    }
+    for (int k = 0; k < 4; ++k) q[k] = mxfp8_codes4(w + 4 * k, f, e, p.fmt);
     store_bytes16(p.col + c * p.R + rr, q, int(min64(16, p.R - rr)), p.vec_col);
   }
 }
@@ -420,12 +489,11 @@ struct Fp8BlockParams {
 
 template <typename In>
 __global__ void __launch_bounds__(kThreads) fp8_block_kernel(const Fp8BlockParams p) {
-  using G = Geometry<128, 128>;
-  static_assert(G::TPR == 16 && G::CH == 64, "a tile row is one 1x128 block; two chunks a column");
+  using G = FP8Tile<In>;
+  static_assert(G::TPR == 16 && G::NJ == 8, "a tile row is one 1x128 block; 8 lanes a column");
   extern __shared__ __align__(16) unsigned char smem[];
-  In(*tile)[G::TC] = reinterpret_cast<In(*)[G::TC]>(smem);
+  In* tile = reinterpret_cast<In*>(smem);
   __shared__ uint32_t red[kThreads / 32];
-  __shared__ uint32_t part[G::NCH][G::TC];
   const In* x = static_cast<const In*>(p.x);
   const int tid = threadIdx.x;
   const TileIndex t = tile_index(p.C, G::TR, G::TC);
@@ -439,7 +507,7 @@ __global__ void __launch_bounds__(kThreads) fp8_block_kernel(const Fp8BlockParam
   uint32_t amax = 0;
 #pragma unroll
   for (int pp = 0; pp < G::NP; ++pp) {
-    if (p.do_col) copy8(&tile[pp * G::RPP + lr][lc], raw[pp]);
+    if (p.do_col) tile_store8<G>(tile, pp * G::RPP + lr, lc, raw[pp]);
     uint32_t m = 0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) m = max(m, jq::abs_bits(to_float(raw[pp][i])));
@@ -448,7 +516,7 @@ __global__ void __launch_bounds__(kThreads) fp8_block_kernel(const Fp8BlockParam
     for (int o = 1; o < 16; o <<= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
     row_m[pp] = m;
   }
-  const uint32_t tile_amax = cta_max(amax, red);  // also the 128x128 block amax
+  const uint32_t tile_amax = cta_max(amax, red);  // also the 128x128 block amax; orders the tile
   if (p.amax && tid == 0) atomic_max_float(p.amax, tile_amax);
   const float tile_scale = jq::scale_from_amax(__uint_as_float(tile_amax), fmax, p.pow2_scale, p.amax_epsilon);
   if (p.do_row) {
@@ -465,40 +533,37 @@ __global__ void __launch_bounds__(kThreads) fp8_block_kernel(const Fp8BlockParam
       const uint32_t w1 = jq::encode_fp8x4(v[4], v[5], v[6], v[7], p.fmt);
       store_bytes8(p.row + r * p.C + c, w0, w1, int(min64(8, p.C - c)), p.vec_row);
       if (p.block_2d) {
-        if (tid == 0) p.row_scale[(t.r0 / 128) * row_nb + t.c0 / 128] = 1.0f / scale;
+        if (tid == 0) p.row_scale[(t.r0 / 128) * row_nb + t.c0 / 128] = jq::rcp_f32(scale);
       } else if (lc == 0) {
-        p.row_scale[r * row_nb + t.c0 / 128] = 1.0f / scale;
+        p.row_scale[r * row_nb + t.c0 / 128] = jq::rcp_f32(scale);
       }
     }
   }
   if (!p.do_col) return;
-  const int cl = tid % G::TC, k = tid / G::TC;
-  const int64_t c = t.c0 + cl;
-  uint32_t m = 0;
-#pragma unroll 16
-  for (int i = 0; i < G::CH; ++i) m = max(m, jq::abs_bits(to_float(tile[k * G::CH + i][cl])));
-  part[k][cl] = m;
-  __syncthreads();  // also orders the tile stores above before the column reads
-  const uint32_t col_amax = max(part[0][cl], part[1][cl]);
-  const float scale = p.block_2d ? tile_scale
-                                 : jq::scale_from_amax(__uint_as_float(col_amax), fmax, p.pow2_scale, p.amax_epsilon);
-  if (c >= p.C) return;
-  if (p.block_2d) {
-    if (tid == 0) p.col_scale[(t.c0 / 128) * col_nb + t.r0 / 128] = 1.0f / scale;
-  } else if (k == 0) {
-    p.col_scale[c * col_nb + t.r0 / 128] = 1.0f / scale;
-  }
 #pragma unroll
-  for (int s = 0; s < G::CH / 16; ++s) {
-    const int l0 = k * G::CH + 16 * s;
-    const int64_t rr = t.r0 + l0;
-    if (rr >= p.R) break;
+  for (int it = 0; it < G::ITERS; ++it) {
+    const ColumnSlot<G> slot(it);
+    const int64_t c = t.c0 + slot.cl, rr = t.r0 + 16 * slot.j;
+    float w[16];
+    tile_column16<G>(tile, 16 * slot.j, slot.cl, w);
+    uint32_t m = 0;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) m = max(m, jq::abs_bits(w[i]));
+#pragma unroll
+    for (int o = 1; o < G::NJ; o <<= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));  // 128 rows
+    const float scale = p.block_2d ? tile_scale
+                                   : jq::scale_from_amax(__uint_as_float(m), fmax, p.pow2_scale, p.amax_epsilon);
+    if (c >= p.C || rr >= p.R) continue;
+    if (p.block_2d) {
+      if (tid == 0) p.col_scale[(t.c0 / 128) * col_nb + t.r0 / 128] = jq::rcp_f32(scale);
+    } else if (slot.j == 0) {
+      p.col_scale[c * col_nb + t.r0 / 128] = jq::rcp_f32(scale);
+    }
     uint32_t q[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int l = l0 + 4 * j;
-      q[j] = jq::encode_fp8x4(to_float(tile[l][cl]) * scale, to_float(tile[l + 1][cl]) * scale,
-                              to_float(tile[l + 2][cl]) * scale, to_float(tile[l + 3][cl]) * scale, p.fmt);
+    for (int k = 0; k < 4; ++k) {
+      q[k] = jq::encode_fp8x4(w[4 * k] * scale, w[4 * k + 1] * scale, w[4 * k + 2] * scale, w[4 * k + 3] * scale,
+                              p.fmt);
     }
     store_bytes16(p.col + c * p.R + rr, q, int(min64(16, p.R - rr)), p.vec_col);
   }
@@ -507,6 +572,7 @@ __global__ void __launch_bounds__(kThreads) fp8_block_kernel(const Fp8BlockParam
 // ============================================================================================
 // NVFP4: E2M1 payload, E4M3 scale per 1x16 block or 16x16 tile, FP32 global scale from the
 // given amax (per tensor or per row), RHT on the columnwise copy, stochastic rounding.
+// Tile 128x128; a column-phase thread owns one 16-row chunk = one NVFP4 block (= one RHT chunk).
 // ============================================================================================
 
 struct Nvfp4Params {
@@ -544,9 +610,10 @@ __device__ __forceinline__ uint32_t e2m1x8(const float* v, float s, bool sr, uin
 
 template <typename In>
 __global__ void __launch_bounds__(kThreads) nvfp4_kernel(const Nvfp4Params p) {
-  using G = Geometry<64, 128>;
-  static_assert(G::RPP == 16 && G::CH == 32, "a pass is one row of 16x16 tiles");
-  __shared__ alignas(16) In tile[G::TR][G::TC];
+  using G = Geometry<In, 128, 128>;
+  static_assert(G::RPP == 16, "a load pass is one row of 16x16 tiles");
+  extern __shared__ __align__(16) unsigned char smem[];
+  In* tile = reinterpret_cast<In*>(smem);
   __shared__ uint32_t part2d[G::NP][16][G::TC / 16];  // per (row, 16-block) amax, block_2d
   __shared__ uint32_t tile2d[G::NP][G::TC / 16];      // 16x16 tile amax, block_2d
   const In* x = static_cast<const In*>(p.x);
@@ -560,7 +627,7 @@ __global__ void __launch_bounds__(kThreads) nvfp4_kernel(const Nvfp4Params p) {
   uint32_t blk[G::NP];
 #pragma unroll
   for (int pp = 0; pp < G::NP; ++pp) {
-    if (p.do_col) copy8(&tile[pp * G::RPP + lr][lc], raw[pp]);
+    if (p.do_col) tile_store8<G>(tile, pp * G::RPP + lr, lc, raw[pp]);
     uint32_t m = 0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) m = max(m, jq::abs_bits(to_float(raw[pp][i])));
@@ -583,6 +650,7 @@ __global__ void __launch_bounds__(kThreads) nvfp4_kernel(const Nvfp4Params p) {
   }
   if (p.do_row) {
     const float tensor_s_enc = p.row_scaled ? 0.0f : jq::nvfp4_global_encode_scale(*p.row_amax);
+    const uint32_t k0 = p.sr ? p.row_key[0] : 0u, k1 = p.sr ? p.row_key[1] : 0u;
 #pragma unroll
     for (int pp = 0; pp < G::NP; ++pp) {
       const int64_t r = t.r0 + pp * G::RPP + lr, c = t.c0 + lc;
@@ -592,8 +660,7 @@ __global__ void __launch_bounds__(kThreads) nvfp4_kernel(const Nvfp4Params p) {
       float v[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) v[i] = to_float(raw[pp][i]);
-      const uint32_t row_hash = p.sr ? jq::sr_row_hash(p.row_key[0], uint32_t(r)) : 0u;
-      const uint32_t k1 = p.sr ? p.row_key[1] : 0u;
+      const uint32_t row_hash = p.sr ? jq::sr_row_hash(k0, uint32_t(r)) : 0u;
       const uint32_t packed = e2m1x8(v, b.s_enc_b, p.sr, row_hash, k1, uint32_t(c));
       store_bytes4(p.row + (r * p.C + c) / 2, packed, int(min64(8, p.C - c)) / 2, p.vec_row);
       if ((tid & 1) == 0) {
@@ -607,36 +674,33 @@ __global__ void __launch_bounds__(kThreads) nvfp4_kernel(const Nvfp4Params p) {
   }
   if (!p.do_col) return;
   __syncthreads();
-  const int cl = tid % G::TC, k = tid / G::TC;
-  const int64_t c = t.c0 + cl;
-  if (c >= p.C) return;
-  const float s_enc = jq::nvfp4_global_encode_scale(p.row_scaled ? p.col_amax[c] : *p.col_amax);
-  const uint32_t row_hash = p.sr ? jq::sr_row_hash(p.col_key[0], uint32_t(c)) : 0u;
-  const uint32_t k1 = p.sr ? p.col_key[1] : 0u;
+  const float tensor_s_enc = p.row_scaled ? 0.0f : jq::nvfp4_global_encode_scale(*p.col_amax);
+  const uint32_t k0 = p.sr ? p.col_key[0] : 0u, k1 = p.sr ? p.col_key[1] : 0u;
 #pragma unroll
-  for (int s = 0; s < G::CH / 16; ++s) {
-    const int l0 = k * G::CH + 16 * s;
-    const int64_t rr = t.r0 + l0;
-    if (rr >= p.R) break;
+  for (int it = 0; it < G::ITERS; ++it) {
+    const ColumnSlot<G> slot(it);
+    const int64_t c = t.c0 + slot.cl, rr = t.r0 + 16 * slot.j;
+    if (c >= p.C || rr >= p.R) continue;
     float w[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) w[i] = to_float(tile[l0 + i][cl]);
+    tile_column16<G>(tile, 16 * slot.j, slot.cl, w);
     if (p.rht) jq::rht16(w);
     uint32_t m;
     if (p.block_2d) {
-      m = tile2d[l0 / 16][cl / 16];
+      m = tile2d[slot.j][slot.cl / 16];
     } else {
       m = 0;
 #pragma unroll
       for (int i = 0; i < 16; ++i) m = max(m, jq::abs_bits(w[i]));
     }
+    const float s_enc = p.row_scaled ? jq::nvfp4_global_encode_scale(p.col_amax[c]) : tensor_s_enc;
     const Nvfp4Block b = nvfp4_block(m, s_enc);
+    const uint32_t row_hash = p.sr ? jq::sr_row_hash(k0, uint32_t(c)) : 0u;
     const uint32_t lo = e2m1x8(w, b.s_enc_b, p.sr, row_hash, k1, uint32_t(rr));
     const uint32_t hi = e2m1x8(w + 8, b.s_enc_b, p.sr, row_hash, k1, uint32_t(rr + 8));
     store_bytes8(p.col + (c * p.R + rr) / 2, lo, hi, int(min64(16, p.R - rr)) / 2, p.vec_col);
     if (!p.block_2d) {
       p.col_scale[c * col_nb + rr / 16] = uint8_t(b.code);
-    } else if (cl % 16 == 0) {
+    } else if (slot.cl % 16 == 0) {
       p.col_scale[(c / 16) * col_nb + rr / 16] = uint8_t(b.code);
     }
   }
@@ -708,28 +772,36 @@ struct TransposeParams {
 };
 
 __global__ void __launch_bounds__(kThreads) transpose_kernel(const TransposeParams p) {
-  constexpr int T = 128;
-  __shared__ alignas(16) uint8_t tile[T][T];
-  const TileIndex t = tile_index(p.C, T, T);
+  using G = Geometry<uint8_t, 128, 128>;  // 16-byte chunks swizzled by 16-row chunk index
+  static_assert(G::NJ == 8 && G::ITERS == 4, "byte tile");
+  __shared__ __align__(16) uint8_t tile[G::TR * G::TC];
+  const TileIndex t = tile_index(p.C, G::TR, G::TC);
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const int v = threadIdx.x + k * kThreads, lr = v / 8, lc = (v % 8) * 16;
     const int64_t r = t.r0 + lr, c = t.c0 + lc;
+    uint4 chunk;
     if (p.vec_in && r < p.R && c + 16 <= p.C) {
-      *reinterpret_cast<uint4*>(&tile[lr][lc]) = __ldg(reinterpret_cast<const uint4*>(p.in + r * p.C + c));
+      chunk = __ldg(reinterpret_cast<const uint4*>(p.in + r * p.C + c));
     } else {
-      for (int i = 0; i < 16; ++i) tile[lr][lc + i] = (r < p.R && c + i < p.C) ? p.in[r * p.C + c + i] : 0;
+      uint32_t w[4] = {0, 0, 0, 0};
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        if (r < p.R && c + i < p.C) w[i / 4] |= uint32_t(p.in[r * p.C + c + i]) << (8 * (i % 4));
+      }
+      chunk = make_uint4(w[0], w[1], w[2], w[3]);
     }
+    *reinterpret_cast<uint4*>(tile + G::offset(lr, lc)) = chunk;
   }
   __syncthreads();
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const int v = threadIdx.x + k * kThreads, lc = v % T, lr = (v / T) * 16;
-    const int64_t c = t.c0 + lc, r = t.r0 + lr;
+  for (int it = 0; it < G::ITERS; ++it) {
+    const ColumnSlot<G> slot(it);
+    const int64_t c = t.c0 + slot.cl, r = t.r0 + 16 * slot.j;
     if (c >= p.C || r >= p.R) continue;
     uint32_t w[4] = {0, 0, 0, 0};
 #pragma unroll
-    for (int i = 0; i < 16; ++i) w[i / 4] |= uint32_t(tile[lr + i][lc]) << (8 * (i % 4));
+    for (int i = 0; i < 16; ++i) w[i / 4] |= uint32_t(tile[G::offset(16 * slot.j + i, slot.cl)]) << (8 * (i % 4));
     store_bytes16(p.out + c * p.R + r, w, int(min64(16, p.R - r)), p.vec_out);
   }
 }
@@ -766,8 +838,8 @@ __global__ void encoder_check_kernel(uint32_t* out, int64_t start, int64_t count
 // Handlers.
 // ============================================================================================
 
-ffi::Error launch_status(const char* target) {
-  const cudaError_t e = cudaGetLastError();
+ffi::Error launch_status(const char* target, cudaError_t e = cudaSuccess) {
+  if (e == cudaSuccess) e = cudaGetLastError();
   if (e != cudaSuccess) return ffi::Error::Internal(std::string(target) + ": CUDA error: " + cudaGetErrorString(e));
   return ffi::Error::Success();
 }
@@ -821,10 +893,13 @@ ffi::Error QuantizeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
                     aligned(a.row_data, 8) && a.x.cols % 8 == 0, aligned(a.col_data, 16) && a.x.rows % 16 == 0,
                     rowwise, columnwise, delayed, pow2_scale, amax_epsilon, a.fmt, a.s,
                     a.row_data, a.col_data, a.scale_inv, a.amax};
+  cudaError_t e = cudaSuccess;
   by_input_type(a.x.type, [&](auto tag) {
-    fp8_tensor_kernel<decltype(tag)><<<num_tiles(a.x.rows, a.x.cols, 64, 128), kThreads, 0, stream>>>(p);
+    using G = FP8Tile<decltype(tag)>;
+    e = launch_tiles(fp8_tensor_kernel<decltype(tag)>, num_tiles(a.x.rows, a.x.cols, G::TR, G::TC),
+                     columnwise ? G::kSmemBytes : 0, stream, p);
   });
-  return launch_status("jaxquant_quantize_fp8");
+  return launch_status("jaxquant_quantize_fp8", e);
 }
 
 ffi::Error QuantizeMxfp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets rets, bool rowwise,
@@ -835,10 +910,13 @@ ffi::Error QuantizeMxfp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Remaini
   Mxfp8Params p{a.x.data, a.x.rows, a.x.cols, vec_input(a.x),
                 aligned(a.row_data, 8) && a.x.cols % 8 == 0, aligned(a.col_data, 16) && a.x.rows % 16 == 0,
                 rowwise, columnwise, a.fmt, a.row_data, a.row_scale, a.col_data, a.col_scale, a.amax};
+  cudaError_t e = cudaSuccess;
   by_input_type(a.x.type, [&](auto tag) {
-    mxfp8_kernel<decltype(tag)><<<num_tiles(a.x.rows, a.x.cols, 64, 128), kThreads, 0, stream>>>(p);
+    using G = FP8Tile<decltype(tag)>;
+    e = launch_tiles(mxfp8_kernel<decltype(tag)>, num_tiles(a.x.rows, a.x.cols, G::TR, G::TC),
+                     columnwise ? G::kSmemBytes : 0, stream, p);
   });
-  return launch_status("jaxquant_quantize_mxfp8");
+  return launch_status("jaxquant_quantize_mxfp8", e);
 }
 
 ffi::Error QuantizeFp8BlockCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets rets, bool rowwise,
@@ -850,19 +928,13 @@ ffi::Error QuantizeFp8BlockCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Rema
                    aligned(a.row_data, 8) && a.x.cols % 8 == 0, aligned(a.col_data, 16) && a.x.rows % 16 == 0,
                    rowwise, columnwise, block_2d, pow2_scale, amax_epsilon, a.fmt,
                    a.row_data, a.col_data, a.row_scale, a.col_scale, a.amax};
-  ffi::Error status = ffi::Error::Success();
+  cudaError_t e = cudaSuccess;
   by_input_type(a.x.type, [&](auto tag) {
-    using T = decltype(tag);
-    const int smem = columnwise ? int(128 * 128 * sizeof(T)) : 0;
-    if (smem > 48 * 1024 &&
-        cudaFuncSetAttribute(fp8_block_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
-      status = launch_status("jaxquant_quantize_fp8_block (shared memory opt-in)");
-      return;
-    }
-    fp8_block_kernel<T><<<num_tiles(a.x.rows, a.x.cols, 128, 128), kThreads, smem, stream>>>(p);
+    using G = FP8Tile<decltype(tag)>;
+    e = launch_tiles(fp8_block_kernel<decltype(tag)>, num_tiles(a.x.rows, a.x.cols, G::TR, G::TC),
+                     columnwise ? G::kSmemBytes : 0, stream, p);
   });
-  JQ_RETURN_IF_ERROR(status);
-  return launch_status("jaxquant_quantize_fp8_block");
+  return launch_status("jaxquant_quantize_fp8_block", e);
 }
 
 template <typename T>
@@ -888,19 +960,23 @@ ffi::Error QuantizeNvfp4Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuff
   // The tiled kernel needs byte-aligned output rows (even row length); odd ones go generic.
   const bool tiled_row = rowwise && a.x.cols % 2 == 0;
   const bool tiled_col = columnwise && a.x.rows % 2 == 0;  // rht implies rows % 16 == 0
+  cudaError_t e = cudaSuccess;
   by_input_type(a.x.type, [&](auto tag) {
     using T = decltype(tag);
+    using G = Geometry<T, 128, 128>;
     if (tiled_row || tiled_col) {
       Nvfp4Params p{a.x.data, a.x.rows, a.x.cols, vec_input(a.x),
                     aligned(a.row_data, 4) && a.x.cols % 8 == 0, aligned(a.col_data, 8) && a.x.rows % 16 == 0,
                     tiled_row, tiled_col, row_scaled, block_2d, rht, stochastic,
                     a.row_amax, a.col_amax, a.row_key, a.col_key, a.row_data, a.row_scale, a.col_data, a.col_scale};
-      nvfp4_kernel<T><<<num_tiles(a.x.rows, a.x.cols, 64, 128), kThreads, 0, stream>>>(p);
+      e = launch_tiles(nvfp4_kernel<T>, num_tiles(a.x.rows, a.x.cols, G::TR, G::TC),
+                       tiled_col ? G::kSmemBytes : 0, stream, p);
+      if (e != cudaSuccess) return;
     }
     if (rowwise && !tiled_row) launch_nvfp4_generic<T>(stream, a, false);
     if (columnwise && !tiled_col) launch_nvfp4_generic<T>(stream, a, true);
   });
-  return launch_status("jaxquant_quantize_nvfp4");
+  return launch_status("jaxquant_quantize_nvfp4", e);
 }
 
 ffi::Error TransposeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out) {

@@ -79,6 +79,31 @@ JQ_HD float floor_f(float x) {
 #endif
 }
 
+// float32 division as the reference computes it on each backend. XLA:CPU divides IEEE-exactly;
+// XLA:GPU lowers f32 fdiv with -nvptx-prec-divf32=1: a / b -> div.full.f32 (<= 2 ulp) and
+// 1 / b -> rcp.approx.f32 ("the same result as div.full(1.0f, b)", LLVM NVPTXInstrInfo.td).
+// The device path mirrors that so the kernels equal the reference bit for bit on the GPU too;
+// define JAXQUANT_IEEE_DEVICE_DIVISION to use IEEE division on the device instead.
+JQ_HD float div_f32(float a, float b) {
+#if defined(__CUDA_ARCH__) && !defined(JAXQUANT_IEEE_DEVICE_DIVISION)
+  float q;
+  asm("div.full.f32 %0, %1, %2;" : "=f"(q) : "f"(a), "f"(b));
+  return q;
+#else
+  return a / b;
+#endif
+}
+
+JQ_HD float rcp_f32(float b) {
+#if defined(__CUDA_ARCH__) && !defined(JAXQUANT_IEEE_DEVICE_DIVISION)
+  float q;
+  asm("rcp.approx.f32 %0, %1;" : "=f"(q) : "f"(b));
+  return q;
+#else
+  return 1.0f / b;
+#endif
+}
+
 // |x| as ordered bits: for non-negative floats the uint32 order is the float order, and every
 // NaN pattern is above +inf, so a max over these bits is a NaN-propagating amax.
 JQ_HD uint32_t abs_bits(float x) { return bits_of(x) & 0x7FFFFFFFu; }
@@ -231,7 +256,7 @@ JQ_HD float decode_e4m3(uint32_t code) {
 // scales.scale_from_amax (per-tensor current scaling, Float8Block).
 JQ_HD float scale_from_amax(float amax, float fmax, bool pow2_scale, float amax_epsilon) {
   const float a = max_prop(amax, amax_epsilon);
-  float scale = fmax / a;
+  float scale = div_f32(fmax, a);
   if (is_inf(scale)) scale = kFltMax;
   if (a == 0.0f || is_inf(a) || is_nan(a)) scale = 1.0f;
   if (pow2_scale) scale = float_of(bits_of(scale) & 0xFF800000u);
@@ -270,7 +295,7 @@ JQ_HD Mxfp8Factors mxfp8_factors(uint32_t e) {
 
 // scales.nvfp4_global_encode_scale: S_enc.
 JQ_HD float nvfp4_global_encode_scale(float amax_g) {
-  const float s_enc = min_prop(kNvfp4GlobalNumerator / amax_g, kFltMax);
+  const float s_enc = min_prop(div_f32(kNvfp4GlobalNumerator, amax_g), kFltMax);
   return (amax_g == 0.0f || s_enc == 0.0f) ? 1.0f : s_enc;
 }
 
@@ -281,7 +306,7 @@ JQ_HD uint32_t nvfp4_block_decode_code(float block_amax, float s_enc) {
 
 // scales.nvfp4_block_encode_scale: S_enc_b from the decoded S_dec_b.
 JQ_HD float nvfp4_block_encode_scale(float s_dec_b, float s_enc) {
-  const float inv = 1.0f / (s_dec_b * (1.0f / s_enc));
+  const float inv = rcp_f32(s_dec_b * rcp_f32(s_enc));
   return s_dec_b == 0.0f ? 0.0f : min_prop(inv, kFltMax);
 }
 

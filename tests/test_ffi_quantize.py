@@ -178,9 +178,18 @@ def test_quantize_input_dtypes_match_reference(platform, dtype, name, rng, prng_
     check(platform, rng, prng_key, name, shape, dtype=dtype)
 
 
+# Every config with bfloat16 input; float16 / float32 (whose subnormals and overflow differ)
+# for one config of each format.
+SPECIAL_CASES = ([(name, jnp.bfloat16) for name in CONFIGS] +
+                 [(name, dtype) for dtype in (jnp.float16, jnp.float32)
+                  for name in ("fp8_current_pow2_eps", "fp8_delayed_e5m2", "mxfp8_e4m3",
+                               "block_1x128_e5m2_nopow2_eps", "block_128x128",
+                               "nvfp4_rht_sr_row_scaled", "nvfp4_2d")])
+
+
 @pytest.mark.parametrize("platform", PLATFORMS)
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
-@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("name,dtype", SPECIAL_CASES,
+                         ids=[f"{n}-{np.dtype(d).name}" for n, d in SPECIAL_CASES])
 def test_quantize_special_values_match_reference(platform, dtype, name, rng, prng_key):
   shape = (64, 160) if _uses_rht(CONFIGS[name]) else (67, 160)
   check(platform, rng, prng_key, name, shape, dtype=dtype, special=True)
