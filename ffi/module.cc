@@ -7,6 +7,7 @@
 
 #include <string>
 
+#include "gemm/registrations.h"
 #include "handlers.h"
 
 namespace nb = nanobind;
@@ -24,9 +25,14 @@ nb::dict table(const std::vector<jqffi::Target>& targets) {
 NB_MODULE(_jaxquant_ffi, m) {
   m.def("registrations", []() {
     nb::dict platforms;
-    platforms["cpu"] = table(jqffi::cpu_targets());
+    nb::dict cpu = table(jqffi::cpu_targets()), cuda;
 #ifdef JAXQUANT_WITH_CUDA
-    platforms["CUDA"] = table(jqffi::cuda_targets());
+    cuda = table(jqffi::cuda_targets());
+#endif
+    jaxquant_gemm::RegisterGemmTargets(cpu, cuda);  // ffi/gemm
+    platforms["cpu"] = cpu;
+#ifdef JAXQUANT_WITH_CUDA
+    platforms["CUDA"] = cuda;
 #endif
     return platforms;
   });

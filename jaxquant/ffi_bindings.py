@@ -53,13 +53,22 @@ def transpose(t):
   return _transpose.transpose(t)
 
 
+# The GEMM lives in jaxquant.ffi_gemm (issue 5).
 def gemm_unsupported(a, b) -> Optional[str]:
-  return "the FFI GEMM is not built yet"
+  from jaxquant import ffi_gemm
+  return ffi_gemm.gemm_unsupported(a, b)
 
 
 def gemm_path(a, b) -> str:
-  raise NotImplementedError("the FFI GEMM is not built yet")
+  from jaxquant import ffi_gemm
+  return ffi_gemm.gemm_path(a, b)
 
 
-def gemm(a, b, *, out_dtype, bias=None, precision=None):
-  raise NotImplementedError("the FFI GEMM is not built yet")
+def gemm_path_reason(a, b) -> str:
+  from jaxquant import ffi_gemm
+  return ffi_gemm.gemm_path_reason(a, b)
+
+
+def gemm(a, b, *, out_dtype, bias=None, precision=None, **kwargs):
+  from jaxquant import ffi_gemm
+  return ffi_gemm.gemm(a, b, out_dtype=out_dtype, bias=bias, precision=precision, **kwargs)

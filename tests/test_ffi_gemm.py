@@ -183,7 +183,7 @@ def test_ops_gemm_reports_the_ffi_path_to_explain(rng, monkeypatch):
 
 def test_cpu_handlers_leave_large_problems_to_the_reference_visibly(rng):
   _platform_or_skip("cpu")
-  a = jax.ShapeDtypeStruct((1024, 1024), jnp.float8_e4m3fn)
+  a = jax.ShapeDtypeStruct((512, 512), jnp.float8_e4m3fn)
   t = jq.ScaledTensor(a, jnp.float32(1), jnp.float32(1), QUANTIZERS["fp8"], np.dtype(jnp.float32))
   reason = ffi_gemm.gemm_unsupported(t, t)
   assert reason is not None and "small problems" in reason
@@ -397,3 +397,17 @@ def test_quantized_dense_runs_its_gemms_on_the_ffi_path(platform, recipe, rng, m
   paths = report.paths("gemm")
   assert paths and not paths & {"reference"}, str(report)
   assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in jax.tree.leaves(grads))
+
+
+def test_ops_gemm_passes_the_direction_so_forward_fp8_uses_fast_accumulation(rng, monkeypatch):
+  _platform_or_skip("cpu")
+  monkeypatch.setenv("JAXQUANT_BACKEND", "ffi")
+  monkeypatch.delenv("JAXQUANT_FP8_ACCUMULATION", raising=False)
+  a, b = _operand(rng, (M, K), "fp8"), _operand(rng, (N, K), "fp8")
+
+  def hlo(role):
+    fn = lambda a, b: jq.ops.gemm(a, b, out_dtype=jnp.bfloat16, role=role)
+    return jax.jit(fn).lower(a, b).as_text()
+
+  assert "fast_accum = true" in hlo("linear/fc1/fprop")
+  assert "fast_accum = false" in hlo("linear/fc1/wgrad")

@@ -183,11 +183,14 @@ def gemm(a: Operand, b: Operand, *, out_dtype=None, bias: Optional[jax.Array] = 
   path, reason = dispatch.choose("gemm", gemm_path_unsupported(a, b))
   ffi = dispatch.ffi_module()
   detail = f"{_describe(a)} x {_describe(b)}"
+  if path == "ffi":  # why the FFI took a slower path than the pair's kernel, if it did
+    reason = ffi.gemm_path_reason(a, b)
   _explain.record(_explain.Decision("gemm", role, detail,
                                     "reference" if path == "reference" else ffi.gemm_path(a, b),
                                     reason))
-  impl = ffi.gemm if path == "ffi" else reference.gemm
-  return impl(a, b, out_dtype=out_dtype, bias=bias, precision=precision)
+  if path == "ffi":  # the role's direction (fprop/dgrad/wgrad) picks the FP8 accumulation
+    return ffi.gemm(a, b, out_dtype=out_dtype, bias=bias, precision=precision, role=role)
+  return reference.gemm(a, b, out_dtype=out_dtype, bias=bias, precision=precision)
 
 
 def _describe(operand: Operand) -> str:
