@@ -1,0 +1,143 @@
+"""GEMM throughput, side by side on one card: jaxquant's FFI GEMM paths vs bf16 `jnp.dot`,
+XLA's own FP8 dot and `jax.nn.scaled_matmul` (MXFP8, NVFP4).
+
+    python bench/gemm.py                      # 8192^3, 16384x8192x8192, 8192x28672x8192
+    python bench/gemm.py --shapes 4096x4096x4096 --json out.json
+
+TFLOP/s = 2 M N K / time; time = median over repeats of (R back-to-back calls) / R, after
+warm-up, on freshly drawn random inputs (never zeros). Operands are quantized once, outside the
+timed region (quantize kernels are benchmarked by bench/quantize.py). C = A[M,K] B[N,K]^T.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxquant as jq
+from jaxquant import ffi_gemm
+
+DEFAULT_SHAPES = ["8192x8192x8192", "16384x8192x8192", "8192x28672x8192"]
+
+
+def bench(fn, *args, repeats=5, calls=5, warmup=2) -> float:
+  """Median seconds per call of the jitted `fn(*args)`."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(calls):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / calls)
+  return statistics.median(times)
+
+
+def quantize(x, quantizer, key=None):
+  return jax.jit(lambda x, key: jq.ops.quantize(x, quantizer, rowwise=True, columnwise=False,
+                                                key=key).rowwise)(x, key)
+
+
+def cases(x, w):
+  """(name, path label, jitted fn, args) for every measured variant."""
+  bf16 = jnp.bfloat16
+  dot_nt = lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                            preferred_element_type=bf16)
+  out = [("bf16 jnp.dot", "xla", jax.jit(dot_nt), (x, w))]
+  # XLA's own FP8 dot (unscaled operands, as Flax's Fp8DirectDotGeneralOp feeds it).
+  x8, w8 = x.astype(jnp.float8_e4m3fn), w.astype(jnp.float8_e4m3fn)
+  out.append(("XLA fp8 dot (e4m3)", "xla", jax.jit(dot_nt), (x8, w8)))
+
+  fp8 = jq.Float8CurrentScalingQuantizer()
+  e5m2 = jq.Float8CurrentScalingQuantizer(jnp.float8_e5m2)
+  qx, qw, qw5 = quantize(x, fp8), quantize(w, fp8), quantize(w, e5m2)
+  for acc in ("fast", "split"):
+    out.append((f"fp8 e4m3 x e4m3 ({acc} acc)", ffi_gemm.gemm_path(qx, qw),
+                jax.jit(lambda a, b, acc=acc: ffi_gemm.gemm(a, b, out_dtype=bf16,
+                                                            accumulation=acc)), (qx, qw)))
+  out.append(("fp8 e4m3 x e5m2 (split acc)", ffi_gemm.gemm_path(qx, qw5),
+              jax.jit(lambda a, b: ffi_gemm.gemm(a, b, out_dtype=bf16, accumulation="split")),
+              (qx, qw5)))
+
+  b1, b2 = jq.Float8BlockQuantizer((1, 128)), jq.Float8BlockQuantizer((128, 128))
+  bx, bw1, bw2 = quantize(x, b1), quantize(w, b1), quantize(w, b2)
+  gemm = jax.jit(lambda a, b: ffi_gemm.gemm(a, b, out_dtype=bf16))
+  out.append(("fp8 block 1x128 x 128x128", ffi_gemm.gemm_path(bx, bw2), gemm, (bx, bw2)))
+  out.append(("fp8 block 1x128 x 1x128", ffi_gemm.gemm_path(bx, bw1), gemm, (bx, bw1)))
+
+  mx = jq.MXFP8Quantizer()
+  mxx, mxw = quantize(x, mx), quantize(w, mx)
+  out.append(("mxfp8 x mxfp8", ffi_gemm.gemm_path(mxx, mxw), gemm, (mxx, mxw)))
+  out.append(("mxfp8 x mxfp8 (materialized)", "dequant-bf16",
+              jax.jit(lambda a, b: ffi_gemm._dequant_xla(a, b, "dequant-bf16", bf16, None)),
+              (mxx, mxw)))
+  scaled = jax.jit(lambda a, b, sa, sb: jax.nn.scaled_matmul(
+      a[None], b[None], sa[None], sb[None], preferred_element_type=bf16)[0])
+  out.append(("mxfp8 jax.nn.scaled_matmul", "xla", scaled,
+              (mxx.data, mxw.data, mxx.scale_inv, mxw.scale_inv)))
+
+  nv1, nv2 = jq.NVFP4Quantizer(), jq.NVFP4Quantizer(block_2d=True)
+  nvr = jq.NVFP4Quantizer(row_scaled=True)
+  nx, nw, nxr = quantize(x, nv1), quantize(w, nv2), quantize(x, nvr)
+  out.append(("nvfp4 1x16 x 16x16", ffi_gemm.gemm_path(nx, nw), gemm, (nx, nw)))
+  out.append(("nvfp4 row-scaled x 16x16", ffi_gemm.gemm_path(nxr, nw), gemm, (nxr, nw)))
+  out.append(("nvfp4 jax.nn.scaled_matmul", "xla", scaled,
+              (nx.data, nw.data, nx.scale_inv, quantize(w, nv1).scale_inv)))
+  out.append(("mxfp8 x nvfp4", ffi_gemm.gemm_path(mxx, nw), gemm, (mxx, nw)))
+  return out
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="MxNxK")
+  parser.add_argument("--json", default=None, help="write the results here")
+  parser.add_argument("--only", default=None, help="substring filter on case names")
+  args = parser.parse_args(argv)
+  device = jax.devices()[0]
+  card = getattr(device, "device_kind", str(device))
+  print(f"device: {card}; jax {jax.__version__}; cuBLASLt {ffi_gemm.cublaslt_version()}",
+        flush=True)
+  results = []
+  for shape in args.shapes:
+    m, n, k = map(int, shape.split("x"))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((n, k), np.float32) * 0.02, jnp.bfloat16)
+    base = None
+    for name, path, fn, fargs in cases(x, w):
+      if args.only and args.only not in name and name != "bf16 jnp.dot":
+        continue
+      try:
+        t = bench(fn, *fargs)
+      except Exception as e:  # noqa: BLE001 - report and continue with the other cases
+        print(f"  {shape} {name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+        continue
+      tflops = 2 * m * n * k / t / 1e12
+      base = tflops if name == "bf16 jnp.dot" else base
+      row = dict(shape=shape, case=name, path=path, ms=t * 1e3, tflops=tflops,
+                 vs_bf16=tflops / base if base else None, card=card)
+      results.append(row)
+      print(f"  {shape:18s} {name:32s} {path:30s} {t * 1e3:8.3f} ms {tflops:7.1f} TFLOP/s "
+            f"{row['vs_bf16']:5.2f}x", flush=True)
+    del x, w
+  print(f"\n| shape | case | path | ms | TFLOP/s | vs bf16 |\n|---|---|---|---|---|---|")
+  for r in results:
+    print(f"| {r['shape']} | {r['case']} | {r['path']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
+          f"{r['vs_bf16']:.2f}x |")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(results, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
