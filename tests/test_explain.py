@@ -41,8 +41,7 @@ def test_explain_gives_a_reason_whenever_the_reference_path_serves_without_being
   report = jq.explain(_forward, *ARGS)
   assert len(report) == 3
   for decision in report:
-    assert decision.path == "reference" or decision.path.startswith(("ffi", "cublaslt",
-                                                                     "dequant"))
+    assert decision.path  # e.g. "reference", "ffi-cpu", a kernel name
     if decision.path == "reference":
       assert decision.reason, decision
 
