@@ -69,9 +69,11 @@ def test_explain_traces_abstractly_and_retraces_jitted_functions(monkeypatch):
   assert len(first) == len(second) == 3
 
 
-def test_explain_recording_collects_decisions_around_eager_code(monkeypatch):
+def test_explain_recording_collects_decisions_around_any_code(monkeypatch):
   monkeypatch.setenv("JAXQUANT_BACKEND", "reference")
+  quantize = jax.jit(lambda x: jq.ops.quantize(x, jq.Float8CurrentScalingQuantizer(),
+                                                columnwise=False))
   with jq.explain_recording() as report:
-    jq.ops.quantize(jnp.ones((4, 32)), jq.Float8CurrentScalingQuantizer(), columnwise=False)
+    quantize(jnp.ones((4, 32)))
   assert len(report) == 1 and report[0].op == "quantize"
   assert str(jq.Report()) == "(no quantized ops traced)"

@@ -53,9 +53,8 @@ def test_quantized_tensor_passes_through_jit_unchanged(rng):
   assert out.columnwise.rht and out.rowwise.quantizer == HYBRID.rowwise
 
 
-@pytest.mark.parametrize("q", [jq.Float8CurrentScalingQuantizer(), jq.MXFP8Quantizer()],
-                         ids=["fp8", "mxfp8"])
-def test_quantize_under_jit_equals_eager(rng, q):
+def test_quantize_under_jit_equals_eager(rng):
+  q = jq.Float8CurrentScalingQuantizer()
   x = jnp.asarray(oracle.random_matrix(rng, (8, 40)))
   assert_same_leaves(quantize(x, q), jq.ops.quantize(x, q), "jit vs eager")
 
