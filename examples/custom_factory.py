@@ -19,6 +19,7 @@ It then trains a small byte-level GPT (the model of `train_lm.py`) for a few ste
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
 from typing import Callable, Iterable, Optional, Sequence
@@ -87,16 +88,25 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--data-mb", type=float, default=1.0)
   p.add_argument("--no-progress", action="store_true")
+  p.add_argument("--backend", choices=training.BACKENDS, default=None,
+                 help="JAXQUANT_BACKEND; default: $JAXQUANT_BACKEND, else reference on CPU")
   return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
   """Build the recipe, explain one step, train; returns the explain report and the history."""
   args = build_parser().parse_args(argv)
+  with training.jaxquant_backend(args.backend or training.default_backend()):
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> dict:
+  """Describe the factory, explain one step of a small GPT under it, and train."""
   keep = [n.strip() for n in args.keep.split(",") if n.strip()]
   factory = make_factory(keep)
   recipe = jaxquant.CustomRecipe(factory)
-  print(f"factory {factory.__name__} (keeping {keep or 'nothing'} in BF16) answers:")
+  print(f"factory {factory.__name__} (keeping {keep or 'nothing'} in BF16) answers "
+        f"(JAXQUANT_BACKEND={os.environ['JAXQUANT_BACKEND']}):")
   print(describe_factory(factory))
 
   corpus = data.load_corpus(int(args.data_mb * 1e6))

@@ -33,7 +33,7 @@ _EXAMPLES = str(pathlib.Path(__file__).resolve().parent)
 if _EXAMPLES not in sys.path:
   sys.path.insert(0, _EXAMPLES)
 
-from lm import recipes  # noqa: E402  (recipe names shared with train_lm.py)
+from lm import recipes, training  # noqa: E402  (shared with train_lm.py)
 
 
 class MLP(nn.Module):
@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--lr", type=float, default=3e-3)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--print-every", type=int, default=20)
+  p.add_argument("--backend", choices=training.BACKENDS, default=None,
+                 help="JAXQUANT_BACKEND; default: $JAXQUANT_BACKEND, else reference on CPU")
   return p
 
 
@@ -101,8 +103,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   if args.recipe not in recipes.available() or args.recipe == recipes.BASELINE:
     parser.error(f"--recipe {args.recipe!r}; expected one of "
                  f"{', '.join(n for n in recipes.available() if n != recipes.BASELINE)}")
-  recipe = recipes.make(args.recipe)
+  with training.jaxquant_backend(args.backend or training.default_backend()):
+    return run(args, recipes.make(args.recipe))
 
+
+def run(args: argparse.Namespace, recipe: jaxquant.Recipe) -> dict:
+  """Build both models from one set of parameters and train them on the same batches."""
   hidden = (args.hidden, args.hidden)
   baseline = MLP(hidden, args.classes, dense=nn.Dense)
   quantized = MLP(hidden, args.classes,
@@ -117,7 +123,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   same_tree = (jax.tree.structure(base_vars["params"])
                == jax.tree.structure(quant_vars["params"]))
   if not same_tree:
-    raise AssertionError("jaxquant.flax.Dense should have nn.Dense's parameter tree")
+    raise RuntimeError("jaxquant.flax.Dense should have nn.Dense's parameter tree")
   quant_vars["params"] = base_vars["params"]
   print(f"parameter trees match ({sum(p.size for p in jax.tree.leaves(base_vars))} params); "
         f"extra collections of the quantized model: "

@@ -14,6 +14,7 @@ batches. Writes `<out>/losses.csv` (step, recipe, train_loss, val_loss, time) an
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
 import time
@@ -60,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--recipe", default="fp8_current",
                  help=f"'all', or comma-separated names from: {', '.join(recipes.available())}")
-  p.add_argument("--steps", type=int, default=300, help="training steps per recipe")
+  p.add_argument("--steps", type=int, default=250, help="training steps per recipe")
   p.add_argument("--batch", type=int, default=16, help="sequences per step")
   p.add_argument("--seq", type=int, default=128, help="tokens (bytes) per sequence")
   p.add_argument("--d-model", type=int, default=128)
@@ -86,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--explain", action="store_true",
                  help="print jaxquant.explain (quantizer and path per role) for one step")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  p.add_argument("--backend", choices=training.BACKENDS, default=None,
+                 help="jaxquant op implementation (JAXQUANT_BACKEND); default: $JAXQUANT_BACKEND, "
+                 "else 'reference' on CPU (faster there than the FFI's CPU handlers), 'auto' on GPU")
   p.add_argument("--mesh", type=parse_mesh, default=None,
                  help="device mesh such as dp=2,tp=4 (needs issue 6: sharding)")
   p.add_argument("--moe", type=parse_moe, default=None,
@@ -115,7 +119,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser.error(str(err))
   if min(args.steps, args.batch, args.seq, args.eval_every, args.eval_batches) < 1:
     parser.error("--steps, --batch, --seq, --eval-every and --eval-batches must be >= 1")
+  with training.jaxquant_backend(args.backend or training.default_backend()):
+    return run(args, names)
 
+
+def run(args: argparse.Namespace, names: Sequence[str]) -> dict:
+  """Load the corpus, train each recipe in turn, write the CSV and plot, print the summary."""
   corpus = data.load_corpus(int(args.data_mb * 1e6), root=args.data_root)
   config = LMConfig(seq=args.seq, d_model=args.d_model, layers=args.layers, heads=args.heads,
                     mlp_ratio=args.mlp_ratio, positions=args.positions,
@@ -129,7 +138,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   print(f"model: d_model={config.d_model} layers={config.layers} heads={config.heads} "
         f"mlp_ratio={config.mlp_ratio} positions={config.positions} seq={config.seq}; "
         f"batch={args.batch} steps={args.steps} lr={args.lr}; jax {jax.__version__} on "
-        f"{jax.devices()[0].platform}; recipes: {', '.join(names)}")
+        f"{jax.devices()[0].platform} (JAXQUANT_BACKEND={os.environ['JAXQUANT_BACKEND']}); "
+        f"recipes: {', '.join(names)}")
 
   histories = []
   for name in names:

@@ -24,25 +24,52 @@ def write_csv(path: pathlib.Path, histories: Sequence[History]) -> pathlib.Path:
   return path
 
 
+def smooth(values: Sequence[float], beta: float = 0.9) -> list[float]:
+  """Bias-corrected exponential moving average (what TensorBoard's smoothing shows)."""
+  out, avg = [], 0.0
+  for i, v in enumerate(values, start=1):
+    avg = beta * avg + (1 - beta) * v
+    out.append(avg / (1 - beta**i))
+  return out
+
+
 def plot(path: pathlib.Path, histories: Sequence[History], title: str = "") -> pathlib.Path:
-  """Train (left) and validation (right) loss against step, one line per recipe."""
+  """Train and validation loss against step, one line per recipe; with the bf16 baseline and
+  other recipes, a third panel shows each recipe's validation loss minus the baseline's."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+  baseline = next((h for h in histories if h.recipe == "bf16"), None)
+  with_gap = baseline is not None and len(histories) > 1
+  fig, axes = plt.subplots(1, 3 if with_gap else 2, figsize=(17 if with_gap else 12, 4.5))
+  axes[1].sharey(axes[0])
   colors = plt.get_cmap("tab10" if len(histories) <= 10 else "tab20")
   for i, history in enumerate(histories):
     steps = [r["step"] for r in history.rows]
+    if history.step_losses:  # every step's training-batch loss, smoothed, underneath
+      axes[0].plot(range(1, len(history.step_losses) + 1), smooth(history.step_losses),
+                   color=colors(i), alpha=0.35, linewidth=1)
     for ax, split in zip(axes, ("train", "val")):
       ax.plot(steps, [r[f"{split}_loss"] for r in history.rows], marker=".",
               color=colors(i), label=history.recipe)
-  for ax, split in zip(axes, ("train", "validation")):
-    ax.set_title(f"{split} loss")
+    if with_gap:
+      base = {r["step"]: r["val_loss"] for r in baseline.rows}
+      gap = [(r["step"], r["val_loss"] - base[r["step"]]) for r in history.rows
+             if r["step"] in base]
+      axes[2].plot([g[0] for g in gap], [g[1] for g in gap], marker=".", color=colors(i),
+                   label=history.recipe)
+  axes[0].set_title("train loss (points: fixed eval windows; faint: batch loss, smoothed)",
+                    fontsize="medium")
+  axes[1].set_title("validation loss")
+  axes[0].set_ylabel("cross-entropy (nats / byte)")
+  if with_gap:
+    axes[2].set_title("validation loss minus bf16")
+    axes[2].axhline(0.0, color="black", linewidth=0.8)
+  for ax in axes:
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
-  axes[0].set_ylabel("cross-entropy (nats / byte)")
-  axes[1].legend(fontsize="small", ncol=1 if len(histories) < 8 else 2)
+  axes[-1].legend(fontsize="small", ncol=1 if len(histories) < 8 else 2)
   if title:
     fig.suptitle(title, fontsize="medium")
   fig.tight_layout()

@@ -8,7 +8,9 @@ Stochastic rounding (NVFP4) draws from the `"quantize"` RNG stream, a fresh key 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import time
 from typing import Any, Callable, Iterator, Optional
 
@@ -25,7 +27,7 @@ import jaxquant
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  steps: int = 300
+  steps: int = 250
   lr: float = 3e-3
   warmup: int = 30
   weight_decay: float = 0.1
@@ -42,6 +44,7 @@ class History:
   recipe: str
   rows: list[dict] = dataclasses.field(default_factory=list)  # step, train/val loss, time
   step_times: list[float] = dataclasses.field(default_factory=list)  # seconds, step 1 first
+  step_losses: list[float] = dataclasses.field(default_factory=list)  # loss of each train step
   compile_time: float = 0.0  # seconds of the first train step (jit compile included)
 
   @property
@@ -53,6 +56,37 @@ class History:
     """Median step time after the first (compiling) step."""
     times = self.step_times[1:] or self.step_times
     return float(np.median(times)) if times else float("nan")
+
+
+BACKENDS = ("auto", "reference", "ffi")
+
+
+def default_backend() -> str:
+  """`$JAXQUANT_BACKEND` if set; else "reference" on CPU, "auto" elsewhere.
+
+  On CPU the pure-JAX reference fuses into XLA's compiled step and is several times faster than
+  the FFI's CPU handlers (they exist so CI exercises the FFI path, not for speed).
+  """
+  env = os.environ.get("JAXQUANT_BACKEND", "").strip().lower()
+  if env:
+    return env
+  return "reference" if jax.default_backend() == "cpu" else "auto"
+
+
+@contextlib.contextmanager
+def jaxquant_backend(backend: str) -> Iterator[str]:
+  """Set `JAXQUANT_BACKEND` (read by jaxquant whenever an op is traced) for this block."""
+  if backend not in BACKENDS:
+    raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
+  previous = os.environ.get("JAXQUANT_BACKEND")
+  os.environ["JAXQUANT_BACKEND"] = backend
+  try:
+    yield backend
+  finally:
+    if previous is None:
+      os.environ.pop("JAXQUANT_BACKEND", None)
+    else:
+      os.environ["JAXQUANT_BACKEND"] = previous
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -148,13 +182,14 @@ def train(recipe_name: str, model: nn.Module, cfg: TrainConfig, batches: Iterato
   evaluate(0)
   base_key = jax.random.key(cfg.seed + 3)
   bar = tqdm(range(1, cfg.steps + 1), desc=recipe_name, disable=not cfg.progress,
-             dynamic_ncols=True, leave=False)
+             dynamic_ncols=True, leave=False, mininterval=0.5)
   for step in bar:
     tokens = next(batches)
     t0 = time.perf_counter()
     state, loss = train_step(state, jnp.asarray(tokens), jax.random.fold_in(base_key, step))
     loss = float(loss)  # waits for the step: honest per-step timing
     history.step_times.append(time.perf_counter() - t0)
+    history.step_losses.append(loss)
     if not np.isfinite(loss):
       raise FloatingPointError(f"[{recipe_name}] loss is {loss} at step {step}")
     bar.set_postfix(loss=f"{loss:.3f}")
