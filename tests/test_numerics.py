@@ -15,6 +15,9 @@ SPECS = {"e4m3": (minifloat.E4M3, oracle.E4M3), "e5m2": (minifloat.E5M2, oracle.
          "e2m1": (minifloat.E2M1, oracle.E2M1)}
 
 _encode = jax.jit(minifloat.encode, static_argnums=1)
+_encode_stochastic = jax.jit(minifloat.encode_stochastic, static_argnums=2)
+_rht16 = jax.jit(hadamard.rht16)
+_rht16_inverse = jax.jit(hadamard.rht16_inverse)
 
 
 def _all_finite_magnitudes(fmt: oracle.Fmt) -> np.ndarray:
@@ -104,9 +107,9 @@ def test_encode_stochastic_with_extreme_draws_gives_ceil_and_floor(name, rng):
   ceil = grid[np.minimum(idx, len(grid) - 1)]
   floor = np.where(grid[np.minimum(idx, len(grid) - 1)] == a, a, grid[np.maximum(idx - 1, 0)])
   sign = np.where(v < 0, fmt.sign_bit, 0)
-  up = np.asarray(minifloat.encode_stochastic(jnp.asarray(v), jnp.zeros(512), spec))
-  down = np.asarray(minifloat.encode_stochastic(jnp.asarray(v),
-                                                jnp.full(512, 1 - 2.0**-24), spec))
+  up = np.asarray(_encode_stochastic(jnp.asarray(v), jnp.zeros(512), spec))
+  down = np.asarray(_encode_stochastic(jnp.asarray(v), jnp.full(512, 1 - 2.0**-24),
+                                             spec))
   # u = 0 rounds up whenever |v| is off the grid; u = 1 - 2^-24 rounds down unless |v| is
   # within 2^-24 of a quantum below the next grid point (does not happen for these draws).
   np.testing.assert_array_equal(up, oracle.cast_codes(ceil, fmt) | sign)
@@ -116,7 +119,7 @@ def test_encode_stochastic_with_extreme_draws_gives_ceil_and_floor(name, rng):
 def test_encode_stochastic_saturates_and_keeps_nan():
   spec = minifloat.E2M1
   v = jnp.array([7.0, -100.0, np.inf, np.nan], jnp.float32)
-  got = np.asarray(minifloat.encode_stochastic(v, jnp.zeros(4), spec))
+  got = np.asarray(_encode_stochastic(v, jnp.zeros(4), spec))
   assert got.tolist() == [0x7, 0xF, 0x7, 0x7]
 
 
@@ -128,7 +131,7 @@ def test_encode_stochastic_is_unbiased(rng):
   n = 4096
   v = rng.uniform(-fmt.fmax, fmt.fmax, 64).astype(np.float32)
   u = rng.integers(0, 2**24, size=(n, 64)).astype(np.float32) * np.float32(2.0**-24)
-  draws = oracle.decode_codes(np.asarray(jax.jit(minifloat.encode_stochastic, static_argnums=2)(
+  draws = oracle.decode_codes(np.asarray(_encode_stochastic(
       jnp.broadcast_to(jnp.asarray(v), (n, 64)), jnp.asarray(u), spec)), fmt)
   grid = _all_finite_magnitudes(fmt)
   a = np.abs(v).astype(np.float64)
@@ -177,17 +180,19 @@ def test_exp2i_matches_ldexp_including_subnormals():
 
 
 def test_nvfp4_scale_functions_hand_values():
-  s_enc = scales.nvfp4_global_encode_scale(jnp.array([6.0, 12.0, 0.0, np.inf, np.nan]))
+  s_enc = jax.jit(scales.nvfp4_global_encode_scale)(jnp.array([6.0, 12.0, 0.0, np.inf, np.nan]))
   # 2688/6 = 448, 2688/12 = 224; amax 0 -> 1; 2688/inf = 0 -> 1; NaN stays NaN
   np.testing.assert_array_equal(np.asarray(s_enc), [448.0, 224.0, 1.0, 1.0, np.nan])
   # amax_b 6 with S_enc 448: 6 * (448 * fl(1/6)) = 448.00002 -> E4M3 448 = 0x7E;
   # amax_b 0.75: 56.000002 -> 56 = 1.75 * 2^5 -> 0 1100 110 = 0x66;
   # amax_b 0.001: 0.0747 -> 0.0747 / 2^-7 = 9.56 quanta -> 10 -> 1.25 * 2^-4 -> 0 0011 010 = 0x1A
-  dec = scales.nvfp4_block_decode_scale(jnp.array([6.0, 0.75, 0.001]), jnp.float32(448.0))
+  dec = jax.jit(scales.nvfp4_block_decode_scale)(jnp.array([6.0, 0.75, 0.001]),
+                                                 jnp.float32(448.0))
   assert np.asarray(dec).tolist() == [0x7E, 0x66, 0x1A]
   # S_enc_b = 1 / (S_dec_b * (1/448)): 448 * fl(1/448) rounds to 1 -> 1; 56 * fl(1/448) -> 1/8
   # -> 8; S_dec_b == 0 -> 0 (zero payload)
-  enc = scales.nvfp4_block_encode_scale(jnp.array([448.0, 56.0, 0.0]), jnp.float32(448.0))
+  enc = jax.jit(scales.nvfp4_block_encode_scale)(jnp.array([448.0, 56.0, 0.0]),
+                                                 jnp.float32(448.0))
   np.testing.assert_array_equal(np.asarray(enc), [1.0, 8.0, 0.0])
 
 
@@ -209,7 +214,7 @@ def test_rht16_matches_float64_matrix_product(rng):
   """rht16 is four float32 butterfly stages (then an exact /4); each stage adds at most 2^-24 of
   the chunk's L1 norm, so |error| <= 4 * 2^-24 * L1 / 4 = 2^-24 * L1; we allow 2^-21 * L1."""
   x = oracle.random_matrix(rng, (8, 64))
-  got = np.asarray(hadamard.rht16(jnp.asarray(x)), np.float64)
+  got = np.asarray(_rht16(jnp.asarray(x)), np.float64)
   want = oracle.rht64(x)
   l1 = np.repeat(np.abs(x.astype(np.float64)).reshape(8, 4, 16).sum(-1), 16, axis=1)
   assert np.all(np.abs(got - want) <= 2.0**-21 * l1)
@@ -217,9 +222,9 @@ def test_rht16_matches_float64_matrix_product(rng):
 
 def test_rht16_inverse_undoes_rht16_and_is_the_transpose(rng):
   x = oracle.random_matrix(rng, (4, 32))
-  y = hadamard.rht16(jnp.asarray(x))
+  y = _rht16(jnp.asarray(x))
   l1 = np.repeat(np.abs(x.astype(np.float64)).reshape(4, 2, 16).sum(-1), 16, axis=1)
-  back = np.asarray(hadamard.rht16_inverse(y), np.float64)
+  back = np.asarray(_rht16_inverse(y), np.float64)
   assert np.all(np.abs(back - x) <= 2.0**-20 * l1)
   inv64 = (np.asarray(y, np.float64).reshape(4, 2, 16) @ oracle.rht_matrix64().T).reshape(4, 32)
   assert np.all(np.abs(back - inv64) <= 2.0**-20 * l1)
@@ -227,7 +232,7 @@ def test_rht16_inverse_undoes_rht16_and_is_the_transpose(rng):
 
 def test_rht16_preserves_the_euclidean_norm_per_chunk(rng):
   x = oracle.random_matrix(rng, (4, 48), spread=False).astype(np.float64)
-  y = np.asarray(hadamard.rht16(jnp.asarray(x, jnp.float32)), np.float64)
+  y = np.asarray(_rht16(jnp.asarray(x, jnp.float32)), np.float64)
   np.testing.assert_allclose(np.linalg.norm(y.reshape(4, 3, 16), axis=-1),
                              np.linalg.norm(x.reshape(4, 3, 16), axis=-1), rtol=1e-6)
 
