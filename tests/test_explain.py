@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import pytest
 
 import jaxquant as jq
 from jaxquant.ops import dispatch

@@ -17,7 +17,7 @@ import pytest
 
 import jaxquant as jq
 import oracle
-from helpers import columnwise, data_codes, quantize, rowwise, scale_bytes
+from helpers import columnwise, data_codes, rowwise, scale_bytes
 
 pytestmark = pytest.mark.usefixtures("core_backend")
 
@@ -73,7 +73,8 @@ def test_row_scaled_nvfp4_gemm_applies_the_outer_product_of_row_factors(rng):
   """C = (raw_a @ raw_b^T) * outer(amax_a / 2688, amax_b / 2688), with raw = q * S_dec_b decoded
   here from the stored bytes (no jaxquant decode involved)."""
   q = jq.NVFP4Quantizer(row_scaled=True)
-  a, b = rowwise(oracle.random_matrix(rng, (M, K)), q), rowwise(oracle.random_matrix(rng, (N, K)), q)
+  a = rowwise(oracle.random_matrix(rng, (M, K)), q)
+  b = rowwise(oracle.random_matrix(rng, (N, K)), q)
 
   def raw(t):
     s = oracle.expand(oracle.decode_codes(scale_bytes(t), oracle.E4M3), 1, 16, t.shape)
