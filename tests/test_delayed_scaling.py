@@ -52,6 +52,18 @@ def test_quantizes_with_the_stored_scale_hand_bytes():
   assert float(t.scale_inv) == 0.5 and float(t.amax) == 300.0
 
 
+def test_special_values_are_quantized_with_the_stored_scale():
+  # scale 2: +-inf saturate (0x7E, 0xFE); NaN -> 0x7F; 1e-40 * 2 < 2^-10 -> 0x00; -0.0 -> 0x80;
+  # 1 -> 2 = 0 1000 000 = 0x40. The amax is NaN (propagates), so the update keeps the scale.
+  q = DELAYED(amax_history_len=2)
+  state = _state(2.0, [0, 0])
+  t = rowwise(jnp.array([[np.inf, -np.inf, np.nan, 1e-40, -0.0, 1.0]], jnp.float32), q,
+              state=state)
+  assert data_codes(t).tolist() == [[0x7E, 0xFE, 0x7F, 0x00, 0x80, 0x40]]
+  assert np.isnan(float(t.amax))
+  assert float(jq.delayed_scaling_update(state, t.amax, q).scale) == 2.0
+
+
 def test_max_algorithm_over_a_rolling_history():
   # L = 3, "max", margin 0, E4M3 (fmax 448); each step: hist[0] = amax, a = max(hist),
   # scale = 448 / a, then roll by -1 and zero hist[0]:

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("core_backend")
 @pytest.mark.parametrize("in_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_passthrough_keeps_every_bit_in_both_directions(rng, in_dtype):
   x = oracle.random_matrix(rng, (17, 33), in_dtype)
-  x[0, :4] = [np.inf, -np.inf, np.nan, -0.0]
+  x[0, :5] = [np.inf, -np.inf, np.nan, -0.0, 1e-40]  # (1e-40: a subnormal, or 0 in 16 bits)
   qt = quantize(jnp.asarray(x), jq.IdentityQuantizer())
   np.testing.assert_array_equal(np.asarray(qt.rowwise.data).view(np.uint8), x.view(np.uint8))
   np.testing.assert_array_equal(np.asarray(qt.columnwise.data).view(np.uint8),
