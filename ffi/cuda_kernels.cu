@@ -572,7 +572,7 @@ __global__ void __launch_bounds__(kThreads) fp8_block_kernel(const Fp8BlockParam
 // ============================================================================================
 // NVFP4: E2M1 payload, E4M3 scale per 1x16 block or 16x16 tile, FP32 global scale from the
 // given amax (per tensor or per row), RHT on the columnwise copy, stochastic rounding.
-// Tile 128x128; a column-phase thread owns one 16-row chunk = one NVFP4 block (= one RHT chunk).
+// Tile 64x128; a column-phase thread owns one 16-row chunk = one NVFP4 block (= one RHT chunk).
 // ============================================================================================
 
 struct Nvfp4Params {
@@ -609,8 +609,11 @@ __device__ __forceinline__ uint32_t e2m1x8(const float* v, float s, bool sr, uin
 }
 
 template <typename In>
-__global__ void __launch_bounds__(kThreads) nvfp4_kernel(const Nvfp4Params p) {
-  using G = Geometry<In, 128, 128>;
+using NVFP4Tile = Geometry<In, 64, 128>;
+
+template <typename In>
+__global__ void __launch_bounds__(kThreads, 3) nvfp4_kernel(const Nvfp4Params p) {  // 3 CTAs an SM
+  using G = NVFP4Tile<In>;
   static_assert(G::RPP == 16, "a load pass is one row of 16x16 tiles");
   extern __shared__ __align__(16) unsigned char smem[];
   In* tile = reinterpret_cast<In*>(smem);
@@ -963,7 +966,7 @@ ffi::Error QuantizeNvfp4Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuff
   cudaError_t e = cudaSuccess;
   by_input_type(a.x.type, [&](auto tag) {
     using T = decltype(tag);
-    using G = Geometry<T, 128, 128>;
+    using G = NVFP4Tile<T>;
     if (tiled_row || tiled_col) {
       Nvfp4Params p{a.x.data, a.x.rows, a.x.cols, vec_input(a.x),
                     aligned(a.row_data, 4) && a.x.cols % 8 == 0, aligned(a.col_data, 8) && a.x.rows % 16 == 0,
