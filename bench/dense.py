@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -80,9 +81,14 @@ def main(argv=None) -> int:
   }
   for name, make in RECIPES.items():
     models[f"jaxquant {name}"] = jq.flax.Dense(**common, recipe=make())
+  # The same recipe with fast FP8 accumulation in dgrad/wgrad too (default: forward only).
+  models["jaxquant Float8CurrentScaling, fast acc all"] = jq.flax.Dense(
+      **common, recipe=RECIPES["Float8CurrentScaling"]())
   flops = 3 * 2 * t * k * n
   results, base = [], None
   for name, model in models.items():
+    if name.endswith("fast acc all"):
+      os.environ["JAXQUANT_FP8_ACCUMULATION"] = "fast"  # read when the step is traced
     variables = model.init(jax.random.key(0), x)
     step = step_fn(model)
     paths = ""
@@ -99,6 +105,19 @@ def main(argv=None) -> int:
     results.append(row)
     print(f"  {name:34s} {sec * 1e3:8.3f} ms  {row['tflops']:6.1f} TFLOP/s  "
           f"{row['speedup_vs_bf16']:5.2f}x  {paths}", flush=True)
+  os.environ.pop("JAXQUANT_FP8_ACCUMULATION", None)
+  # Where the Float8CurrentScaling step's time goes besides the three GEMMs: its quantize calls.
+  fp8 = RECIPES["Float8CurrentScaling"]()
+  roles = [jq.QuantizerRole("linear", r, "Dense_0") for r in ("input", "weight", "grad_output")]
+  w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.bfloat16)
+  for role, tensor in zip(roles, (x, w.T, dy)):
+    qz = fp8.quantizer(role)
+    fn = jax.jit(lambda v, qz=qz: jq.ops.quantize(v, qz, rowwise=True, columnwise=True))
+    sec = bench(fn, tensor)
+    row = dict(case=f"quantize {role.tensor_type} (rowwise+columnwise, FP8 current)",
+               ms=sec * 1e3, tflops=0.0, speedup_vs_bf16=0.0, gemm_paths="", card=card)
+    results.append(row)
+    print(f"  {row['case']:34s} {sec * 1e3:8.3f} ms", flush=True)
   print("\n| case | ms | effective TFLOP/s | speedup vs bf16 nn.Dense | GEMM paths |")
   print("|---|---|---|---|---|")
   for r in results:

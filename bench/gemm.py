@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -25,6 +26,10 @@ import jaxquant as jq
 from jaxquant import ffi_gemm
 
 DEFAULT_SHAPES = ["8192x8192x8192", "16384x8192x8192", "8192x28672x8192"]
+# With --core-after-first, shapes after the first run only these cases.
+CORE_CASES = ("bf16 jnp.dot", "XLA fp8 dot (e4m3)", "fp8 e4m3 x e4m3 (fast acc)",
+              "fp8 e4m3 x e4m3 (split acc)", "fp8 block 1x128 x 128x128", "mxfp8 x mxfp8",
+              "mxfp8 jax.nn.scaled_matmul", "nvfp4 1x16 x 16x16", "nvfp4 jax.nn.scaled_matmul")
 
 
 def bench(fn, *args, repeats=5, calls=5, warmup=2) -> float:
@@ -64,6 +69,9 @@ def cases(x, w):
     out.append((f"fp8 e4m3 x e4m3 ({acc} acc)", ffi_gemm.gemm_path(qx, qw),
                 jax.jit(lambda a, b, acc=acc: ffi_gemm.gemm(a, b, out_dtype=bf16,
                                                             accumulation=acc)), (qx, qw)))
+  out.append(("fp8 e4m3 x e5m2 (fast acc)", ffi_gemm.gemm_path(qx, qw5),
+              jax.jit(lambda a, b: ffi_gemm.gemm(a, b, out_dtype=bf16, accumulation="fast")),
+              (qx, qw5)))
   out.append(("fp8 e4m3 x e5m2 (split acc)", ffi_gemm.gemm_path(qx, qw5),
               jax.jit(lambda a, b: ffi_gemm.gemm(a, b, out_dtype=bf16, accumulation="split")),
               (qx, qw5)))
@@ -77,6 +85,9 @@ def cases(x, w):
   mx = jq.MXFP8Quantizer()
   mxx, mxw = quantize(x, mx), quantize(w, mx)
   out.append(("mxfp8 x mxfp8", ffi_gemm.gemm_path(mxx, mxw), gemm, (mxx, mxw)))
+  # The kernel's per-thread cp.async payload loader (JAXQUANT_DEQUANT_LOADER), for comparison.
+  out.append(("mxfp8 x mxfp8 (cp.async loader)", ffi_gemm.gemm_path(mxx, mxw), gemm, (mxx, mxw),
+              {"JAXQUANT_DEQUANT_LOADER": "cp.async"}))
   out.append(("mxfp8 x mxfp8 (materialized)", "dequant-bf16",
               jax.jit(lambda a, b: ffi_gemm._dequant_xla(a, b, "dequant-bf16", bf16, None)),
               (mxx, mxw)))
@@ -89,6 +100,8 @@ def cases(x, w):
   nvr = jq.NVFP4Quantizer(row_scaled=True)
   nx, nw, nxr = quantize(x, nv1), quantize(w, nv2), quantize(x, nvr)
   out.append(("nvfp4 1x16 x 16x16", ffi_gemm.gemm_path(nx, nw), gemm, (nx, nw)))
+  out.append(("nvfp4 1x16 x 16x16 (cp.async loader)", ffi_gemm.gemm_path(nx, nw), gemm, (nx, nw),
+              {"JAXQUANT_DEQUANT_LOADER": "cp.async"}))
   out.append(("nvfp4 row-scaled x 16x16", ffi_gemm.gemm_path(nxr, nw), gemm, (nxr, nw)))
   out.append(("nvfp4 jax.nn.scaled_matmul", "xla", scaled,
               (nx.data, nw.data, nx.scale_inv, quantize(w, nv1).scale_inv)))
@@ -96,11 +109,36 @@ def cases(x, w):
   return out
 
 
+@jax.jit
+def _reference_f32(a, b):
+  """(float32 product of the dequantized operands, |A| @ |B|^T), both at HIGHEST precision."""
+  da, db = a.dequantize(jnp.float32), b.dequantize(jnp.float32)
+  dims = (((1,), (1,)), ((), ()))
+  hi = jax.lax.Precision.HIGHEST
+  return (jax.lax.dot_general(da, db, dims, precision=hi),
+          jax.lax.dot_general(jnp.abs(da), jnp.abs(db), dims, precision=hi))
+
+
+def accuracy(name, fargs) -> float | None:
+  """max |C - C_ref| / (|A| @ |B|^T) of the float32-output GEMM (jaxquant cases only)."""
+  a, b = fargs
+  if not isinstance(a, jq.ScaledTensor):
+    return None
+  acc = "fast" if "fast acc" in name else "split"
+  got = jax.jit(lambda a, b: ffi_gemm.gemm(a, b, out_dtype=jnp.float32, accumulation=acc))(a, b)
+  ref, mag = _reference_f32(a, b)
+  return float(jnp.max(jnp.abs(got - ref) / jnp.maximum(mag, 1e-30)))
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="MxNxK")
   parser.add_argument("--json", default=None, help="write the results here")
   parser.add_argument("--only", default=None, help="substring filter on case names")
+  parser.add_argument("--core-after-first", action="store_true",
+                      help="shapes after the first run only the core cases")
+  parser.add_argument("--accuracy", action="store_true",
+                      help="also report max |C - C_ref| / (|A||B|^T) (first shape only)")
   args = parser.parse_args(argv)
   device = jax.devices()[0]
   card = getattr(device, "device_kind", str(device))
@@ -113,26 +151,37 @@ def main(argv=None) -> int:
     x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((n, k), np.float32) * 0.02, jnp.bfloat16)
     base = None
-    for name, path, fn, fargs in cases(x, w):
+    for name, path, fn, fargs, *env in cases(x, w):
       if args.only and args.only not in name and name != "bf16 jnp.dot":
         continue
+      if args.core_after_first and shape != args.shapes[0] and name not in CORE_CASES:
+        continue
+      env = env[0] if env else {}
+      os.environ.update(env)  # read by the handler at launch time
       try:
         t = bench(fn, *fargs)
+        err = accuracy(name, fargs) if args.accuracy and shape == args.shapes[0] else None
       except Exception as e:  # noqa: BLE001 - report and continue with the other cases
         print(f"  {shape} {name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
         continue
+      finally:
+        for key in env:
+          os.environ.pop(key, None)
       tflops = 2 * m * n * k / t / 1e12
       base = tflops if name == "bf16 jnp.dot" else base
       row = dict(shape=shape, case=name, path=path, ms=t * 1e3, tflops=tflops,
-                 vs_bf16=tflops / base if base else None, card=card)
+                 vs_bf16=tflops / base if base else None, rel_err=err, card=card)
       results.append(row)
       print(f"  {shape:18s} {name:32s} {path:30s} {t * 1e3:8.3f} ms {tflops:7.1f} TFLOP/s "
-            f"{row['vs_bf16']:5.2f}x", flush=True)
+            f"{row['vs_bf16']:5.2f}x" + (f"  err {err:.2e}" if err is not None else ""),
+            flush=True)
     del x, w
-  print(f"\n| shape | case | path | ms | TFLOP/s | vs bf16 |\n|---|---|---|---|---|---|")
+  print("\n| shape | case | path | ms | TFLOP/s | vs bf16 | max err / (|A||B|) |")
+  print("|---|---|---|---|---|---|---|")
   for r in results:
+    err = "" if r["rel_err"] is None else f"{r['rel_err']:.1e}"
     print(f"| {r['shape']} | {r['case']} | {r['path']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
-          f"{r['vs_bf16']:.2f}x |")
+          f"{r['vs_bf16']:.2f}x | {err} |")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(results, f, indent=1)

@@ -10,11 +10,14 @@
 // (the TN storage convention), f = the NVFP4 second-level factor amax / (6 * 448) or 1.
 //
 // CTA tile 128 x 256 x 64, 384 threads in three warpgroups:
-//   WG0 (dequant): cp.async copies the raw payload (FP8 bytes / packed FP4 nibbles) of k-tile
-//       i + kRaw - 1 into a private ring of raw stages (each thread reads back only the 16-byte
-//       chunks it copied itself, so the ring needs no barrier), loads the k-tile's block scales
-//       one step ahead into registers, decodes k-tile i into a bf16 stage laid out as wgmma's
-//       K-major 128-byte-swizzled operand, then fences the async proxy and arrives on full[s].
+//   WG0 (dequant): the bulk tensor copy engine (TMA) brings the raw payload (FP8 bytes / packed
+//       FP4 nibbles) of k-tile i + kRaw into a ring of raw stages (raw_full[r] mbarriers;
+//       zero fill outside the matrix); the warpgroup loads k-tile i's chunks into registers,
+//       syncs (named barrier) so the slot can be refilled, decodes into a bf16 stage laid out as
+//       wgmma's K-major 128-byte-swizzled operand, fences the async proxy and arrives on
+//       full[s]. Block scales are prefetched into registers one k-tile ahead. (With cp.async
+//       for the payload, the proxy fence's MEMBAR waited for the in-flight copies every k-tile:
+//       ~2800 cycles per k-tile instead of ~1000; see NOTES.md.)
 //   WG1, WG2 (math): wait full[s], issue 4 x wgmma.m64n256k16 (rows 64*w .. 64*w+63 of the
 //       tile), keep one wgmma group in flight and release stage s-1 on empty[s-1].
 // Epilogue: accumulators times the factors, plus bias, cast, stored straight from registers.
@@ -22,6 +25,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda.h>  // CUtensorMap
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -33,7 +37,7 @@ namespace dequant {
 
 constexpr int kBM = 128, kBN = 256, kBK = 64;
 constexpr int kStages = 3;  // bf16 stages (dequant -> wgmma)
-constexpr int kRaw = 3;     // raw payload stages (global -> dequant), cp.async groups in flight
+constexpr int kRaw = 3;     // raw payload stages (global -> dequant), TMA loads in flight
 constexpr int kTileBytesA = kBM * kBK * 2;  // one bf16 stage of A: 128 rows x 128 bytes
 constexpr int kTileBytesB = kBN * kBK * 2;
 constexpr int kGroupM = 8;  // tile rasterization: 8 row-tiles per group share B in L2
@@ -50,7 +54,8 @@ struct Layout {
   static constexpr int kBf16Offset = 0;  // 1024-aligned (128B swizzle atoms)
   static constexpr int kRawOffset = kStages * (kTileBytesA + kTileBytesB);
   static constexpr int kBarOffset = kRawOffset + kRaw * (kRawBytesA + kRawBytesB);
-  static constexpr int kSmemBytes = kBarOffset + 2 * kStages * 8 + 8 + 1024;  // LUT, alignment
+  static constexpr int kBarBytes = (2 * kStages + kRaw) * 8 + 8;  // mbarriers, E2M1 LUT
+  static constexpr int kSmemBytes = kBarOffset + kBarBytes + 1024;  // + alignment slack
 };
 
 // ------------------------------------------------------------------------------------------
@@ -72,6 +77,23 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// 2-D bulk tensor copy global -> shared, completing on an mbarrier (expect_tx bytes).
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x, int y,
+                                            uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
@@ -290,7 +312,8 @@ struct OperandLoader {
     return int64_t(kt) * kRowBytes + c * 16 < op.row_bytes;
   }
 
-  // cp.async this thread's chunks of k-tile kt into the raw stage at `stage` (shared address).
+  // (cp.async loader) this thread's chunks of k-tile kt into the raw stage at `stage`; the
+  // thread later reads back exactly these chunks, so the raw ring needs no barrier.
   __device__ __forceinline__ void issue(int kt, uint32_t stage) const {
     const bool kvalid = chunk_valid(kt);
     const int64_t koff = int64_t(kt) * kRowBytes + c * 16;
@@ -517,8 +540,13 @@ __device__ __forceinline__ void epilogue(float* d, const DequantParams& p, int r
 constexpr int kDW = 1;  // dequant warpgroups
 constexpr int kThreads = 128 * (kDW + 2);
 
-template <Elem EA, Elem EB>
-__global__ void __launch_bounds__(kThreads, 1) dequant_gemm_kernel(const DequantParams p) {
+// kTma: payload through the bulk tensor copy engine (default) or per-thread cp.async (kept for
+// comparison; its proxy fence waits for the copies in flight).
+template <Elem EA, Elem EB, bool kTma>
+__global__ void __launch_bounds__(kThreads, 1)
+    dequant_gemm_kernel(const __grid_constant__ DequantParams p,
+                        const __grid_constant__ CUtensorMap map_a,
+                        const __grid_constant__ CUtensorMap map_b) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = Layout<EA, EB>;
   constexpr int kDequantThreads = 128 * kDW;
@@ -530,6 +558,7 @@ __global__ void __launch_bounds__(kThreads, 1) dequant_gemm_kernel(const Dequant
   const uint32_t raw_b = raw_a + kRaw * L::kRawBytesA;                 // + r * kRawBytesB
   const uint32_t full_bar = smem_base + L::kBarOffset;                 // + s * 8
   const uint32_t empty_bar = full_bar + kStages * 8;
+  const uint32_t raw_bar = empty_bar + kStages * 8;                    // + r * 8
 
   // Tile coordinates, grouped rasterization.
   const int tiles_m = (p.M + kBM - 1) / kBM, tiles_n = (p.N + kBN - 1) / kBN;
@@ -542,7 +571,16 @@ __global__ void __launch_bounds__(kThreads, 1) dequant_gemm_kernel(const Dequant
   const int m0 = tile_m * kBM, n0 = tile_n * kBN;
   const int ktiles = (p.K + kBK - 1) / kBK;
 
-  const uint32_t lut_addr = empty_bar + kStages * 8;
+  const uint32_t lut_addr = raw_bar + kRaw * 8;
+  constexpr uint32_t kRawRowA = Traits<EA>::kRowBytes, kRawRowB = Traits<EB>::kRowBytes;
+  constexpr uint32_t kRawTx = L::kRawBytesA + L::kRawBytesB;  // full boxes, zero-filled or not
+  auto issue_raw = [&](int kt) {  // one thread: TMA of k-tile kt's payload boxes
+    const int r = kt % kRaw;
+    const uint32_t bar = raw_bar + 8 * r;
+    mbar_arrive_expect_tx(bar, kRawTx);
+    tma_load_2d(raw_a + r * L::kRawBytesA, &map_a, kt * kRawRowA, m0, bar);
+    tma_load_2d(raw_b + r * L::kRawBytesB, &map_b, kt * kRawRowB, n0, bar);
+  };
   if (threadIdx.x == 0) {
     sts32(lut_addr, kE2M1HiLo);
     sts32(lut_addr + 4, kE2M1LoLo);
@@ -550,6 +588,8 @@ __global__ void __launch_bounds__(kThreads, 1) dequant_gemm_kernel(const Dequant
       mbar_init(full_bar + 8 * s, kDequantThreads);  // every dequant thread arrives
       mbar_init(empty_bar + 8 * s, 256);             // every math thread arrives
     }
+    for (int r = 0; r < kRaw; ++r) mbar_init(raw_bar + 8 * r, 1);  // TMA issuer + tx bytes
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
 
@@ -559,13 +599,19 @@ __global__ void __launch_bounds__(kThreads, 1) dequant_gemm_kernel(const Dequant
     const int t = threadIdx.x;
     OperandLoader<EA, kBM, kDequantThreads> la(p.a, m0, t);
     OperandLoader<EB, kBN, kDequantThreads> lb(p.b, n0, t);
-#pragma unroll
-    for (int i = 0; i < kRaw - 1; ++i) {
-      if (i < ktiles) {
-        la.issue(i, raw_a + i * L::kRawBytesA);
-        lb.issue(i, raw_b + i * L::kRawBytesB);
+    if constexpr (kTma) {
+      if (t == 0) {
+        for (int i = 0; i < kRaw && i < ktiles; ++i) issue_raw(i);
       }
-      cp_async_commit();
+    } else {
+#pragma unroll
+      for (int i = 0; i < kRaw - 1; ++i) {
+        if (i < ktiles) {
+          la.issue(i, raw_a + i * L::kRawBytesA);
+          lb.issue(i, raw_b + i * L::kRawBytesB);
+        }
+        cp_async_commit();
+      }
     }
     la.load_scales(0);
     lb.load_scales(0);
@@ -573,17 +619,24 @@ __global__ void __launch_bounds__(kThreads, 1) dequant_gemm_kernel(const Dequant
     // cannot turn them into uniform-register constants copied before every prmt.
     const uint32_t lut_hi = lds32(lut_addr), lut_lo = lds32(lut_addr + 4);
     for (int i = 0; i < ktiles; ++i) {
-      const int pre = i + kRaw - 1;
-      if (pre < ktiles) {
-        const int ps = pre % kRaw;
-        la.issue(pre, raw_a + ps * L::kRawBytesA);
-        lb.issue(pre, raw_b + ps * L::kRawBytesB);
-      }
-      cp_async_commit();
-      cp_async_wait<kRaw - 1>();  // k-tile i's chunks (this thread's own copies) have landed
       const int rs = i % kRaw;
-      la.load_raw(raw_a + rs * L::kRawBytesA);
-      lb.load_raw(raw_b + rs * L::kRawBytesB);
+      if constexpr (kTma) {
+        mbar_wait(raw_bar + 8 * rs, (i / kRaw) & 1);  // k-tile i's payload has landed
+        la.load_raw(raw_a + rs * L::kRawBytesA);
+        lb.load_raw(raw_b + rs * L::kRawBytesB);
+        named_barrier_sync(1, kDequantThreads);  // every chunk of slot rs is in registers
+        if (t == 0 && i + kRaw < ktiles) issue_raw(i + kRaw);
+      } else {
+        const int pre = i + kRaw - 1;
+        if (pre < ktiles) {
+          la.issue(pre, raw_a + (pre % kRaw) * L::kRawBytesA);
+          lb.issue(pre, raw_b + (pre % kRaw) * L::kRawBytesB);
+        }
+        cp_async_commit();
+        cp_async_wait<kRaw - 1>();  // k-tile i's chunks (this thread's own copies) have landed
+        la.load_raw(raw_a + rs * L::kRawBytesA);
+        lb.load_raw(raw_b + rs * L::kRawBytesB);
+      }
       const int s = i % kStages;
       mbar_wait(empty_bar + 8 * s, ((i / kStages) & 1) ^ 1);
       la.decode(bf16_a + s * kTileBytesA, lut_hi, lut_lo);
@@ -595,7 +648,7 @@ __global__ void __launch_bounds__(kThreads, 1) dequant_gemm_kernel(const Dequant
         lb.load_scales(i + 1);
       }
     }
-    cp_async_wait<0>();
+    if constexpr (!kTma) cp_async_wait<0>();
   } else {
     // ---------------- math warpgroups ----------------
     const int w = wg - kDW;  // rows 64*w .. 64*w+63 of the tile
