@@ -60,8 +60,13 @@ def dequantize_raw(t: ScaledTensor) -> jax.Array:
 
 
 def gemm_factor(t: ScaledTensor) -> jax.Array:
-  """`amax / (6 * 448)`: `()` per tensor, `[rows]` when row-scaled."""
-  return t.amax / jnp.float32(GLOBAL_DECODE_DIVISOR)
+  """`amax / (6 * 448)`: `()` per tensor, `[rows]` when row-scaled.
+
+  Computed as `amax * fl(1 / 2688)` (a float32 constant): XLA rewrites a division by a constant
+  into that product under `jit` but not in eager op-by-op execution, so writing the product
+  keeps eager and jitted dequantization bit-identical.
+  """
+  return t.amax * jnp.float32(1.0 / GLOBAL_DECODE_DIVISOR)
 
 
 register(NVFP4Quantizer, Format("nvfp4", quantize, dequantize_raw, gemm_factor))
