@@ -200,12 +200,18 @@ void nvfp4_matrix(const Matrix& m, int64_t block_rows, bool row_scaled, const fl
     }
   }
   // Payload in linear (nibble) order, so a row of odd length shares its last byte correctly.
+  std::vector<float> s_enc_b(nbc);
   for (int64_t r = 0; r < m.rows; ++r) {
     const float row_s_enc = s_enc[row_scaled ? r : 0];
     const uint32_t row_hash = key ? jq::sr_row_hash(key[0], uint32_t(r)) : 0;
+    if (r % block_rows == 0) {
+      for (int64_t bc = 0; bc < nbc; ++bc) {
+        s_enc_b[bc] = jq::nvfp4_block_encode_scale(jq::decode_e4m3(scale[(r / block_rows) * nbc + bc]),
+                                                   row_s_enc);
+      }
+    }
     for (int64_t c = 0; c < m.cols; ++c) {
-      const float s_dec = jq::decode_e4m3(scale[(r / block_rows) * nbc + c / 16]);
-      const float v = m.at(r, c) * jq::nvfp4_block_encode_scale(s_dec, row_s_enc);
+      const float v = m.at(r, c) * s_enc_b[c / 16];
       const uint32_t code = key ? jq::encode_e2m1_stochastic(v, jq::sr_uniform(row_hash, key[1], uint32_t(c)))
                                 : jq::encode_e2m1(v);
       put_nibble(data, r * m.cols + c, code);

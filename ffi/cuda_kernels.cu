@@ -2,9 +2,12 @@
 //
 // Design (ffi/NOTES.md has the reasoning and the measurements):
 //  * Quantize is one pass over x per call: a CTA loads a TR x TC tile with 16-byte loads, makes
-//    the rowwise output from registers (block reductions by warp shuffles), keeps the tile in
-//    shared memory and makes the transposed columnwise output from it (each thread owns a column
-//    segment, so columnwise stores are 8-16 contiguous bytes of one output row).
+//    the rowwise output from registers (block reductions by warp shuffles), keeps the tile in a
+//    swizzled shared-memory buffer and makes the transposed columnwise output from it: a thread
+//    owns a 16-row chunk of one column (one NVFP4 block / RHT chunk, half an MXFP8 block, an
+//    eighth of a 1x128 block, reduced across lanes by shuffles) and the lanes of a warp cover
+//    consecutive chunks, so each warp store writes a few output rows with 64-128 contiguous
+//    bytes each (writing 32 different output rows per store ran at half the bandwidth).
 //  * Per-tensor amax (and the per-row / per-column amax of row-scaled NVFP4) is a separate
 //    kernel (`jaxquant_amax`) whose result feeds the quantize call, so a sharded caller can
 //    insert a pmax in between. Formats whose scales don't depend on the tensor amax (MXFP8,

@@ -63,19 +63,24 @@ JQ_HD int max_i(int a, int b) { return a > b ? a : b; }
 JQ_HD uint32_t min_u(uint32_t a, uint32_t b) { return a < b ? a : b; }
 JQ_HD uint32_t max_u(uint32_t a, uint32_t b) { return a > b ? a : b; }
 
-JQ_HD float rint_f(float x) {  // round half to even (jnp.round)
+// Round half to even (jnp.round) of a non-negative x < 2^22 (every caller scales a magnitude
+// onto a small integer grid). On the host, adding and subtracting 2^23 rounds exactly that way
+// in the (round-to-nearest) mode XLA runs in, without libm's slow nearbyintf; NaN stays NaN.
+JQ_HD float rint_nonneg(float x) {
 #if defined(__CUDA_ARCH__)
   return rintf(x);
 #else
-  return std::nearbyint(x);
+  const float shifted = x + 8388608.0f;  // IEEE semantics: the compiler may not fold this
+  return shifted - 8388608.0f;
 #endif
 }
 
-JQ_HD float floor_f(float x) {
+// floor of a non-negative, non-NaN x < 2^31.
+JQ_HD float floor_nonneg(float x) {
 #if defined(__CUDA_ARCH__)
   return floorf(x);
 #else
-  return std::floor(x);
+  return static_cast<float>(static_cast<int32_t>(x));
 #endif
 }
 
@@ -144,18 +149,17 @@ JQ_HD Spec spec_of(Fp8 f) { return f == Fp8::kE4M3 ? e4m3() : e5m2(); }
 
 // minifloat._code_from_magnitude: code of the on-grid magnitude `mag` with the sign of `v`.
 JQ_HD uint32_t code_from_magnitude(float v, float mag, Spec s) {
-  if (is_nan(v)) return s.nan_code;
+  // Written without branches (selects only), so host loops vectorize.
   const uint32_t mag_bits = bits_of(mag);
   const int mag_exp = static_cast<int>((mag_bits >> 23) & 0xFFu) - 127;
   const uint32_t normal_code = (static_cast<uint32_t>(mag_exp + s.bias) << s.mbits) |
                                ((mag_bits >> (23 - s.mbits)) & ((1u << s.mbits) - 1u));
-  uint32_t code;
-  if (mag < pow2_normal(s.emin)) {
-    code = static_cast<uint32_t>(mag * pow2_normal(s.mbits - s.emin));  // exact integer
-  } else {
-    code = normal_code;
-  }
-  if (bits_of(v) >> 31) code |= s.sign_bit;
+  // Subnormal (and zero) codes count quanta of 2^(emin - mbits): an exact small integer.
+  const bool subnormal = mag < pow2_normal(s.emin);  // false for NaN
+  const float quanta = subnormal ? mag * pow2_normal(s.mbits - s.emin) : 0.0f;
+  uint32_t code = subnormal ? static_cast<uint32_t>(static_cast<int32_t>(quanta)) : normal_code;
+  code |= (bits_of(v) >> 31) * s.sign_bit;
+  code = is_nan(v) ? s.nan_code : code;
   return code & 0xFFu;
 }
 
@@ -164,7 +168,7 @@ JQ_HD uint32_t encode_spec(float v, Spec s) {
   const float a = min_prop(abs_f(v), 2.0f * s.fmax);
   const int exponent = static_cast<int>((bits_of(a) >> 23) & 0xFFu) - 127;
   const int quantum_exp = max_i(exponent, s.emin) - s.mbits;
-  const float steps = rint_f(a * pow2_normal(-quantum_exp));
+  const float steps = rint_nonneg(a * pow2_normal(-quantum_exp));
   const float rounded = steps * pow2_normal(quantum_exp);
   return code_from_magnitude(v, min_prop(rounded, s.fmax), s);
 }
@@ -196,7 +200,7 @@ JQ_HD uint32_t encode_e2m1_stochastic(float v, float u) {
   const int quantum_exp = max_i(exponent, 0) - 1;  // E2M1: emin 0, 1 mantissa bit
   const float quantum = pow2_normal(quantum_exp);
   const float inv_quantum = pow2_normal(-quantum_exp);
-  const float lo = floor_f(a * inv_quantum) * quantum;
+  const float lo = floor_nonneg(a * inv_quantum) * quantum;
   const float frac = (a - lo) * inv_quantum;
   const float mag = u < frac ? lo + quantum : lo;
   // `mag` is on the grid, where the RNE ladder is the identity map to its code.

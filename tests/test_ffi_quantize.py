@@ -163,10 +163,12 @@ def test_quantize_both_directions_matches_reference(platform, name, rng, prng_ke
 @pytest.mark.parametrize("name", CONFIGS)
 @pytest.mark.parametrize("direction", ["rowwise", "columnwise"])
 def test_quantize_one_direction_matches_reference(platform, name, direction, rng, prng_key):
-  shapes = [(16, 48), (48, 130)] if _uses_rht(CONFIGS[name]) else [(1, 16), (70, 130)]
-  for shape in shapes:
-    check(platform, rng, prng_key, name, shape, rowwise=direction == "rowwise",
-          columnwise=direction == "columnwise")
+  if _uses_rht(CONFIGS[name]):
+    shape = (16, 48) if direction == "rowwise" else (48, 130)
+  else:  # a single row; an odd row count (odd FP4 rows of the transposed copy)
+    shape = (1, 48) if direction == "rowwise" else (33, 130)
+  check(platform, rng, prng_key, name, shape, rowwise=direction == "rowwise",
+        columnwise=direction == "columnwise")
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
