@@ -302,8 +302,7 @@ struct OperandLoader {
   const DequantOperand& op;
   int row0;  // first global row of the tile
   int c, r;  // this thread's chunk and first local row
-  uint32_t scale[kPasses][kScalesPerChunk];    // k-tile being decoded
-  uint32_t pending[kPasses][kScalesPerChunk];  // the next k-tile's, loads in flight
+  uint32_t scale[kPasses][kScalesPerChunk];
   uint4 raw[kPasses];
 
   __device__ OperandLoader(const DequantOperand& o, int tile_row0, int tid)
@@ -328,24 +327,8 @@ struct OperandLoader {
     }
   }
 
-  // Block scales are prefetched two k-tiles ahead: `scale` (k-tile i) <- `pending` (i + 1),
-  // then `pending` <- loads of k-tile i + 2. (One k-tile ahead left the L2 latency of these
-  // loads exposed every k-tile: ncu showed half the stall cycles on them.)
-  __device__ __forceinline__ void start_scales(int ktiles) {
-    load_scales(0, scale);
-    if (ktiles > 1) load_scales(1, pending);
-  }
-  __device__ __forceinline__ void advance_scales(int next_kt, int ktiles) {
-#pragma unroll
-    for (int j = 0; j < kPasses; ++j) {
-#pragma unroll
-      for (int q = 0; q < kScalesPerChunk; ++q) scale[j][q] = pending[j][q];
-    }
-    if (next_kt < ktiles) load_scales(next_kt, pending);
-  }
-
-  // Block-scale bytes of k-tile kt (neutral values outside the matrix).
-  __device__ __forceinline__ void load_scales(int kt, uint32_t (&dst)[kPasses][kScalesPerChunk]) {
+  // Block-scale bytes of k-tile kt (register prefetch; neutral values outside the matrix).
+  __device__ __forceinline__ void load_scales(int kt) {
     const bool kvalid = chunk_valid(kt);
 #pragma unroll
     for (int j = 0; j < kPasses; ++j) {
@@ -355,12 +338,12 @@ struct OperandLoader {
         // 32 elements = NVFP4 blocks 4*kt + 2c and +1.
         const uint8_t* q =
             op.scale + int64_t(gr >> op.scale_row_shift) * op.scale_stride + 4 * kt + 2 * c;
-        dst[j][0] = valid ? ldg_u8(q) : 0u;
-        dst[j][1] = valid ? ldg_u8(q + 1) : 0u;
+        scale[j][0] = valid ? ldg_u8(q) : 0u;
+        scale[j][1] = valid ? ldg_u8(q + 1) : 0u;
       } else {
         // 16 elements = half of MXFP8 block 2*kt + c/2.
         const uint8_t* q = op.scale + int64_t(gr) * op.scale_stride + 2 * kt + (c >> 1);
-        dst[j][0] = valid ? ldg_u8(q) : 127u;
+        scale[j][0] = valid ? ldg_u8(q) : 127u;
       }
     }
   }
@@ -630,8 +613,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         cp_async_commit();
       }
     }
-    la.start_scales(ktiles);
-    lb.start_scales(ktiles);
+    la.load_scales(0);
+    lb.load_scales(0);
     // E2M1 lookup tables in ordinary registers: read back from shared memory so the compiler
     // cannot turn them into uniform-register constants copied before every prmt.
     const uint32_t lut_hi = lds32(lut_addr), lut_lo = lds32(lut_addr + 4);
@@ -660,8 +643,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       lb.decode(bf16_b + s * kTileBytesB, lut_hi, lut_lo);
       fence_proxy_async();  // generic-proxy stores -> wgmma (async proxy) reads
       mbar_arrive(full_bar + 8 * s);
-      la.advance_scales(i + 2, ktiles);
-      lb.advance_scales(i + 2, ktiles);
+      if (i + 1 < ktiles) {
+        la.load_scales(i + 1);
+        lb.load_scales(i + 1);
+      }
     }
     if constexpr (!kTma) cp_async_wait<0>();
   } else {
