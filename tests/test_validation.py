@@ -148,7 +148,9 @@ def test_rht_row_count_is_not_checked_when_only_rowwise_is_asked():
   assert qt.rowwise.shape == (17, 32) and not qt.rowwise.rht
 
 
-def test_quantizer_without_a_registered_format_raises():
+def test_quantizer_without_a_registered_format_raises(monkeypatch):
+  monkeypatch.setenv("JAXQUANT_BACKEND", "reference")  # the reference's format registry
+
   @dataclasses.dataclass(frozen=True)
   class Int4Quantizer(jq.Quantizer):
     pass
