@@ -28,8 +28,10 @@ from jaxquant import ffi_gemm
 DEFAULT_SHAPES = ["8192x8192x8192", "16384x8192x8192", "8192x28672x8192"]
 # With --core-after-first, shapes after the first run only these cases.
 CORE_CASES = ("bf16 jnp.dot", "XLA fp8 dot (e4m3)", "fp8 e4m3 x e4m3 (fast acc)",
-              "fp8 e4m3 x e4m3 (split acc)", "fp8 block 1x128 x 128x128", "mxfp8 x mxfp8",
-              "mxfp8 jax.nn.scaled_matmul", "nvfp4 1x16 x 16x16", "nvfp4 jax.nn.scaled_matmul")
+              "fp8 e4m3 x e4m3 (split acc)", "fp8 block 1x128 x 128x128",
+              "mxfp8 x mxfp8 (wgmma-dequant kernel)", "mxfp8 x mxfp8 (default path)",
+              "mxfp8 jax.nn.scaled_matmul", "nvfp4 1x16 x 16x16 (wgmma-dequant kernel)",
+              "nvfp4 jax.nn.scaled_matmul")
 
 
 def bench(fn, *args, repeats=5, calls=5, warmup=2) -> float:
@@ -84,13 +86,11 @@ def cases(x, w):
 
   mx = jq.MXFP8Quantizer()
   mxx, mxw = quantize(x, mx), quantize(w, mx)
-  out.append(("mxfp8 x mxfp8", ffi_gemm.gemm_path(mxx, mxw), gemm, (mxx, mxw)))
-  # The kernel's per-thread cp.async payload loader (JAXQUANT_DEQUANT_LOADER), for comparison.
-  out.append(("mxfp8 x mxfp8 (cp.async loader)", ffi_gemm.gemm_path(mxx, mxw), gemm, (mxx, mxw),
-              {"JAXQUANT_DEQUANT_LOADER": "cp.async"}))
-  out.append(("mxfp8 x mxfp8 (materialized)", "dequant-bf16",
-              jax.jit(lambda a, b: ffi_gemm._dequant_xla(a, b, "dequant-bf16", bf16, None)),
-              (mxx, mxw)))
+  # MXFP8 / NVFP4: the wgmma-dequant kernel, and the default path (dequant-bf16 on CUDA).
+  kernel = {"JAXQUANT_MX_GEMM": "wgmma-dequant"}
+  out.append(("mxfp8 x mxfp8 (wgmma-dequant kernel)", None, gemm, (mxx, mxw), kernel))
+  out.append(("mxfp8 x mxfp8 (default path)", None, jax.jit(lambda a, b: ffi_gemm.gemm(
+      a, b, out_dtype=bf16)), (mxx, mxw)))
   scaled = jax.jit(lambda a, b, sa, sb: jax.nn.scaled_matmul(
       a[None], b[None], sa[None], sb[None], preferred_element_type=bf16)[0])
   out.append(("mxfp8 jax.nn.scaled_matmul", "xla", scaled,
@@ -99,13 +99,13 @@ def cases(x, w):
   nv1, nv2 = jq.NVFP4Quantizer(), jq.NVFP4Quantizer(block_2d=True)
   nvr = jq.NVFP4Quantizer(row_scaled=True)
   nx, nw, nxr = quantize(x, nv1), quantize(w, nv2), quantize(x, nvr)
-  out.append(("nvfp4 1x16 x 16x16", ffi_gemm.gemm_path(nx, nw), gemm, (nx, nw)))
-  out.append(("nvfp4 1x16 x 16x16 (cp.async loader)", ffi_gemm.gemm_path(nx, nw), gemm, (nx, nw),
-              {"JAXQUANT_DEQUANT_LOADER": "cp.async"}))
-  out.append(("nvfp4 row-scaled x 16x16", ffi_gemm.gemm_path(nxr, nw), gemm, (nxr, nw)))
+  out.append(("nvfp4 1x16 x 16x16 (wgmma-dequant kernel)", None, gemm, (nx, nw), kernel))
+  out.append(("nvfp4 1x16 x 16x16 (default path)", None, jax.jit(lambda a, b: ffi_gemm.gemm(
+      a, b, out_dtype=bf16)), (nx, nw)))
+  out.append(("nvfp4 row-scaled x 16x16 (wgmma-dequant kernel)", None, gemm, (nxr, nw), kernel))
   out.append(("nvfp4 jax.nn.scaled_matmul", "xla", scaled,
               (nx.data, nw.data, nx.scale_inv, quantize(w, nv1).scale_inv)))
-  out.append(("mxfp8 x nvfp4", ffi_gemm.gemm_path(mxx, nw), gemm, (mxx, nw)))
+  out.append(("mxfp8 x nvfp4 (wgmma-dequant kernel)", None, gemm, (mxx, nw), kernel))
   return out
 
 
@@ -121,9 +121,9 @@ def _reference_f32(a, b):
 
 def accuracy(name, fargs) -> float | None:
   """max |C - C_ref| / (|A| @ |B|^T) of the float32-output GEMM (jaxquant cases only)."""
-  a, b = fargs
-  if not isinstance(a, jq.ScaledTensor):
+  if len(fargs) != 2 or not isinstance(fargs[0], jq.ScaledTensor):
     return None
+  a, b = fargs
   acc = "fast" if "fast acc" in name else "split"
   got = jax.jit(lambda a, b: ffi_gemm.gemm(a, b, out_dtype=jnp.float32, accumulation=acc))(a, b)
   ref, mag = _reference_f32(a, b)
@@ -157,8 +157,10 @@ def main(argv=None) -> int:
       if args.core_after_first and shape != args.shapes[0] and name not in CORE_CASES:
         continue
       env = env[0] if env else {}
-      os.environ.update(env)  # read by the handler at launch time
+      os.environ.update(env)  # read when the GEMM is traced
       try:
+        if path is None:
+          path = ffi_gemm.gemm_path(*fargs)
         t = bench(fn, *fargs)
         err = accuracy(name, fargs) if args.accuracy and shape == args.shapes[0] else None
       except Exception as e:  # noqa: BLE001 - report and continue with the other cases

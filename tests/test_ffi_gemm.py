@@ -97,6 +97,13 @@ M, N, K = 40, 48, 256  # N and K multiples of 16 (cuBLASLt FP8), K of 128 (block
 # Helpers.
 # ----------------------------------------------------------------------------------------------
 
+@pytest.fixture(autouse=True)
+def _mxfp8_nvfp4_pairs_take_the_kernel(monkeypatch):
+  """On CUDA, MXFP8/NVFP4 pairs default to dequant-bf16 (measured faster); these tests hold the
+  wgmma-dequant kernel to the reference, so they select it (CPU: the kernel target anyway)."""
+  monkeypatch.setenv("JAXQUANT_MX_GEMM", "wgmma-dequant")
+
+
 def _platform_or_skip(platform: str) -> None:
   backend = jax.default_backend()
   if platform == "gpu" and backend != "gpu":
@@ -199,6 +206,20 @@ def test_cpu_handlers_leave_large_problems_to_the_reference_visibly(rng):
   t = jq.ScaledTensor(a, jnp.float32(1), jnp.float32(1), QUANTIZERS["fp8"], np.dtype(jnp.float32))
   reason = ffi_gemm.gemm_unsupported(t, t)
   assert reason is not None and "small problems" in reason
+
+
+def test_mxfp8_nvfp4_default_on_cuda_is_the_measured_faster_path(rng, monkeypatch):
+  _platform_or_skip("cpu")
+  monkeypatch.setattr(ffi_gemm, "_compute_capability", lambda: (9, 0))
+  a, b = _operand(rng, (M, K), "mxfp8"), _operand(rng, (N, K), "nvfp4-row")
+  monkeypatch.setenv("JAXQUANT_MX_GEMM", "auto")
+  assert ffi_gemm._kernel_path(a, b, "cuda") == ("dequant-bf16", ffi_gemm.MX_GEMM_AUTO_REASON)
+  assert ffi_gemm._kernel_path(a, b, "cpu") == ("wgmma-dequant-mxfp8-nvfp4", "")
+  monkeypatch.setenv("JAXQUANT_MX_GEMM", "wgmma-dequant")
+  assert ffi_gemm._kernel_path(a, b, "cuda") == ("wgmma-dequant-mxfp8-nvfp4", "")
+  monkeypatch.setenv("JAXQUANT_MX_GEMM", "sometimes")
+  with pytest.raises(ValueError, match="JAXQUANT_MX_GEMM"):
+    ffi_gemm._kernel_path(a, b, "cuda")
 
 
 def test_a_slower_path_says_why(rng):

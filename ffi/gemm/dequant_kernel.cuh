@@ -15,9 +15,7 @@
 //       zero fill outside the matrix); the warpgroup loads k-tile i's chunks into registers,
 //       syncs (named barrier) so the slot can be refilled, decodes into a bf16 stage laid out as
 //       wgmma's K-major 128-byte-swizzled operand, fences the async proxy and arrives on
-//       full[s]. Block scales are prefetched into registers one k-tile ahead. (With cp.async
-//       for the payload, the proxy fence's MEMBAR waited for the in-flight copies every k-tile:
-//       ~2800 cycles per k-tile instead of ~1000; see NOTES.md.)
+//       full[s]. Block scales are prefetched into registers one k-tile ahead.
 //   WG1, WG2 (math): wait full[s], issue 4 x wgmma.m64n256k16 (rows 64*w .. 64*w+63 of the
 //       tile), keep one wgmma group in flight and release stage s-1 on empty[s-1].
 // Epilogue: accumulators times the factors, plus bias, cast, stored straight from registers.
@@ -64,19 +62,6 @@ struct Layout {
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // 2-D bulk tensor copy global -> shared, completing on an mbarrier (expect_tx bytes).
@@ -312,21 +297,6 @@ struct OperandLoader {
     return int64_t(kt) * kRowBytes + c * 16 < op.row_bytes;
   }
 
-  // (cp.async loader) this thread's chunks of k-tile kt into the raw stage at `stage`; the
-  // thread later reads back exactly these chunks, so the raw ring needs no barrier.
-  __device__ __forceinline__ void issue(int kt, uint32_t stage) const {
-    const bool kvalid = chunk_valid(kt);
-    const int64_t koff = int64_t(kt) * kRowBytes + c * 16;
-#pragma unroll
-    for (int j = 0; j < kPasses; ++j) {
-      const int lr = r + kRPP * j;
-      const int gr = row0 + lr;
-      const bool valid = kvalid && gr < op.rows;
-      const uint8_t* src = valid ? op.data + int64_t(gr) * op.row_bytes + koff : op.data;
-      cp_async16(stage + lr * kRowBytes + c * 16, src, valid);
-    }
-  }
-
   // Block-scale bytes of k-tile kt (register prefetch; neutral values outside the matrix).
   __device__ __forceinline__ void load_scales(int kt) {
     const bool kvalid = chunk_valid(kt);
@@ -540,9 +510,7 @@ __device__ __forceinline__ void epilogue(float* d, const DequantParams& p, int r
 constexpr int kDW = 1;  // dequant warpgroups
 constexpr int kThreads = 128 * (kDW + 2);
 
-// kTma: payload through the bulk tensor copy engine (default) or per-thread cp.async (kept for
-// comparison; its proxy fence waits for the copies in flight).
-template <Elem EA, Elem EB, bool kTma>
+template <Elem EA, Elem EB>
 __global__ void __launch_bounds__(kThreads, 1)
     dequant_gemm_kernel(const __grid_constant__ DequantParams p,
                         const __grid_constant__ CUtensorMap map_a,
@@ -599,19 +567,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int t = threadIdx.x;
     OperandLoader<EA, kBM, kDequantThreads> la(p.a, m0, t);
     OperandLoader<EB, kBN, kDequantThreads> lb(p.b, n0, t);
-    if constexpr (kTma) {
-      if (t == 0) {
-        for (int i = 0; i < kRaw && i < ktiles; ++i) issue_raw(i);
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < kRaw - 1; ++i) {
-        if (i < ktiles) {
-          la.issue(i, raw_a + i * L::kRawBytesA);
-          lb.issue(i, raw_b + i * L::kRawBytesB);
-        }
-        cp_async_commit();
-      }
+    if (t == 0) {
+      for (int i = 0; i < kRaw && i < ktiles; ++i) issue_raw(i);
     }
     la.load_scales(0);
     lb.load_scales(0);
@@ -620,23 +577,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t lut_hi = lds32(lut_addr), lut_lo = lds32(lut_addr + 4);
     for (int i = 0; i < ktiles; ++i) {
       const int rs = i % kRaw;
-      if constexpr (kTma) {
-        mbar_wait(raw_bar + 8 * rs, (i / kRaw) & 1);  // k-tile i's payload has landed
-        la.load_raw(raw_a + rs * L::kRawBytesA);
-        lb.load_raw(raw_b + rs * L::kRawBytesB);
-        named_barrier_sync(1, kDequantThreads);  // every chunk of slot rs is in registers
-        if (t == 0 && i + kRaw < ktiles) issue_raw(i + kRaw);
-      } else {
-        const int pre = i + kRaw - 1;
-        if (pre < ktiles) {
-          la.issue(pre, raw_a + (pre % kRaw) * L::kRawBytesA);
-          lb.issue(pre, raw_b + (pre % kRaw) * L::kRawBytesB);
-        }
-        cp_async_commit();
-        cp_async_wait<kRaw - 1>();  // k-tile i's chunks (this thread's own copies) have landed
-        la.load_raw(raw_a + rs * L::kRawBytesA);
-        lb.load_raw(raw_b + rs * L::kRawBytesB);
-      }
+      mbar_wait(raw_bar + 8 * rs, (i / kRaw) & 1);  // k-tile i's payload has landed
+      la.load_raw(raw_a + rs * L::kRawBytesA);
+      lb.load_raw(raw_b + rs * L::kRawBytesB);
+      named_barrier_sync(1, kDequantThreads);  // every chunk of slot rs is in registers
+      if (t == 0 && i + kRaw < ktiles) issue_raw(i + kRaw);
       const int s = i % kStages;
       mbar_wait(empty_bar + 8 * s, ((i / kStages) & 1) ^ 1);
       la.decode(bf16_a + s * kTileBytesA, lut_hi, lut_lo);
@@ -648,7 +593,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         lb.load_scales(i + 1);
       }
     }
-    if constexpr (!kTma) cp_async_wait<0>();
   } else {
     // ---------------- math warpgroups ----------------
     const int w = wg - kDW;  // rows 64*w .. 64*w+63 of the tile

@@ -4,8 +4,6 @@
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 #include <mutex>
 
 #include "gemm/dequant_kernel.cuh"
@@ -52,15 +50,9 @@ inline bool encode_payload_map(CUtensorMap* map, const DequantOperand& op, uint3
 template <Elem EA, Elem EB>
 cudaError_t launch_dequant_gemm(const DequantParams& p, cudaStream_t stream) {
   using L = dequant::Layout<EA, EB>;
-  // Payload loader: the bulk tensor copy engine unless JAXQUANT_DEQUANT_LOADER=cp.async.
-  const char* loader = std::getenv("JAXQUANT_DEQUANT_LOADER");
-  const bool tma = loader == nullptr || std::strcmp(loader, "cp.async") != 0;
-  auto kernel = tma ? dequant::dequant_gemm_kernel<EA, EB, true>
-                    : dequant::dequant_gemm_kernel<EA, EB, false>;
-  // The dynamic shared-memory limit is a per-device function attribute: set it once per device
-  // (per loader variant).
-  static std::atomic<uint64_t> configured_tma{0}, configured_cp{0};
-  std::atomic<uint64_t>& configured = tma ? configured_tma : configured_cp;
+  auto kernel = dequant::dequant_gemm_kernel<EA, EB>;
+  // The dynamic shared-memory limit is a per-device function attribute: set it once per device.
+  static std::atomic<uint64_t> configured{0};
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
   const uint64_t bit = uint64_t(1) << (device & 63);
