@@ -84,28 +84,74 @@ JQ_HD float floor_nonneg(float x) {
 #endif
 }
 
-// float32 division as the reference computes it on each backend. XLA:CPU divides IEEE-exactly;
-// XLA:GPU lowers f32 fdiv with -nvptx-prec-divf32=1: a / b -> div.full.f32 (<= 2 ulp) and
-// 1 / b -> rcp.approx.f32 ("the same result as div.full(1.0f, b)", LLVM NVPTXInstrInfo.td).
-// The device path mirrors that so the kernels equal the reference bit for bit on the GPU too;
-// define JAXQUANT_IEEE_DEVICE_DIVISION to use IEEE division on the device instead.
+// IEEE float32 division, correctly rounded (jaxquant/numerics/division.py). The reference does
+// it with integer long division because XLA:GPU's own f32 divide is approximate (div.full /
+// rcp.approx). The device uses the IEEE instructions (no FTZ); the host uses the same integer
+// routine as the reference, so flush-to-zero / denormals-are-zero on XLA:CPU's threads cannot
+// change a scale.
+JQ_HD void normalize_f32(uint32_t abs_bits, uint32_t* mantissa, int32_t* exponent) {
+  int32_t e = static_cast<int32_t>((abs_bits >> 23) & 0xFF);
+  uint32_t fraction = abs_bits & 0x7FFFFFu;
+  if (e == 0) {
+    int32_t shift = 0;
+    while (fraction != 0 && (fraction & 0x800000u) == 0) { fraction <<= 1; ++shift; }
+    *mantissa = fraction;
+    *exponent = 1 - shift;
+  } else {
+    *mantissa = fraction | 0x800000u;
+    *exponent = e;
+  }
+}
+
+JQ_HD float ieee_div_host(float a, float b) {
+  const uint32_t a_bits = bits_of(a), b_bits = bits_of(b);
+  const uint32_t sign = (a_bits ^ b_bits) & 0x80000000u;
+  const uint32_t a_abs = a_bits & 0x7FFFFFFFu, b_abs = b_bits & 0x7FFFFFFFu;
+  const uint32_t inf = 0x7F800000u;
+  if (a_abs > inf || b_abs > inf || (a_abs == 0 && b_abs == 0) || (a_abs == inf && b_abs == inf))
+    return float_of(0x7FC00000u);
+  if (a_abs == 0 || b_abs == inf) return float_of(sign);
+  if (a_abs == inf || b_abs == 0) return float_of(sign | inf);
+  uint32_t a_mant, b_mant;
+  int32_t a_exp, b_exp;
+  normalize_f32(a_abs, &a_mant, &a_exp);
+  normalize_f32(b_abs, &b_mant, &b_exp);
+  int32_t exponent = a_exp - b_exp + 127;
+  uint32_t remainder = a_mant;
+  if (a_mant < b_mant) { remainder <<= 1; --exponent; }
+  uint32_t quotient = 0;
+  for (int i = 0; i < 25; ++i) {  // 24 mantissa bits and a guard bit
+    const bool take = remainder >= b_mant;
+    quotient = (quotient << 1) | (take ? 1u : 0u);
+    remainder = (take ? remainder - b_mant : remainder) << 1;
+  }
+  const bool sticky = remainder != 0;
+  int32_t drop_i = 2 - exponent;
+  drop_i = drop_i < 1 ? 1 : (drop_i > 31 ? 31 : drop_i);
+  const uint32_t drop = static_cast<uint32_t>(drop_i);
+  uint32_t kept = quotient >> drop;
+  const uint32_t dropped = quotient & ((1u << drop) - 1u);
+  const uint32_t half = 1u << (drop - 1u);
+  if (dropped > half || (dropped == half && (sticky || (kept & 1u)))) ++kept;
+  if (exponent < 1) return float_of(sign | kept);  // subnormal (a carry makes it the min normal)
+  const uint32_t normal_bits = (static_cast<uint32_t>(exponent - 1) << 23) + kept;
+  if (exponent >= 255 || normal_bits >= inf) return float_of(sign | inf);
+  return float_of(sign | normal_bits);
+}
+
 JQ_HD float div_f32(float a, float b) {
-#if defined(__CUDA_ARCH__) && !defined(JAXQUANT_IEEE_DEVICE_DIVISION)
-  float q;
-  asm("div.full.f32 %0, %1, %2;" : "=f"(q) : "f"(a), "f"(b));
-  return q;
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
 #else
-  return a / b;
+  return ieee_div_host(a, b);
 #endif
 }
 
 JQ_HD float rcp_f32(float b) {
-#if defined(__CUDA_ARCH__) && !defined(JAXQUANT_IEEE_DEVICE_DIVISION)
-  float q;
-  asm("rcp.approx.f32 %0, %1;" : "=f"(q) : "f"(b));
-  return q;
+#if defined(__CUDA_ARCH__)
+  return __frcp_rn(b);
 #else
-  return 1.0f / b;
+  return ieee_div_host(1.0f, b);
 #endif
 }
 

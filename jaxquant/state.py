@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant.numerics import FLT_MAX, spec_for_dtype
+from jaxquant.numerics.division import ieee_div
 from jaxquant.quantizers import Float8DelayedScalingQuantizer, HybridQuantizer, Quantizer
 
 
@@ -51,7 +52,7 @@ def delayed_scaling_update(state: DelayedScalingState, amax: jax.Array,
   fmax = spec_for_dtype(quantizer.dtype).fmax
   hist = state.amax_history.at[0].set(amax.astype(jnp.float32))
   a = jnp.max(hist) if quantizer.amax_compute_algo == "max" else hist[0]
-  new_scale = jnp.float32(fmax) / a / jnp.float32(2.0**quantizer.margin)
+  new_scale = ieee_div(ieee_div(jnp.float32(fmax), a), jnp.float32(2.0**quantizer.margin))
   new_scale = jnp.minimum(new_scale, jnp.float32(FLT_MAX))
   scale = jnp.where(jnp.isfinite(a) & (a > 0), new_scale, state.scale)
   hist = jnp.roll(hist, -1).at[0].set(0.0)

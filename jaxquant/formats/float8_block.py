@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jaxquant.formats.base import (Format, QuantizeContext, block_amax, expand_blocks,
                                    pad_to_blocks, register, tensor_amax)
 from jaxquant.numerics import scale_from_amax, spec_for_dtype
+from jaxquant.numerics.division import ieee_div
 from jaxquant.numerics.minifloat import cast_sat, decode
 from jaxquant.quantizers import Float8BlockQuantizer
 from jaxquant.tensors import ScaledTensor
@@ -24,7 +25,7 @@ def quantize(mat: jax.Array, quantizer: Float8BlockQuantizer,
   scale = scale_from_amax(block_amax(x, block_rows, block_cols), spec.fmax,
                           pow2_scale=quantizer.pow2_scale, amax_epsilon=quantizer.amax_epsilon)
   data = cast_sat(x * expand_blocks(scale, block_rows, block_cols), spec)[:rows, :cols]
-  scale_inv = jnp.float32(1.0) / scale
+  scale_inv = ieee_div(jnp.float32(1.0), scale)
   return ScaledTensor(data, scale_inv, tensor_amax(mat), quantizer, ctx.orig_dtype, ctx.rht)
 
 

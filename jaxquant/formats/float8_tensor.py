@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from jaxquant.formats.base import Format, QuantizeContext, register, tensor_amax
 from jaxquant.numerics import scale_from_amax, spec_for_dtype
+from jaxquant.numerics.division import ieee_div
 from jaxquant.numerics.minifloat import cast_sat, decode
 from jaxquant.quantizers import Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer
 from jaxquant.state import DelayedScalingState
@@ -22,7 +23,7 @@ def quantize_with_scale(mat: jax.Array, scale: jax.Array, amax: jax.Array, quant
                         ctx: QuantizeContext) -> ScaledTensor:
   spec = spec_for_dtype(quantizer.dtype)
   data = cast_sat(mat.astype(jnp.float32) * scale, spec)
-  scale_inv = jnp.float32(1.0) / scale
+  scale_inv = ieee_div(jnp.float32(1.0), scale)
   return ScaledTensor(data, scale_inv, amax, quantizer, ctx.orig_dtype, ctx.rht)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from jaxquant.numerics.division import ieee_div
 from jaxquant.numerics.minifloat import E4M3, encode
 
 FLT_MAX = float(jnp.finfo(jnp.float32).max)
@@ -38,7 +39,7 @@ def scale_from_amax(amax: jnp.ndarray, fmax: float, *, pow2_scale: bool = False,
   FLT_MAX when that overflows; `pow2_scale` clears the mantissa (rounds down to a power of two).
   """
   a = jnp.maximum(amax.astype(jnp.float32), jnp.float32(amax_epsilon))
-  scale = jnp.float32(fmax) / a
+  scale = ieee_div(jnp.float32(fmax), a)
   scale = jnp.where(jnp.isinf(scale), jnp.float32(FLT_MAX), scale)
   scale = jnp.where((a == 0) | jnp.isinf(a) | jnp.isnan(a), jnp.float32(1.0), scale)
   if pow2_scale:
@@ -71,7 +72,7 @@ def e8m0_decode_exponent(e: jnp.ndarray) -> jnp.ndarray:
 def nvfp4_global_encode_scale(amax_g: jnp.ndarray) -> jnp.ndarray:
   """S_enc = min(448 * 6 / amax_g, FLT_MAX); 1 when amax_g == 0 or S_enc == 0 (NaN stays NaN)."""
   amax_g = amax_g.astype(jnp.float32)
-  s_enc = jnp.minimum(jnp.float32(448.0 * 6.0) / amax_g, jnp.float32(FLT_MAX))
+  s_enc = jnp.minimum(ieee_div(jnp.float32(448.0 * 6.0), amax_g), jnp.float32(FLT_MAX))
   return jnp.where((amax_g == 0) | (s_enc == 0), jnp.float32(1.0), s_enc)
 
 
@@ -86,5 +87,5 @@ def nvfp4_block_encode_scale(s_dec_b: jnp.ndarray, s_enc: jnp.ndarray) -> jnp.nd
   `s_dec_b` is the float32 value of the stored E4M3 scale. A block whose scale rounds to zero
   gets a zero payload, which keeps quantize(dequantize(q)) == q.
   """
-  inv = jnp.float32(1.0) / (s_dec_b * (jnp.float32(1.0) / s_enc))
+  inv = ieee_div(jnp.float32(1.0), s_dec_b * ieee_div(jnp.float32(1.0), s_enc))
   return jnp.where(s_dec_b == 0, jnp.float32(0.0), jnp.minimum(inv, jnp.float32(FLT_MAX)))

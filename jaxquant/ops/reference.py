@@ -82,6 +82,9 @@ def gemm(a: Operand, b: Operand, *, out_dtype, bias: Optional[jax.Array] = None,
     return out.astype(out_dtype)
   lhs, lhs_factor = _raw(a)
   rhs, rhs_factor = _raw(b)
+  # Keep XLA:GPU's GEMM rewriter from turning decode-then-dot back into its own FP8 cuBLASLt
+  # call (which accumulates in reduced precision): the spec is an exact float32 product.
+  lhs, rhs = lax.optimization_barrier((lhs, rhs))
   acc = lax.dot_general(lhs, rhs, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
                         preferred_element_type=jnp.float32)
   if lhs_factor is not None:
