@@ -8,7 +8,12 @@ Every projection of the model (`qkv`, `proj`, `fc1`, `fc2`, `lm_head`) is a
 `jaxquant.flax.Dense` carrying the recipe; the rest (embeddings, norms, attention scores) runs in
 bfloat16 with float32 parameters. Each recipe starts from the same parameters and sees the same
 batches. Writes `<out>/losses.csv` (step, recipe, train_loss, val_loss, time) and
-`<out>/losses.png`, and prints a summary table.
+`<out>/losses.png`, and prints a summary table. On CPU the jaxquant ops take the pure-JAX
+reference path unless `--backend`/`$JAXQUANT_BACKEND` says otherwise.
+
+Layout: `lm/data.py` (corpus and batches), `lm/model.py` (the GPT), `lm/recipes.py` (recipe
+names), `lm/training.py` (optimizer, jitted steps, loop), `lm/report.py` (CSV, plot, table).
+`--mesh` and `--moe` are parsed but refused until their issues land (see `check_extensions`).
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ def parse_moe(spec: str) -> tuple[int, int]:
   try:
     experts, top_k = (int(v) for v in spec.split(","))
   except ValueError:
-    raise argparse.ArgumentTypeError(f"--moe {spec!r}: expected EXPERTS,TOPK such as 8,2")
+    raise argparse.ArgumentTypeError(
+        f"--moe {spec!r}: expected EXPERTS,TOPK such as 8,2") from None
   if not 1 <= top_k <= experts:
     raise argparse.ArgumentTypeError(f"--moe {spec!r}: need 1 <= TOPK <= EXPERTS")
   return experts, top_k
@@ -98,7 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_extensions(args: argparse.Namespace) -> None:
-  """Flags reserved for later issues: parsed now, refused clearly until they land."""
+  """Flags reserved for later issues: parsed now, refused clearly until they land.
+
+  Where they plug in: `--mesh` builds a `jax.sharding.Mesh` and shards the state and batches
+  created in `run` (`training.create_state`, the `train_step`/`eval_loss` jits); `--moe`
+  replaces `lm.model.MLP` in `Block` by a routed mixture of `GroupedDense` experts.
+  """
   if args.mesh is not None:
     raise NotImplementedError(f"--mesh {args.mesh}: needs the sharding support of issue 6 "
                               "(data/tensor-parallel meshes); run without --mesh for now")
