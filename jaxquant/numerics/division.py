@@ -46,11 +46,17 @@ def ieee_div(a, b) -> jnp.ndarray:
   smaller = a_mant < b_mant
   remainder = jnp.where(smaller, a_mant << 1, a_mant)
   exponent = jnp.where(smaller, exponent - 1, exponent)
-  quotient = jnp.zeros_like(remainder)
-  for _ in range(_QUOTIENT_BITS):  # remainder < 2 * b_mant < 2^25 throughout
+
+  def step(_, carry):  # one quotient bit; remainder < 2 * b_mant < 2^25 throughout
+    quotient, remainder = carry
     take = remainder >= b_mant
-    quotient = (quotient << 1) | take.astype(jnp.uint32)
-    remainder = (jnp.where(take, remainder - b_mant, remainder)) << 1
+    return ((quotient << 1) | take.astype(jnp.uint32),
+            jnp.where(take, remainder - b_mant, remainder) << 1)
+
+  # A loop rather than 25 unrolled steps: these are per-block scalars, and the unrolled form
+  # doubled the compile time of every quantize.
+  quotient, remainder = lax.fori_loop(0, _QUOTIENT_BITS, step,
+                                      (jnp.zeros_like(remainder), remainder))
   sticky = remainder != 0
   # quotient has 25 bits (leading one at bit 24). Drop `drop` low bits with RNE: one guard bit
   # for a normal result, more when the result is subnormal.
