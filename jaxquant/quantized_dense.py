@@ -82,7 +82,9 @@ class _Config:
 
   def gemm_label(self, kind: str) -> str:
     role = self.quantizers.roles[0]
-    return f"{role.module_type}/{role.name}/{kind}" if role is not None else kind
+    if role is None:
+      return kind
+    return f"{role.module_type}/{role.path or role.name}/{kind}"
 
 
 def _keys(key):

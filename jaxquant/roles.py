@@ -32,4 +32,4 @@ class QuantizerRole:
   path: str = dataclasses.field(default="", compare=False)
 
   def __str__(self) -> str:
-    return f"{self.module_type}/{self.name or '?'}/{self.tensor_type}"
+    return f"{self.module_type}/{self.path or self.name or '?'}/{self.tensor_type}"
