@@ -37,19 +37,31 @@ def quantize(mat: jax.Array, quantizer: NVFP4Quantizer, ctx: QuantizeContext) ->
   else:
     amax = tensor_amax(mat)
     s_enc = nvfp4_global_encode_scale(amax)
+  draws = None
+  if quantizer.stochastic_rounding:
+    if ctx.key_words is None:
+      raise ValueError("key: NVFP4Quantizer(stochastic_rounding=True) needs a PRNG key")
+    draws = stochastic_round_bits(ctx.key_words, *x.shape)
+  data, scale_inv = encode_blocks(x, quantizer, s_enc, draws)
+  return ScaledTensor(data[:rows, :cols], scale_inv, amax, quantizer, ctx.orig_dtype, ctx.rht)
+
+
+def encode_blocks(x: jax.Array, quantizer: NVFP4Quantizer, s_enc: jax.Array,
+                  draws=None) -> tuple[jax.Array, jax.Array]:
+  """(E2M1 payload, E4M3 block scales) of a block-padded float32 matrix `x`.
+
+  `s_enc` is the second-level encode scale: a scalar, or an array broadcastable to the block
+  grid `[rows / block_rows, cols / block_cols]` (per row when row-scaled; per group of rows or
+  columns for `jaxquant.grouped`). `draws` are the stochastic-rounding uniforms (`x.shape`), or
+  None for round-to-nearest-even.
+  """
+  block_rows, block_cols = block_shape(quantizer)
   scale_code = nvfp4_block_decode_scale(block_amax(x, block_rows, block_cols), s_enc)
   scale_inv = to_storage(scale_code, E4M3)
   block_scale = nvfp4_block_encode_scale(decode(scale_inv), s_enc)
   scaled = x * expand_blocks(block_scale, block_rows, block_cols)
-  if quantizer.stochastic_rounding:
-    if ctx.key_words is None:
-      raise ValueError("key: NVFP4Quantizer(stochastic_rounding=True) needs a PRNG key")
-    draws = stochastic_round_bits(ctx.key_words, *scaled.shape)
-    code = encode_stochastic(scaled, draws, E2M1)
-  else:
-    code = encode(scaled, E2M1)
-  data = to_storage(code, E2M1)[:rows, :cols]
-  return ScaledTensor(data, scale_inv, amax, quantizer, ctx.orig_dtype, ctx.rht)
+  code = encode(scaled, E2M1) if draws is None else encode_stochastic(scaled, draws, E2M1)
+  return to_storage(code, E2M1), scale_inv
 
 
 def dequantize_raw(t: ScaledTensor) -> jax.Array:
