@@ -43,6 +43,7 @@ import numpy as np
 from jax import lax
 
 from jaxquant.formats import format_of
+from jaxquant.kernels import partitioning
 from jaxquant.ops import reference
 from jaxquant.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer,
                                  Float8DelayedScalingQuantizer, IdentityQuantizer,
@@ -405,9 +406,20 @@ def gemm(a: Operand, b: Operand, *, out_dtype, bias: Optional[jax.Array] = None,
   path, _ = _kernel_path(a, b, _platform())
   if path == "xla-dot":
     return reference.gemm(a, b, out_dtype=out_dtype, bias=bias, precision=precision)
-  if path.startswith("cublaslt-"):
-    fast = _accumulation(accumulation, role, precision) == "fast"
-    return _cublaslt(a, b, path, out_dtype, bias, fast)
-  if path.startswith("wgmma-dequant"):
-    return _wgmma_dequant(a, b, out_dtype, bias)
+  if _uses_target(path):  # partitioned: local GEMMs, one psum over the mesh axes sharding K
+    fast = path.startswith("cublaslt-") and _accumulation(accumulation, role, precision) == "fast"
+    return partitioning.gemm(_Kernel(path, fast), a, b, bias, out_dtype)
   return _dequant_xla(a, b, path, out_dtype, bias)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kernel:
+  """The single-device kernel call of a path (hashable: it keys the partitioned call)."""
+
+  path: str
+  fast: bool
+
+  def __call__(self, a: ScaledTensor, b: ScaledTensor, bias, out_dtype) -> jax.Array:
+    if self.path.startswith("cublaslt-"):
+      return _cublaslt(a, b, self.path, np.dtype(out_dtype), bias, self.fast)
+    return _wgmma_dequant(a, b, np.dtype(out_dtype), bias)

@@ -8,6 +8,13 @@ The forward saves only the quantized columnwise operands (tagged with `checkpoin
 only those a backward GEMM will use: no dgrad operand when x needs no gradient, no wgrad operand
 when W needs none. Delayed-scaling states are differentiable inputs whose "gradient" is their
 updated value (Flax's `_overwrite_with_gradient` convention).
+
+Sharding (`sharding=DenseSharding(x=..., kernel=...)`, see `jaxquant.sharding`): x, y, dy, dx,
+dW and every storage are constrained to the specs `plan_dense` derives, so the partitioned ops
+stay local (a K-sharded GEMM ends in one psum). An FSDP kernel is quantized shard by shard and
+its quantized storage all-gathered over the FSDP axes (the residual keeps the local shard and
+the backward gathers it again), or gathered in high precision first where a shard would split a
+block; `jaxquant.explain` reports which.
 """
 
 from __future__ import annotations
@@ -20,11 +27,14 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxquant import explain as _explain
 from jaxquant import ops
+from jaxquant import sharding as _sharding
 from jaxquant.quantizers import IdentityQuantizer, Quantizer
 from jaxquant.recipes import Recipe
 from jaxquant.roles import QuantizerRole
 from jaxquant.state import init_state, update_state
+from jaxquant.tensors import QuantizedTensor
 
 RESIDUAL_NAMES = ("jaxquant_input_columnwise", "jaxquant_weight_columnwise")
 TENSOR_TYPES = ("input", "weight", "grad_output")
@@ -79,6 +89,33 @@ class _Config:
   batch_shape: tuple[int, ...]  # leading axes of x, flattened into the GEMM rows
   contract_shape: tuple[int, ...]  # trailing axes of x, flattened into the contraction
   out_shape: tuple[int, ...]  # trailing axes of the kernel and the output
+  plan: Optional[_sharding.DensePlan] = None  # specs under a mesh (None: unsharded/unknown)
+
+  def constrain(self, value, spec):
+    """`value` constrained to `spec` of the plan (unchanged without a plan)."""
+    if self.plan is None or value is None:
+      return value
+    return jax.lax.with_sharding_constraint(value, _sharding.named(spec, self.plan.mesh))
+
+  def constrain_storage(self, qtensor, quantizer, spec):
+    """A `QuantizedTensor` constrained to the storage specs of a matrix sharded as `spec`."""
+    if self.plan is None or qtensor is None:
+      return qtensor
+    specs = _sharding.storage_specs(quantizer, spec, rowwise=qtensor.rowwise is not None,
+                                    columnwise=qtensor.columnwise is not None)
+    return _sharding.constrain(qtensor, specs, self.plan.mesh)
+
+  @property
+  def weight_spec(self):
+    """How the weight is quantized: sharded, unless it is gathered in high precision first."""
+    plan = self.plan
+    return plan.weight_gathered if plan.weight_gather == "high-precision" else plan.weight
+
+  def gathered_weight(self, qtensor):
+    """The weight storage the GEMMs read: FSDP axes gathered (quantized bytes move)."""
+    if self.plan is None or self.plan.weight_gather != "quantized":
+      return qtensor
+    return self.constrain_storage(qtensor, self.quantizers.weight, self.plan.weight_gathered)
 
   def gemm_label(self, kind: str) -> str:
     role = self.quantizers.roles[0]
@@ -108,14 +145,37 @@ def _forward(config: _Config, x, kernel, bias, key, states, *, need_dgrad: bool,
   key_x, key_w, _ = _keys(key)
   state_x, state_w, _ = states
   roles = q.roles
-  qx = ops.quantize(x.reshape(-1, k), q.input, rowwise=True, columnwise=need_wgrad, key=key_x,
+  plan = config.plan
+  if plan is not None:
+    _record_plan(config)
+  x2d = config.constrain(x.reshape(-1, k), plan and plan.x2d)
+  qx = ops.quantize(x2d, q.input, rowwise=True, columnwise=need_wgrad, key=key_x,
                     state=state_x, role=roles[0])
-  qw = ops.quantize(kernel.reshape(k, n).T, q.weight, rowwise=True, columnwise=need_dgrad,
-                    key=key_w, state=state_w, role=roles[1])
-  y = ops.gemm(qx.rowwise, qw.rowwise, out_dtype=x.dtype,
+  qx = config.constrain_storage(qx, q.input, plan and plan.x2d)
+  w2d = config.constrain(kernel.reshape(k, n).T, plan and config.weight_spec)
+  qw = ops.quantize(w2d, q.weight, rowwise=True, columnwise=need_dgrad, key=key_w,
+                    state=state_w, role=roles[1])
+  qw = config.constrain_storage(qw, q.weight, plan and config.weight_spec)
+  y = ops.gemm(qx.rowwise, config.gathered_weight(qw).rowwise, out_dtype=x.dtype,
                bias=None if bias is None else bias.reshape(n), role=config.gemm_label("fprop"),
                precision=config.precision)
+  y = config.constrain(y, plan and plan.y2d)
   return y.reshape(*config.batch_shape, *config.out_shape), qx, qw
+
+
+def _record_plan(config: _Config) -> None:
+  """Tell `jaxquant.explain` how the sharded dense moves its operands."""
+  plan, roles = config.plan, config.quantizers.roles
+  if plan.fsdp_axes:
+    moved = {"quantized": "quantized storage all-gathered (the local shard is quantized with "
+                          "global scales)",
+             "high-precision": "high-precision weight all-gathered, then quantized"}
+    _explain.record(_explain.Decision(
+        "fsdp-gather", roles[1], f"kernel over {plan.fsdp_axes}: {moved[plan.weight_gather]}",
+        plan.weight_gather, plan.reason))
+  if plan.rows_note:
+    _explain.record(_explain.Decision("sharding", roles[0], f"x rows -> {plan.x2d}", "reshard",
+                                      plan.rows_note))
 
 
 def _primal(config, x, kernel, bias, key, states):
@@ -142,14 +202,18 @@ def _bwd(config, residuals, dy):
   q = config.quantizers
   _, _, key_g = _keys(key)
   roles = q.roles
+  plan = config.plan
   dy_nd = dy
-  dy = dy.reshape(-1, math.prod(config.out_shape))
+  dy = config.constrain(dy.reshape(-1, math.prod(config.out_shape)), plan and plan.y2d)
   dqy = ops.quantize(dy, q.grad_output, rowwise=w_col is not None,
                      columnwise=x_col is not None, key=key_g, state=states[2], role=roles[2])
+  dqy = config.constrain_storage(dqy, q.grad_output, plan and plan.y2d)
   dx = dkernel = None
   if w_col is not None:
+    w_col = config.gathered_weight(jaxquant_tensor(w_col, q.weight)).columnwise
     dx = ops.gemm(dqy.rowwise, w_col, out_dtype=config.x_dtype,
                   role=config.gemm_label("dgrad"), precision=config.precision)
+    dx = config.constrain(dx, plan and plan.x2d)
     dx = dx.reshape(*config.batch_shape, *config.contract_shape)
   if x_col is not None:
     if _high_precision(x_col) and _high_precision(dqy.columnwise):
@@ -160,6 +224,7 @@ def _bwd(config, residuals, dy):
     else:
       dkernel = ops.gemm(x_col, dqy.columnwise, out_dtype=config.kernel_dtype,
                          role=config.gemm_label("wgrad"), precision=config.precision)
+    dkernel = config.constrain(dkernel, plan and plan.kernel2d)
     dkernel = dkernel.reshape(*config.contract_shape, *config.out_shape)
   dbias = None
   if config.bias_dtype is not None:
@@ -171,6 +236,11 @@ def _bwd(config, residuals, dy):
   return dx, dkernel, dbias, None, new_states
 
 
+def jaxquant_tensor(columnwise, quantizer) -> QuantizedTensor:
+  """A columnwise-only `QuantizedTensor` around a saved residual."""
+  return QuantizedTensor(None, columnwise, quantizer)
+
+
 _dense_nd = jax.custom_vjp(_primal, nondiff_argnums=(0,))
 _dense_nd.defvjp(_fwd, _bwd, symbolic_zeros=True)
 
@@ -178,7 +248,8 @@ _dense_nd.defvjp(_fwd, _bwd, symbolic_zeros=True)
 def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
           quantizers: Optional[DenseQuantizers] = None, *, key: Optional[jax.Array] = None,
           states: Optional[tuple] = None, contracting_dims: int = 1,
-          precision: Any = None) -> jax.Array:
+          precision: Any = None,
+          sharding: Optional[_sharding.DenseSharding] = None) -> jax.Array:
   """Quantized `x @ kernel + bias` with a custom backward pass.
 
   Args:
@@ -193,6 +264,10 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
       `quantizers.init_states()`; their gradient is their updated value.
     contracting_dims: how many trailing axes of `x` (leading axes of `kernel`) are contracted.
     precision: `jax.lax.Precision` for high-precision (Identity) GEMMs.
+    sharding: `jaxquant.sharding.DenseSharding` with the mesh-axis specs of `x` and `kernel`
+      (None: no constraints, XLA propagation decides). A spec whose shards would split a
+      scaling block raises `ValueError`; FSDP kernel axes (those that also shard x's rows) are
+      gathered after quantization where exact (see `jaxquant.sharding.plan_dense`).
 
   Returns:
     `[..., N1..Nn]` in `x`'s dtype.
@@ -208,6 +283,9 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
   out_features = kernel.shape[contracting_dims:]
   if bias is not None and tuple(bias.shape) != tuple(out_features):
     raise ValueError(f"bias: expected shape {tuple(out_features)}, got {tuple(bias.shape)}")
+  if sharding is not None and not isinstance(sharding, _sharding.DenseSharding):
+    raise TypeError(f"sharding: expected a jaxquant.sharding.DenseSharding or None, got "
+                    f"{type(sharding).__name__}")
   if quantizers is None:
     y = jax.lax.dot_general(x, kernel, ((tuple(range(x.ndim - contracting_dims, x.ndim)),
                                          tuple(range(contracting_dims))), ((), ())),
@@ -223,7 +301,16 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
       raise ValueError("states: the quantizers are stateful (delayed scaling); pass "
                        "states=quantizers.init_states() (kept by the Flax modules)")
     states = (None, None, None)
+  plan = None
+  if sharding is not None:
+    plan = _sharding.plan_dense(sharding, x.shape, kernel.shape, contracting_dims,
+                                quantizers.weight, ("rowwise", "columnwise"))
+  if plan is not None:  # reject block-splitting activation shards now, by name
+    rows, k, n = math.prod(batch_shape), math.prod(contract_shape), math.prod(out_features)
+    _sharding.check_blocks_fit(quantizers.input, (rows, k), plan.x2d, plan.mesh, name="x")
+    _sharding.check_blocks_fit(quantizers.grad_output, (rows, n), plan.y2d, plan.mesh,
+                               name="grad_output")
   config = _Config(quantizers, precision, x.dtype, kernel.dtype,
                    None if bias is None else bias.dtype, tuple(batch_shape),
-                   tuple(contract_shape), tuple(out_features))
+                   tuple(contract_shape), tuple(out_features), plan)
   return _dense_nd(config, x, kernel, bias, key, tuple(states))

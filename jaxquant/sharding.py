@@ -1,9 +1,21 @@
-"""Sharding of quantized storages: from the `PartitionSpec` of `x[rows, cols]` to the spec of
-every leaf of its `QuantizedTensor` (DESIGN.md section 6).
+"""Sharding of quantized storages and of the quantized Dense (DESIGN.md section 6).
 
-Rowwise leaves follow `(rows, cols)`; the transposed columnwise copy follows `(cols, rows)`;
-block-scale axes follow their data axis (a block never straddles two shards: checked by
-`check_blocks_fit`); per-tensor scales and amax are replicated; a row-scaled amax follows rows.
+Storage specs: from the `PartitionSpec` of `x[rows, cols]` to the spec of every leaf of its
+`QuantizedTensor`. Rowwise leaves follow `(rows, cols)`; the transposed columnwise copy follows
+`(cols, rows)`; a Hybrid's halves each follow their own format; block-scale axes follow their
+data axis; per-tensor scales and amax are replicated; a row-scaled amax follows its rows.
+
+Blocks and shards: a shard boundary that would split a scaling block is **rejected** with a
+`ValueError` naming the axis, the mesh axes and the block (`check_blocks_fit`; the FFI ops'
+partitioners raise the same error at compile time). The one exception is an FSDP weight: when
+its local shard would split blocks, the weight is gathered in high precision and quantized whole
+(`plan_dense`; `jaxquant.explain` says so). Nothing is replicated silently.
+
+`DenseSharding` tells `jaxquant.dense` the specs of `x` and of the kernel; `plan_dense` derives
+every spec the dense needs, and which kernel axes are FSDP axes (mesh axes that shard both the
+kernel and the rows of `x`): the kernel is quantized shard by shard and its quantized bytes are
+all-gathered over those axes where the format allows it exactly, else it is gathered in high
+precision first.
 """
 
 from __future__ import annotations
@@ -13,34 +25,60 @@ import math
 from typing import Any, Optional, Sequence
 
 import jax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxquant.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer,
-                                 Float8DelayedScalingQuantizer, HybridQuantizer,
-                                 IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer)
+                                 Float8DelayedScalingQuantizer, IdentityQuantizer,
+                                 MXFP8Quantizer, NVFP4Quantizer, Quantizer)
 from jaxquant.tensors import QuantizedTensor, ScaledTensor
 
 MeshAxes = Any  # None, a mesh axis name, or a tuple of names
+Dim = tuple[Optional[str], int]  # (logical axis or None = replicated, block length along it)
+Dims = tuple[Dim, ...]
 
 
-def _matrix_spec(spec: Optional[P]) -> tuple[MeshAxes, MeshAxes]:
-  """(rows axes, cols axes) of a spec of a `[..., cols]` array flattened to `[rows, cols]`."""
-  if spec is None:
-    return None, None
-  entries = tuple(spec)
-  if not entries:
-    return None, None
-  if len(entries) == 1:
-    return None, entries[0]
-  lead = [e for e in entries[:-1] if e is not None]
-  if len(lead) > 1:
-    names = []
-    for e in lead:
-      names.extend(e if isinstance(e, tuple) else (e,))
-    rows = tuple(names)
-  else:
-    rows = lead[0] if lead else None
-  return rows, entries[-1]
+# ------------------------------------------ mesh axes -----------------------------------------
+
+def axes_tuple(entry: MeshAxes) -> tuple[str, ...]:
+  """A `PartitionSpec` entry as a tuple of mesh axis names (`()` when unsharded)."""
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def spec_entry(axes: Sequence[str]) -> MeshAxes:
+  """The inverse of `axes_tuple`: None, a name, or a tuple of names."""
+  axes = tuple(axes)
+  return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def axis_size(mesh: Mesh, axes: MeshAxes) -> int:
+  return math.prod(mesh.shape[name] for name in axes_tuple(axes))
+
+
+def current_mesh() -> Optional[Mesh]:
+  """The mesh of `jax.set_mesh(...)` (or the legacy `with mesh:`), None outside one."""
+  from jax._src import mesh as mesh_lib  # the legacy context has no public accessor
+  legacy = mesh_lib.thread_resources.env.physical_mesh
+  if not legacy.empty:
+    return legacy
+  mesh = jax.sharding.get_mesh()
+  return mesh if mesh.axis_names else None
+
+
+# ---------------------------------------- storage layout --------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class LeafDims:
+  """For each leaf of a `ScaledTensor`, the logical axis and block length of each dimension
+  (None for a leaf the format does not have)."""
+
+  data: Dims
+  scale_inv: Optional[Dims]
+  amax: Optional[Dims]
+
+  def leaves(self) -> tuple[Dims, ...]:
+    return tuple(d for d in (self.data, self.scale_inv, self.amax) if d is not None)
 
 
 def block_shape(quantizer: Quantizer) -> tuple[int, int]:
@@ -54,14 +92,51 @@ def block_shape(quantizer: Quantizer) -> tuple[int, int]:
   return (1, 1)
 
 
-def _scaled_spec(quantizer: Quantizer, rows: MeshAxes, cols: MeshAxes) -> ScaledTensor:
+def leaf_dims(quantizer: Quantizer, rows: Optional[str], cols: Optional[str]) -> LeafDims:
+  """Layout of a single-format storage `[rows, cols]` whose axes follow logical `rows`/`cols`."""
+  data = ((rows, 1), (cols, 1))
   if isinstance(quantizer, IdentityQuantizer):
-    return ScaledTensor(P(rows, cols), None, None, quantizer)
+    return LeafDims(data, None, None)
   if isinstance(quantizer, (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer)):
-    return ScaledTensor(P(rows, cols), P(), P(), quantizer)
-  if isinstance(quantizer, NVFP4Quantizer) and quantizer.row_scaled:
-    return ScaledTensor(P(rows, cols), P(rows, cols), P(rows), quantizer)
-  return ScaledTensor(P(rows, cols), P(rows, cols), P(), quantizer)
+    return LeafDims(data, (), ())
+  block_rows, block_cols = block_shape(quantizer)
+  scale = ((rows, block_rows), (cols, block_cols))
+  row_scaled = isinstance(quantizer, NVFP4Quantizer) and quantizer.row_scaled
+  return LeafDims(data, scale, ((rows, 1),) if row_scaled else ())
+
+
+def dims_spec(dims: Dims, axes: dict) -> P:
+  """The `PartitionSpec` of a leaf laid out as `dims`, given mesh axes per logical axis."""
+  return P(*(spec_entry(axes.get(name, ())) if name is not None else None
+             for name, _ in dims))
+
+
+# -------------------------------------------- specs -------------------------------------------
+
+def _matrix_spec(spec: Optional[P]) -> tuple[MeshAxes, MeshAxes]:
+  """(rows axes, cols axes) of a spec of a `[..., cols]` array flattened to `[rows, cols]`."""
+  if spec is None:
+    return None, None
+  entries = tuple(spec)
+  if not entries:
+    return None, None
+  if len(entries) == 1:
+    return None, entries[0]
+  names = [n for e in entries[:-1] for n in axes_tuple(e)]
+  return spec_entry(names), entries[-1]
+
+
+def matrix_spec(spec: Optional[P]) -> P:
+  """The spec of `x.reshape(-1, x.shape[-1])` for an `x` sharded as `spec`."""
+  return P(*_matrix_spec(spec))
+
+
+def scaled_specs(quantizer: Quantizer, rows: MeshAxes, cols: MeshAxes) -> ScaledTensor:
+  """A `ScaledTensor` whose leaves are the specs of a single-format `[rows, cols]` storage."""
+  dims = leaf_dims(quantizer, "r", "c")
+  axes = {"r": axes_tuple(rows), "c": axes_tuple(cols)}
+  spec = lambda d: None if d is None else dims_spec(d, axes)
+  return ScaledTensor(spec(dims.data), spec(dims.scale_inv), spec(dims.amax), quantizer)
 
 
 def storage_specs(quantizer: Quantizer, x_spec: Optional[P], *, rowwise: bool = True,
@@ -75,51 +150,195 @@ def storage_specs(quantizer: Quantizer, x_spec: Optional[P], *, rowwise: bool = 
   """
   rows, cols = _matrix_spec(x_spec)
   row_q, col_q = quantizer.for_direction("rowwise"), quantizer.for_direction("columnwise")
-  return QuantizedTensor(_scaled_spec(row_q, rows, cols) if rowwise else None,
-                         _scaled_spec(col_q, cols, rows) if columnwise else None, quantizer)
+  return QuantizedTensor(scaled_specs(row_q, rows, cols) if rowwise else None,
+                         scaled_specs(col_q, cols, rows) if columnwise else None, quantizer)
 
 
 def _axis_size(mesh: Mesh, axes: MeshAxes) -> int:
-  if axes is None:
-    return 1
-  names = axes if isinstance(axes, tuple) else (axes,)
-  return math.prod(mesh.shape[n] for n in names)
+  return axis_size(mesh, axes)
+
+
+def block_error(what: str, length: int, axes: MeshAxes, shards: int, block: int,
+                owner: str) -> ValueError:
+  return ValueError(
+      f"{what} ({length}) sharded over mesh axes {axes!r} ({shards} shards) would split the "
+      f"{block}-long scaling blocks of {owner}: a shard boundary may not cut a block. Use a "
+      f"length that is a multiple of {shards} x {block}, or do not shard this axis over "
+      f"{axes!r}")
 
 
 def check_blocks_fit(quantizer: Quantizer, shape: Sequence[int], x_spec: Optional[P],
-                     mesh: Mesh, *, name: str = "x") -> None:
-  """Raise `ValueError` if a shard boundary would split a scaling block of either direction."""
+                     mesh: Mesh, *, name: str = "x",
+                     directions: Sequence[str] = ("rowwise", "columnwise")) -> None:
+  """Raise `ValueError` if a shard boundary would split a scaling block of a direction.
+
+  Args:
+    quantizer: the quantizer (a Hybrid's halves are checked for their own direction).
+    shape: shape of `x` (`[..., cols]`).
+    x_spec: its spec.
+    mesh: the mesh the spec refers to.
+    name: how the error names the tensor.
+    directions: the directions that will be produced.
+  """
   rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
   cols = shape[-1]
   row_axes, col_axes = _matrix_spec(x_spec)
-  for direction, (r, c, r_axes, c_axes) in (
-      ("rowwise", (rows, cols, row_axes, col_axes)),
-      ("columnwise", (cols, rows, col_axes, row_axes))):
+  for direction in directions:
     q = quantizer.for_direction(direction)
+    if direction == "rowwise":
+      r, c, r_axes, c_axes, r_what, c_what = rows, cols, row_axes, col_axes, "rows", "cols"
+    else:
+      r, c, r_axes, c_axes, r_what, c_what = cols, rows, col_axes, row_axes, "cols", "rows"
     block_rows, block_cols = block_shape(q)
-    for length, axes, block, what in ((r, r_axes, block_rows, "rows"),
-                                      (c, c_axes, block_cols, "cols")):
-      shards = _axis_size(mesh, axes)
+    if isinstance(q, NVFP4Quantizer) and q.rht and direction == "columnwise":
+      block_cols = max(block_cols, 16)
+    for length, axes, block, what in ((r, r_axes, block_rows, r_what),
+                                      (c, c_axes, block_cols, c_what)):
+      shards = axis_size(mesh, axes)
       if shards > 1 and (length % shards or (length // shards) % block):
-        raise ValueError(
-            f"{name}: sharding {what} of the {direction} copy ({length}) over mesh axes {axes!r} "
-            f"({shards} shards) would split {block}-long scaling blocks of {q}; use a shard "
-            f"length that is a multiple of {block} or do not shard this axis")
+        raise block_error(f"{name}: the {what} of {name}", length, axes, shards, block,
+                          f"its {direction} copy ({q})")
 
 
-def _constrain_scaled(t: Optional[ScaledTensor], spec: Optional[ScaledTensor]):
-  if t is None or spec is None:
-    return t
-  fields = {}
-  for field in ("data", "scale_inv", "amax"):
-    value, field_spec = getattr(t, field), getattr(spec, field)
-    fields[field] = (value if value is None or field_spec is None
-                     else jax.lax.with_sharding_constraint(value, field_spec))
-  return dataclasses.replace(t, **fields)
+def _constrain_leaf(value, spec, mesh):
+  if value is None or spec is None:
+    return value
+  return jax.lax.with_sharding_constraint(value, named(spec, mesh))
 
 
-def constrain(qtensor: QuantizedTensor, specs: QuantizedTensor) -> QuantizedTensor:
+def named(spec: P, mesh: Optional[Mesh]):
+  """`NamedSharding(mesh, spec)`, or the bare spec (resolved by the context mesh)."""
+  return spec if mesh is None else NamedSharding(mesh, spec)
+
+
+def constrain(qtensor: QuantizedTensor, specs: QuantizedTensor,
+              mesh: Optional[Mesh] = None) -> QuantizedTensor:
   """Apply `storage_specs` to a `QuantizedTensor` (inside `jit`, under a mesh)."""
-  return dataclasses.replace(qtensor,
-                             rowwise=_constrain_scaled(qtensor.rowwise, specs.rowwise),
-                             columnwise=_constrain_scaled(qtensor.columnwise, specs.columnwise))
+
+  def scaled(t: Optional[ScaledTensor], spec: Optional[ScaledTensor]):
+    if t is None or spec is None:
+      return t
+    return dataclasses.replace(
+        t, **{f: _constrain_leaf(getattr(t, f), getattr(spec, f), mesh)
+              for f in ("data", "scale_inv", "amax")})
+
+  return dataclasses.replace(qtensor, rowwise=scaled(qtensor.rowwise, specs.rowwise),
+                             columnwise=scaled(qtensor.columnwise, specs.columnwise))
+
+
+# ------------------------------------------ the Dense -----------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class DenseSharding:
+  """How the operands of `jaxquant.dense` are sharded (mesh-axis `PartitionSpec`s).
+
+  Attributes:
+    x: spec of `x[..., K1..Kc]` (None: unknown; XLA propagation decides).
+    kernel: spec of `kernel[K1..Kc, N1..Nn]` (None: unknown).
+    mesh: the mesh the specs refer to (None: the context mesh of `jax.set_mesh`).
+  """
+
+  x: Optional[P] = None
+  kernel: Optional[P] = None
+  mesh: Optional[Mesh] = None
+
+  def __post_init__(self):
+    for field in ("x", "kernel"):
+      value = getattr(self, field)
+      if value is not None and not isinstance(value, P):
+        raise TypeError(f"DenseSharding.{field}: expected a PartitionSpec or None, got "
+                        f"{value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DensePlan:
+  """Every spec `jaxquant.dense` constrains, in mesh axes (static, hashable).
+
+  `x2d`/`y2d`: the GEMM rows of x and y; `weight`: `W^T[N, K]` as stored (FSDP-sharded);
+  `weight_gathered`: what the GEMMs read (FSDP axes removed); `kernel2d`: `[K, N]` (the
+  gradient's spec); `weight_gather`: "none" (no FSDP axis), "quantized" (the quantized bytes
+  are all-gathered) or "high-precision" (the weight is gathered before quantizing).
+  """
+
+  mesh: Optional[Mesh]
+  x2d: P
+  y2d: P
+  kernel2d: P
+  weight: P
+  weight_gathered: P
+  fsdp_axes: tuple[str, ...]
+  weight_gather: str
+  reason: str = ""
+  rows_note: str = ""
+
+
+def _rows_note(x_shape: Sequence[int], x_spec: P, n_contract: int, mesh: Mesh) -> str:
+  """Why flattening x's leading axes into rows cannot keep every shard local ("" if it can).
+
+  A flattened axis is block-sharded only if every leading axis before a sharded one holds one
+  element per shard (Shardy's rule for merged dimensions)."""
+  entries = tuple(x_spec) + (None,) * (len(x_shape) - len(tuple(x_spec)))
+  lead = list(zip(x_shape[:len(x_shape) - n_contract], entries[:len(x_shape) - n_contract]))
+  for i, (_, entry) in enumerate(lead):
+    if axis_size(mesh, entry) > 1:
+      for j, (length, before) in enumerate(lead[:i]):
+        local = length // axis_size(mesh, before)
+        if local > 1:
+          return (f"x axis {i} is sharded over {entry!r} but axis {j} before it holds {local} "
+                  "elements per shard, so the flattened GEMM rows are not block-sharded; XLA "
+                  "reshards x before quantizing (put the sharded axis first, or shard axis "
+                  f"{j} down to one element per shard)")
+  return ""
+
+
+def plan_dense(sharding: DenseSharding, x_shape: Sequence[int], kernel_shape: Sequence[int],
+               n_contract: int, weight_quantizer: Quantizer,
+               weight_directions: Sequence[str]) -> Optional[DensePlan]:
+  """The specs of a sharded `jaxquant.dense` (None when nothing is known about the sharding).
+
+  FSDP axes are the mesh axes that shard the kernel and also the rows of `x`. The kernel is
+  quantized as sharded and its quantized storage gathered over them ("quantized"), unless a
+  local shard would split a scaling block of `weight_quantizer` ("high-precision": the weight
+  is gathered first, then quantized whole).
+  """
+  mesh = sharding.mesh or current_mesh()
+  if sharding.x is None and sharding.kernel is None:
+    return None
+  if mesh is None:
+    raise ValueError("DenseSharding: specs were given but no mesh; pass DenseSharding(mesh=...) "
+                     "or trace under `with jax.set_mesh(mesh):`")
+  n_out = len(kernel_shape) - n_contract
+  x_spec = sharding.x if sharding.x is not None else P()
+  k_spec = sharding.kernel if sharding.kernel is not None else P()
+  k_entries = tuple(k_spec) + (None,) * (len(kernel_shape) - len(tuple(k_spec)))
+  k_axes = tuple(n for e in k_entries[:n_contract] for n in axes_tuple(e))
+  n_axes = tuple(n for e in k_entries[n_contract:] for n in axes_tuple(e))
+  x_entries = tuple(x_spec) + (None,) * (len(x_shape) - len(tuple(x_spec)))
+  row_axes = tuple(n for e in x_entries[:len(x_shape) - n_contract] for n in axes_tuple(e))
+  x_k_axes = tuple(n for e in x_entries[len(x_shape) - n_contract:] for n in axes_tuple(e))
+  fsdp = tuple(a for a in k_axes + n_axes if a in row_axes)
+  keep = lambda axes: spec_entry(tuple(a for a in axes if a not in fsdp))
+  weight = P(spec_entry(n_axes), spec_entry(k_axes))
+  weight_gathered = P(keep(n_axes), keep(k_axes))
+  gather, reason = "none", ""
+  wt_shape = (math.prod(kernel_shape[n_contract:]), math.prod(kernel_shape[:n_contract]))
+  if fsdp:
+    if isinstance(weight_quantizer, IdentityQuantizer):
+      gather, reason = "high-precision", "the weight is not quantized (Identity)"
+    else:
+      try:
+        check_blocks_fit(weight_quantizer, wt_shape, weight, mesh, name="kernel",
+                         directions=weight_directions)
+        gather = "quantized"
+      except ValueError as err:
+        gather, reason = "high-precision", str(err)
+  check_blocks_fit(weight_quantizer, wt_shape, weight_gathered if gather != "quantized"
+                   else weight, mesh, name="kernel", directions=weight_directions)
+  del n_out
+  return DensePlan(
+      mesh=mesh,
+      x2d=P(spec_entry(row_axes), spec_entry(x_k_axes)),
+      y2d=P(spec_entry(row_axes), keep(n_axes)),
+      kernel2d=P(spec_entry(k_axes), spec_entry(n_axes)),
+      weight=weight, weight_gathered=weight_gathered, fsdp_axes=fsdp, weight_gather=gather,
+      reason=reason, rows_note=_rows_note(x_shape, x_spec, n_contract, mesh))

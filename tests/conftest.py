@@ -19,6 +19,10 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_backend_optimization_level=0").strip()
 
+# tests/multidevice needs 8 host devices, set before jax starts: it runs in its own process
+# (tests/test_multidevice.py launches it with JAXQUANT_MULTIDEVICE=1).
+collect_ignore = [] if os.environ.get("JAXQUANT_MULTIDEVICE") == "1" else ["multidevice"]
+
 import jax  # noqa: E402  (after XLA_FLAGS)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -13,8 +13,14 @@ from jaxquant.kernels import registry
 AMAX_TENSOR, AMAX_TENSOR_RHT, AMAX_ROWS, AMAX_COLS, AMAX_COLS_RHT = 1, 2, 4, 8, 16
 
 
-def call(target: str, results: Sequence[jax.ShapeDtypeStruct], *args, **attrs):
-  """Calls FFI `target`; `attrs` are typed here (bool -> i1, float -> f32, int -> i32/i64)."""
+def call(target: str, results: Sequence[jax.ShapeDtypeStruct], *args, layout=None, **attrs):
+  """Calls FFI `target`; `attrs` are typed here (bool -> i1, float -> f32, int -> i32/i64).
+
+  With a `layout` (`jaxquant.kernels.partitioning.Layout`) the call is partitioned when the
+  program is sharded: each shard runs the target on its local block."""
+  if layout is not None:
+    from jaxquant.kernels import partitioning
+    return partitioning.call(target, results, *args, layout=layout, **attrs)
   registry.registered_platforms()  # registers the handlers on first use
   typed = {}
   for name, value in attrs.items():
@@ -28,11 +34,27 @@ def call(target: str, results: Sequence[jax.ShapeDtypeStruct], *args, **attrs):
   return list(out)
 
 
+# Per output bit: (shape as logical axes, the axes it reduces over, a Hadamard chunk along m).
+_AMAX_OUTPUTS = {AMAX_TENSOR: ((), ("m", "k"), False), AMAX_TENSOR_RHT: ((), ("m", "k"), True),
+                 AMAX_ROWS: (("m",), ("k",), False), AMAX_COLS: (("k",), ("m",), False),
+                 AMAX_COLS_RHT: (("k",), ("m",), True)}
+
+
 def amax(x2d: jax.Array, outputs: int) -> list[jax.Array]:
-  """The `jaxquant_amax` reductions named by the bit set `outputs`, in bit order."""
-  rows, cols = x2d.shape
-  shapes = {AMAX_TENSOR: (), AMAX_TENSOR_RHT: (), AMAX_ROWS: (rows,), AMAX_COLS: (cols,),
-            AMAX_COLS_RHT: (cols,)}
-  results = [jax.ShapeDtypeStruct(shape, np.float32) for bit, shape in shapes.items()
-             if outputs & bit]
-  return call("jaxquant_amax", results, x2d, outputs=np.int32(outputs))
+  """The `jaxquant_amax` reductions named by the bit set `outputs`, in bit order.
+
+  Partitioned: each shard reduces its block, then a `pmax` over the mesh axes that shard the
+  reduced axes (all of them for a per-tensor amax; the columns' for a per-row amax) makes the
+  result global before any scale is derived from it."""
+  from jaxquant.kernels.partitioning import Layout
+  lengths = dict(zip("mk", x2d.shape))
+  bits = [bit for bit in _AMAX_OUTPUTS if outputs & bit]
+  results = [jax.ShapeDtypeStruct(tuple(lengths[a] for a in _AMAX_OUTPUTS[bit][0]), np.float32)
+             for bit in bits]
+  layout = Layout(
+      operands=((("m", 1), ("k", 1)),),
+      results=tuple(tuple((a, 1) for a in _AMAX_OUTPUTS[bit][0]) for bit in bits),
+      reduce=tuple((i, _AMAX_OUTPUTS[bit][1]) for i, bit in enumerate(bits)),
+      blocks=(("m", 16),) if any(_AMAX_OUTPUTS[bit][2] for bit in bits) else (),
+      what="jaxquant_amax")
+  return call("jaxquant_amax", results, x2d, layout=layout, outputs=np.int32(outputs))

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant.kernels import calls
+from jaxquant.kernels.partitioning import Layout
 from jaxquant.quantizers import (HIGH_PRECISION_DTYPES, Float8BlockQuantizer,
                                  Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer,
                                  MXFP8Quantizer, NVFP4Quantizer, Quantizer)
@@ -62,6 +63,27 @@ def _data_results(req: Request, dtype, row_scale=None, col_scale=None) -> list:
   return out
 
 
+X_DIMS = (("m", 1), ("k", 1))  # x[rows, cols] and the rowwise copy
+XT_DIMS = (("k", 1), ("m", 1))  # the transposed columnwise copy
+
+
+def _layout(req: Request, target: str, operands, row_scale=None, col_scale=None, tail=(),
+            reduce=(), keys=()) -> Layout:
+  """The partitioning layout of a quantize target: results in `_data_results` order (data and
+  block scales of each requested direction), then `tail` (per-tensor outputs); `reduce` names
+  results by their index in `tail`."""
+  results = []
+  for on, data, scale in ((req.rowwise, X_DIMS, row_scale), (req.columnwise, XT_DIMS, col_scale)):
+    if on:
+      results.append(data)
+      if scale is not None:
+        results.append(scale)
+  first_tail = len(results)
+  return Layout(operands=tuple(operands), results=tuple(results) + tuple(tail),
+                reduce=tuple((first_tail + i, axes) for i, axes in reduce), keys=tuple(keys),
+                what=target)
+
+
 def _split(req: Request, outs: list, with_scales: bool):
   """Pops (row data, row scale, col data, col scale) off the front of `outs`."""
   row = row_scale = col = col_scale = None
@@ -97,7 +119,10 @@ def _fp8_tensor(req: Request, quantizer, *, delayed: bool) -> Pair:
   results = _data_results(req, quantizer.dtype) + [_sds((), np.float32)]
   if delayed:
     results.append(_sds((), np.float32))
-  outs = calls.call("jaxquant_quantize_fp8", results, req.x2d, s, rowwise=req.rowwise,
+  layout = _layout(req, "jaxquant_quantize_fp8", (X_DIMS, ()),
+                   tail=((), ()) if delayed else ((),), reduce=((1, ("m", "k")),) if delayed else ())
+  outs = calls.call("jaxquant_quantize_fp8", results, req.x2d, s, layout=layout,
+                    rowwise=req.rowwise,
                     columnwise=req.columnwise, delayed=delayed, pow2_scale=pow2_scale,
                     amax_epsilon=float(eps))
   row, _, col, _ = _split(req, outs, with_scales=False)
@@ -113,8 +138,10 @@ def _mxfp8(req: Request, quantizer: MXFP8Quantizer) -> Pair:
   e8m0 = jnp.float8_e8m0fnu
   results = _data_results(req, quantizer.dtype, _sds((rows, -(-cols // 32)), e8m0),
                           _sds((cols, -(-rows // 32)), e8m0)) + [_sds((), np.float32)]
-  outs = calls.call("jaxquant_quantize_mxfp8", results, req.x2d, rowwise=req.rowwise,
-                    columnwise=req.columnwise)
+  layout = _layout(req, "jaxquant_quantize_mxfp8", (X_DIMS,), (("m", 1), ("k", 32)),
+                   (("k", 1), ("m", 32)), tail=((),), reduce=((0, ("m", "k")),))
+  outs = calls.call("jaxquant_quantize_mxfp8", results, req.x2d, layout=layout,
+                    rowwise=req.rowwise, columnwise=req.columnwise)
   row, row_scale, col, col_scale = _split(req, outs, with_scales=True)
   amax = outs.pop(0)
   return _pair(req, quantizer, row, row_scale, amax, col, col_scale, amax)
@@ -129,7 +156,11 @@ def _fp8_block(req: Request, quantizer: Float8BlockQuantizer) -> Pair:
   row_scale = _sds((nr, nc) if block_2d else (rows, nc), np.float32)
   col_scale = _sds((nc, nr) if block_2d else (cols, nr), np.float32)
   results = _data_results(req, quantizer.dtype, row_scale, col_scale) + [_sds((), np.float32)]
-  outs = calls.call("jaxquant_quantize_fp8_block", results, req.x2d, rowwise=req.rowwise,
+  br = 128 if block_2d else 1
+  layout = _layout(req, "jaxquant_quantize_fp8_block", (X_DIMS,), (("m", br), ("k", 128)),
+                   (("k", br), ("m", 128)), tail=((),), reduce=((0, ("m", "k")),))
+  outs = calls.call("jaxquant_quantize_fp8_block", results, req.x2d, layout=layout,
+                    rowwise=req.rowwise,
                     columnwise=req.columnwise, block_2d=block_2d,
                     pow2_scale=quantizer.pow2_scale, amax_epsilon=float(quantizer.amax_epsilon))
   row, row_scale, col, col_scale = _split(req, outs, with_scales=True)
@@ -171,9 +202,17 @@ def _nvfp4(req: Request, q: NVFP4Quantizer) -> Pair:
   row_scale = _sds((-(-rows // br), -(-cols // 16)), e4m3)
   col_scale = _sds((-(-cols // br), -(-rows // 16)), e4m3)
   results = _data_results(req, jnp.float4_e2m1fn, row_scale, col_scale)
+  amax_dims = lambda a, axis: ((axis, 1),) if a.ndim else ()  # per row, or per tensor
+  key_dims = ((None, 1),)
+  layout = _layout(req, "jaxquant_quantize_nvfp4",
+                   (X_DIMS, amax_dims(row_amax, "m"), amax_dims(col_amax, "k"), key_dims,
+                    key_dims),
+                   (("m", br), ("k", 16)), (("k", br), ("m", 16)),
+                   keys=((3, "m", "k"), (4, "k", "m")) if q.stochastic_rounding else ())
   outs = calls.call("jaxquant_quantize_nvfp4", results, req.x2d, row_amax, col_amax,
                     _key(req.row_key_words, q.stochastic_rounding),
-                    _key(req.col_key_words, q.stochastic_rounding), rowwise=req.rowwise,
+                    _key(req.col_key_words, q.stochastic_rounding), layout=layout,
+                    rowwise=req.rowwise,
                     columnwise=req.columnwise, row_scaled=q.row_scaled, block_2d=q.block_2d,
                     rht=q.rht, stochastic=q.stochastic_rounding)
   row, row_s, col, col_s = _split(req, outs, with_scales=True)

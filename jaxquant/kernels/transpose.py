@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from jaxquant.kernels import calls
+from jaxquant.kernels.partitioning import Layout
 from jaxquant.quantizers import FP8_DTYPES
 from jaxquant.tensors import ScaledTensor
 
@@ -22,6 +23,9 @@ def unsupported(t: ScaledTensor) -> Optional[str]:
 
 def transpose(t: ScaledTensor) -> ScaledTensor:
   rows, cols = t.data.shape
+  layout = Layout(operands=((("m", 1), ("k", 1)),), results=((("k", 1), ("m", 1)),),
+                  what="jaxquant_transpose_fp8")  # local per shard
   (data_t,) = calls.call("jaxquant_transpose_fp8",
-                         [jax.ShapeDtypeStruct((cols, rows), t.data.dtype)], t.data)
+                         [jax.ShapeDtypeStruct((cols, rows), t.data.dtype)], t.data,
+                         layout=layout)
   return ScaledTensor(data_t, t.scale_inv, t.amax, t.quantizer, t.orig_dtype, t.rht)

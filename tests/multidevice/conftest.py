@@ -1,0 +1,48 @@
+"""Multi-device tests: 8 host CPU devices in CI, or the GPUs of the machine.
+
+These tests need several devices, which XLA's CPU backend only provides when
+`--xla_force_host_platform_device_count` is set before the backend starts. So this directory is
+collected only in a process that asked for it (`JAXQUANT_MULTIDEVICE=1`, set by the launcher
+`tests/test_multidevice.py`, which `python -m pytest tests` runs), and this conftest adds the
+flag (next to the suite's own XLA_FLAGS) before any test starts jax:
+
+    JAXQUANT_MULTIDEVICE=1 python -m pytest -q tests/multidevice     # directly (CPU or GPUs)
+"""
+
+from __future__ import annotations
+
+import os
+
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count=8"
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + DEVICE_COUNT_FLAG).strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+def pytest_addoption(parser):
+  parser.addoption("--jaxquant-shard", default="0/1",
+                   help="I/N: run every N-th multidevice test starting at I (the launcher runs "
+                   "N processes side by side)")
+
+
+def pytest_collection_modifyitems(config, items):
+  index, count = (int(v) for v in config.getoption("--jaxquant-shard").split("/"))
+  keep = [item for i, item in enumerate(items) if i % count == index]
+  if len(keep) != len(items):
+    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+    items[:] = keep
+  for item in items:
+    item.add_marker(pytest.mark.multidevice)
+
+
+@pytest.fixture(scope="session")
+def devices():
+  """The devices the meshes use: 8 host CPUs, or every GPU (2 on the GPU machine)."""
+  found = jax.devices()
+  if len(found) < 2:
+    pytest.fail(f"multi-device tests need >= 2 devices, got {len(found)}: start them through "
+                "tests/test_multidevice.py or with JAXQUANT_MULTIDEVICE=1 in a fresh process")
+  return found[:8] if len(found) >= 8 else found[:2]
