@@ -13,7 +13,10 @@ reference path unless `--backend`/`$JAXQUANT_BACKEND` says otherwise.
 
 Layout: `lm/data.py` (corpus and batches), `lm/model.py` (the GPT), `lm/recipes.py` (recipe
 names), `lm/training.py` (optimizer, jitted steps, loop), `lm/report.py` (CSV, plot, table).
-`--mesh` and `--moe` are parsed but refused until their issues land (see `check_extensions`).
+`--mesh dp=2,tp=4` (axes `dp`, `fsdp`, `tp`, any sizes) shards the model and the batches over
+a device mesh (`lm/sharding.py`: Flax logical axis rules; FP8 storages stay sharded, FSDP
+weights are gathered as quantized bytes where exact). `--moe` is parsed but refused until its
+issue lands (see `check_extensions`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ _EXAMPLES = str(pathlib.Path(__file__).resolve().parent)
 if _EXAMPLES not in sys.path:  # make `lm` importable however this file was loaded
   sys.path.insert(0, _EXAMPLES)
 
-from lm import data, recipes, report, training  # noqa: E402
+from lm import data, recipes, report, sharding, training  # noqa: E402
 from lm.model import GPT, LMConfig  # noqa: E402
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "out"
@@ -97,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="jaxquant op implementation (JAXQUANT_BACKEND); default: $JAXQUANT_BACKEND, "
                  "else 'reference' on CPU (faster there than the FFI's CPU handlers), 'auto' on GPU")
   p.add_argument("--mesh", type=parse_mesh, default=None,
-                 help="device mesh such as dp=2,tp=4 (needs issue 6: sharding)")
+                 help="device mesh such as dp=2,tp=4 or fsdp=2 (axes dp, fsdp, tp): data, "
+                 "fully-sharded data and tensor parallelism")
   p.add_argument("--moe", type=parse_moe, default=None,
                  help="EXPERTS,TOPK mixture-of-experts MLP (needs issue 7: GroupedDense)")
   return p
@@ -106,13 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
 def check_extensions(args: argparse.Namespace) -> None:
   """Flags reserved for later issues: parsed now, refused clearly until they land.
 
-  Where they plug in: `--mesh` builds a `jax.sharding.Mesh` and shards the state and batches
-  created in `run` (`training.create_state`, the `train_step`/`eval_loss` jits); `--moe`
-  replaces `lm.model.MLP` in `Block` by a routed mixture of `GroupedDense` experts.
+  Where it plugs in: `--moe` replaces `lm.model.MLP` in `Block` by a routed mixture of
+  `GroupedDense` experts.
   """
-  if args.mesh is not None:
-    raise NotImplementedError(f"--mesh {args.mesh}: needs the sharding support of issue 6 "
-                              "(data/tensor-parallel meshes); run without --mesh for now")
   if args.moe is not None:
     raise NotImplementedError(f"--moe {args.moe}: needs the mixture-of-experts support "
                               "(GroupedDense, role 'grouped_linear') of a later issue; run "
@@ -152,21 +152,30 @@ def run(args: argparse.Namespace, names: Sequence[str]) -> dict:
         f"{jax.devices()[0].platform} (JAXQUANT_BACKEND={os.environ['JAXQUANT_BACKEND']}); "
         f"recipes: {', '.join(names)}")
 
+  mesh = None
+  if args.mesh is not None:
+    mesh = sharding.make_mesh(args.mesh)
+    sharding.check_batch(mesh, args.batch)
+    print(f"mesh: {dict(mesh.shape)} over {mesh.devices.size} {jax.devices()[0].platform} "
+          f"devices; batch over {sharding.batch_axes(mesh)}")
   histories = []
   for name in names:
     model = GPT(config, recipes.make(name))
     batches = data.random_batches(corpus.train, args.batch, args.seq, seed=args.seed)
     first = next(batches)
-    state = training.create_state(model, first, train_cfg)
+    with sharding.active(mesh):
+      state = training.create_state(model, first, train_cfg, mesh)
     if name == names[0]:
       n_params = sum(x.size for x in jax.tree.leaves(state.params["params"]))
       print(f"parameters: {n_params / 1e6:.2f} M")
     if args.explain:
       print(f"\njaxquant.explain, one training step under {name}:")
-      print(training.condense(training.explain_step(model, state, first)), "\n")
+      with sharding.active(mesh):
+        print(training.condense(training.explain_step(model, state, first)), "\n")
     batches = data.random_batches(corpus.train, args.batch, args.seq, seed=args.seed)
-    histories.append(training.train(name, model, train_cfg, batches, eval_sets, state,
-                                    log=training.tqdm.write))
+    with sharding.active(mesh):
+      histories.append(training.train(name, model, train_cfg, batches, eval_sets, state,
+                                      log=training.tqdm.write, mesh=mesh))
 
   csv_path = report.write_csv(args.out / "losses.csv", histories)
   title = (f"byte-level GPT d={config.d_model} L={config.layers} seq={config.seq} "

@@ -115,7 +115,10 @@ class _Config:
     """The weight storage the GEMMs read: FSDP axes gathered (quantized bytes move)."""
     if self.plan is None or self.plan.weight_gather != "quantized":
       return qtensor
-    return self.constrain_storage(qtensor, self.quantizers.weight, self.plan.weight_gathered)
+    specs = _sharding.storage_specs(self.quantizers.weight, self.plan.weight_gathered,
+                                    rowwise=qtensor.rowwise is not None,
+                                    columnwise=qtensor.columnwise is not None)
+    return _sharding.gather_storage(qtensor, specs, self.plan.mesh)
 
   def gemm_label(self, kind: str) -> str:
     role = self.quantizers.roles[0]

@@ -56,13 +56,14 @@ def axis_size(mesh: Mesh, axes: MeshAxes) -> int:
   return math.prod(mesh.shape[name] for name in axes_tuple(axes))
 
 
-def current_mesh() -> Optional[Mesh]:
-  """The mesh of `jax.set_mesh(...)` (or the legacy `with mesh:`), None outside one."""
+def current_mesh():
+  """The mesh of `jax.set_mesh(...)` (an `AbstractMesh`, usable inside `jit`) or of the legacy
+  `with mesh:`; None outside one."""
   from jax._src import mesh as mesh_lib  # the legacy context has no public accessor
   legacy = mesh_lib.thread_resources.env.physical_mesh
   if not legacy.empty:
     return legacy
-  mesh = jax.sharding.get_mesh()
+  mesh = jax.sharding.get_abstract_mesh()
   return mesh if mesh.axis_names else None
 
 
@@ -221,6 +222,53 @@ def constrain(qtensor: QuantizedTensor, specs: QuantizedTensor,
     return dataclasses.replace(
         t, **{f: _constrain_leaf(getattr(t, f), getattr(spec, f), mesh)
               for f in ("data", "scale_inv", "amax")})
+
+  return dataclasses.replace(qtensor, rowwise=scaled(qtensor.rowwise, specs.rowwise),
+                             columnwise=scaled(qtensor.columnwise, specs.columnwise))
+
+
+def _byte_view(value: jax.Array):
+  """(uint8 view of a sub-byte or one-byte float array, inverse) or (value, None).
+
+  Collectives move these arrays as bytes: XLA:CPU widens float8 collectives to float16 (twice
+  the bytes) and float4 has no collective type at all. Float4 codes are packed two a byte along
+  the last axis (which must be even)."""
+  import jax.numpy as jnp
+  import numpy as np
+  dtype = np.dtype(value.dtype)
+  if dtype == np.dtype(jnp.float4_e2m1fn):
+    if value.ndim == 0 or value.shape[-1] % 2:
+      return value, None
+    packed = jax.lax.bitcast_convert_type(
+        value.reshape(*value.shape[:-1], value.shape[-1] // 2, 2), jnp.uint8)
+    return packed, lambda u: jax.lax.bitcast_convert_type(u, dtype).reshape(value.shape)
+  if dtype.itemsize == 1 and dtype.kind == "V":  # float8 variants (ml_dtypes) incl. e8m0
+    return (jax.lax.bitcast_convert_type(value, jnp.uint8),
+            lambda u: jax.lax.bitcast_convert_type(u, dtype))
+  return value, None
+
+
+def gather_storage(qtensor: QuantizedTensor, specs: QuantizedTensor,
+                   mesh: Optional[Mesh] = None) -> QuantizedTensor:
+  """`constrain`, moving low-precision leaves as bytes (an FP8 all-gather moves 1 byte per
+  element, an FP4 one half a byte)."""
+
+  def leaf(value, spec):
+    if value is None or spec is None:
+      return value
+    view, restore = _byte_view(value)
+    if restore is None:
+      return jax.lax.with_sharding_constraint(value, named(spec, mesh))
+    # The barriers keep XLA from folding the byte view away around the collective.
+    view = jax.lax.optimization_barrier(view)
+    view = jax.lax.with_sharding_constraint(view, named(spec, mesh))
+    return restore(jax.lax.optimization_barrier(view))
+
+  def scaled(t: Optional[ScaledTensor], spec: Optional[ScaledTensor]):
+    if t is None or spec is None:
+      return t
+    return dataclasses.replace(t, **{f: leaf(getattr(t, f), getattr(spec, f))
+                                     for f in ("data", "scale_inv", "amax")})
 
   return dataclasses.replace(qtensor, rowwise=scaled(qtensor.rowwise, specs.rowwise),
                              columnwise=scaled(qtensor.columnwise, specs.columnwise))

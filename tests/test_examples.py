@@ -57,12 +57,18 @@ def test_train_lm_recipe_all_covers_every_builtin_and_zoo_recipe():
     recipes.parse("bf16,fp9")
 
 
-@pytest.mark.parametrize("flag, value, needs", [("--mesh", "dp=2,tp=4", "issue 6"),
-                                                ("--moe", "8,2", "mixture-of-experts")])
+@pytest.mark.parametrize("flag, value, needs", [("--moe", "8,2", "mixture-of-experts")])
 def test_train_lm_refuses_flags_of_later_issues_clearly(flag, value, needs):
   train_lm = _example("train_lm")
   with pytest.raises(NotImplementedError, match=needs):
     train_lm.main([flag, value])
+
+
+def test_train_lm_mesh_larger_than_the_devices_is_refused_clearly():
+  # The sharded runs themselves are in tests/multidevice (they need 8 devices).
+  train_lm = _example("train_lm")
+  with pytest.raises(ValueError, match=r"needs 8 devices, found 1"):
+    train_lm.main(["--mesh", "dp=2,tp=4", *TINY_LM, "--steps", "1"])
 
 
 def test_train_lm_rejects_malformed_mesh():

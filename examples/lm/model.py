@@ -66,6 +66,11 @@ def rotary(x: jax.Array) -> jax.Array:
   return out.astype(x.dtype)
 
 
+# Logical axis names (mapped to mesh axes by `lm.sharding.logical_rules` under --mesh): the
+# parameters' `embed`/`heads`/`mlp`/`vocab`, and `act_*` for the activations entering a Dense.
+ACT_EMBED = ("act_batch", "act_len", "act_embed")
+
+
 class CausalSelfAttention(nn.Module):
   config: LMConfig
   recipe: Optional[jaxquant.Recipe] = None
@@ -76,8 +81,11 @@ class CausalSelfAttention(nn.Module):
     batch, seq, _ = x.shape
     head_dim = cfg.d_model // cfg.heads
     qkv = jaxquant.flax.Dense(3 * cfg.d_model, dtype=cfg.dtype, recipe=self.recipe,
+                              kernel_axes=("embed", "heads"), input_axes=ACT_EMBED,
                               name="qkv")(x)
-    q, k, v = jnp.split(qkv.reshape(batch, seq, 3 * cfg.heads, head_dim), 3, axis=2)
+    # [heads, (q, k, v), head_dim] per position: a tensor-parallel shard of `qkv`'s output holds
+    # whole heads, so splitting q/k/v moves nothing.
+    q, k, v = (qkv.reshape(batch, seq, cfg.heads, 3, head_dim)[:, :, :, i] for i in range(3))
     if cfg.positions == "rope":
       q, k = rotary(q), rotary(k)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
@@ -87,6 +95,8 @@ class CausalSelfAttention(nn.Module):
     weights = jax.nn.softmax(logits, axis=-1).astype(cfg.dtype)
     out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, seq, cfg.d_model)
     return jaxquant.flax.Dense(cfg.d_model, dtype=cfg.dtype, recipe=self.recipe,
+                               kernel_axes=("heads", "embed"),
+                               input_axes=("act_batch", "act_len", "act_heads"),
                                name="proj")(out)
 
 
@@ -98,9 +108,11 @@ class MLP(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
     h = jaxquant.flax.Dense(cfg.mlp_ratio * cfg.d_model, dtype=cfg.dtype, recipe=self.recipe,
-                            name="fc1")(x)
+                            kernel_axes=("embed", "mlp"), input_axes=ACT_EMBED, name="fc1")(x)
     h = nn.gelu(h)
-    return jaxquant.flax.Dense(cfg.d_model, dtype=cfg.dtype, recipe=self.recipe, name="fc2")(h)
+    return jaxquant.flax.Dense(cfg.d_model, dtype=cfg.dtype, recipe=self.recipe,
+                               kernel_axes=("mlp", "embed"),
+                               input_axes=("act_batch", "act_len", "act_mlp"), name="fc2")(h)
 
 
 class Block(nn.Module):
@@ -138,5 +150,6 @@ class GPT(nn.Module):
       logits = embed.attend(x)
     else:
       logits = jaxquant.flax.Dense(cfg.vocab, dtype=cfg.dtype, recipe=self.recipe,
+                                   kernel_axes=("embed", "vocab"), input_axes=ACT_EMBED,
                                    name="lm_head")(x)
     return logits.astype(jnp.float32)

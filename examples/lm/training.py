@@ -106,11 +106,27 @@ def next_token_loss(model: nn.Module, variables, tokens: jax.Array, key: jax.Arr
   return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-def create_state(model: nn.Module, tokens: np.ndarray, cfg: TrainConfig) -> TrainState:
-  """Initialize parameters (and any quantizer state) from `cfg.seed`; same params per recipe."""
+def create_state(model: nn.Module, tokens: np.ndarray, cfg: TrainConfig,
+                 mesh=None) -> TrainState:
+  """Initialize parameters (and any quantizer state) from `cfg.seed`; same params per recipe.
+
+  With a `mesh` (inside `lm.sharding.active(mesh)`) the state is created sharded: parameters
+  and optimizer moments by their logical axis names, the rest replicated."""
   init_keys = {"params": jax.random.key(cfg.seed), "quantize": jax.random.key(cfg.seed + 1)}
-  variables = jax.jit(model.init)(init_keys, jnp.asarray(tokens[:, :-1]))  # eager init is slow
-  return TrainState.create(apply_fn=model.apply, params=dict(variables), tx=make_optimizer(cfg))
+  tokens = jnp.asarray(tokens[:, :-1])
+  if mesh is None:
+    variables = nn.meta.unbox(jax.jit(model.init)(init_keys, tokens))  # eager init is slow
+    return TrainState.create(apply_fn=model.apply, params=dict(variables),
+                             tx=make_optimizer(cfg))
+
+  def init(tokens):
+    variables = model.init(init_keys, tokens)
+    return TrainState.create(apply_fn=model.apply, params=dict(variables),
+                             tx=make_optimizer(cfg))
+
+  from lm import sharding  # noqa: PLC0415 - only --mesh needs it
+  shardings = sharding.state_shardings(jax.eval_shape(init, tokens), mesh)
+  return nn.meta.unbox(jax.jit(init, out_shardings=shardings)(tokens))
 
 
 def make_steps(model: nn.Module) -> tuple[Callable, Callable]:
@@ -152,7 +168,7 @@ def condense(report: jaxquant.Report) -> str:
 
 def train(recipe_name: str, model: nn.Module, cfg: TrainConfig, batches: Iterator[np.ndarray],
           eval_sets: dict[str, np.ndarray], state: TrainState,
-          log: Callable[[str], None] = print) -> History:
+          log: Callable[[str], None] = print, mesh=None) -> History:
   """Run `cfg.steps` steps, evaluating at step 0, every `cfg.eval_every` steps and at the end.
 
   Args:
@@ -163,10 +179,13 @@ def train(recipe_name: str, model: nn.Module, cfg: TrainConfig, batches: Iterato
     eval_sets: `{"train": ..., "val": ...}` fixed `[num, batch, seq + 1]` evaluation windows.
     state: initial `TrainState` (from `create_state`).
     log: where eval lines go (tqdm-safe by default).
+    mesh: with --mesh, the mesh the batches are sharded over (trace inside
+      `lm.sharding.active(mesh)`).
   """
+  from lm.sharding import put_batches  # noqa: PLC0415
   train_step, eval_loss = make_steps(model)
   eval_key = jax.random.key(cfg.seed + 2)
-  eval_arrays = {split: jnp.asarray(b) for split, b in eval_sets.items()}
+  eval_arrays = {split: put_batches(mesh, b, leading=1) for split, b in eval_sets.items()}
   history = History(recipe_name)
   start = time.perf_counter()
 
@@ -186,7 +205,8 @@ def train(recipe_name: str, model: nn.Module, cfg: TrainConfig, batches: Iterato
   for step in bar:
     tokens = next(batches)
     t0 = time.perf_counter()
-    state, loss = train_step(state, jnp.asarray(tokens), jax.random.fold_in(base_key, step))
+    state, loss = train_step(state, put_batches(mesh, tokens),
+                             jax.random.fold_in(base_key, step))
     loss = float(loss)  # waits for the step: honest per-step timing
     history.step_times.append(time.perf_counter() - t0)
     history.step_losses.append(loss)

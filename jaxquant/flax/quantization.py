@@ -6,6 +6,10 @@ Modules only map roles to quantizers (the recipe does the choosing, `jaxquant.de
 - state: delayed-scaling `scale`/`amax_history` in the `"_overwrite_with_gradient"` collection,
   so the updated values come back as their gradient (TrainState.apply_gradients keeps them).
 - key: from the Flax RNG stream `"quantize"` when a quantizer rounds stochastically.
+- sharding: under a mesh (`jax.set_mesh`), the kernel's logical axis names (a `kernel_axes`
+  attribute, or the names `nn.with_logical_partitioning` boxed into `kernel_init`) and the
+  input's (`input_axes`) become mesh-axis specs through the active `nn.logical_axis_rules`,
+  and reach `jaxquant.dense` as a `DenseSharding`.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxquant import sharding as _sharding
 from jaxquant.quantized_dense import TENSOR_TYPES, DenseQuantizers, dense
 from jaxquant.quantizers import NVFP4Quantizer
 from jaxquant.recipes import Recipe, current_recipe
@@ -127,6 +132,66 @@ def module_key(module: nn.Module, quantizers: DenseQuantizers) -> Optional[jax.A
       f"'{QUANTIZE_RNG}'; pass rngs={{'{QUANTIZE_RNG}': key}} to apply")
 
 
+def init_axis_names(init: Any, shape, dtype) -> tuple[Optional[tuple], bool]:
+  """(axis names, logical?) that an initializer boxes its value with, or (None, False).
+
+  `nn.with_logical_partitioning(init, names)` gives logical names; `nn.with_partitioning` mesh
+  axis names. Read off an abstract evaluation of the initializer (nothing is computed)."""
+  try:
+    boxed = jax.eval_shape(lambda: init(jax.random.key(0), tuple(shape), dtype))
+  except Exception:  # noqa: BLE001 - an initializer that cannot be traced names nothing
+    return None, False
+  if isinstance(boxed, nn.LogicallyPartitioned):
+    return tuple(boxed.names), True
+  if isinstance(boxed, nn.Partitioned):
+    return tuple(boxed.names), False
+  return None, False
+
+
+def logical_init(init: Any, axes: Optional[tuple]) -> Any:
+  """`init` boxed with the logical `axes` (as `nn.with_logical_partitioning`), unless it is
+  boxed already or no axes are given."""
+  if not axes:
+    return init
+
+  def boxed(key, shape, dtype=jnp.float32):
+    value = init(key, shape, dtype)
+    if isinstance(value, nn.meta.AxisMetadata):
+      return value
+    return nn.LogicallyPartitioned(value, tuple(axes))
+
+  return boxed
+
+
+def _mesh_spec(names, logical: bool):
+  if names is None:
+    return None
+  if logical:
+    return nn.logical_to_mesh_axes(tuple(names))
+  return jax.sharding.PartitionSpec(*names)
+
+
+def module_sharding(module: nn.Module, kernel_shape, dtype) -> Optional[_sharding.DenseSharding]:
+  """The `DenseSharding` of a module's contraction under the context mesh (None without a mesh
+  or without axis names).
+
+  Kernel names: the module's `kernel_axes` attribute, else those boxed into its `kernel_init`.
+  Input names: its `input_axes` attribute (without them the FSDP axes cannot be told apart
+  from tensor-parallel ones, and the kernel keeps its sharding)."""
+  mesh = _sharding.current_mesh()
+  if mesh is None:
+    return None
+  kernel_names, logical = tuple(getattr(module, "kernel_axes", ()) or ()), True
+  if not kernel_names:
+    kernel_names, logical = init_axis_names(getattr(module, "kernel_init", None), kernel_shape,
+                                            dtype)
+  input_names = tuple(getattr(module, "input_axes", ()) or ()) or None
+  if not kernel_names and input_names is None:
+    return None
+  return _sharding.DenseSharding(x=_mesh_spec(input_names, True),
+                                 kernel=_mesh_spec(kernel_names or None, logical), mesh=mesh)
+
+
 def quantized_contraction(module: nn.Module, inputs: jax.Array, kernel: jax.Array,
                           bias: Optional[jax.Array], *, contracting_dims: int = 1,
                           precision: Any = None, recipe: Optional[Recipe] = None,
@@ -136,6 +201,7 @@ def quantized_contraction(module: nn.Module, inputs: jax.Array, kernel: jax.Arra
   quantizers = module_quantizers(module, name=name, recipe=recipe)
   if quantizers is None:
     return dense(inputs, kernel, bias, contracting_dims=contracting_dims, precision=precision)
+  sharding = module_sharding(module, kernel.shape, kernel.dtype)
   return dense(inputs, kernel, bias, quantizers, key=module_key(module, quantizers),
                states=module_states(module, quantizers), contracting_dims=contracting_dims,
-               precision=precision)
+               precision=precision, sharding=sharding)
