@@ -6,6 +6,9 @@ FFI kernels where built); recipes map module roles to quantizers; `jaxquant.flax
 
 from jaxquant import factories, formats, ops
 from jaxquant.quantized_dense import DenseQuantizers, dense
+from jaxquant import grouped
+from jaxquant.grouped_dense import grouped_dense
+from jaxquant.grouped_dense import init_states as grouped_dense_states
 from jaxquant.explain import Decision, Report, explain, explain_recording
 from jaxquant.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer,
                                  Float8DelayedScalingQuantizer, HybridQuantizer,
@@ -28,5 +31,5 @@ __all__ = [
     "Float8BlockScaling", "NVFP4BlockScaling", "BUILTIN_RECIPES", "autocast", "current_recipe",
     "DelayedScalingState", "init_state", "delayed_scaling_update", "update_state", "explain",
     "explain_recording", "Decision", "Report", "factories", "formats", "ops", "recipes",
-    "dense", "DenseQuantizers",
+    "dense", "DenseQuantizers", "grouped", "grouped_dense", "grouped_dense_states",
 ]

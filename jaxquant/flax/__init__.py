@@ -1,19 +1,21 @@
 """Flax linen modules with quantized contractions, and helpers to train them.
 
 Modules: `Dense`, `DenseGeneral` (same attributes and parameter trees as their `flax.linen`
-namesakes, plus `recipe`), `LayerNormDense`, `LayerNormMLP`; `quantize_dense(recipe)` swaps the
-`nn.Dense` layers of an unmodified model. `apply_gradients` is the optax step that keeps the
-delayed-scaling state of the `"_overwrite_with_gradient"` collection right.
+namesakes, plus `recipe`), `LayerNormDense`, `LayerNormMLP`, `GroupedDense` (mixture-of-experts
+experts); `quantize_dense(recipe)` swaps the `nn.Dense` layers of an unmodified model.
+`apply_gradients` is the optax step that keeps the delayed-scaling state of the
+`"_overwrite_with_gradient"` collection right.
 """
 
 from jaxquant.flax.dense import Dense
 from jaxquant.flax.dense_general import DenseGeneral
+from jaxquant.flax.grouped import GroupedDense
 from jaxquant.flax.interception import quantize_dense
 from jaxquant.flax.layernorm import (ACTIVATIONS, GATED_ACTIVATIONS, LayerNormDense,
                                      LayerNormMLP)
 from jaxquant.flax.quantization import OVERWRITE_WITH_GRADIENT, QUANTIZE_RNG
 from jaxquant.flax.training import apply_gradients, init_optimizer
 
-__all__ = ["Dense", "DenseGeneral", "LayerNormDense", "LayerNormMLP", "quantize_dense",
-           "apply_gradients", "init_optimizer", "ACTIVATIONS", "GATED_ACTIVATIONS",
-           "OVERWRITE_WITH_GRADIENT", "QUANTIZE_RNG"]
+__all__ = ["Dense", "DenseGeneral", "GroupedDense", "LayerNormDense", "LayerNormMLP",
+           "quantize_dense", "apply_gradients", "init_optimizer", "ACTIVATIONS",
+           "GATED_ACTIVATIONS", "OVERWRITE_WITH_GRADIENT", "QUANTIZE_RNG"]

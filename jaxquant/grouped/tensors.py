@@ -1,0 +1,143 @@
+"""Grouped storages: one quantized direction of a token matrix whose tokens belong to groups.
+
+`GroupedScaledTensor` follows the storage convention of `jaxquant.ScaledTensor` (DESIGN.md
+section 2: `[rows, cols]`, contraction axis last, a columnwise copy stored transposed) with the
+token axis laid out by a `TokenLayout`. What differs is what a per-tensor quantity means: it is
+per *group*, exactly what each group would hold if it were quantized on its own:
+
+- per-tensor FP8: `scale_inv` is `[G]` float32 (one scale per group), `amax` `[G]`;
+- NVFP4: `amax` is `[G]` (the second-level scale of each group), or for row-scaled NVFP4 `[rows]`
+  when the rows are tokens (rowwise copy: one scale per token, as for one matrix) and `[G, rows]`
+  when the rows are features (columnwise copy: one scale per group and feature);
+- MXFP8 and Float8Block keep their block scales in the block grid of `data` (blocks never cross a
+  group in the layout), and `amax` `[G]`;
+- Identity: the high-precision matrix, no scales.
+
+Expert weights `[G, rows, cols]` need no new storage: they are `ScaledTensor`s whose leaves carry
+a leading expert axis (`jax.vmap` of one expert's storage).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant.grouped import layout as layout_lib
+from jaxquant.grouped.layout import TokenLayout
+from jaxquant.numerics.hadamard import rht16_inverse
+from jaxquant.quantizers import Quantizer
+from jaxquant.tensors import ScaledTensor
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GroupedScaledTensor:
+  """One quantized `[rows, cols]` matrix in one format whose token axis is grouped.
+
+  Attributes:
+    data: payload; rows are token positions (`token_axis == 0`, a rowwise copy) or columns are
+      (`token_axis == 1`, a columnwise copy), in the order of `layout`.
+    scale_inv: block scales in the block grid of `data`; `[G]` for per-tensor FP8; None for
+      Identity.
+    amax: per-group amax (see the module docstring for the row-scaled shapes); None for Identity.
+    group_sizes: int32 `[G]` tokens per group (normalized by `layout.clip_sizes`).
+    quantizer: the single-format quantizer that produced it (static).
+    orig_dtype: dtype of the tensor that was quantized (static).
+    rht: whether the random Hadamard transform was applied along `cols` (static).
+    token_axis: 0 or 1, the axis of `data` that runs over token positions (static).
+    layout: the `TokenLayout` of that axis (static).
+  """
+
+  data: jax.Array
+  scale_inv: Optional[jax.Array]
+  amax: Optional[jax.Array]
+  group_sizes: jax.Array
+  quantizer: Quantizer = dataclasses.field(metadata=dict(static=True))
+  orig_dtype: Any = dataclasses.field(default=np.dtype(jnp.float32), metadata=dict(static=True))
+  rht: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  token_axis: int = dataclasses.field(default=0, metadata=dict(static=True))
+  layout: TokenLayout = dataclasses.field(default=TokenLayout(0, 1),
+                                          metadata=dict(static=True))
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(self.data.shape)
+
+  @property
+  def ndim(self) -> int:
+    return self.data.ndim
+
+  @property
+  def groups(self) -> int:
+    return self.layout.groups
+
+  def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    """The high-precision matrix in this storage's layout (`[rows, cols]`, RHT undone)."""
+    from jaxquant.grouped import formats  # formats depend on this module
+    values = formats.raw(self)
+    factor = formats.elementwise_factor(self)
+    if factor is not None:
+      values = values * factor
+    if self.rht:
+      values = rht16_inverse(values)
+    return values.astype(dtype)
+
+  def tokens(self, dtype=jnp.float32) -> jax.Array:
+    """The dequantized tokens, packed `[T, features]` (rows of no group are zero)."""
+    values = self.dequantize(dtype)
+    if self.token_axis == 1:
+      values = values.T
+    return self.layout.to_packed(values, self.group_sizes)
+
+  def group(self, g: int) -> ScaledTensor:
+    """Group `g` as a `ScaledTensor` (eager; needs concrete `group_sizes`).
+
+    The view covers the group's extent in the layout (its tokens zero-padded to the layout's
+    block), so it equals `jaxquant.ops.quantize` of the group's rows zero-padded the same way.
+    """
+    from jaxquant.grouped import formats
+    start, extent = self.layout.group_slices(self.group_sizes)[g]
+    sl = slice(start, start + extent)
+    data = self.data[sl] if self.token_axis == 0 else self.data[:, sl]
+    scale_inv = self.scale_inv
+    blocks = formats.scale_blocks(self.quantizer)
+    if scale_inv is not None:
+      if blocks is None:  # per-tensor FP8
+        scale_inv = scale_inv[g]
+      else:
+        b = blocks[self.token_axis]
+        bl = slice(start // b, (start + extent + b - 1) // b)
+        scale_inv = scale_inv[bl] if self.token_axis == 0 else scale_inv[:, bl]
+    amax = self.amax
+    if amax is not None:
+      per_token = self.token_axis == 0 and formats.row_scaled(self.quantizer)
+      amax = amax[sl] if per_token else amax[g]
+    return ScaledTensor(data, scale_inv, amax, self.quantizer, self.orig_dtype, self.rht)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GroupedQuantizedTensor:
+  """What grouped quantization returns: the rowwise copy (tokens are rows) and/or the
+  columnwise copy (tokens are columns); for a `HybridQuantizer` they come from different
+  formats, and each may use its own token layout."""
+
+  rowwise: Optional[GroupedScaledTensor]
+  columnwise: Optional[GroupedScaledTensor]
+  quantizer: Quantizer = dataclasses.field(metadata=dict(static=True))
+
+
+def positions(t: GroupedScaledTensor) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(group, index in group, holds a token) of every token position of `t`."""
+  return t.layout.positions(t.group_sizes)
+
+
+def along_tokens(t: GroupedScaledTensor, values: jax.Array, fill) -> jax.Array:
+  """Per-group `values[G]` broadcast over `t.data`'s token axis (`[L, 1]` or `[1, L]`)."""
+  group, _, _ = positions(t)
+  per_pos = layout_lib.per_position(values, group, fill)
+  return per_pos[:, None] if t.token_axis == 0 else per_pos[None, :]

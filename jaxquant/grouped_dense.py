@@ -1,0 +1,218 @@
+"""The quantized grouped (mixture-of-experts) linear layer, a `jax.custom_vjp` like `dense`.
+
+Tokens `x[T, K]` sorted by expert, `group_sizes[G]`, kernels `W[G, K, N]`:
+  forward  y[t]     = x_row[t] . W_row[g(t)]^T            (ragged rows; W_row = quantized W_g^T)
+  dgrad    dx[t]    = dy_row[t] . W_col[g(t)]^T           (W_col = quantized W_g)
+  wgrad    dW[g]    = x_col[:, group g] . dy_col[:, group g]^T   (contraction over g's tokens)
+Every group behaves exactly as `jaxquant.dense(x_g, W[g], bias[g], quantizers,
+key=fold_in(key, g), states=states[g])` on its rows `x_g`, zero-padded to the token block of its
+wgrad operands (which changes nothing but lets the RHT and the block scales run over whole
+blocks of one group): same quantized storages bit for bit, GEMMs within float32
+accumulation-order error. Rows past `sum(group_sizes)` belong to no group: their outputs and
+input gradients are zero.
+
+Semantics the issue left open, decided here:
+- per-tensor formats (FP8 current/delayed, NVFP4's second level) keep one amax per group in both
+  directions, so one scale per expert for its tokens, its weight and its gradient;
+- block formats never let a block straddle two groups: the rowwise copies of `x`/`dy` contract
+  over K and stay packed unless their blocks are 2-D; the columnwise (wgrad) copies, whose blocks
+  run along tokens, use the padded token layout of `jaxquant.grouped.layout` with one block
+  shared by `x_col` and `dy_col` (the larger of the two formats' needs, 16 at least under RHT);
+- the RHT's 16-row chunks therefore never mix groups, and a group of any size is accepted (its
+  zero padding is transformed with it; `jaxquant.dense` itself requires rows % 16 == 0);
+- delayed scaling keeps a state per expert (`jaxquant.grouped.init_state(quantizer, G)`; the
+  Flax module keeps `[G]`-shaped variables); an empty group records amax 0;
+- shapes are static under `jit` although `group_sizes` is traced: T, K, N, G fix every shape, and
+  a padded copy has `b * floor((T + G (b - 1)) / b)` token positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxquant.grouped import formats, ops as grouped_ops
+from jaxquant.grouped.layout import TokenLayout, clip_sizes
+from jaxquant.grouped.state import init_state as init_group_state
+from jaxquant.grouped.state import update_state
+from jaxquant.quantized_dense import RESIDUAL_NAMES, TENSOR_TYPES, DenseQuantizers
+
+MODULE_TYPE = "grouped_linear"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  quantizers: DenseQuantizers
+  precision: Any
+  x_dtype: Any
+  kernel_dtype: Any
+  bias_dtype: Any  # None without bias
+  tokens: int
+  groups: int
+  x_row_block: int  # token blocks of the rowwise copies of x and dy, and of both wgrad copies
+  dy_row_block: int
+  wgrad_block: int
+
+  def gemm_label(self, kind: str) -> str:
+    role = self.quantizers.roles[0]
+    if role is None:
+      return kind
+    return f"{role.module_type}/{role.path or role.name}/{kind}"
+
+
+def token_blocks(quantizers: DenseQuantizers) -> tuple[int, int, int]:
+  """(x rowwise, dy rowwise, wgrad) token-layout blocks the recipe's formats need."""
+  x_q, dy_q = quantizers.input, quantizers.grad_output
+  wgrad = max(formats.token_block(x_q.for_direction("columnwise"), "columnwise"),
+              formats.token_block(dy_q.for_direction("columnwise"), "columnwise"))
+  return (formats.token_block(x_q.for_direction("rowwise"), "rowwise"),
+          formats.token_block(dy_q.for_direction("rowwise"), "rowwise"), wgrad)
+
+
+def init_states(quantizers: DenseQuantizers, groups: int) -> tuple[Any, Any, Any]:
+  """Per-expert delayed-scaling states of (input, weight, grad_output)."""
+  return tuple(init_group_state(quantizers.quantizer(t), groups) for t in TENSOR_TYPES)
+
+
+def _keys(key, groups: int):
+  """Per group, the (input, weight, grad_output) keys `jaxquant.dense` derives from the group's
+  key `fold_in(key, g)`."""
+  if key is None:
+    return None, None, None
+  group_keys = jax.vmap(lambda g: jax.random.fold_in(key, g))(jnp.arange(groups))
+  return tuple(jax.vmap(lambda k, i=i: jax.random.fold_in(k, i))(group_keys) for i in range(3))
+
+
+def _value(primal):
+  return None if primal is None else primal.value
+
+
+def _forward(config: _Config, x, kernel, bias, sizes, key, states, *, need_dgrad: bool,
+             need_wgrad: bool):
+  q = config.quantizers
+  key_x, key_w, _ = _keys(key, config.groups)
+  qx = grouped_ops.quantize(x, sizes, q.input, rowwise=True, columnwise=need_wgrad,
+                            row_block=config.x_row_block, col_block=config.wgrad_block,
+                            keys=key_x, state=states[0], role=q.roles[0])
+  qw = grouped_ops.quantize_experts(jnp.swapaxes(kernel, 1, 2), q.weight, rowwise=True,
+                                    columnwise=need_dgrad, keys=key_w, state=states[1],
+                                    role=q.roles[1])
+  y = grouped_ops.gemm(qx.rowwise, qw.rowwise, out_dtype=x.dtype, bias=bias,
+                       precision=config.precision, role=config.gemm_label("fprop"))
+  return grouped_ops.to_tokens(y, qx.rowwise), qx, qw
+
+
+def _primal(config, x, kernel, bias, sizes, key, states):
+  y, _, _ = _forward(config, x, kernel, bias, sizes, key, states, need_dgrad=False,
+                     need_wgrad=False)
+  return y
+
+
+def _fwd(config, x, kernel, bias, sizes, key, states):
+  need_dgrad, need_wgrad = x.perturbed, kernel.perturbed
+  x, kernel, bias, sizes, key = (_value(x), _value(kernel), _value(bias), _value(sizes),
+                                 _value(key))
+  states = jax.tree_util.tree_map(_value, states)
+  y, qx, qw = _forward(config, x, kernel, bias, sizes, key, states, need_dgrad=need_dgrad,
+                       need_wgrad=need_wgrad)
+  q = config.quantizers
+  new_states = (update_state(q.input, states[0], qx), update_state(q.weight, states[1], qw),
+                states[2])
+  x_col = jax.tree_util.tree_map(lambda a: checkpoint_name(a, RESIDUAL_NAMES[0]), qx.columnwise)
+  w_col = jax.tree_util.tree_map(lambda a: checkpoint_name(a, RESIDUAL_NAMES[1]), qw.columnwise)
+  return y, (x_col, w_col, sizes, key, new_states)
+
+
+def _bwd(config, residuals, dy):
+  x_col, w_col, sizes, key, states = residuals
+  q = config.quantizers
+  _, _, key_g = _keys(key, config.groups)
+  dqy = grouped_ops.quantize(dy, sizes, q.grad_output, rowwise=w_col is not None,
+                             columnwise=x_col is not None, row_block=config.dy_row_block,
+                             col_block=config.wgrad_block, keys=key_g, state=states[2],
+                             role=q.roles[2])
+  dx = dkernel = None
+  if w_col is not None:
+    dx = grouped_ops.gemm(dqy.rowwise, w_col, out_dtype=config.x_dtype,
+                          precision=config.precision, role=config.gemm_label("dgrad"))
+    dx = grouped_ops.to_tokens(dx, dqy.rowwise)
+  if x_col is not None:
+    dkernel = grouped_ops.gemm(x_col, dqy.columnwise, out_dtype=config.kernel_dtype,
+                               precision=config.precision, role=config.gemm_label("wgrad"))
+  dbias = None
+  if config.bias_dtype is not None:
+    group, _, _ = TokenLayout(config.tokens, config.groups).positions(sizes)
+    dbias = jax.ops.segment_sum(dy, group, num_segments=config.groups + 1,
+                                indices_are_sorted=True)[:config.groups]
+    dbias = dbias.astype(config.bias_dtype)
+  new_states = (states[0], states[1], update_state(q.grad_output, states[2], dqy))
+  return dx, dkernel, dbias, None, None, new_states
+
+
+_grouped_dense = jax.custom_vjp(_primal, nondiff_argnums=(0,))
+_grouped_dense.defvjp(_fwd, _bwd, symbolic_zeros=True)
+
+
+def _plain(x, kernel, group_sizes, bias, precision):
+  """No recipe: `jax.lax.ragged_dot` (and its own autodiff), plus the per-group bias."""
+  y = jax.lax.ragged_dot(x, kernel, group_sizes, precision=precision)
+  if bias is not None:
+    group, _, _ = TokenLayout(x.shape[0], kernel.shape[0]).positions(group_sizes)
+    y = y + jnp.concatenate([bias, jnp.zeros_like(bias[:1])])[group].astype(y.dtype)
+  return y
+
+
+def grouped_dense(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array,
+                  bias: Optional[jax.Array] = None,
+                  quantizers: Optional[DenseQuantizers] = None, *,
+                  key: Optional[jax.Array] = None, states: Optional[tuple] = None,
+                  precision: Any = None) -> jax.Array:
+  """Quantized grouped linear layer: `y[t] = x[t] @ kernel[g(t)] + bias[g(t)]`.
+
+  Args:
+    x: `[T, K]` tokens sorted by group (bfloat16/float16/float32).
+    kernel: `[G, K, N]`, one matrix per group, in `x`'s dtype (promote first).
+    group_sizes: integer `[G]` tokens per group, in order (zeros allowed; >= 0, summing to at
+      most T; rows past the sum belong to no group and give zeros). Traced under `jit`.
+    bias: optional `[G, N]`.
+    quantizers: `DenseQuantizers` for the roles `("grouped_linear", input | weight |
+      grad_output, name)`; None: no quantization, exactly `jax.lax.ragged_dot` (+ bias).
+    key: PRNG key for stochastic rounding; group `g` uses `fold_in(key, g)` as
+      `jaxquant.dense` uses its key.
+    states: per-expert delayed-scaling states `init_states(quantizers, G)` (leading `[G]` axis);
+      their gradient is their updated value.
+    precision: `jax.lax.Precision` for high-precision (Identity) GEMMs.
+
+  Returns:
+    `[T, N]` in `x`'s dtype.
+  """
+  if x.ndim != 2:
+    raise ValueError(f"x: expected 2-D tokens [tokens, features] sorted by group, got shape "
+                     f"{tuple(x.shape)}")
+  if kernel.ndim != 3 or kernel.shape[1] != x.shape[1]:
+    raise ValueError(f"kernel: expected [groups, {x.shape[1]}, features] for x of shape "
+                     f"{tuple(x.shape)}, got {tuple(kernel.shape)}")
+  groups, _, features = kernel.shape
+  sizes = grouped_ops.check_group_sizes(group_sizes, groups=groups, tokens=x.shape[0])
+  if bias is not None and tuple(bias.shape) != (groups, features):
+    raise ValueError(f"bias: expected shape ({groups}, {features}), got {tuple(bias.shape)}")
+  sizes = clip_sizes(sizes, x.shape[0])
+  if quantizers is None:
+    return _plain(x, kernel, sizes, bias, precision)
+  if not isinstance(quantizers, DenseQuantizers):
+    raise TypeError(f"quantizers: expected DenseQuantizers or None, got "
+                    f"{type(quantizers).__name__}")
+  if states is None:
+    if quantizers.stateful:
+      raise ValueError("states: the quantizers are stateful (delayed scaling); pass "
+                       f"states=jaxquant.grouped_dense_states(quantizers, {groups}) (kept by "
+                       "jaxquant.flax.GroupedDense)")
+    states = (None, None, None)
+  config = _Config(quantizers, precision, x.dtype, kernel.dtype,
+                   None if bias is None else bias.dtype, x.shape[0], groups,
+                   *token_blocks(quantizers))
+  return _grouped_dense(config, x, kernel, bias, sizes, key, tuple(states))
