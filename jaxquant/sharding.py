@@ -170,7 +170,8 @@ def block_error(what: str, length: int, axes: MeshAxes, shards: int, block: int,
 
 def check_blocks_fit(quantizer: Quantizer, shape: Sequence[int], x_spec: Optional[P],
                      mesh: Mesh, *, name: str = "x",
-                     directions: Sequence[str] = ("rowwise", "columnwise")) -> None:
+                     directions: Sequence[str] = ("rowwise", "columnwise"),
+                     axis_names: tuple[str, str] = ("rows", "cols")) -> None:
   """Raise `ValueError` if a shard boundary would split a scaling block of a direction.
 
   Args:
@@ -180,6 +181,7 @@ def check_blocks_fit(quantizer: Quantizer, shape: Sequence[int], x_spec: Optiona
     mesh: the mesh the spec refers to.
     name: how the error names the tensor.
     directions: the directions that will be produced.
+    axis_names: how the error names the rows and the cols of `x`.
   """
   rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
   cols = shape[-1]
@@ -187,9 +189,11 @@ def check_blocks_fit(quantizer: Quantizer, shape: Sequence[int], x_spec: Optiona
   for direction in directions:
     q = quantizer.for_direction(direction)
     if direction == "rowwise":
-      r, c, r_axes, c_axes, r_what, c_what = rows, cols, row_axes, col_axes, "rows", "cols"
+      r, c, r_axes, c_axes = rows, cols, row_axes, col_axes
+      r_what, c_what = axis_names
     else:
-      r, c, r_axes, c_axes, r_what, c_what = cols, rows, col_axes, row_axes, "cols", "rows"
+      r, c, r_axes, c_axes = cols, rows, col_axes, row_axes
+      c_what, r_what = axis_names
     block_rows, block_cols = block_shape(q)
     if isinstance(q, NVFP4Quantizer) and q.rht and direction == "columnwise":
       block_cols = max(block_cols, 16)
@@ -339,6 +343,9 @@ def _rows_note(x_shape: Sequence[int], x_spec: P, n_contract: int, mesh: Mesh) -
   return ""
 
 
+_KERNEL_AXES = ("output features (N)", "input features (K)")  # of W^T[N, K]
+
+
 def plan_dense(sharding: DenseSharding, x_shape: Sequence[int], kernel_shape: Sequence[int],
                n_contract: int, weight_quantizer: Quantizer,
                weight_directions: Sequence[str]) -> Optional[DensePlan]:
@@ -376,12 +383,13 @@ def plan_dense(sharding: DenseSharding, x_shape: Sequence[int], kernel_shape: Se
     else:
       try:
         check_blocks_fit(weight_quantizer, wt_shape, weight, mesh, name="kernel",
-                         directions=weight_directions)
+                         directions=weight_directions, axis_names=_KERNEL_AXES)
         gather = "quantized"
       except ValueError as err:
         gather, reason = "high-precision", str(err)
   check_blocks_fit(weight_quantizer, wt_shape, weight_gathered if gather != "quantized"
-                   else weight, mesh, name="kernel", directions=weight_directions)
+                   else weight, mesh, name="kernel", directions=weight_directions,
+                   axis_names=_KERNEL_AXES)
   del n_out
   return DensePlan(
       mesh=mesh,

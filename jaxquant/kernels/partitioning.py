@@ -112,7 +112,7 @@ def sharding_rule(layout: Layout, operand_shapes, result_shapes):
       standalone.add(name)
       return name
     lcm, length = blocks.get(axis, 1), lengths[axis]
-    if lcm == 1 or length % lcm:
+    if lcm == 1 or length % lcm or length == lcm:  # (one block: never sharded either)
       name = axis if block == 1 else f"{axis}b{block}"  # scales not tied to data: replicated
       standalone.add(name)
       return name

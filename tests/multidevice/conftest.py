@@ -24,13 +24,18 @@ import pytest  # noqa: E402
 
 def pytest_addoption(parser):
   parser.addoption("--jaxquant-shard", default="0/1",
-                   help="I/N: run every N-th multidevice test starting at I (the launcher runs "
-                   "N processes side by side)")
+                   help="I/N: run the I-th of N interleaved parts of the multidevice tests (the "
+                   "launcher runs N processes side by side)")
 
 
 def pytest_collection_modifyitems(config, items):
   index, count = (int(v) for v in config.getoption("--jaxquant-shard").split("/"))
-  keep = [item for i, item in enumerate(items) if i % count == index]
+
+  def shard(i: int) -> int:  # snake order 0,1,1,0,...: neighbours (one parameter apart) split
+    p = i % (2 * count)
+    return p if p < count else 2 * count - 1 - p
+
+  keep = [item for i, item in enumerate(items) if shard(i) == index]
   if len(keep) != len(items):
     config.hook.pytest_deselected(items=[item for item in items if item not in keep])
     items[:] = keep
