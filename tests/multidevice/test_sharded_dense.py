@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxquant as jq
 import jaxquant.ffi_gemm
@@ -22,17 +23,26 @@ BACKENDS = ("reference", "ffi")
 _SINGLE: dict = {}  # (recipe, backend, shape) -> compiled single-device step
 
 
-def _tolerance_check(name, got, want):
-  """float32 accumulation-order tolerance: |got - want| <= 1e-5 * max|want| + 1e-6."""
+def _tolerance_check(name, got, want, backend):
+  """float32 accumulation-order tolerance: |got - want| <= 1e-5 * max|want| + 1e-6.
+
+  On CUDA the FFI's FP8 GEMMs run on tensor cores, which accumulate in reduced precision
+  between float32 promotions (split accumulation; test_ffi_gemm.py uses the same 2^-9 bound),
+  so the sum of two K halves differs from the whole by more than float32 reordering."""
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
   scale = float(np.max(np.abs(want))) or 1.0
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale + 1e-6, err_msg=name)
+  tensor_cores = backend == "ffi" and jax.default_backend() == "gpu"
+  atol = (2.0**-9 if tensor_cores else 1e-5) * scale + 1e-6
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=atol, err_msg=name)
 
 
 @pytest.fixture
 def backend(request, monkeypatch):
   name = request.param
   monkeypatch.setenv("JAXQUANT_BACKEND", name)
+  # cuBLASLt's fast FP8 accumulation (the forward default) promotes to float32 only at the end:
+  # not a float32 reduction, so these comparisons use split accumulation everywhere.
+  monkeypatch.setenv("JAXQUANT_FP8_ACCUMULATION", "split")
   # The CPU GEMM handlers serve small problems only; these shapes are just above the default.
   monkeypatch.setattr(jq.ffi_gemm, "CPU_MAX_MACS", 1 << 26)
   return name
@@ -59,14 +69,9 @@ def test_sharded_dense_matches_single_device(layout_name, recipe_name, backend, 
   for name, g, s in zip(("x", "W^T", "dy"), got_storages, want_storages):
     assert_same_leaves(jax.device_get(g), jax.device_get(s), f"{name} storage ({layout_name})")
   for name, g, s in zip(("y", "dx", "dW", "db"), got, want):
-    _tolerance_check(f"{name} ({layout_name}, {recipe_name}, {backend})", g, s)
+    _tolerance_check(f"{name} ({layout_name}, {recipe_name}, {backend})", g, s, backend)
   # The outputs keep the layout: y and dx like x's leading axes, dW like the kernel.
-  assert _spec(got[0], 2) == _spec(layout.x, 2)
-  assert _spec(got[1], 3) == _spec(layout.x, 3)
-  assert _spec(got[2], 2) == _spec(layout.kernel, 2)
-
-
-def _spec(value, n: int) -> tuple:
-  """The first `n` entries of a spec (or of an array's), padded with None."""
-  entries = tuple(value.sharding.spec if hasattr(value, "sharding") else value)
-  return (entries + (None,) * n)[:n]
+  y_spec = P(*(tuple(layout.x)[:2] + (None,) * 2)[:2], layout.kernel[1])
+  for value, spec in ((got[0], y_spec), (got[1], layout.x), (got[2], layout.kernel)):
+    assert value.sharding.is_equivalent_to(NamedSharding(mesh, spec), value.ndim), (
+        value.sharding, spec)

@@ -72,11 +72,13 @@ def test_k_sharded_gemm_has_one_float32_all_reduce_of_its_output(backend, device
   quantizers = sharded.quantizers_of(jq.Float8CurrentScaling())
   found, _, x_shape = _compiled(layout, mesh, quantizers, rng, backward=False)
   rows = math.prod(x_shape[:-1]) // mesh.shape["dp"]
+  # (XLA:GPU flattens an all-reduce's operand to 1-D and combines small ones: count elements.)
   outputs = [c for c in found if c.op in ("all-reduce", "reduce-scatter")
-             and any(shape for _, shape in c.arrays)]
-  assert [c.arrays for c in outputs] == [(("f32", (rows, sharded.N)),)], found
-  # The other all-reduces are the amax pmaxes (scalars; x and W^T are K-sharded).
-  assert all(shape == () for c in found if c not in outputs for _, shape in c.arrays)
+             and any(math.prod(shape) > 16 for _, shape in c.arrays)]
+  assert len(outputs) == 1, found
+  assert [(t, math.prod(s)) for t, s in outputs[0].arrays] == [("f32", rows * sharded.N)], found
+  # The others are the amax pmaxes of x and W^T (both K-sharded): a few scalars.
+  assert sum(math.prod(s) for c in found if c not in outputs for _, s in c.arrays) <= 4, found
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
