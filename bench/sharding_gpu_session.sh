@@ -24,7 +24,7 @@ echo "bench: ${SECONDS}s"
 SECONDS=0
 for i in 0 1 2 3; do
   JAXQUANT_MULTIDEVICE=1 timeout "${TEST_TIMEOUT:-95}" python3 -m pytest -q -p no:cacheprovider \
-    --jaxquant-shard=$i/4 -k "${TESTS_K:-not reference}" tests/multidevice > "$OUT/tests_$i.log" 2>&1 &
+    --jaxquant-shard=$i/4 -k "${TESTS_K-not reference}" tests/multidevice > "$OUT/tests_$i.log" 2>&1 &
 done
 wait
 echo "tests: ${SECONDS}s"
