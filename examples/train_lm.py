@@ -15,8 +15,10 @@ Layout: `lm/data.py` (corpus and batches), `lm/model.py` (the GPT), `lm/recipes.
 names), `lm/training.py` (optimizer, jitted steps, loop), `lm/report.py` (CSV, plot, table).
 `--mesh dp=2,tp=4` (axes `dp`, `fsdp`, `tp`, any sizes) shards the model and the batches over
 a device mesh (`lm/sharding.py`: Flax logical axis rules; FP8 storages stay sharded, FSDP
-weights are gathered as quantized bytes where exact). `--moe` is parsed but refused until its
-issue lands (see `check_extensions`).
+weights are gathered as quantized bytes where exact). `--moe 8,2` replaces every MLP by a
+routed mixture of 8 experts, 2 per token (`lm/moe.py`: `jaxquant.flax.GroupedDense` experts with
+roles `("grouped_linear", ..., "fc1" | "fc2")`, a float32 router, a load-balancing loss); try it
+with `--recipe moe_nvfp4_fwd_mxfp8_bwd`.
 """
 
 from __future__ import annotations
@@ -103,27 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
                  help="device mesh such as dp=2,tp=4 or fsdp=2 (axes dp, fsdp, tp): data, "
                  "fully-sharded data and tensor parallelism")
   p.add_argument("--moe", type=parse_moe, default=None,
-                 help="EXPERTS,TOPK mixture-of-experts MLP (needs issue 7: GroupedDense)")
+                 help="EXPERTS,TOPK: a mixture-of-experts MLP (GroupedDense experts, top-k "
+                 "routing) in every block instead of the dense MLP")
+  p.add_argument("--moe-aux-weight", type=float, default=0.01,
+                 help="weight of the MoE load-balancing loss")
   return p
-
-
-def check_extensions(args: argparse.Namespace) -> None:
-  """Flags reserved for later issues: parsed now, refused clearly until they land.
-
-  Where it plugs in: `--moe` replaces `lm.model.MLP` in `Block` by a routed mixture of
-  `GroupedDense` experts.
-  """
-  if args.moe is not None:
-    raise NotImplementedError(f"--moe {args.moe}: needs the mixture-of-experts support "
-                              "(GroupedDense, role 'grouped_linear') of a later issue; run "
-                              "without --moe for now")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
   """Train every requested recipe; returns `{"histories", "csv", "png", "summary"}`."""
   parser = build_parser()
   args = parser.parse_args(argv)
-  check_extensions(args)
   try:
     names = recipes.parse(args.recipe)
   except ValueError as err:
@@ -139,7 +131,8 @@ def run(args: argparse.Namespace, names: Sequence[str]) -> dict:
   corpus = data.load_corpus(int(args.data_mb * 1e6), root=args.data_root)
   config = LMConfig(seq=args.seq, d_model=args.d_model, layers=args.layers, heads=args.heads,
                     mlp_ratio=args.mlp_ratio, positions=args.positions,
-                    tie_embeddings=args.tie_embeddings, dtype=jnp.bfloat16)
+                    tie_embeddings=args.tie_embeddings, dtype=jnp.bfloat16, moe=args.moe,
+                    moe_aux_weight=args.moe_aux_weight)
   train_cfg = training.TrainConfig(steps=args.steps, lr=args.lr, warmup=args.warmup,
                                    weight_decay=args.weight_decay, eval_every=args.eval_every,
                                    seed=args.seed, progress=not args.no_progress)
@@ -147,7 +140,8 @@ def run(args: argparse.Namespace, names: Sequence[str]) -> dict:
                "val": data.fixed_batches(corpus.val, args.batch, args.seq, args.eval_batches)}
   print(corpus.describe())
   print(f"model: d_model={config.d_model} layers={config.layers} heads={config.heads} "
-        f"mlp_ratio={config.mlp_ratio} positions={config.positions} seq={config.seq}; "
+        f"mlp_ratio={config.mlp_ratio} positions={config.positions} seq={config.seq}"
+        f"{'' if config.moe is None else ' moe=%d experts, top-%d' % config.moe}; "
         f"batch={args.batch} steps={args.steps} lr={args.lr}; jax {jax.__version__} on "
         f"{jax.devices()[0].platform} (JAXQUANT_BACKEND={os.environ['JAXQUANT_BACKEND']}); "
         f"recipes: {', '.join(names)}")

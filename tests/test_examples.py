@@ -2,8 +2,8 @@
 
 Each example exposes `main(argv)`; these tests call it in-process with a tiny model and a few
 steps, and check the outputs a user relies on: the CSV columns and recipes, a PNG, a falling
-loss, the extension flags refused clearly, and `jaxquant.explain` naming the roles the custom
-factory dispatched.
+loss, malformed or impossible flags refused clearly, and `jaxquant.explain` naming the roles the
+custom factory dispatched. The `--moe` run is in test_grouped_moe.py.
 """
 
 from __future__ import annotations
@@ -55,13 +55,6 @@ def test_train_lm_recipe_all_covers_every_builtin_and_zoo_recipe():
   assert recipes.parse("mxfp8, bf16,mxfp8") == ["mxfp8", "bf16"]
   with pytest.raises(ValueError, match="unknown recipe 'fp9'"):
     recipes.parse("bf16,fp9")
-
-
-@pytest.mark.parametrize("flag, value, needs", [("--moe", "8,2", "mixture-of-experts")])
-def test_train_lm_refuses_flags_of_later_issues_clearly(flag, value, needs):
-  train_lm = _example("train_lm")
-  with pytest.raises(NotImplementedError, match=needs):
-    train_lm.main([flag, value])
 
 
 def test_train_lm_mesh_larger_than_the_devices_is_refused_clearly():

@@ -3,7 +3,9 @@
 Token embedding, rotary (or learned) positions, pre-norm blocks of causal multi-head attention
 (`qkv`, `proj`) and an MLP (`fc1`, `fc2`), a final norm and an `lm_head` (a quantized Dense, or
 the transposed token embedding when tied). The recipe is a module attribute handed down to every
-Dense, so the module names above are the `QuantizerRole.name`s a factory dispatches on.
+Dense, so the module names above are the `QuantizerRole.name`s a factory dispatches on. With
+`moe`, each MLP is a routed mixture of `GroupedDense` experts (`lm.moe`, roles
+`("grouped_linear", ..., "fc1" | "fc2")`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import jax.numpy as jnp
 
 import jaxquant
 import jaxquant.flax
+from lm.moe import MoEMLP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +36,9 @@ class LMConfig:
     positions: "rope" (rotary) or "learned".
     tie_embeddings: use the token embedding as the output projection instead of `lm_head`.
     dtype: compute dtype (parameters stay float32).
+    moe: `(experts, top_k)` to replace every MLP by a routed mixture of experts
+      (`lm.moe.MoEMLP`), or None for the dense MLP.
+    moe_aux_weight: weight of the load-balancing loss added to the objective under `moe`.
   """
 
   vocab: int = 256
@@ -44,8 +50,12 @@ class LMConfig:
   positions: str = "rope"
   tie_embeddings: bool = False
   dtype: Any = jnp.bfloat16
+  moe: Optional[tuple[int, int]] = None
+  moe_aux_weight: float = 0.01
 
   def __post_init__(self):
+    if self.moe is not None and not 1 <= self.moe[1] <= self.moe[0]:
+      raise ValueError(f"moe={self.moe}: expected (experts, top_k) with 1 <= top_k <= experts")
     if self.d_model % self.heads:
       raise ValueError(f"d_model={self.d_model} must be a multiple of heads={self.heads}")
     if self.positions not in ("rope", "learned"):
@@ -124,7 +134,8 @@ class Block(nn.Module):
     cfg = self.config
     x = x + CausalSelfAttention(cfg, self.recipe, name="attn")(
         nn.LayerNorm(dtype=cfg.dtype, name="ln1")(x))
-    return x + MLP(cfg, self.recipe, name="mlp")(nn.LayerNorm(dtype=cfg.dtype, name="ln2")(x))
+    mlp = (MoEMLP if cfg.moe is not None else MLP)(cfg, self.recipe, name="mlp")
+    return x + mlp(nn.LayerNorm(dtype=cfg.dtype, name="ln2")(x))
 
 
 class GPT(nn.Module):
