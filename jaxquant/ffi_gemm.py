@@ -20,6 +20,9 @@
   xla-dot             two high-precision operands: XLA's own dot, exactly like the reference
 On CPU the two kernel targets have simple handlers and the paths read `cpu:<path>`; they serve
 small problems only (M*N*K <= CPU_MAX_MACS), larger ones take the reference path, visibly.
+Under a mesh the kernel paths are partitioned (`jaxquant.kernels.partitioning.gemm`): each shard
+multiplies its rows, a sharded K ends in one float32 psum, and the bias is added after it; the
+XLA paths are partitioned by XLA itself.
 
 FP8 accumulation (cublaslt-fp8): "fast" lets the tensor cores accumulate in reduced precision
 between promotions, "split" promotes to float32 every k-block. The default is `fast` for the

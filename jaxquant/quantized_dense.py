@@ -92,14 +92,14 @@ class _Config:
   plan: Optional[_sharding.DensePlan] = None  # specs under a mesh (None: unsharded/unknown)
 
   def constrain(self, value, spec):
-    """`value` constrained to `spec` of the plan (unchanged without a plan)."""
-    if self.plan is None or value is None:
+    """`value` constrained to `spec` of the plan (unchanged without a plan or a spec)."""
+    if self.plan is None or value is None or spec is None:
       return value
     return jax.lax.with_sharding_constraint(value, _sharding.named(spec, self.plan.mesh))
 
   def constrain_storage(self, qtensor, quantizer, spec):
     """A `QuantizedTensor` constrained to the storage specs of a matrix sharded as `spec`."""
-    if self.plan is None or qtensor is None:
+    if self.plan is None or qtensor is None or spec is None:
       return qtensor
     specs = _sharding.storage_specs(quantizer, spec, rowwise=qtensor.rowwise is not None,
                                     columnwise=qtensor.columnwise is not None)

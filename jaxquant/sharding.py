@@ -309,15 +309,17 @@ class DensePlan:
   `x2d`/`y2d`: the GEMM rows of x and y; `weight`: `W^T[N, K]` as stored (FSDP-sharded);
   `weight_gathered`: what the GEMMs read (FSDP axes removed); `kernel2d`: `[K, N]` (the
   gradient's spec); `weight_gather`: "none" (no FSDP axis), "quantized" (the quantized bytes
-  are all-gathered) or "high-precision" (the weight is gathered before quantizing).
+  are all-gathered) or "high-precision" (the weight is gathered before quantizing). A spec is
+  None where the `DenseSharding` left it unknown: that value is not constrained (a guess could
+  gather a sharded activation).
   """
 
   mesh: Optional[Mesh]
-  x2d: P
-  y2d: P
-  kernel2d: P
-  weight: P
-  weight_gathered: P
+  x2d: Optional[P]
+  y2d: Optional[P]
+  kernel2d: Optional[P]
+  weight: Optional[P]
+  weight_gathered: Optional[P]
   fsdp_axes: tuple[str, ...]
   weight_gather: str
   reason: str = ""
@@ -391,10 +393,13 @@ def plan_dense(sharding: DenseSharding, x_shape: Sequence[int], kernel_shape: Se
                    else weight, mesh, name="kernel", directions=weight_directions,
                    axis_names=_KERNEL_AXES)
   del n_out
+  x_known, k_known = sharding.x is not None, sharding.kernel is not None
   return DensePlan(
       mesh=mesh,
-      x2d=P(spec_entry(row_axes), spec_entry(x_k_axes)),
-      y2d=P(spec_entry(row_axes), keep(n_axes)),
-      kernel2d=P(spec_entry(k_axes), spec_entry(n_axes)),
-      weight=weight, weight_gathered=weight_gathered, fsdp_axes=fsdp, weight_gather=gather,
-      reason=reason, rows_note=_rows_note(x_shape, x_spec, n_contract, mesh))
+      x2d=P(spec_entry(row_axes), spec_entry(x_k_axes)) if x_known else None,
+      y2d=P(spec_entry(row_axes), keep(n_axes)) if x_known and k_known else None,
+      kernel2d=P(spec_entry(k_axes), spec_entry(n_axes)) if k_known else None,
+      weight=weight if k_known else None,
+      weight_gathered=weight_gathered if k_known else None, fsdp_axes=fsdp,
+      weight_gather=gather, reason=reason,
+      rows_note=_rows_note(x_shape, x_spec, n_contract, mesh) if x_known else "")

@@ -67,3 +67,18 @@ def test_fsdp_split_blocks_is_gathered_in_high_precision_not_rejected(devices):
       (128, 256), 1, jq.Float8BlockQuantizer(block=(128, 128)), ("rowwise", "columnwise"))
   assert plan.fsdp_axes == ("fsdp",) and plan.weight_gather == "high-precision"
   assert plan.weight_gathered == P(None, None)
+
+
+def test_rows_that_cannot_stay_local_are_reported_by_explain(devices):
+  """[B, S, K] with S sharded and two sequences per shard of B: the flattened GEMM rows are not
+  block-sharded, so XLA reshards x; explain says so instead of hiding the communication."""
+  mesh = sharded.make_mesh(devices, "tp")
+  axis = _axis(mesh)
+  other = "dp" if axis == "tp" else "fsdp"
+  x = jnp.ones((2 * mesh.shape[other], 64, 128), jnp.float32)
+  w = jnp.ones((128, 128), jnp.float32)
+  quantizers = sharded.quantizers_of(jq.Float8CurrentScaling())
+  spec = jq.sharding.DenseSharding(P(other, axis, None), P(), mesh)
+  report = jq.explain(lambda x, w: jq.dense(x, w, None, quantizers, sharding=spec), x, w)
+  (decision,) = [d for d in report if d.op == "sharding"]
+  assert decision.path == "reshard" and "2 elements per shard" in decision.reason

@@ -128,3 +128,22 @@ def test_storages_keep_the_spec_of_their_data(devices, rng):
   for got_leaf, want_spec in zip(jax.tree.leaves(q), jax.tree.leaves(
       want, is_leaf=lambda s: isinstance(s, P))):
     assert got_leaf.sharding.is_equivalent_to(NamedSharding(mesh, want_spec), got_leaf.ndim)
+
+
+def test_unknown_input_spec_is_left_to_propagation(devices, rng, monkeypatch):
+  """Only the kernel's spec given (e.g. an intercepted nn.Dense with a boxed kernel_init): the
+  batch-sharded input must not be constrained (and so gathered) to a guessed spec."""
+  monkeypatch.setenv("JAXQUANT_BACKEND", "ffi")
+  layout = sharded.LAYOUTS["column_parallel"]
+  mesh = sharded.make_mesh(devices, layout.main)
+  quantizers = sharded.quantizers_of(jq.Float8CurrentScaling())
+  x, w, b, dy, key = sharded.inputs(rng, layout, mesh)
+  only_kernel = jq.sharding.DenseSharding(None, layout.kernel, mesh)
+
+  def step(x, w, b, dy):
+    y, vjp = jax.vjp(lambda x, w, b: jq.dense(x, w, b, quantizers, sharding=only_kernel),
+                     x, w, b)
+    return y, vjp(dy)
+
+  hlo = jax.jit(step).lower(*sharded.put(mesh, layout, x, w, b, dy)).compile().as_text()
+  assert not [c for c in sharded.collectives(hlo) if c.op in ("all-gather", "all-to-all")]
