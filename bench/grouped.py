@@ -1,0 +1,157 @@
+"""Grouped (mixture-of-experts) forward + backward, side by side on one card:
+`jaxquant.flax.GroupedDense` under each built-in recipe and the MoE hybrid recipe vs bf16
+`jax.lax.ragged_dot` (GroupedDense without a recipe: ragged_dot and its autodiff).
+
+    python bench/grouped.py                    # 8 and 64 experts at LLM sizes (a GPU)
+    python bench/grouped.py --tiny             # smoke check at tiny sizes (runs on CPU)
+    python bench/grouped.py --experts 64 --json out.json
+
+Cases (rows T are routed token-expert assignments, i.e. tokens x top-k, sorted by expert):
+  8 experts:  T = 16384 (8192 tokens, top-2), K = 4096 -> N = 14336 (Mixtral-8x7B's fc1)
+  64 experts: T = 16384 (2048 tokens, top-8), K = 2048 -> N = 1408 (Qwen1.5-MoE-style fc1)
+Group sizes are a seeded multinomial draw (balanced routing, uneven groups). One step =
+y, vjp = jax.vjp(apply, variables, x); vjp(dy): the forward grouped GEMM, dgrad and wgrad and
+every quantize / state update the recipe needs, jitted as one program. Time = median over
+repeats of (R back-to-back steps) / R after warm-up. The "paths" column is what
+`jaxquant.explain` reports for the grouped GEMMs (today: "reference", one `ragged_dot` per
+GEMM, until the grouped FFI kernels exist), the "why" column the reason given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxquant as jq
+import jaxquant.flax  # noqa: F401
+
+RECIPES = {
+    "Float8CurrentScaling": lambda: jq.recipes.Float8CurrentScaling(),
+    "DelayedScaling": lambda: jq.recipes.DelayedScaling(),
+    "Float8BlockScaling": lambda: jq.recipes.Float8BlockScaling(),
+    "MXFP8BlockScaling": lambda: jq.recipes.MXFP8BlockScaling(),
+    "NVFP4BlockScaling": lambda: jq.recipes.NVFP4BlockScaling(),
+    "moe_nvfp4_fwd_mxfp8_bwd": lambda: jq.CustomRecipe(
+        jq.factories.moe_nvfp4_forward_mxfp8_backward),
+}
+
+# (experts, routed rows T, in features K, out features N, description)
+CASES = {
+    8: (8, 16384, 4096, 14336, "Mixtral-8x7B fc1: 8192 tokens x top-2"),
+    64: (64, 16384, 2048, 1408, "Qwen1.5-MoE-style fc1: 2048 tokens x top-8"),
+}
+TINY = {8: (8, 256, 128, 256, "tiny"), 64: (64, 512, 64, 128, "tiny")}
+
+
+def bench(fn, *args, repeats=5, calls=5, warmup=2) -> float:
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(calls):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / calls)
+  return statistics.median(times)
+
+
+def step_fn(model):
+  def step(variables, x, sizes, dy, key):
+    apply = lambda v, x: model.apply(v, x, sizes, rngs={"quantize": key})
+    y, vjp = jax.vjp(apply, variables, x)
+    return y, vjp(dy)
+  return jax.jit(step)
+
+
+def group_sizes(rng, tokens: int, experts: int) -> np.ndarray:
+  return rng.multinomial(tokens, np.full(experts, 1.0 / experts)).astype(np.int32)
+
+
+def run_case(experts: int, spec, args, card: str) -> list[dict]:
+  groups, t, k, n, what = spec
+  rng = np.random.default_rng(args.seed)
+  sizes = jnp.asarray(group_sizes(rng, t, groups))
+  x = jnp.asarray(rng.standard_normal((t, k), np.float32), jnp.bfloat16)
+  dy = jnp.asarray(rng.standard_normal((t, n), np.float32), jnp.bfloat16)
+  key = jax.random.key(1)
+  print(f"\n{groups} experts ({what}): T={t} K={k} N={n}, group sizes {int(sizes.min())}.."
+        f"{int(sizes.max())}, bfloat16", flush=True)
+  common = dict(features=n, num_groups=groups, use_bias=False, dtype=jnp.bfloat16,
+                param_dtype=jnp.bfloat16)
+  models = {"bf16 jax.lax.ragged_dot": jq.flax.GroupedDense(**common)}
+  for name, make in RECIPES.items():
+    if args.recipes and name not in args.recipes:
+      continue
+    models[f"jaxquant {name}"] = jq.flax.GroupedDense(**common, recipe=make())
+  flops = 3 * 2 * t * k * n
+  rows, base = [], None
+  timing = dict(repeats=args.repeats, calls=args.calls, warmup=args.warmup)
+  for name, model in models.items():
+    variables = jax.jit(model.init)(jax.random.key(0), x, sizes)
+    step = step_fn(model)
+    paths = why = ""
+    if name.startswith("jaxquant"):
+      report = jq.explain(step, variables, x, sizes, dy, key)
+      gemms = [d for d in report if d.op == "grouped_gemm"]
+      paths = ",".join(sorted({d.path for d in gemms}))
+      why = "; ".join(sorted({d.reason for d in gemms if d.reason}))
+    try:
+      sec = bench(step, variables, x, sizes, dy, key, **timing)
+    except Exception as e:  # noqa: BLE001 - report and go on with the other rows
+      print(f"  {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+      continue
+    base = sec if base is None else base
+    row = dict(experts=groups, case=name, tokens=t, k=k, n=n, ms=sec * 1e3,
+               tflops=flops / sec / 1e12, speedup_vs_bf16=base / sec, gemm_paths=paths,
+               why=why, card=card)
+    rows.append(row)
+    print(f"  {name:38s} {sec * 1e3:9.3f} ms  {row['tflops']:7.1f} TFLOP/s  "
+          f"{row['speedup_vs_bf16']:5.2f}x  {paths}", flush=True)
+  return rows
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--experts", type=int, nargs="+", choices=sorted(CASES),
+                      default=sorted(CASES), help="which cases to run")
+  parser.add_argument("--tiny", action="store_true",
+                      help="tiny sizes and one timed call (a CPU smoke check, not a benchmark)")
+  parser.add_argument("--recipes", nargs="*", default=None, choices=sorted(RECIPES),
+                      help="only these recipes (default: all)")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--json", default=None)
+  args = parser.parse_args(argv)
+  args.repeats, args.calls, args.warmup = (1, 1, 1) if args.tiny else (5, 5, 2)
+  device = jax.devices()[0]
+  card = getattr(device, "device_kind", str(device))
+  print(f"device: {card}; jax {jax.__version__}", flush=True)
+  cases = TINY if args.tiny else CASES
+  results = []
+  for experts in args.experts:
+    results += run_case(experts, cases[experts], args, card)
+  print("\n| experts | case | ms | effective TFLOP/s | speedup vs bf16 ragged_dot | grouped GEMM "
+        "path |")
+  print("|---|---|---|---|---|---|")
+  for r in results:
+    print(f"| {r['experts']} | {r['case']} | {r['ms']:.2f} | {r['tflops']:.0f} | "
+          f"{r['speedup_vs_bf16']:.2f}x | {r['gemm_paths']} |")
+  reasons = sorted({r["why"] for r in results if r["why"]})
+  if reasons:
+    print("\nwhy the reference path: " + " | ".join(reasons))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(results, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
