@@ -35,7 +35,14 @@ def pytest_collection_modifyitems(config, items):
     p = i % (2 * count)
     return p if p < count else 2 * count - 1 - p
 
-  keep = [item for i, item in enumerate(items) if shard(i) == index]
+  def group(item):  # tests sharing a compiled single-device program stay in one process
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    if "recipe_name" in params:
+      return (params["recipe_name"], params.get("backend"))
+    return item.nodeid
+
+  groups = {g: shard(i) for i, g in enumerate(dict.fromkeys(group(item) for item in items))}
+  keep = [item for item in items if groups[group(item)] == index]
   if len(keep) != len(items):
     config.hook.pytest_deselected(items=[item for item in items if item not in keep])
     items[:] = keep
