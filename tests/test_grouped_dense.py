@@ -31,11 +31,14 @@ TOL = 1e-5  # relative to the largest magnitude: float32 accumulation order
 
 
 def _custom_hybrid(role):
-  """Row-scaled NVFP4 in the columnwise (wgrad) direction, and a backward built from the
-  dequantized forward operand: the corners the built-ins do not reach."""
-  if role is not None and role.tensor_type == "grad_output":
+  """The corners the built-ins do not reach: row-scaled NVFP4 in the columnwise (wgrad and
+  dgrad) direction, backward operands built from the dequantized forward ones, and 128x128
+  tiles on the tokens' rowwise copy (a padded layout for the forward GEMM too)."""
+  tensor_type = role.tensor_type if role is not None else ""
+  if tensor_type == "grad_output":
     return jq.NVFP4Quantizer(row_scaled=True, stochastic_rounding=True)
-  return jq.HybridQuantizer(jq.MXFP8Quantizer(), jq.NVFP4Quantizer(row_scaled=True),
+  rowwise = jq.Float8BlockQuantizer((128, 128)) if tensor_type == "input" else jq.MXFP8Quantizer()
+  return jq.HybridQuantizer(rowwise, jq.NVFP4Quantizer(row_scaled=True),
                             columnwise_source="rowwise_dequantized")
 
 
@@ -122,6 +125,8 @@ def test_wgrad_operands_share_one_token_block():
   assert token_blocks(block) == (1, 1, 128)
   current = DenseQuantizers.from_recipe(RECIPES["fp8_current"], "grouped_linear", "e")
   assert token_blocks(current) == (1, 1, 1)  # per-tensor: packed everywhere
+  custom = DenseQuantizers.from_recipe(RECIPES["custom_hybrid"], "grouped_linear", "e")
+  assert token_blocks(custom) == (128, 1, 16)  # 2-D tiles on x's rows
 
 
 def test_without_a_recipe_it_is_ragged_dot(rng):
