@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                  "routing) in every block instead of the dense MLP")
   p.add_argument("--moe-aux-weight", type=float, default=0.01,
                  help="weight of the MoE load-balancing loss")
+  p.add_argument("--remat", action="store_true",
+                 help="recompute each block's activations in the backward pass (large models)")
+  p.add_argument("--scan-layers", action="store_true",
+                 help="one nn.scan over the blocks (compile time independent of --layers)")
   return p
 
 
@@ -132,7 +136,8 @@ def run(args: argparse.Namespace, names: Sequence[str]) -> dict:
   config = LMConfig(seq=args.seq, d_model=args.d_model, layers=args.layers, heads=args.heads,
                     mlp_ratio=args.mlp_ratio, positions=args.positions,
                     tie_embeddings=args.tie_embeddings, dtype=jnp.bfloat16, moe=args.moe,
-                    moe_aux_weight=args.moe_aux_weight)
+                    moe_aux_weight=args.moe_aux_weight, remat=args.remat,
+                    scan_layers=args.scan_layers)
   train_cfg = training.TrainConfig(steps=args.steps, lr=args.lr, warmup=args.warmup,
                                    weight_decay=args.weight_decay, eval_every=args.eval_every,
                                    seed=args.seed, progress=not args.no_progress)

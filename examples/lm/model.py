@@ -39,6 +39,10 @@ class LMConfig:
     moe: `(experts, top_k)` to replace every MLP by a routed mixture of experts
       (`lm.moe.MoEMLP`), or None for the dense MLP.
     moe_aux_weight: weight of the load-balancing loss added to the objective under `moe`.
+    remat: recompute each block's activations in the backward pass (`nn.remat`): the memory of
+      one block instead of all of them, for large models (seq 2048 x d_model 4096).
+    scan_layers: run the blocks as one `nn.scan` over stacked parameters (`blocks/...`, leading
+      axis `layers`): compile time independent of depth. Same math, different parameter tree.
   """
 
   vocab: int = 256
@@ -52,6 +56,8 @@ class LMConfig:
   dtype: Any = jnp.bfloat16
   moe: Optional[tuple[int, int]] = None
   moe_aux_weight: float = 0.01
+  remat: bool = False
+  scan_layers: bool = False
 
   def __post_init__(self):
     if self.moe is not None and not 1 <= self.moe[1] <= self.moe[0]:
@@ -138,6 +144,33 @@ class Block(nn.Module):
     return x + mlp(nn.LayerNorm(dtype=cfg.dtype, name="ln2")(x))
 
 
+class ScannedBlock(nn.Module):
+  """`Block` in `nn.scan`'s carry form: `(x, None) -> (block(x), None)`."""
+
+  config: LMConfig
+  recipe: Optional[jaxquant.Recipe] = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array, _) -> tuple[jax.Array, None]:
+    block = nn.remat(Block) if self.config.remat else Block
+    return block(self.config, self.recipe, name="block")(x), None
+
+
+def blocks(cfg: LMConfig, recipe: Optional[jaxquant.Recipe], x: jax.Array) -> jax.Array:
+  """The decoder blocks, unrolled (`block_0`, ...) or scanned (`blocks`), remat or not."""
+  if cfg.scan_layers:
+    scanned = nn.scan(ScannedBlock, length=cfg.layers,
+                      variable_axes={"params": 0, "_overwrite_with_gradient": 0,
+                                     "intermediates": 0},
+                      split_rngs={"params": True, "quantize": True},
+                      metadata_params={nn.PARTITION_NAME: "layers"})
+    return scanned(cfg, recipe, name="blocks")(x, None)[0]
+  block = nn.remat(Block) if cfg.remat else Block
+  for i in range(cfg.layers):
+    x = block(cfg, recipe, name=f"block_{i}")(x)
+  return x
+
+
 class GPT(nn.Module):
   """Decoder-only LM: `tokens[batch, seq]` (int) -> `logits[batch, seq, vocab]` (float32)."""
 
@@ -154,8 +187,7 @@ class GPT(nn.Module):
       pos = nn.Embed(cfg.seq, cfg.d_model, dtype=cfg.dtype,
                      embedding_init=nn.initializers.normal(0.02), name="pos_embed")
       x = x + pos(jnp.arange(tokens.shape[1]))[None]
-    for i in range(cfg.layers):
-      x = Block(cfg, self.recipe, name=f"block_{i}")(x)
+    x = blocks(cfg, self.recipe, x)
     x = nn.LayerNorm(dtype=cfg.dtype, name="ln_f")(x)
     if cfg.tie_embeddings:
       logits = embed.attend(x)

@@ -42,7 +42,7 @@ def logical_rules(mesh: Mesh) -> tuple[tuple[str, object], ...]:
   fsdp = "fsdp" if has("fsdp") else None
   return (("act_batch", batch or None), ("act_len", None), ("act_embed", None),
           ("act_heads", tp), ("act_mlp", tp),
-          ("embed", fsdp), ("heads", tp), ("mlp", tp), ("vocab", None))
+          ("embed", fsdp), ("heads", tp), ("mlp", tp), ("vocab", None), ("layers", None))
 
 
 def batch_axes(mesh: Mesh):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from typing import Optional
 
 import jax
@@ -15,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxquant as jq
 from jaxquant import sharding as jqs
+from jaxquant.hlo import Collective, collectives  # noqa: F401  (re-exported for the tests)
 
 AXES = ("dp", "fsdp", "tp")
 
@@ -130,35 +130,3 @@ def put(mesh: Mesh, layout: Layout, x, w, b, dy):
   return (shard(x, layout.x), shard(w, layout.kernel), shard(b, P(layout.kernel[1])),
           shard(dy, P(*layout.x[:-1], layout.kernel[1])))
 
-
-# ------------------------------------------ HLO -----------------------------------------------
-
-_COLLECTIVE = re.compile(
-    r"=\s*(?P<type>\([^=]*?\)|[\w]+\[[\d,]*\](?:\{[^}]*\})?)\s+"
-    r"(?P<op>all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
-    r"(?:-start)?\(")
-_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
-_BYTES = {"f8e4m3fn": 1, "f8e5m2": 1, "f8e8m0fnu": 1, "f4e2m1fn": 0.5, "u8": 1, "s8": 1,
-          "bf16": 2, "f16": 2, "f32": 4, "u32": 4, "s32": 4, "pred": 1}
-
-
-@dataclasses.dataclass(frozen=True)
-class Collective:
-  op: str
-  arrays: tuple[tuple[str, tuple[int, ...]], ...]  # (element type, shape) of each result
-
-  @property
-  def bytes(self) -> float:
-    return sum(_BYTES.get(t, 4) * math.prod(s) for t, s in self.arrays)
-
-
-def collectives(hlo_text: str) -> list[Collective]:
-  """Every collective of a compiled module's text (async `-start` halves counted once)."""
-  found = []
-  for match in _COLLECTIVE.finditer(hlo_text):
-    arrays = tuple((t, tuple(int(d) for d in dims.split(",") if d))
-                   for t, dims in _ARRAY.findall(match.group("type")))
-    if match.group("type").startswith("(") and "-start" in match.group(0):
-      arrays = arrays[len(arrays) // 2:]  # (operands..., results...) of an async start
-    found.append(Collective(match.group("op"), arrays))
-  return found

@@ -1,0 +1,175 @@
+"""Scaling of `examples/train_lm.py`'s training step over device meshes (issue 8).
+
+For one recipe, trains the same model from the same parameters on the same batches of real text
+(the standard library's bytes, as train_lm.py reads them) once per mesh, in one process, and
+records for each mesh:
+  * the loss of every step (compared with the first mesh's, normally the 1-device run);
+  * the median step time after `--warmup` steps (each step timed to its loss being ready) and
+    tokens/s per device;
+  * the collectives of the compiled step (`jaxquant.hlo`): count and bytes per kind, every
+    all-gather / all-to-all listed, and the ones whose result holds at least one sequence of
+    activations (`seq x d_model` elements) flagged as activation all-gathers.
+
+    python bench/scaling.py --recipe fp8_current --meshes 1/dp=4/tp=4/dp=2,tp=2 \\
+        --d-model 4096 --layers 8 --heads 32 --seq 2048 --batch 8 --remat --scan-layers \\
+        --json out.json
+
+Meshes are separated by '/', axes within one by ','; "1" is one device without a mesh.
+With --scan-layers the HLO holds the block once (a while loop), so collective counts are per
+block plus the layers outside it, not per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import pathlib
+import statistics
+import sys
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+
+from lm import data, recipes, sharding, training  # noqa: E402
+from lm.model import GPT, LMConfig  # noqa: E402
+import train_lm  # noqa: E402
+
+from jaxquant import hlo  # noqa: E402
+
+
+def parse_meshes(spec: str) -> list[Optional[dict[str, int]]]:
+  """"1/dp=4/dp=2,tp=2" -> [None, {"dp": 4}, {"dp": 2, "tp": 2}]."""
+  meshes = []
+  for part in spec.split("/"):
+    part = part.strip()
+    meshes.append(None if part in ("1", "") else train_lm.parse_mesh(part))
+  return meshes
+
+
+def mesh_name(axes: Optional[dict[str, int]]) -> str:
+  return "1 device" if axes is None else "x".join(f"{k}={v}" for k, v in axes.items())
+
+
+def collective_report(hlo_text: str, activation_elements: int) -> dict:
+  found = hlo.collectives(hlo_text)
+  gathers = [c for c in found if c.op in ("all-gather", "all-to-all")]
+  return {
+      "summary": hlo.summarize(found),
+      "gathers": [str(c) for c in gathers],
+      "activation_gathers": [str(c) for c in gathers if c.elements >= activation_elements],
+      "all_reduces_at_least_activation": sum(
+          1 for c in found if c.op == "all-reduce" and c.elements >= activation_elements),
+  }
+
+
+def run_mesh(model, config: LMConfig, batches: np.ndarray, cfg: training.TrainConfig,
+             axes: Optional[dict[str, int]], warmup: int) -> dict:
+  """Compile and run `len(batches)` steps on one mesh; losses, times and collectives."""
+  mesh = None if axes is None else sharding.make_mesh(axes)
+  devices = 1 if mesh is None else mesh.size
+  if mesh is not None:
+    sharding.check_batch(mesh, batches.shape[1])
+  with sharding.active(mesh):
+    state = training.create_state(model, batches[0], cfg, mesh)
+    train_step, _ = training.make_steps(model)
+    key = jax.random.key(cfg.seed + 3)
+    first = sharding.put_batches(mesh, batches[0])
+    t0 = time.perf_counter()
+    compiled = train_step.lower(state, first, key).compile()
+    compile_s = time.perf_counter() - t0
+    report = collective_report(compiled.as_text(), config.seq * config.d_model)
+    losses, times = [], []
+    for step, tokens in enumerate(batches):
+      tokens = sharding.put_batches(mesh, tokens)
+      t0 = time.perf_counter()
+      state, loss = compiled(state, tokens, jax.random.fold_in(key, step))
+      losses.append(float(loss))  # waits for the step
+      times.append(time.perf_counter() - t0)
+  del state, compiled
+  gc.collect()
+  timed = times[warmup:] or times
+  step_s = statistics.median(timed)
+  tokens_per_step = batches.shape[1] * config.seq
+  return {"mesh": mesh_name(axes), "axes": axes or {}, "devices": devices,
+          "compile_s": compile_s, "step_ms": 1e3 * step_s, "min_step_ms": 1e3 * min(timed),
+          "tokens_per_s_per_device": tokens_per_step / step_s / devices,
+          "losses": losses, "collectives": report}
+
+
+def compare_losses(runs: list[dict]) -> None:
+  """Add each run's largest relative loss difference from the first run (per step)."""
+  base = np.asarray(runs[0]["losses"])
+  for run in runs:
+    rel = np.abs(np.asarray(run["losses"]) - base) / np.abs(base)
+    run["max_rel_loss_diff"] = float(rel.max())
+    run["first_step_rel_loss_diff"] = float(rel[0])
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--recipe", default="fp8_current", help="bf16, a built-in or a zoo recipe")
+  p.add_argument("--meshes", type=parse_meshes, default=parse_meshes("1/dp=2"))
+  p.add_argument("--d-model", type=int, default=4096)
+  p.add_argument("--layers", type=int, default=8)
+  p.add_argument("--heads", type=int, default=32)
+  p.add_argument("--mlp-ratio", type=int, default=4)
+  p.add_argument("--seq", type=int, default=2048)
+  p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+  p.add_argument("--steps", type=int, default=8, help="steps per mesh (losses compared)")
+  p.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
+  p.add_argument("--lr", type=float, default=3e-4)
+  p.add_argument("--moe", type=train_lm.parse_moe, default=None)
+  p.add_argument("--remat", action="store_true")
+  p.add_argument("--scan-layers", action="store_true")
+  p.add_argument("--data-mb", type=float, default=8.0)
+  p.add_argument("--backend", choices=training.BACKENDS, default=None)
+  p.add_argument("--json", type=pathlib.Path, default=None)
+  args = p.parse_args()
+
+  with training.jaxquant_backend(args.backend or training.default_backend()) as backend:
+    config = LMConfig(seq=args.seq, d_model=args.d_model, layers=args.layers, heads=args.heads,
+                      mlp_ratio=args.mlp_ratio, dtype=jnp.bfloat16, moe=args.moe,
+                      remat=args.remat, scan_layers=args.scan_layers)
+    model = GPT(config, recipes.make(args.recipe))
+    corpus = data.load_corpus(int(args.data_mb * 1e6))
+    batches = data.fixed_batches(corpus.train, args.batch, args.seq, args.steps)
+    cfg = training.TrainConfig(steps=args.steps, lr=args.lr, warmup=max(args.steps // 2, 1))
+    results = {"device": jax.devices()[0].device_kind, "device_count": jax.device_count(),
+               "jax": jax.__version__, "backend": backend, "recipe": args.recipe,
+               "config": {k: v for k, v in vars(args).items()
+                          if k not in ("meshes", "json", "backend")},
+               "runs": []}
+    for axes in args.meshes:
+      print(f"[{args.recipe}] {mesh_name(axes)} ...", flush=True)
+      try:
+        run = run_mesh(model, config, batches, cfg, axes, args.warmup)
+      except Exception as err:  # a mesh that fails (e.g. out of memory) is reported, not fatal
+        run = {"mesh": mesh_name(axes), "axes": axes or {}, "error": f"{type(err).__name__}: "
+               f"{str(err)[:2000]}"}
+      results["runs"].append(run)
+      print(json.dumps({k: v for k, v in run.items() if k != "collectives"}), flush=True)
+      if "collectives" in run:
+        print("  collectives:", json.dumps(run["collectives"]["summary"]),
+              "| activation all-gathers:", run["collectives"]["activation_gathers"], flush=True)
+      if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+  ok = [r for r in results["runs"] if "losses" in r]
+  if ok:
+    compare_losses(ok)
+  for r in ok:
+    print(f"{args.recipe:24s} {r['mesh']:12s} {r['step_ms']:9.1f} ms/step "
+          f"{r['tokens_per_s_per_device']:9.0f} tok/s/dev  compile {r['compile_s']:5.1f}s  "
+          f"max rel loss diff {r['max_rel_loss_diff']:.2e}  "
+          f"act gathers {len(r['collectives']['activation_gathers'])}")
+  if args.json:
+    args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+  main()

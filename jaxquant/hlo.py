@@ -1,0 +1,68 @@
+"""What a compiled program communicates: the collectives in its HLO text, with their bytes.
+
+`collectives(jax.jit(f).lower(...).compile().as_text())` lists every all-gather, all-reduce,
+reduce-scatter, all-to-all and collective-permute (an async `-start`/`-done` pair counted once,
+by its results). Used to check that a sharded step moves what the sharding promises (no
+all-gather of a sharded activation, one all-reduce for a K-sharded GEMM, FP8 bytes for an FSDP
+weight gather) in the tests and in `bench/scaling.py`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+
+_COLLECTIVE = re.compile(
+    r"=\s*(?P<type>\((?:/\*index=\d+\*/|[^=])*?\)|[\w]+\[[\d,]*\](?:\{[^}]*\})?)\s+"
+    r"(?P<op>all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
+    r"(?:-start)?\(")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+_BYTES = {"f8e4m3fn": 1, "f8e5m2": 1, "f8e8m0fnu": 1, "f4e2m1fn": 0.5, "u8": 1, "s8": 1,
+          "bf16": 2, "f16": 2, "f32": 4, "u32": 4, "s32": 4, "pred": 1, "f64": 8, "s64": 8,
+          "u64": 8}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective: its op name and the (element type, shape) of each result."""
+
+  op: str
+  arrays: tuple[tuple[str, tuple[int, ...]], ...]
+
+  @property
+  def bytes(self) -> float:
+    return sum(_BYTES.get(t, 4) * math.prod(s) for t, s in self.arrays)
+
+  @property
+  def elements(self) -> int:
+    return sum(math.prod(s) for _, s in self.arrays)
+
+  def __str__(self) -> str:
+    shapes = ", ".join(f"{t}[{','.join(map(str, s))}]" for t, s in self.arrays)
+    return f"{self.op}({shapes})"
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+  """Every collective of a compiled module's text (async `-start` halves counted once)."""
+  found = []
+  for match in _COLLECTIVE.finditer(hlo_text):
+    arrays = tuple((t, tuple(int(d) for d in dims.split(",") if d))
+                   for t, dims in _ARRAY.findall(match.group("type")))
+    if (match.group("type").startswith("(") and "-start" in match.group(0)
+        and match.group("op") == "all-gather"):
+      # all-gather-start is typed (operands..., results...); all-reduce-start by its results.
+      arrays = arrays[len(arrays) // 2:]
+    found.append(Collective(match.group("op"), arrays))
+  return found
+
+
+def summarize(found: list[Collective]) -> dict[str, dict[str, float]]:
+  """`{op: {"count": n, "bytes": total}}` over `found`."""
+  summary: dict[str, dict[str, float]] = collections.defaultdict(
+      lambda: {"count": 0, "bytes": 0.0})
+  for c in found:
+    summary[c.op]["count"] += 1
+    summary[c.op]["bytes"] += c.bytes
+  return dict(summary)
