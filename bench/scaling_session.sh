@@ -4,7 +4,7 @@
 #   PART=dense bash bench/scaling_session.sh   # bf16 and fp8_current, d4096 x 8 layers
 #   PART=moe   bash bench/scaling_session.sh   # the MoE hybrid recipe, then tests/multidevice
 # Uses a carried prebuilt cp312 extension (jaxquant/_jaxquant_ffi.cpython-312-*.so) if it loads,
-# else builds. MESHES / STEPS / RUN_TIMEOUT override.
+# else builds. MESHES / STEPS / ONE_TIMEOUT / MESH_TIMEOUT / TEST_TIMEOUT override.
 set -o pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/jaxquant_out}
@@ -28,16 +28,16 @@ else
   RECIPES="moe_nvfp4_fwd_mxfp8_bwd"
   MODEL="--d-model 1024 --layers 4 --heads 16 --seq 2048 --batch 8 --moe 8,2 --remat --scan-layers"
 fi
-run() {  # recipe meshes tag [gpus]
-  CUDA_VISIBLE_DEVICES=$4 timeout "${RUN_TIMEOUT:-240}" python3 bench/scaling.py --recipe "$1" \
+run() {  # recipe meshes tag gpus timeout
+  CUDA_VISIBLE_DEVICES=$4 timeout "$5" python3 bench/scaling.py --recipe "$1" \
     --meshes "$2" --steps "$STEPS" $MODEL --json "$OUT/$3.json" > "$OUT/$3.log" 2>&1
   echo "$3: exit $? after ${SECONDS}s"; grep -E "ms/step|error" "$OUT/$3.log" | cut -c1-400
 }
 SECONDS=0
 gpu=0
-for r in $RECIPES; do run "$r" 1 "${r}_1gpu" $gpu & gpu=$((gpu + 1)); done
+for r in $RECIPES; do run "$r" 1 "${r}_1gpu" $gpu "${ONE_TIMEOUT:-150}" & gpu=$((gpu + 1)); done
 wait
-for r in $RECIPES; do run "$r" "$MESHES" "${r}_mesh" 0,1,2,3; done
+for r in $RECIPES; do run "$r" "$MESHES" "${r}_mesh" 0,1,2,3 "${MESH_TIMEOUT:-200}"; done
 if [ "${PART:-dense}" = moe ]; then  # issue 6: the multi-device tests, two GPUs per process
   for i in 0 1; do
     CUDA_VISIBLE_DEVICES=$((2 * i)),$((2 * i + 1)) JAXQUANT_MULTIDEVICE=1 timeout "${TEST_TIMEOUT:-150}" \

@@ -9,6 +9,7 @@ custom factory dispatched. The `--moe` run is in test_grouped_moe.py.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import importlib
 import pathlib
 import sys
@@ -103,3 +104,39 @@ def test_custom_factory_explain_shows_which_quantizer_served_each_role():
   history = result["history"]
   assert [row["step"] for row in history.rows][-1] == 3
   assert all(np.isfinite(row["val_loss"]) for row in history.rows)
+
+
+def test_lm_scan_layers_and_remat_compute_the_unrolled_models_loss_and_gradients(seed):
+  """`--scan-layers` stacks the blocks' parameters (`blocks/block/...`, leading axis = layer) and
+  `--remat` recomputes activations: with the unrolled model's parameters restacked, both give
+  its loss and gradients (float32 reduction-order tolerance: XLA may fuse the scanned body
+  differently)."""
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+  _example("train_lm")
+  from lm.model import GPT, LMConfig
+  from lm import training
+  base = LMConfig(seq=16, d_model=32, layers=3, heads=2, dtype=jnp.float32)
+  recipe = jaxquant.BUILTIN_RECIPES["fp8_current"]()
+  tokens = np.random.default_rng(seed).integers(0, 256, (4, 17), np.int32)
+  key = jax.random.key(seed)
+  unrolled = GPT(base, recipe)
+  params = nn.meta.unbox(jax.jit(unrolled.init)({"params": jax.random.key(seed)},
+                                                tokens[:, :-1]))
+  loss_grad = lambda model, v: jax.jit(jax.value_and_grad(
+      lambda v: training.next_token_loss(model, v, jnp.asarray(tokens), key)))(v)
+  want_loss, want_grads = loss_grad(unrolled, params)
+  blocks = [params["params"].pop(f"block_{i}") for i in range(base.layers)]
+  stacked = {**params["params"],
+             "blocks": {"block": jax.tree.map(lambda *a: jnp.stack(a), *blocks)}}
+  for remat in (False, True):
+    model = GPT(dataclasses.replace(base, scan_layers=True, remat=remat), recipe)
+    loss, grads = loss_grad(model, {"params": stacked})
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    got_blocks = grads["params"]["blocks"]["block"]
+    for i in range(base.layers):
+      jax.tree.map(lambda g, w: np.testing.assert_allclose(g[i], w, rtol=1e-4, atol=1e-6),
+                   got_blocks, want_grads["params"][f"block_{i}"])
+    np.testing.assert_allclose(grads["params"]["lm_head"]["kernel"],
+                               want_grads["params"]["lm_head"]["kernel"], rtol=1e-4, atol=1e-6)
