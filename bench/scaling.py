@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -124,6 +125,9 @@ def main() -> None:
   p.add_argument("--steps", type=int, default=8, help="steps per mesh (losses compared)")
   p.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
   p.add_argument("--lr", type=float, default=3e-4)
+  p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                 help="sgd keeps the meshes' reduction-order differences at gradient size (the "
+                 "loss check); adamw amplifies them in its first steps")
   p.add_argument("--moe", type=train_lm.parse_moe, default=None)
   p.add_argument("--remat", action="store_true")
   p.add_argument("--scan-layers", action="store_true")
@@ -139,9 +143,14 @@ def main() -> None:
     model = GPT(config, recipes.make(args.recipe))
     corpus = data.load_corpus(int(args.data_mb * 1e6))
     batches = data.fixed_batches(corpus.train, args.batch, args.seq, args.steps)
-    cfg = training.TrainConfig(steps=args.steps, lr=args.lr, warmup=max(args.steps // 2, 1))
+    cfg = training.TrainConfig(steps=args.steps, lr=args.lr, warmup=max(args.steps // 2, 1),
+                               optimizer=args.optimizer)
     results = {"device": jax.devices()[0].device_kind, "device_count": jax.device_count(),
                "jax": jax.__version__, "backend": backend, "recipe": args.recipe,
+               "label": args.recipe + ("" if args.optimizer == "adamw" else f" ({args.optimizer}"
+                                       f", {os.environ.get('JAXQUANT_FP8_ACCUMULATION', 'default')}"
+                                       " FP8 accumulation)"),
+               "fp8_accumulation": os.environ.get("JAXQUANT_FP8_ACCUMULATION", "default"),
                "config": {k: v for k, v in vars(args).items()
                           if k not in ("meshes", "json", "backend")},
                "runs": []}

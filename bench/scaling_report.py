@@ -2,7 +2,7 @@
 tokens/s per device, speedup over the same recipe's 1-device run, the largest relative loss
 difference from that run over the compared steps, and what the compiled step communicates.
 
-    python bench/scaling_report.py out/*.json
+    python bench/scaling_report.py out/*.json     # or the session's merged runs.json
 """
 
 from __future__ import annotations
@@ -17,15 +17,17 @@ def load(paths: list[str]) -> dict[str, list[dict]]:
   """`{recipe: [run, ...]}` over every file, 1-device runs first."""
   by_recipe: dict[str, list[dict]] = {}
   header = None
-  for path in paths:
-    results = json.load(open(path))
+  files = [json.load(open(path)) for path in paths]
+  for results in [r for f in files for r in (f if isinstance(f, list) else [f])]:
     header = header or results
     for run in results["runs"]:
-      by_recipe.setdefault(results["recipe"], []).append({**run, "config": results["config"]})
+      label = results.get("label", results["recipe"])
+      by_recipe.setdefault(label, []).append({**run, "config": results["config"]})
   for runs in by_recipe.values():
     runs.sort(key=lambda r: r.get("devices", 0))
   if header:
-    print(f"device: {header['device']} x{header['device_count']}, jax {header['jax']}, "
+    count = max(r["device_count"] for f in files for r in (f if isinstance(f, list) else [f]))
+    print(f"device: {header['device']} x{count}, jax {header['jax']}, "
           f"backend {header['backend']}\n")
   return by_recipe
 

@@ -35,6 +35,7 @@ class TrainConfig:
   eval_every: int = 50
   seed: int = 0
   progress: bool = True
+  optimizer: str = "adamw"  # or "sgd": updates linear in the gradient (bench/scaling.py's check)
 
 
 @dataclasses.dataclass
@@ -90,11 +91,20 @@ def jaxquant_backend(backend: str) -> Iterator[str]:
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-  """AdamW with linear warmup and cosine decay to 10%, gradient clipping, no decay on 1-D params."""
+  """AdamW with linear warmup and cosine decay to 10%, gradient clipping, no decay on 1-D params.
+
+  `cfg.optimizer="sgd"`: plain SGD on the same schedule. Adam divides each gradient element by
+  its own running RMS, so in its first steps an element whose gradient is reduction-order noise
+  gets a full-size step of either sign; SGD keeps such differences as small as the gradients'.
+  """
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=cfg.lr, warmup_steps=min(cfg.warmup, max(cfg.steps - 1, 1)),
       decay_steps=max(cfg.steps, 2), end_value=cfg.lr * 0.1)
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  if cfg.optimizer == "sgd":
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), optax.sgd(schedule))
+  if cfg.optimizer != "adamw":
+    raise ValueError(f"optimizer={cfg.optimizer!r}; expected 'adamw' or 'sgd'")
   return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
                      optax.adamw(schedule, b2=0.95, weight_decay=cfg.weight_decay,
                                  mask=decay_mask))
