@@ -4,19 +4,31 @@
 //   VEC128_32F / BLK128x128_32F block scales). Our C[M, N] = a[M, K] b[N, K]^T is cuBLASLt's
 //   column-major D[N, M] = op(A) B with A = b (TRANSA = T), B = a (TRANSB = N). The cuBLASLt
 //   handle (one per device) and, per problem (shape, dtypes, scale modes, bias, fast-accum,
-//   workspace), the matmul descriptor, layouts and heuristic algorithm are created once and
-//   cached; a call only sets the scale/bias pointers and enqueues the matmul on the FFI
-//   stream with the workspace XLA passes as an output buffer (no allocation, no sync).
+//   workspace), the matmul descriptor, layouts and up to 8 heuristic algorithms are created
+//   once and cached; a call only sets the scale/bias pointers and enqueues the matmul on the
+//   FFI stream with the workspace XLA passes as an output buffer (no allocation, no sync).
+//   Autotuning: the first call of a plan that is not being captured into a CUDA graph times
+//   each heuristic candidate on the call's own buffers (a one-time host sync) and keeps the
+//   fastest; under capture the first heuristic serves until such a call comes.
+//   JAXQUANT_GEMM_AUTOTUNE=0 keeps the first heuristic always (bitwise reproducible across
+//   processes; the timed choice may differ from process to process).
 // jaxquant_gemm_dequant: the in-kernel-dequantize wgmma kernel (dequant_kernel.cuh), sm_90a.
+//
+// CUDA graphs (both handlers are kCmdBufferCompatible): a call enqueues kernels only. Creating
+// the cuBLASLt handle (host resources only) and a plan (host-side heuristic queries) is legal
+// under stream capture; the timing, which synchronizes, is skipped there.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "gemm/dequant_launch.h"
 #include "gemm/gemm_args.h"
@@ -27,6 +39,23 @@ namespace {
 
 ffi::Error cuda_error(const char* target, const char* what, cudaError_t e) {
   return ffi::Error::Internal(std::string(target) + ": " + what + ": " + cudaGetErrorString(e));
+}
+
+// JAXQUANT_GEMM_TRACE=1: one line per handler call on stderr (target, shape, whether the FFI
+// stream is being captured into a CUDA graph, and for cuBLASLt the heuristic rank of the
+// algorithm in use). For tests (did XLA record the call into a command buffer?) and debugging.
+bool trace_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("JAXQUANT_GEMM_TRACE");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return on;
+}
+
+const char* capture_state(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) return "unknown";
+  return status == cudaStreamCaptureStatusNone ? "no" : "yes";
 }
 
 // Compute capability of the current device (cached per device ordinal).
@@ -90,6 +119,10 @@ ffi::Error DequantGemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer
     default: e = launch_for_b<Elem::kE2M1>(p, stream); break;
   }
   if (e != cudaSuccess) return cuda_error(kTarget, "kernel launch", e);
+  if (trace_enabled()) {
+    std::fprintf(stderr, "[jaxquant gemm] %s M=%d N=%d K=%d capturing=%s\n", kTarget, p.M, p.N,
+                 p.K, capture_state(stream));
+  }
   return ffi::Error::Success();
 }
 
@@ -130,6 +163,7 @@ struct PlanKey {
   bool a_e5m2, b_e5m2;
   int a_mode, b_mode, out_kind, bias_kind;
   bool fast_accum;
+  bool autotune;  // JAXQUANT_GEMM_AUTOTUNE at the call: tuned and untuned plans live side by side
   size_t workspace;
   bool operator==(const PlanKey& o) const { return std::memcmp(this, &o, sizeof(*this)) == 0; }
 };
@@ -146,7 +180,10 @@ struct PlanKeyHash {
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;  // cuBLASLt's A (= our b), B, D
-  cublasLtMatmulAlgo_t algo{};
+  cublasLtMatmulAlgo_t algo{};                   // the one in use
+  std::vector<cublasLtMatmulAlgo_t> candidates;  // heuristic order, candidates[0] first
+  int chosen = 0;                                // candidates[chosen] == algo
+  bool tuned = false;                            // algo chosen by timing (or nothing to time)
   std::mutex mu;  // the descriptor's pointer attributes are set per call
   ~Plan() {
     if (a) cublasLtMatrixLayoutDestroy(a);
@@ -167,6 +204,74 @@ ffi::Error lt_handle(int device, cublasLtHandle_t* out) {
     it = handles.emplace(device, h).first;
   }
   *out = it->second;
+  return ffi::Error::Success();
+}
+
+constexpr int kAutotuneCandidates = 8;  // heuristic results kept per plan (and timed)
+constexpr int kAutotuneRuns = 3;        // timed launches per candidate, after one warm-up
+
+// JAXQUANT_GEMM_AUTOTUNE: unset or "1" times the candidates once per plan, "0" does not.
+ffi::Error autotune_enabled(bool* enabled) {
+  const char* value = std::getenv("JAXQUANT_GEMM_AUTOTUNE");  // per call: part of the plan key
+  const std::string v = value ? value : "";
+  if (v.empty() || v == "1") {
+    *enabled = true;
+  } else if (v == "0") {
+    *enabled = false;
+  } else {
+    return ffi::Error::InvalidArgument("jaxquant_gemm_fp8: JAXQUANT_GEMM_AUTOTUNE=" + v +
+                                       "; expected 0 (first heuristic) or 1 (time the "
+                                       "heuristic candidates once per problem; the default)");
+  }
+  return ffi::Error::Success();
+}
+
+// Times every candidate of `plan` on this call's buffers and keeps the fastest in plan->algo.
+// Outside stream capture only (it synchronizes on an event). A candidate that fails to launch
+// is skipped; if none can be timed the first heuristic stays.
+ffi::Error autotune(cublasLtHandle_t handle, Plan* plan, const Fp8Gemm& g, void* ws,
+                    size_t ws_bytes, cudaStream_t stream) {
+  cudaEvent_t start = nullptr, stop = nullptr;
+  if (cudaError_t e = cudaEventCreate(&start); e != cudaSuccess) {
+    return cuda_error("jaxquant_gemm_fp8", "cudaEventCreate", e);
+  }
+  if (cudaError_t e = cudaEventCreate(&stop); e != cudaSuccess) {
+    cudaEventDestroy(start);
+    return cuda_error("jaxquant_gemm_fp8", "cudaEventCreate", e);
+  }
+  const float alpha = 1.0f, beta = 0.0f;
+  float best_ms = 0.0f;
+  int best = -1;
+  for (size_t c = 0; c < plan->candidates.size(); ++c) {
+    const cublasLtMatmulAlgo_t* algo = &plan->candidates[c];
+    auto run = [&] {
+      return cublasLtMatmul(handle, plan->desc, &alpha, g.b.data, plan->a, g.a.data, plan->b,
+                            &beta, g.out, plan->d, g.out, plan->d, algo, ws, ws_bytes, stream);
+    };
+    if (run() != CUBLAS_STATUS_SUCCESS) continue;  // warm-up; an unusable candidate drops out
+    cudaEventRecord(start, stream);
+    bool ok = true;
+    for (int r = 0; r < kAutotuneRuns && ok; ++r) ok = run() == CUBLAS_STATUS_SUCCESS;
+    cudaEventRecord(stop, stream);
+    if (cudaError_t e = cudaEventSynchronize(stop); e != cudaSuccess) {
+      cudaEventDestroy(start);
+      cudaEventDestroy(stop);
+      return cuda_error("jaxquant_gemm_fp8", "autotuning (cudaEventSynchronize)", e);
+    }
+    float ms = 0.0f;
+    if (!ok || cudaEventElapsedTime(&ms, start, stop) != cudaSuccess) continue;
+    if (best < 0 || ms < best_ms) {
+      best = static_cast<int>(c);
+      best_ms = ms;
+    }
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  if (best >= 0) {
+    plan->algo = plan->candidates[best];
+    plan->chosen = best;
+  }
+  plan->tuned = true;
   return ffi::Error::Success();
 }
 
@@ -221,15 +326,19 @@ ffi::Error make_plan(cublasLtHandle_t handle, const PlanKey& key, const Fp8Gemm&
       pref_guard(pref, cublasLtMatmulPreferenceDestroy);
   JQ_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                  &ws_bytes, sizeof(ws_bytes)));
-  cublasLtMatmulHeuristicResult_t results[8];
+  cublasLtMatmulHeuristicResult_t results[kAutotuneCandidates];
   int found = 0;
   JQ_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->d,
-                                           plan->d, pref, 8, results, &found));
+                                           plan->d, pref, kAutotuneCandidates, results, &found));
   for (int i = 0; i < found; ++i) {
     if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= ws_bytes) {
-      plan->algo = results[i].algo;
-      return ffi::Error::Success();
+      plan->candidates.push_back(results[i].algo);
     }
+  }
+  if (!plan->candidates.empty()) {
+    plan->algo = plan->candidates[0];
+    plan->tuned = plan->candidates.size() == 1;
+    return ffi::Error::Success();
   }
   return ffi::Error(ffi::ErrorCode::kUnimplemented,
                     "jaxquant_gemm_fp8: cuBLASLt has no algorithm for M=" +
@@ -283,6 +392,7 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_s
   key.out_kind = g.out_kind;
   key.bias_kind = g.bias_kind;
   key.fast_accum = g.fast_accum;
+  if (ffi::Error e = autotune_enabled(&key.autotune); e.failure()) return e;
   key.workspace = ws_bytes;
 
   static std::mutex cache_mu;
@@ -312,10 +422,29 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_s
     JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                              &g.bias, sizeof(g.bias)));
   }
+  if (!plan->tuned) {
+    const bool enabled = key.autotune;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusActive;
+    if (cudaError_t e = cudaStreamIsCapturing(stream, &capture); e != cudaSuccess) {
+      return cuda_error(kTarget, "cudaStreamIsCapturing", e);
+    }
+    if (!enabled) {
+      plan->tuned = true;  // the first heuristic, for good
+    } else if (capture == cudaStreamCaptureStatusNone) {
+      if (ffi::Error e = autotune(handle, plan, g, ws, ws_bytes, stream); e.failure()) return e;
+    }
+  }
   const float alpha = 1.0f, beta = 0.0f;
   JQ_CUBLAS(cublasLtMatmul(handle, plan->desc, &alpha, g.b.data, plan->a, g.a.data, plan->b,
                            &beta, g.out, plan->d, g.out, plan->d, &plan->algo, ws, ws_bytes,
                            stream));
+  if (trace_enabled()) {
+    std::fprintf(stderr,
+                 "[jaxquant gemm] %s M=%lld N=%lld K=%lld capturing=%s algo=%d of %zu%s\n",
+                 kTarget, static_cast<long long>(g.M), static_cast<long long>(g.N),
+                 static_cast<long long>(g.K), capture_state(stream), plan->chosen,
+                 plan->candidates.size(), plan->tuned ? "" : " (untuned)");
+  }
   return ffi::Error::Success();
 }
 
@@ -333,7 +462,8 @@ XLA_FFI_DEFINE_HANDLER(kFp8GemmCuda, Fp8GemmCuda,
                            .Ret<ffi::AnyBuffer>()  // workspace
                            .Attr<int64_t>("a_scale_mode")
                            .Attr<int64_t>("b_scale_mode")
-                           .Attr<bool>("fast_accum"));
+                           .Attr<bool>("fast_accum"),
+                       {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER(kDequantGemmCuda, DequantGemmCuda,
                        ffi::Ffi::Bind()
@@ -348,7 +478,8 @@ XLA_FFI_DEFINE_HANDLER(kDequantGemmCuda, DequantGemmCuda,
                            .Ret<ffi::AnyBuffer>()  // out
                            .Attr<int64_t>("k")
                            .Attr<int64_t>("a_scale_tile_rows")
-                           .Attr<int64_t>("b_scale_tile_rows"));
+                           .Attr<int64_t>("b_scale_tile_rows"),
+                       {ffi::Traits::kCmdBufferCompatible});
 
 void* Fp8GemmCudaHandler() { return reinterpret_cast<void*>(kFp8GemmCuda); }
 void* DequantGemmCudaHandler() { return reinterpret_cast<void*>(kDequantGemmCuda); }
