@@ -56,7 +56,7 @@ grep -q "rc=0" "$OUT/build.log" || { tail -60 "$OUT/build.log"; exit 1; }
 # GPU tests of the GEMM targets, in parallel as the failing H200 run did (xdist), then the
 # case that failed there, five times in one process (fresh seeds each) and once with its seed.
 K_ARGS=()
-[ "$MODE" = bench ] && K_ARGS=(-k "${K_FILTER:-cuda_graphs or cublaslt or repeated or float16_output}")
+[ "$MODE" = bench ] && K_ARGS=(-k "${K_FILTER:-cuda_graphs or cublaslt or repeated or float16_output or matches_reference}")
 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -m gpu -n "${NPROC:-4}" -p no:cacheprovider \
   "${K_ARGS[@]}" tests/test_ffi_gemm.py 2>&1 | tee "$OUT/gpu_tests.log" | grep -v "^\[jaxquant tests\]" | tail -40
 echo "gpu tests done at $((SECONDS - T0))s"
@@ -70,6 +70,7 @@ if [ "$MODE" = verify ]; then
 fi
 
 if [ "$MODE" = bench ]; then
+  export JAXQUANT_GEMM_TRACE=autotune  # one stderr line per autotuned cuBLASLt plan
   timeout "${GEMM_TIMEOUT:-170}" python3 bench/gemm.py --core-after-first --json "$OUT/gemm.json" \
     2>&1 | tee "$OUT/gemm.log" | grep -v "^  "
   echo "gemm bench done at $((SECONDS - T0))s"
