@@ -459,9 +459,12 @@ def test_dequant_mxfp8_extreme_block_scales_subnormals_and_nan_blocks(platform, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("autotune", ["0", "1"], ids=["first-heuristic", "autotuned"])
 @pytest.mark.parametrize("accumulation", ["fast", "split"])
-def test_cublaslt_fp8_accumulation_modes(accumulation, rng):
+def test_cublaslt_fp8_accumulation_modes(accumulation, autotune, rng, monkeypatch):
+  """Also with the opt-in algorithm timing (JAXQUANT_GEMM_AUTOTUNE=1, read per call)."""
   _platform_or_skip("gpu")
+  monkeypatch.setenv("JAXQUANT_GEMM_AUTOTUNE", autotune)
   k = 4096
   a, b = _operand(rng, (256, k), "fp8"), _operand(rng, (272, k), "fp8-e5m2")
   got = _run("gpu", lambda a, b: ffi_gemm.gemm(a, b, out_dtype=jnp.float32,

@@ -7,12 +7,12 @@
 //   workspace), the matmul descriptor, layouts and up to 8 heuristic algorithms are created
 //   once and cached; a call only sets the scale/bias pointers and enqueues the matmul on the
 //   FFI stream with the workspace XLA passes as an output buffer (no allocation, no sync).
-//   Autotuning: the first call of a plan that is not being captured into a CUDA graph times
-//   each heuristic candidate on the call's own buffers (a one-time host sync) and keeps the
-//   fastest if it beats the first heuristic by > 3%; under capture the first heuristic serves
-//   until such a call comes.
-//   JAXQUANT_GEMM_AUTOTUNE=0 keeps the first heuristic always (bitwise reproducible across
-//   processes; the timed choice may differ from process to process).
+//   Autotuning (opt-in, JAXQUANT_GEMM_AUTOTUNE=1; it measured no gain): the first call of a
+//   plan that is not being captured into a CUDA graph times each heuristic candidate on the
+//   call's own buffers (a one-time host sync) and keeps the fastest if it beats the first
+//   heuristic by > 3%; under capture the first heuristic serves until such a call comes. The
+//   default, cuBLASLt's first heuristic, is bitwise reproducible from process to process (a
+//   timed choice need not be).
 // jaxquant_gemm_dequant: the in-kernel-dequantize wgmma kernel (dequant_kernel.cuh), sm_90a.
 //
 // CUDA graphs (both handlers are kCmdBufferCompatible): a call enqueues kernels only. Creating
@@ -169,7 +169,7 @@ struct PlanKey {
   bool a_e5m2, b_e5m2;
   int a_mode, b_mode, out_kind, bias_kind;
   bool fast_accum;
-  bool autotune;  // JAXQUANT_GEMM_AUTOTUNE at the call: tuned and untuned plans live side by side
+  bool autotune;  // JAXQUANT_GEMM_AUTOTUNE at the call (tuned, untuned plans side by side)
   size_t workspace;
   bool operator==(const PlanKey& o) const { return std::memcmp(this, &o, sizeof(*this)) == 0; }
 };
@@ -219,18 +219,21 @@ constexpr float kAutotuneWindowMs = 4.0f;  // launches per candidate and round f
 constexpr float kAutotuneWarmMs = 25.0f;   // candidate 0 runs this long first (clocks up)
 constexpr float kAutotuneMargin = 0.97f;   // another candidate must beat candidate 0 by 3%
 
-// JAXQUANT_GEMM_AUTOTUNE: unset or "1" times the candidates once per plan, "0" does not.
+// JAXQUANT_GEMM_AUTOTUNE: "1" times the candidates once per plan; unset or "0" keeps cuBLASLt's
+// first heuristic. Off by default because it measured no gain (H100, bench/RESULTS.md: the
+// first heuristic was the fastest candidate for 12 of 13 timed plans, and the benchmarks ran
+// no faster with tuning on).
 ffi::Error autotune_enabled(bool* enabled) {
   const char* value = std::getenv("JAXQUANT_GEMM_AUTOTUNE");  // per call: part of the plan key
   const std::string v = value ? value : "";
-  if (v.empty() || v == "1") {
+  if (v == "1") {
     *enabled = true;
-  } else if (v == "0") {
+  } else if (v.empty() || v == "0") {
     *enabled = false;
   } else {
     return ffi::Error::InvalidArgument("jaxquant_gemm_fp8: JAXQUANT_GEMM_AUTOTUNE=" + v +
-                                       "; expected 0 (first heuristic) or 1 (time the "
-                                       "heuristic candidates once per problem; the default)");
+                                       "; expected 0 (cuBLASLt's first heuristic; the default) "
+                                       "or 1 (time the heuristic candidates once per problem)");
   }
   return ffi::Error::Success();
 }
