@@ -81,14 +81,18 @@ def main(argv=None) -> int:
   }
   for name, make in RECIPES.items():
     models[f"jaxquant {name}"] = jq.flax.Dense(**common, recipe=make())
-  # The same recipe with fast FP8 accumulation in dgrad/wgrad too (default: forward only).
-  models["jaxquant Float8CurrentScaling, fast acc all"] = jq.flax.Dense(
-      **common, recipe=RECIPES["Float8CurrentScaling"]())
+  # The same recipe with fast FP8 accumulation in dgrad/wgrad too (default: forward only), and
+  # with the handler's opt-in one-time timing of cuBLASLt's heuristic candidates.
+  env = {"jaxquant Float8CurrentScaling, fast acc all": {"JAXQUANT_FP8_ACCUMULATION": "fast"},
+         "jaxquant Float8CurrentScaling, autotuned": {"JAXQUANT_GEMM_AUTOTUNE": "1"}}
+  for name in env:
+    models[name] = jq.flax.Dense(**common, recipe=RECIPES["Float8CurrentScaling"]())
   flops = 3 * 2 * t * k * n
   results, base = [], None
   for name, model in models.items():
-    if name.endswith("fast acc all"):
-      os.environ["JAXQUANT_FP8_ACCUMULATION"] = "fast"  # read when the step is traced
+    for var in ("JAXQUANT_FP8_ACCUMULATION", "JAXQUANT_GEMM_AUTOTUNE"):
+      os.environ.pop(var, None)
+    os.environ.update(env.get(name, {}))  # read when the step is traced / the GEMM runs
     variables = model.init(jax.random.key(0), x)
     step = step_fn(model)
     paths = ""
@@ -105,7 +109,8 @@ def main(argv=None) -> int:
     results.append(row)
     print(f"  {name:34s} {sec * 1e3:8.3f} ms  {row['tflops']:6.1f} TFLOP/s  "
           f"{row['speedup_vs_bf16']:5.2f}x  {paths}", flush=True)
-  os.environ.pop("JAXQUANT_FP8_ACCUMULATION", None)
+  for var in ("JAXQUANT_FP8_ACCUMULATION", "JAXQUANT_GEMM_AUTOTUNE"):
+    os.environ.pop(var, None)
   # Where the Float8CurrentScaling step's time goes besides the three GEMMs: its quantize calls.
   fp8 = RECIPES["Float8CurrentScaling"]()
   roles = [jq.QuantizerRole("linear", r, "Dense_0") for r in ("input", "weight", "grad_output")]

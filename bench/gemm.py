@@ -5,7 +5,8 @@ XLA's own FP8 dot and `jax.nn.scaled_matmul` (MXFP8, NVFP4).
     python bench/gemm.py --shapes 4096x4096x4096 --json out.json
 
 TFLOP/s = 2 M N K / time; time = median over repeats of (R back-to-back calls) / R, after
-warm-up, on freshly drawn random inputs (never zeros). Operands are quantized once, outside the
+warm-up (which includes the opt-in one-time cuBLASLt algorithm timing of the "autotuned" rows),
+on freshly drawn random inputs (never zeros). Operands are quantized once, outside the
 timed region (quantize kernels are benchmarked by bench/quantize.py). C = A[M,K] B[N,K]^T.
 """
 
@@ -28,7 +29,8 @@ from jaxquant import ffi_gemm
 DEFAULT_SHAPES = ["8192x8192x8192", "16384x8192x8192", "8192x28672x8192"]
 # With --core-after-first, shapes after the first run only these cases.
 CORE_CASES = ("bf16 jnp.dot", "XLA fp8 dot (e4m3)", "fp8 e4m3 x e4m3 (fast acc)",
-              "fp8 e4m3 x e4m3 (split acc)", "fp8 block 1x128 x 128x128",
+              "fp8 e4m3 x e4m3 (split acc)", "fp8 e4m3 x e4m3 (fast acc, autotuned)",
+              "fp8 e4m3 x e4m3 (split acc, autotuned)", "fp8 block 1x128 x 128x128",
               "mxfp8 x mxfp8 (wgmma-dequant kernel)", "mxfp8 x mxfp8 (default path)",
               "mxfp8 jax.nn.scaled_matmul", "nvfp4 1x16 x 16x16 (wgmma-dequant kernel)",
               "nvfp4 jax.nn.scaled_matmul")
@@ -71,6 +73,13 @@ def cases(x, w):
     out.append((f"fp8 e4m3 x e4m3 ({acc} acc)", ffi_gemm.gemm_path(qx, qw),
                 jax.jit(lambda a, b, acc=acc: ffi_gemm.gemm(a, b, out_dtype=bf16,
                                                             accumulation=acc)), (qx, qw)))
+  # The same with the handler's opt-in one-time timing of cuBLASLt's heuristic candidates
+  # (plans are keyed by JAXQUANT_GEMM_AUTOTUNE, so both variants coexist in this process).
+  for acc in ("fast", "split"):
+    out.append((f"fp8 e4m3 x e4m3 ({acc} acc, autotuned)", ffi_gemm.gemm_path(qx, qw),
+                jax.jit(lambda a, b, acc=acc: ffi_gemm.gemm(a, b, out_dtype=bf16,
+                                                            accumulation=acc)), (qx, qw),
+                {"JAXQUANT_GEMM_AUTOTUNE": "1"}))
   out.append(("fp8 e4m3 x e5m2 (fast acc)", ffi_gemm.gemm_path(qx, qw5),
               jax.jit(lambda a, b: ffi_gemm.gemm(a, b, out_dtype=bf16, accumulation="fast")),
               (qx, qw5)))

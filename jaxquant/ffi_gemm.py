@@ -29,6 +29,10 @@ between promotions, "split" promotes to float32 every k-block. The default is `f
 forward GEMM and `split` for the backward GEMMs, as TransformerEngine does (see
 ffi/gemm/NOTES.md for the measurement behind it); `JAXQUANT_FP8_ACCUMULATION=fast|split` forces
 one for every GEMM, and `precision=jax.lax.Precision.HIGHEST` forces split for that call.
+
+The CUDA handlers are CUDA-graph (XLA command buffer) compatible. cuBLASLt runs its first
+heuristic algorithm; `JAXQUANT_GEMM_AUTOTUNE=1` times its top 8 once per problem instead (opt-in:
+it measured no gain on H100, ffi/gemm/NOTES.md). `JAXQUANT_GEMM_TRACE=1` logs each handler call.
 """
 
 from __future__ import annotations

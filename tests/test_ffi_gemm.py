@@ -24,6 +24,10 @@ NaN must appear exactly where the reference has NaN.
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -320,6 +324,113 @@ def test_dequant_kernel_tiles_and_tails(pair, shape, rng):
   _assert_close(got, ref, a, b)
 
 
+STRESS_PAIRS = [("mxfp8-e5m2", "nvfp4"), ("mxfp8", "mxfp8"), ("nvfp4-row", "nvfp4-2d")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", STRESS_PAIRS, ids=["mixed", "mxfp8", "nvfp4"])
+def test_dequant_kernel_repeated_launches_are_bitwise_stable(pair, rng):
+  """Races show up as launches that differ: the kernel's accumulation order is fixed, so every
+  launch on the same inputs must give the same bits (and match the reference within the
+  float32 accumulation tolerance). Fresh inputs per round; 2048^3 keeps every SM busy with
+  several k-tiles in flight (the shape where a raw-slot refill race was seen on an H200)."""
+  _platform_or_skip("gpu")
+  m = n = k = 2048
+  fn = jax.jit(lambda a, b: ffi_gemm.gemm(a, b, out_dtype=jnp.float32))
+  for _ in range(2):
+    a, b = _operand(rng, (m, k), pair[0]), _operand(rng, (n, k), pair[1])
+    with jax.default_device(jax.devices("gpu")[0]):
+      first = np.asarray(fn(a, b))
+      differing = [i for i in range(1, 12)
+                   if np.asarray(fn(a, b)).tobytes() != first.tobytes()]
+      ref = _run("gpu", lambda a, b: reference.gemm(a, b, out_dtype=jnp.float32), a, b)
+    assert not differing, f"launches {differing} of 11 differ bitwise from the first"
+    _assert_close(first, ref, a, b)
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA graphs: both GEMM targets are command-buffer compatible.
+# ----------------------------------------------------------------------------------------------
+
+_GRAPH_SCRIPT = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    import jaxquant as jq
+    from jaxquant import ffi_gemm
+    seed, out_path = int(sys.argv[1]), sys.argv[2]
+    rng = np.random.default_rng(seed)
+    bf16 = jnp.bfloat16
+    x = jnp.asarray(rng.standard_normal((512, 1024)), bf16)
+    w = jnp.asarray(rng.standard_normal((768, 1024)) * 0.05, bf16)
+    bias = jnp.asarray(rng.standard_normal(768), bf16)
+    PAIRS = [(jq.Float8CurrentScalingQuantizer(), jq.Float8CurrentScalingQuantizer(), "fast"),
+             (jq.Float8CurrentScalingQuantizer(), jq.Float8CurrentScalingQuantizer(jnp.float8_e5m2),
+              "split"),
+             (jq.Float8BlockQuantizer((1, 128)), jq.Float8BlockQuantizer((128, 128)), "split"),
+             (jq.MXFP8Quantizer(), jq.MXFP8Quantizer(), "split"),
+             (jq.NVFP4Quantizer(row_scaled=True), jq.NVFP4Quantizer(block_2d=True), "split")]
+    def step(x, w, bias):
+      outs = []
+      for qa, qb, acc in PAIRS:
+        a = jq.ops.quantize(x, qa, rowwise=True, columnwise=False).rowwise
+        b = jq.ops.quantize(w, qb, rowwise=True, columnwise=False).rowwise
+        outs.append(ffi_gemm.gemm(a, b, out_dtype=bf16, bias=bias, accumulation=acc))
+        outs.append(ffi_gemm.gemm(a, b, out_dtype=jnp.float32, accumulation=acc))
+      return outs
+    f = jax.jit(step)
+    runs = [[np.asarray(o) for o in f(x, w, bias)] for _ in range(3)]  # record, then replays
+    for r in runs[1:]:
+      assert all(a.tobytes() == b.tobytes() for a, b in zip(runs[0], r)), "replays differ"
+    np.savez(out_path, *[o.view(np.uint8) if o.dtype != np.float32 else o for o in runs[0]])
+    print("ok", jax.devices()[0].platform)
+""")
+
+
+def _captured_targets(stderr: str) -> dict:
+  """{target: set of "capturing=" values} from the handlers' JAXQUANT_GEMM_TRACE lines."""
+  seen = {}
+  for line in stderr.splitlines():
+    if line.startswith("[jaxquant gemm] "):
+      target, *fields = line.split()[2:]
+      state = next(f.split("=", 1)[1] for f in fields if f.startswith("capturing="))
+      seen.setdefault(target, set()).add(state)
+  return seen
+
+
+@pytest.mark.gpu
+def test_gemm_handlers_run_inside_cuda_graphs(rng, tmp_path):
+  """The same jitted GEMMs with XLA command buffers (CUDA graphs) on and off, each in a fresh
+  process: with them on, XLA must record both GEMM targets by stream capture (the handlers
+  report it, JAXQUANT_GEMM_TRACE=1), replays must repeat the bits, and the results must equal
+  the eager ones bitwise (JAXQUANT_GEMM_AUTOTUNE=0 in both, so both processes run cuBLASLt's
+  first heuristic; the kernel path for MXFP8/NVFP4)."""
+  _platform_or_skip("gpu")
+  seed = int(rng.integers(1 << 30))
+  results = {}
+  for mode in ("graphs", "eager"):
+    env = dict(os.environ, JAXQUANT_GEMM_AUTOTUNE="0", JAXQUANT_MX_GEMM="wgmma-dequant",
+               JAXQUANT_GEMM_TRACE="1")
+    flags = env.get("XLA_FLAGS", "")
+    if mode == "graphs":
+      flags += (" --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
+                " --xla_gpu_graph_min_graph_size=1")
+    else:
+      flags += " --xla_gpu_enable_command_buffer="
+    env["XLA_FLAGS"] = flags.strip()
+    path = tmp_path / f"{mode}.npz"
+    out = subprocess.run([sys.executable, "-c", _GRAPH_SCRIPT, str(seed), str(path)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ok gpu" in out.stdout, (out.stdout + out.stderr)[-3000:]
+    results[mode] = (np.load(path), _captured_targets(out.stderr))
+  (graphs, captured), (eager, uncaptured) = results["graphs"], results["eager"]
+  targets = {ffi_gemm.FP8_TARGET, ffi_gemm.DEQUANT_TARGET}
+  assert set(captured) == targets and all("yes" in v for v in captured.values()), captured
+  assert set(uncaptured) == targets and all(v == {"no"} for v in uncaptured.values()), uncaptured
+  assert sorted(graphs.files) == sorted(eager.files)
+  for name in graphs.files:
+    assert graphs[name].tobytes() == eager[name].tobytes(), f"output {name} differs"
+
+
 def _wide_range_matrix(rng, shape, block=32):
   """Blocks whose magnitudes span 2^-100..2^60 (E8M0 exponents far from 127 on both sides),
   and elements within a block spread over 2^-14..1 of the block's largest (E4M3 subnormals)."""
@@ -348,9 +459,12 @@ def test_dequant_mxfp8_extreme_block_scales_subnormals_and_nan_blocks(platform, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("autotune", ["0", "1"], ids=["first-heuristic", "autotuned"])
 @pytest.mark.parametrize("accumulation", ["fast", "split"])
-def test_cublaslt_fp8_accumulation_modes(accumulation, rng):
+def test_cublaslt_fp8_accumulation_modes(accumulation, autotune, rng, monkeypatch):
+  """Also with the opt-in algorithm timing (JAXQUANT_GEMM_AUTOTUNE=1, read per call)."""
   _platform_or_skip("gpu")
+  monkeypatch.setenv("JAXQUANT_GEMM_AUTOTUNE", autotune)
   k = 4096
   a, b = _operand(rng, (256, k), "fp8"), _operand(rng, (272, k), "fp8-e5m2")
   got = _run("gpu", lambda a, b: ffi_gemm.gemm(a, b, out_dtype=jnp.float32,

@@ -13,9 +13,9 @@
 //   WG0 (dequant): the bulk tensor copy engine (TMA) brings the raw payload (FP8 bytes / packed
 //       FP4 nibbles) of k-tile i + kRaw into a ring of raw stages (raw_full[r] mbarriers;
 //       zero fill outside the matrix); the warpgroup loads k-tile i's chunks into registers,
-//       syncs (named barrier) so the slot can be refilled, decodes into a bf16 stage laid out as
-//       wgmma's K-major 128-byte-swizzled operand, fences the async proxy and arrives on
-//       full[s]. Block scales are prefetched into registers one k-tile ahead.
+//       decodes them into a bf16 stage laid out as wgmma's K-major 128-byte-swizzled operand,
+//       fences the async proxy, arrives on full[s], and only then syncs (named barrier) so the
+//       raw slot can be refilled. Block scales are prefetched into registers one k-tile ahead.
 //   WG1, WG2 (math): wait full[s], issue 4 x wgmma.m64n256k16 (rows 64*w .. 64*w+63 of the
 //       tile), keep one wgmma group in flight and release stage s-1 on empty[s-1].
 // Epilogue: accumulators times the factors, plus bias, cast, stored straight from registers.
@@ -580,14 +580,22 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_wait(raw_bar + 8 * rs, (i / kRaw) & 1);  // k-tile i's payload has landed
       la.load_raw(raw_a + rs * L::kRawBytesA);
       lb.load_raw(raw_b + rs * L::kRawBytesB);
-      named_barrier_sync(1, kDequantThreads);  // every chunk of slot rs is in registers
-      if (t == 0 && i + kRaw < ktiles) issue_raw(i + kRaw);
       const int s = i % kStages;
       mbar_wait(empty_bar + 8 * s, ((i / kStages) & 1) ^ 1);
       la.decode(bf16_a + s * kTileBytesA, lut_hi, lut_lo);
       lb.decode(bf16_b + s * kTileBytesB, lut_hi, lut_lo);
-      fence_proxy_async();  // generic-proxy stores -> wgmma (async proxy) reads
+      // One proxy fence orders this thread's generic-proxy accesses before the async proxy's:
+      // the decode's stores before wgmma's reads of stage s, and the loads of raw slot rs
+      // before the bulk tensor copy that refills it below.
+      fence_proxy_async();
       mbar_arrive(full_bar + 8 * s);
+      // Raw slot rs is refilled only once every dequant thread has *consumed* its chunks (the
+      // stores above depend on the loaded values, so those loads have returned). Releasing the
+      // slot right after issuing the loads (an earlier version) let the copy of k-tile i + kRaw
+      // overwrite chunks whose shared-memory loads were still queued behind wgmma's operand
+      // reads: bar.sync orders generic-proxy accesses only, not the async-proxy copy.
+      named_barrier_sync(1, kDequantThreads);
+      if (t == 0 && i + kRaw < ktiles) issue_raw(i + kRaw);
       if (i + 1 < ktiles) {
         la.load_scales(i + 1);
         lb.load_scales(i + 1);

@@ -4,19 +4,33 @@
 //   VEC128_32F / BLK128x128_32F block scales). Our C[M, N] = a[M, K] b[N, K]^T is cuBLASLt's
 //   column-major D[N, M] = op(A) B with A = b (TRANSA = T), B = a (TRANSB = N). The cuBLASLt
 //   handle (one per device) and, per problem (shape, dtypes, scale modes, bias, fast-accum,
-//   workspace), the matmul descriptor, layouts and heuristic algorithm are created once and
-//   cached; a call only sets the scale/bias pointers and enqueues the matmul on the FFI
-//   stream with the workspace XLA passes as an output buffer (no allocation, no sync).
+//   workspace), the matmul descriptor, layouts and up to 8 heuristic algorithms are created
+//   once and cached; a call only sets the scale/bias pointers and enqueues the matmul on the
+//   FFI stream with the workspace XLA passes as an output buffer (no allocation, no sync).
+//   Autotuning (opt-in, JAXQUANT_GEMM_AUTOTUNE=1; it measured no gain): the first call of a
+//   plan that is not being captured into a CUDA graph times each heuristic candidate on the
+//   call's own buffers (a one-time host sync) and keeps the fastest if it beats the first
+//   heuristic by > 3%; under capture the first heuristic serves until such a call comes. The
+//   default, cuBLASLt's first heuristic, is bitwise reproducible from process to process (a
+//   timed choice need not be).
 // jaxquant_gemm_dequant: the in-kernel-dequantize wgmma kernel (dequant_kernel.cuh), sm_90a.
+//
+// CUDA graphs (both handlers are kCmdBufferCompatible): a call enqueues kernels only. Creating
+// the cuBLASLt handle (host resources only) and a plan (host-side heuristic queries) is legal
+// under stream capture; the timing, which synchronizes, is skipped there.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "gemm/dequant_launch.h"
 #include "gemm/gemm_args.h"
@@ -27,6 +41,27 @@ namespace {
 
 ffi::Error cuda_error(const char* target, const char* what, cudaError_t e) {
   return ffi::Error::Internal(std::string(target) + ": " + what + ": " + cudaGetErrorString(e));
+}
+
+// JAXQUANT_GEMM_TRACE=1: one line per handler call on stderr (target, shape, whether the FFI
+// stream is being captured into a CUDA graph, and for cuBLASLt the heuristic rank of the
+// algorithm in use) plus one line per autotuned plan (each candidate's time);
+// JAXQUANT_GEMM_TRACE=autotune: the autotuning lines only. For tests (did XLA record the call
+// into a command buffer?), benchmarks and debugging.
+int trace_level() {  // 0 off, 1 autotuning, 2 calls too
+  static const int level = [] {
+    const char* v = std::getenv("JAXQUANT_GEMM_TRACE");
+    const std::string s = v ? v : "";
+    return s == "1" ? 2 : (s == "autotune" ? 1 : 0);
+  }();
+  return level;
+}
+bool trace_enabled() { return trace_level() >= 2; }
+
+const char* capture_state(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) return "unknown";
+  return status == cudaStreamCaptureStatusNone ? "no" : "yes";
 }
 
 // Compute capability of the current device (cached per device ordinal).
@@ -90,6 +125,10 @@ ffi::Error DequantGemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer
     default: e = launch_for_b<Elem::kE2M1>(p, stream); break;
   }
   if (e != cudaSuccess) return cuda_error(kTarget, "kernel launch", e);
+  if (trace_enabled()) {
+    std::fprintf(stderr, "[jaxquant gemm] %s M=%d N=%d K=%d capturing=%s\n", kTarget, p.M, p.N,
+                 p.K, capture_state(stream));
+  }
   return ffi::Error::Success();
 }
 
@@ -130,6 +169,7 @@ struct PlanKey {
   bool a_e5m2, b_e5m2;
   int a_mode, b_mode, out_kind, bias_kind;
   bool fast_accum;
+  bool autotune;  // JAXQUANT_GEMM_AUTOTUNE at the call (tuned, untuned plans side by side)
   size_t workspace;
   bool operator==(const PlanKey& o) const { return std::memcmp(this, &o, sizeof(*this)) == 0; }
 };
@@ -146,7 +186,10 @@ struct PlanKeyHash {
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;  // cuBLASLt's A (= our b), B, D
-  cublasLtMatmulAlgo_t algo{};
+  cublasLtMatmulAlgo_t algo{};                   // the one in use
+  std::vector<cublasLtMatmulAlgo_t> candidates;  // heuristic order, candidates[0] first
+  int chosen = 0;                                // candidates[chosen] == algo
+  bool tuned = false;                            // algo chosen by timing (or nothing to time)
   std::mutex mu;  // the descriptor's pointer attributes are set per call
   ~Plan() {
     if (a) cublasLtMatrixLayoutDestroy(a);
@@ -167,6 +210,134 @@ ffi::Error lt_handle(int device, cublasLtHandle_t* out) {
     it = handles.emplace(device, h).first;
   }
   *out = it->second;
+  return ffi::Error::Success();
+}
+
+constexpr int kAutotuneCandidates = 8;  // heuristic results kept per plan (and timed)
+constexpr int kAutotuneRounds = 3;      // round-robin rounds; a candidate's time: the median
+constexpr float kAutotuneWindowMs = 4.0f;  // launches per candidate and round fill >= this
+constexpr float kAutotuneWarmMs = 25.0f;   // candidate 0 runs this long first (clocks up)
+constexpr float kAutotuneMargin = 0.97f;   // another candidate must beat candidate 0 by 3%
+
+// JAXQUANT_GEMM_AUTOTUNE: "1" times the candidates once per plan; unset or "0" keeps cuBLASLt's
+// first heuristic. Off by default because it measured no gain (H100, bench/RESULTS.md: the
+// first heuristic was the fastest candidate for 12 of 13 timed plans, and the benchmarks ran
+// no faster with tuning on).
+ffi::Error autotune_enabled(bool* enabled) {
+  const char* value = std::getenv("JAXQUANT_GEMM_AUTOTUNE");  // per call: part of the plan key
+  const std::string v = value ? value : "";
+  if (v == "1") {
+    *enabled = true;
+  } else if (v.empty() || v == "0") {
+    *enabled = false;
+  } else {
+    return ffi::Error::InvalidArgument("jaxquant_gemm_fp8: JAXQUANT_GEMM_AUTOTUNE=" + v +
+                                       "; expected 0 (cuBLASLt's first heuristic; the default) "
+                                       "or 1 (time the heuristic candidates once per problem)");
+  }
+  return ffi::Error::Success();
+}
+
+// Times every candidate of `plan` on this call's buffers and keeps the fastest in plan->algo.
+// Outside stream capture only (it synchronizes). Measured so that clock ramp-up and drift
+// do not pick a slower algorithm (a first version, one 3-launch burst per candidate in order,
+// chose algorithms 9-18% slower than the first heuristic at 16384x8192x8192 and
+// 8192x28672x8192 on an H100): candidate 0 first runs ~25 ms to bring the clocks up, then the
+// candidates are timed round-robin, kAutotuneRounds times, each over >= 4 ms of back-to-back
+// launches; a candidate's time is its median, and the heuristic's first choice is kept unless
+// another is more than 3% faster. A candidate that fails to launch drops out.
+ffi::Error autotune(cublasLtHandle_t handle, Plan* plan, const Fp8Gemm& g, void* ws,
+                    size_t ws_bytes, cudaStream_t stream) {
+  const int n = static_cast<int>(plan->candidates.size());
+  std::vector<cudaEvent_t> events(2 * (kAutotuneRounds * n + 1), nullptr);
+  auto cleanup = [&] {
+    for (cudaEvent_t e : events) {
+      if (e) cudaEventDestroy(e);
+    }
+  };
+  for (cudaEvent_t& e : events) {
+    if (cudaError_t err = cudaEventCreate(&e); err != cudaSuccess) {
+      cleanup();
+      return cuda_error("jaxquant_gemm_fp8", "autotuning (cudaEventCreate)", err);
+    }
+  }
+  const float alpha = 1.0f, beta = 0.0f;
+  auto run = [&](int c, int times) {
+    for (int i = 0; i < times; ++i) {
+      if (cublasLtMatmul(handle, plan->desc, &alpha, g.b.data, plan->a, g.a.data, plan->b, &beta,
+                         g.out, plan->d, g.out, plan->d, &plan->candidates[c], ws, ws_bytes,
+                         stream) != CUBLAS_STATUS_SUCCESS) {
+        return false;
+      }
+    }
+    return true;
+  };
+  auto elapsed = [&](int pair, float* ms) {
+    return cudaEventElapsedTime(ms, events[2 * pair], events[2 * pair + 1]) == cudaSuccess;
+  };
+  // One launch of candidate 0 sizes the windows.
+  cudaEventRecord(events[0], stream);
+  const bool first_ok = run(0, 1);
+  cudaEventRecord(events[1], stream);
+  if (cudaError_t err = cudaEventSynchronize(events[1]); err != cudaSuccess) {
+    cleanup();
+    return cuda_error("jaxquant_gemm_fp8", "autotuning (cudaEventSynchronize)", err);
+  }
+  float once = 0.0f;
+  if (!first_ok || !elapsed(0, &once)) {  // keep the first heuristic; a real error shows later
+    cleanup();
+    plan->tuned = true;
+    return ffi::Error::Success();
+  }
+  once = std::max(once, 1e-3f);
+  const int launches = std::min(256, std::max(2, static_cast<int>(kAutotuneWindowMs / once) + 1));
+  const int warm = std::min(4096, std::max(3, static_cast<int>(kAutotuneWarmMs / once) + 1));
+  run(0, warm);
+  std::vector<bool> usable(n, true);
+  for (int r = 0; r < kAutotuneRounds; ++r) {
+    for (int c = 0; c < n; ++c) {
+      if (!usable[c]) continue;
+      const int pair = 1 + r * n + c;
+      cudaEventRecord(events[2 * pair], stream);
+      usable[c] = run(c, launches);
+      cudaEventRecord(events[2 * pair + 1], stream);
+    }
+  }
+  if (cudaError_t err = cudaStreamSynchronize(stream); err != cudaSuccess) {
+    cleanup();
+    return cuda_error("jaxquant_gemm_fp8", "autotuning (cudaStreamSynchronize)", err);
+  }
+  std::vector<float> median(n, 0.0f);
+  for (int c = 0; c < n; ++c) {
+    float t[kAutotuneRounds];
+    for (int r = 0; r < kAutotuneRounds && usable[c]; ++r) {
+      usable[c] = elapsed(1 + r * n + c, &t[r]);
+    }
+    if (!usable[c]) continue;
+    std::sort(t, t + kAutotuneRounds);
+    median[c] = t[kAutotuneRounds / 2] / launches;
+  }
+  cleanup();
+  int best = 0;
+  if (usable[0]) {
+    for (int c = 1; c < n; ++c) {
+      if (usable[c] && median[c] < kAutotuneMargin * median[0] && median[c] < median[best]) {
+        best = c;
+      }
+    }
+  }
+  if (trace_level() >= 1) {
+    std::fprintf(stderr, "[jaxquant gemm] autotune M=%lld N=%lld K=%lld fast_accum=%d:",
+                 static_cast<long long>(g.M), static_cast<long long>(g.N),
+                 static_cast<long long>(g.K), g.fast_accum ? 1 : 0);
+    for (int c = 0; c < n; ++c) {
+      std::fprintf(stderr, usable[c] ? " %.4f" : " -", median[c]);
+    }
+    std::fprintf(stderr, " ms -> %d\n", best);
+  }
+  plan->algo = plan->candidates[best];
+  plan->chosen = best;
+  plan->tuned = true;
   return ffi::Error::Success();
 }
 
@@ -221,15 +392,19 @@ ffi::Error make_plan(cublasLtHandle_t handle, const PlanKey& key, const Fp8Gemm&
       pref_guard(pref, cublasLtMatmulPreferenceDestroy);
   JQ_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                  &ws_bytes, sizeof(ws_bytes)));
-  cublasLtMatmulHeuristicResult_t results[8];
+  cublasLtMatmulHeuristicResult_t results[kAutotuneCandidates];
   int found = 0;
   JQ_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->d,
-                                           plan->d, pref, 8, results, &found));
+                                           plan->d, pref, kAutotuneCandidates, results, &found));
   for (int i = 0; i < found; ++i) {
     if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= ws_bytes) {
-      plan->algo = results[i].algo;
-      return ffi::Error::Success();
+      plan->candidates.push_back(results[i].algo);
     }
+  }
+  if (!plan->candidates.empty()) {
+    plan->algo = plan->candidates[0];
+    plan->tuned = plan->candidates.size() == 1;
+    return ffi::Error::Success();
   }
   return ffi::Error(ffi::ErrorCode::kUnimplemented,
                     "jaxquant_gemm_fp8: cuBLASLt has no algorithm for M=" +
@@ -283,6 +458,7 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_s
   key.out_kind = g.out_kind;
   key.bias_kind = g.bias_kind;
   key.fast_accum = g.fast_accum;
+  if (ffi::Error e = autotune_enabled(&key.autotune); e.failure()) return e;
   key.workspace = ws_bytes;
 
   static std::mutex cache_mu;
@@ -312,10 +488,29 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_s
     JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                              &g.bias, sizeof(g.bias)));
   }
+  if (!plan->tuned) {
+    const bool enabled = key.autotune;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusActive;
+    if (cudaError_t e = cudaStreamIsCapturing(stream, &capture); e != cudaSuccess) {
+      return cuda_error(kTarget, "cudaStreamIsCapturing", e);
+    }
+    if (!enabled) {
+      plan->tuned = true;  // the first heuristic, for good
+    } else if (capture == cudaStreamCaptureStatusNone) {
+      if (ffi::Error e = autotune(handle, plan, g, ws, ws_bytes, stream); e.failure()) return e;
+    }
+  }
   const float alpha = 1.0f, beta = 0.0f;
   JQ_CUBLAS(cublasLtMatmul(handle, plan->desc, &alpha, g.b.data, plan->a, g.a.data, plan->b,
                            &beta, g.out, plan->d, g.out, plan->d, &plan->algo, ws, ws_bytes,
                            stream));
+  if (trace_enabled()) {
+    std::fprintf(stderr,
+                 "[jaxquant gemm] %s M=%lld N=%lld K=%lld capturing=%s algo=%d of %zu%s\n",
+                 kTarget, static_cast<long long>(g.M), static_cast<long long>(g.N),
+                 static_cast<long long>(g.K), capture_state(stream), plan->chosen,
+                 plan->candidates.size(), plan->tuned ? "" : " (untuned)");
+  }
   return ffi::Error::Success();
 }
 
@@ -333,7 +528,8 @@ XLA_FFI_DEFINE_HANDLER(kFp8GemmCuda, Fp8GemmCuda,
                            .Ret<ffi::AnyBuffer>()  // workspace
                            .Attr<int64_t>("a_scale_mode")
                            .Attr<int64_t>("b_scale_mode")
-                           .Attr<bool>("fast_accum"));
+                           .Attr<bool>("fast_accum"),
+                       {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER(kDequantGemmCuda, DequantGemmCuda,
                        ffi::Ffi::Bind()
@@ -348,7 +544,8 @@ XLA_FFI_DEFINE_HANDLER(kDequantGemmCuda, DequantGemmCuda,
                            .Ret<ffi::AnyBuffer>()  // out
                            .Attr<int64_t>("k")
                            .Attr<int64_t>("a_scale_tile_rows")
-                           .Attr<int64_t>("b_scale_tile_rows"));
+                           .Attr<int64_t>("b_scale_tile_rows"),
+                       {ffi::Traits::kCmdBufferCompatible});
 
 void* Fp8GemmCudaHandler() { return reinterpret_cast<void*>(kFp8GemmCuda); }
 void* DequantGemmCudaHandler() { return reinterpret_cast<void*>(kDequantGemmCuda); }
