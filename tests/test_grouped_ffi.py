@@ -132,12 +132,14 @@ GEMM_QUANTIZERS = {
     "nvfp4": jq.NVFP4Quantizer(),
     "nvfp4-row": jq.NVFP4Quantizer(row_scaled=True),
     "nvfp4-2d": jq.NVFP4Quantizer(block_2d=True),
+    "block-1x128": jq.Float8BlockQuantizer((1, 128)),
+    "block-128x128": jq.Float8BlockQuantizer((128, 128)),
 }
 RAGGED_PAIRS = [("fp8", "fp8"), ("fp8", "fp8-e5m2"), ("mxfp8", "mxfp8"), ("nvfp4", "nvfp4"),
                 ("nvfp4-row", "nvfp4-2d"), ("nvfp4-row", "nvfp4-row"), ("mxfp8", "fp8"),
-                ("fp8", "nvfp4")]
+                ("fp8", "nvfp4"), ("block-1x128", "block-128x128"), ("block-1x128", "mxfp8")]
 WGRAD_PAIRS = [("fp8", "fp8"), ("fp8-e5m2", "fp8"), ("mxfp8", "mxfp8"), ("nvfp4", "nvfp4"),
-               ("nvfp4-row", "mxfp8")]
+               ("nvfp4-row", "mxfp8"), ("block-1x128", "block-1x128")]
 
 
 def _assert_close(actual, expected, rel, msg=""):
@@ -267,7 +269,8 @@ def test_gpu_grouped_quantize_is_bitwise_the_reference(rng, groups, name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("groups", [1, 8, 64])
 @pytest.mark.parametrize("pair", [("fp8", "fp8"), ("mxfp8", "mxfp8"), ("nvfp4-row", "nvfp4"),
-                                  ("nvfp4-row", "nvfp4-2d"), ("fp8-e5m2", "fp8")])
+                                  ("nvfp4-row", "nvfp4-2d"), ("fp8-e5m2", "fp8"),
+                                  ("block-1x128", "block-128x128")])
 def test_gpu_ragged_gemm_matches_the_reference(rng, groups, pair):
   check_ragged(rng, pair, 1500 + 7 * groups, 320, 200, groups,
                empty=tuple(range(1, groups, 4)), spare=11, rel=2.0**-10)
@@ -276,7 +279,7 @@ def test_gpu_ragged_gemm_matches_the_reference(rng, groups, pair):
 @pytest.mark.gpu
 @pytest.mark.parametrize("groups", [1, 8, 64])
 @pytest.mark.parametrize("pair", [("fp8", "fp8"), ("fp8-e5m2", "fp8"), ("mxfp8", "mxfp8"),
-                                  ("nvfp4", "nvfp4")])
+                                  ("nvfp4", "nvfp4"), ("block-1x128", "block-1x128")])
 def test_gpu_wgrad_gemm_matches_the_reference(rng, groups, pair):
   check_wgrad(rng, pair, 1500 + 5 * groups, 136, 200, groups,
               empty=tuple(range(2, groups, 5)), spare=7, rel=2.0**-10)

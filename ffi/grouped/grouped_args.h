@@ -170,16 +170,18 @@ inline ffi::Error decode_operand(const char* t, const char* what, const ffi::Any
     op->scale = nullptr;
     return ffi::Error::Success();
   }
-  const int64_t block = scaling == kScaleMx ? 32 : 16;
-  const int64_t srows = scaling == kScaleNv2d ? jqffi::ceil_div(rows, 16) : rows;
+  const bool f32 = scaling >= kScaleBlock;
+  const int64_t block = scaling == kScaleMx ? 32 : f32 ? 128 : 16;
+  const int64_t srows = scaling == kScaleNv2d      ? jqffi::ceil_div(rows, 16)
+                        : scaling == kScaleBlock2d ? jqffi::ceil_div(rows, 128)
+                                                   : rows;
   op->scale_cols = jqffi::ceil_div(K, block);
   op->scale_rows = srows;
+  const auto type = f32 ? ffi::DataType::F32 : ffi::DataType::U8;
   if (experts > 0) {
-    JQ_RETURN_IF_ERROR(expect(t, "block scales", scale, {ffi::DataType::U8},
-                              {experts, srows, op->scale_cols}));
+    JQ_RETURN_IF_ERROR(expect(t, "block scales", scale, {type}, {experts, srows, op->scale_cols}));
   } else {
-    JQ_RETURN_IF_ERROR(expect(t, "block scales", scale, {ffi::DataType::U8},
-                              {srows, op->scale_cols}));
+    JQ_RETURN_IF_ERROR(expect(t, "block scales", scale, {type}, {srows, op->scale_cols}));
   }
   return ffi::Error::Success();
 }
@@ -206,9 +208,9 @@ inline ffi::Error decode_gemm(const char* t, ffi::AnyBuffer a, ffi::AnyBuffer a_
     return invalid(t, "mode=" + std::to_string(mode) + "; expected 0 (ragged) or 1 (wgrad)");
   }
   for (int32_t s : {a_scaling, b_scaling}) {
-    if (s < kScalePerTensor || s > kScaleNv2d) {
+    if (s < kScalePerTensor || s > kScaleBlock2d) {
       return invalid(t, "scaling=" + std::to_string(s) + "; expected 0 (per tensor), 1 (MXFP8), "
-                        "2 (NVFP4 1x16) or 3 (NVFP4 16x16)");
+                        "2 (NVFP4 1x16), 3 (NVFP4 16x16), 4 (Float8Block 1x128) or 5 (128x128)");
     }
   }
   const auto sdims = pstarts.dimensions();

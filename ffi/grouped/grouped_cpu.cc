@@ -107,7 +107,7 @@ ffi::Error GroupedAmaxCpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::Result<f
 std::vector<float> decode_operand(const GemmOperand& op, int64_t experts) {
   const int64_t n = std::max<int64_t>(experts, 1);
   std::vector<float> out(static_cast<size_t>(n * op.rows * op.K));
-  const int64_t scale_size = op.scale_rows * op.scale_cols;
+  const int64_t scale_size = op.scale_rows * op.scale_cols * (op.scaling >= kScaleBlock ? 4 : 1);
   for (int64_t e = 0; e < n; ++e) {
     const uint8_t* d = op.data + e * op.rows * op.row_bytes;
     const uint8_t* s = op.scale ? op.scale + e * scale_size : nullptr;

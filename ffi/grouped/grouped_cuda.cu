@@ -12,7 +12,7 @@
 // Grouped GEMM (jaxquant_grouped_gemm): one launch. A CTA computes a 128 x 128 output tile with
 // 8 warps of bf16 (or f16) mma.sync m16n8k16, float32 accumulation. Operands are loaded raw
 // (FP8 / packed FP4 bytes) into registers one k-tile ahead, decoded exactly (payload times block
-// scale: E4M3/E5M2 x 2^k and E2M1 x E4M3 are exact in bf16; per-tensor FP8 x per-tensor FP8 is
+// scale: E4M3/E5M2 x 2^k (MXFP8, power-of-two Float8Block) and E2M1 x E4M3 are exact in bf16; per-tensor FP8 x per-tensor FP8 is
 // decoded to f16 without a scale, also exact) into a double-buffered shared-memory tile, and
 // multiplied. Per-group scale products, per-row and per-(group, column) factors and the bias are
 // applied to the float32 accumulator in the epilogue.
@@ -317,7 +317,13 @@ __device__ __forceinline__ void load_tile(const GemmOperand& op, const OperandTi
       switch (op.scaling) {
         case kScaleMx: raw->scale[i] = decode_e8m0(__ldg(t.scale + row * op.scale_cols + k_first / 32)); break;
         case kScaleNv: raw->scale[i] = jq::decode_e4m3(__ldg(t.scale + row * op.scale_cols + k_first / 16)); break;
-        default: raw->scale[i] = jq::decode_e4m3(__ldg(t.scale + (row >> 4) * op.scale_cols + k_first / 16)); break;
+        case kScaleNv2d: raw->scale[i] = jq::decode_e4m3(__ldg(t.scale + (row >> 4) * op.scale_cols + k_first / 16)); break;
+        case kScaleBlock:
+          raw->scale[i] = __ldg(reinterpret_cast<const float*>(t.scale) + row * op.scale_cols + k_first / 128);
+          break;
+        default:
+          raw->scale[i] = __ldg(reinterpret_cast<const float*>(t.scale) + (row >> 7) * op.scale_cols + k_first / 128);
+          break;
       }
     }
   }
@@ -501,7 +507,8 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_kernel(const GemmPar
     ta = {p.a.data, p.a.scale, as.row0, as.row0, as.row_hi};
     const int gb = g < p.G ? g : 0;
     tb = {p.b.data + int64_t(gb) * p.N * p.b.row_bytes,
-          p.b.scale ? p.b.scale + int64_t(gb) * p.b.scale_rows * p.b.scale_cols : nullptr,
+          p.b.scale ? p.b.scale + int64_t(gb) * p.b.scale_rows * p.b.scale_cols * (p.b.scaling >= kScaleBlock ? 4 : 1)
+                    : nullptr,
           nt * kBN, 0, p.N};
     if (g == p.G) kend = 0;  // zero tile
   } else {

@@ -29,7 +29,10 @@ struct QuantizeParams {
 
 enum : int { kModeRagged = 0, kModeWgrad = 1 };
 enum : int { kElemE4M3 = 0, kElemE5M2 = 1, kElemE2M1 = 2 };
-enum : int { kScalePerTensor = 0, kScaleMx = 1, kScaleNv = 2, kScaleNv2d = 3 };
+// Block scales: E8M0 per 1x32 (MXFP8), E4M3 per 1x16 / 16x16 (NVFP4), float32 per 1x128 /
+// 128x128 (Float8Block; the GEMM takes power-of-two scales only, exact in bf16).
+enum : int { kScalePerTensor = 0, kScaleMx = 1, kScaleNv = 2, kScaleNv2d = 3, kScaleBlock = 4,
+             kScaleBlock2d = 5 };
 enum : int { kOutBF16 = 0, kOutF16 = 1, kOutF32 = 2 };
 
 struct GemmOperand {
@@ -37,7 +40,7 @@ struct GemmOperand {
   int64_t rows = 0, K = 0, row_bytes = 0;
   int elem = kElemE4M3;
   int scaling = kScalePerTensor;
-  const uint8_t* scale = nullptr;  // [scale_rows, scale_cols] bytes (x G for experts)
+  const uint8_t* scale = nullptr;  // [scale_rows, scale_cols] (x G for experts); f32 for Float8Block
   int64_t scale_rows = 0, scale_cols = 0;
 };
 
@@ -93,6 +96,8 @@ JQ_HD float block_scale(const GemmOperand& op, const uint8_t* s, int64_t row, in
     case kScaleMx: return decode_e8m0(s[row * op.scale_cols + k / 32]);
     case kScaleNv: return jq::decode_e4m3(s[row * op.scale_cols + k / 16]);
     case kScaleNv2d: return jq::decode_e4m3(s[(row / 16) * op.scale_cols + k / 16]);
+    case kScaleBlock: return reinterpret_cast<const float*>(s)[row * op.scale_cols + k / 128];
+    case kScaleBlock2d: return reinterpret_cast<const float*>(s)[(row / 128) * op.scale_cols + k / 128];
     default: return 1.0f;
   }
 }

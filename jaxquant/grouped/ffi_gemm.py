@@ -26,8 +26,12 @@ _PLACEHOLDER_F32 = np.zeros((1,), np.float32)
 
 
 def _scale_bytes(operand) -> jax.Array:
-  if kernels.gemm_scaling(operand) == 0:
+  """Block scales as the kernel reads them: E8M0 / E4M3 bytes, Float8Block's float32."""
+  scaling = kernels.gemm_scaling(operand)
+  if scaling == 0:
     return jnp.asarray(_PLACEHOLDER_U8)
+  if scaling >= 4:
+    return operand.scale_inv.astype(jnp.float32)
   return jax.lax.bitcast_convert_type(operand.scale_inv, jnp.uint8)
 
 

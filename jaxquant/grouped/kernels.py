@@ -10,7 +10,8 @@ Targets (ffi/grouped, CPU and CUDA handlers with the same numerics):
   jaxquant_grouped_amax  the per-group amax of tokens (one launch).
   jaxquant_grouped_gemm  the ragged GEMMs of `jaxquant.grouped.gemm` in one launch (forward /
       dgrad: rows in groups x one matrix per group; wgrad: a contraction over each group's
-      positions), operands per-tensor FP8, MXFP8 or NVFP4 (row-scaled included) in any mix,
+      positions), operands per-tensor FP8, MXFP8, NVFP4 (row-scaled included) or Float8Block
+      with power-of-two scales, in any mix,
       decoded exactly in the kernel, per-group / per-row / per-(group, column) factors and the
       bias in the float32 epilogue.
 
@@ -34,8 +35,8 @@ import numpy as np
 
 from jaxquant.kernels import registry
 from jaxquant.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer,
-                                 Float8DelayedScalingQuantizer, HybridQuantizer,
-                                 IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer)
+                                 Float8DelayedScalingQuantizer, IdentityQuantizer,
+                                 MXFP8Quantizer, NVFP4Quantizer)
 
 QUANTIZE_TARGET_PREFIX = "jaxquant_grouped_quantize"
 QUANTIZE_FP8_TARGET = "jaxquant_grouped_quantize_fp8"
@@ -126,7 +127,8 @@ def quantize_experts_unsupported(quantizer, w_shape=None) -> Optional[str]:
 
 def gemm_scaling(operand) -> Optional[int]:
   """The kernel's scaling code of a quantized operand (0 per-tensor FP8, 1 MXFP8, 2 NVFP4 1x16,
-  3 NVFP4 16x16), or None when the kernel does not take it."""
+  3 NVFP4 16x16, 4 / 5 Float8Block 1x128 / 128x128 with power-of-two scales), or None when the
+  kernel does not take it."""
   q = getattr(operand, "quantizer", None)
   if getattr(operand, "scale_inv", None) is None:
     return None
@@ -136,6 +138,8 @@ def gemm_scaling(operand) -> Optional[int]:
     return 1
   if isinstance(q, NVFP4Quantizer):
     return 3 if q.block_2d else 2
+  if isinstance(q, Float8BlockQuantizer) and q.pow2_scale:  # exact in bf16 only with 2^k scales
+    return 5 if tuple(q.block) == (128, 128) else 4
   return None
 
 
@@ -146,8 +150,10 @@ def gemm_unsupported(a, b, out_dtype=None) -> Optional[str]:
       q = getattr(operand, "quantizer", None)
       what = (type(q).__name__ if q is not None and not isinstance(q, IdentityQuantizer)
               else "a high-precision operand")
-      return (f"{name} is {what}: the grouped GEMM kernel takes per-tensor FP8, MXFP8 and "
-              "NVFP4 operands (the reference runs jax.lax.ragged_dot)")
+      if isinstance(q, Float8BlockQuantizer):
+        what += " with pow2_scale=False (its decoded values are not exact in bfloat16)"
+      return (f"{name} is {what}: the grouped GEMM kernel takes per-tensor FP8, MXFP8, NVFP4 "
+              "and power-of-two Float8Block operands (the reference runs jax.lax.ragged_dot)")
   if out_dtype is not None and np.dtype(out_dtype) not in OUT_DTYPES:
     return f"output dtype {np.dtype(out_dtype).name}; the kernel writes bfloat16/float16/float32"
   if a.token_axis == 0:
