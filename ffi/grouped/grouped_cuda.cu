@@ -265,8 +265,13 @@ constexpr int kSmemBytes = 2 * 2 * kTileElems * 2;  // 2 stages x (A + B) x 2 by
 // One thread's raw share of an operand k-tile: 2 chunks of 16 elements (FP8: 16 bytes; FP4: 8).
 struct Raw {
   uint4 w[2];
-  float scale[2];
+  uint32_t code[2];  // block scale: E8M0 / E4M3 byte, or float32 bits (Float8Block)
 };
+
+// A scale code that decodes to 1 (for chunks with no valid element).
+__device__ __forceinline__ uint32_t unit_code(int scaling) {
+  return scaling == kScaleMx ? 127u : (scaling == kScaleNv || scaling == kScaleNv2d) ? 0x38u : 0x3F800000u;
+}
 
 struct OperandTile {
   const uint8_t* data;   // the operand (expert) matrix
@@ -288,7 +293,7 @@ __device__ __forceinline__ void load_tile(const GemmOperand& op, const OperandTi
     const int c = threadIdx.x + i * kThreads;
     const int64_t row = t.row0 + (c >> 2), k = k0 + (c & 3) * 16;
     raw->w[i] = make_uint4(0, 0, 0, 0);
-    raw->scale[i] = 1.0f;
+    raw->code[i] = unit_code(op.scaling);
     if (row < t.row_lo || row >= t.row_hi || k >= kend || k + 16 <= kbeg) continue;
     const uint8_t* src = t.data + row * op.row_bytes + (fp4 ? (k >> 1) : k);
     const bool full = k >= kbeg && k + 16 <= kend;
@@ -314,16 +319,13 @@ __device__ __forceinline__ void load_tile(const GemmOperand& op, const OperandTi
     }
     if (t.scale) {
       const int64_t k_first = k > kbeg ? k : kbeg;  // any valid element of the chunk: same block
+      const float* f32 = reinterpret_cast<const float*>(t.scale);
       switch (op.scaling) {
-        case kScaleMx: raw->scale[i] = decode_e8m0(__ldg(t.scale + row * op.scale_cols + k_first / 32)); break;
-        case kScaleNv: raw->scale[i] = jq::decode_e4m3(__ldg(t.scale + row * op.scale_cols + k_first / 16)); break;
-        case kScaleNv2d: raw->scale[i] = jq::decode_e4m3(__ldg(t.scale + (row >> 4) * op.scale_cols + k_first / 16)); break;
-        case kScaleBlock:
-          raw->scale[i] = __ldg(reinterpret_cast<const float*>(t.scale) + row * op.scale_cols + k_first / 128);
-          break;
-        default:
-          raw->scale[i] = __ldg(reinterpret_cast<const float*>(t.scale) + (row >> 7) * op.scale_cols + k_first / 128);
-          break;
+        case kScaleMx: raw->code[i] = __ldg(t.scale + row * op.scale_cols + k_first / 32); break;
+        case kScaleNv: raw->code[i] = __ldg(t.scale + row * op.scale_cols + k_first / 16); break;
+        case kScaleNv2d: raw->code[i] = __ldg(t.scale + (row >> 4) * op.scale_cols + k_first / 16); break;
+        case kScaleBlock: raw->code[i] = __float_as_uint(__ldg(f32 + row * op.scale_cols + k_first / 128)); break;
+        default: raw->code[i] = __float_as_uint(__ldg(f32 + (row >> 7) * op.scale_cols + k_first / 128)); break;
       }
     }
   }
@@ -340,10 +342,64 @@ __device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-__device__ __forceinline__ float e2m1_value(uint32_t c) {
-  const uint32_t m = c & 7u, e = m >> 1, mant = m & 1u;
-  const uint32_t bits = e ? (((e + 126u) << 23) | (mant << 22)) : (mant ? 0x3F000000u : 0u);
-  return __uint_as_float(bits | ((c & 8u) << 28));
+// ---- fast exact decoders (adapted from ffi/gemm/dequant_kernel.cuh, validated there) ------
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t hmul2_bf16(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// Four E4M3 (E5M2) bytes -> two bf16x2 holding value * 2^-120 (2^-112): each 16-bit lane gets
+// [sign-replicated byte, byte] (prmt msb mode); the shift puts exponent and mantissa in place,
+// the mask keeps them and one sign copy. Subnormals become bf16 subnormals (kept by mul.bf16x2).
+__device__ __forceinline__ void decode_fp8x4(uint32_t w, int elem, uint32_t& lo, uint32_t& hi) {
+  if (elem == kElemE4M3) {
+    lo = (prmt(w, 0, 0x9180) << 4) & 0x87F087F0u;
+    hi = (prmt(w, 0, 0xB3A2) << 4) & 0x87F087F0u;
+  } else {
+    lo = (prmt(w, 0, 0x9180) << 5) & 0x8FE08FE0u;
+    hi = (prmt(w, 0, 0xB3A2) << 5) & 0x8FE08FE0u;
+  }
+}
+
+// Eight E2M1 nibbles (element 0 low) -> four bf16x2 holding value * 2^120, by byte lookups of
+// the bf16 high / low bytes of {0, 0.5, 1, 1.5, 2, 3, 4, 6} * 2^120, signs merged in.
+__device__ __forceinline__ void decode_e2m1x8(uint32_t w, uint32_t* out) {
+  constexpr uint32_t kHiLo = 0x7B7B7B00u, kLoLo = 0xC0800000u, kHiHi = 0x7C7C7C7Cu, kLoHi = 0xC0804000u;
+  const uint32_t m = w & 0x77777777u;
+  const uint32_t m_hi = m >> 16;
+  const uint32_t sw = w << 4;
+  const uint32_t s0 = prmt(w, sw, 0x1504), s1 = prmt(w, sw, 0x3726);
+  const uint32_t h0 = prmt(kHiLo, kHiHi, m) | (s0 & 0x80808080u);
+  const uint32_t h1 = prmt(kHiLo, kHiHi, m_hi) | (s1 & 0x80808080u);
+  const uint32_t l0 = prmt(kLoLo, kLoHi, m), l1 = prmt(kLoLo, kLoHi, m_hi);
+  out[0] = prmt(l0, h0, 0x5140);
+  out[1] = prmt(l0, h0, 0x7362);
+  out[2] = prmt(l1, h1, 0x5140);
+  out[3] = prmt(l1, h1, 0x7362);
+}
+
+// E4M3 scale code -> bf16x2 (both halves) holding scale * 2^-120 (NaN codes are not propagated:
+// a NaN block scale comes with a NaN amax, hence a NaN factor in the epilogue).
+__device__ __forceinline__ uint32_t e4m3_scale_bf16x2(uint32_t code) {
+  const uint32_t b = ((code & 0x7Fu) << 4) | ((code & 0x80u) << 8);
+  return b | (b << 16);
+}
+
+// The bf16x2 factor 2^t (t a biased exponent in [1, 254]).
+__device__ __forceinline__ uint32_t pow2_bf16x2(uint32_t t) { return (t << 7) * 0x10001u; }
+
+// 2^(e - 127) as bf16x2, NaN for e == 255, 2^-127 (subnormal) for e == 0.
+__device__ __forceinline__ uint32_t e8m0_bf16x2(uint32_t e) {
+  const uint32_t b = e == 0 ? 0x0040u : ((e << 7) | (((e + 1u) >> 8) << 6));
+  return b * 0x10001u;
 }
 
 // Decodes a thread's raw chunks into 16-bit values in the shared-memory tile.
@@ -357,15 +413,44 @@ __device__ __forceinline__ void store_tile(const GemmOperand& op, const Raw& raw
     if constexpr (F16) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) out[j] = fp8x2_to_f16x2(w[j >> 1] >> (16 * (j & 1)), op.elem);
-    } else {
-      const float s = raw.scale[i];
-      if (op.elem == kElemE2M1) {
+    } else if (op.elem == kElemE2M1) {
+      decode_e2m1x8(w[0], out);
+      decode_e2m1x8(w[1], out + 4);
+      const uint32_t f = e4m3_scale_bf16x2(raw.code[i]);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const uint32_t byte = (w[j >> 2] >> (8 * (j & 3))) & 0xFFu;
-          out[j] = pack_bf16(e2m1_value(byte) * s, e2m1_value(byte >> 4) * s);
+      for (int j = 0; j < 8; ++j) out[j] = hmul2_bf16(out[j], f);
+    } else {
+      // The chunk scale as 2^(e - 127): E8M0 code, 1 for per-tensor FP8, or a power-of-two float.
+      uint32_t e = 127u;
+      bool exact_pow2 = true;
+      if (op.scaling == kScaleMx) {
+        e = raw.code[i];
+      } else if (op.scaling == kScaleBlock || op.scaling == kScaleBlock2d) {
+        const uint32_t bits = raw.code[i];
+        if ((bits & 0x807FFFFFu) == 0 && bits != 0) {
+          e = bits >> 23;  // a normal power of two (255: inf)
+          exact_pow2 = e != 255u;
+        } else {
+          exact_pow2 = bits == 0x00400000u;  // 2^-127
+          e = 0;
         }
-      } else {
+      }
+      if (exact_pow2) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) decode_fp8x4(w[q], op.elem, out[2 * q], out[2 * q + 1]);
+        const uint32_t offset = op.elem == kElemE4M3 ? 120u : 112u;  // decode gives value * 2^-offset
+        const uint32_t t = e + offset;
+        if (t <= 254u) {
+          const uint32_t f = pow2_bf16x2(t);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) out[j] = hmul2_bf16(out[j], f);
+        } else {  // 2^offset first, then 2^(e - 127) (NaN for e == 255)
+          const uint32_t f1 = pow2_bf16x2(offset + 127u), f2 = e8m0_bf16x2(e);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) out[j] = hmul2_bf16(hmul2_bf16(out[j], f1), f2);
+        }
+      } else {  // any other float32 scale: exact float path (not exact in bf16 in general)
+        const float s = __uint_as_float(raw.code[i]);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           const uint32_t h = fp8x2_to_f16x2(w[j >> 1] >> (16 * (j & 1)), op.elem);
