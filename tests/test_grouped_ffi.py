@@ -257,11 +257,16 @@ def test_grouped_dense_on_the_kernels_matches_the_reference(rng, recipe):
 
 # --------------------------------------------- GPU --------------------------------------------
 
+@pytest.fixture
+def on_gpu():
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a CUDA GPU (the default JAX backend is not gpu)")
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("groups", [1, 8, 64])
 @pytest.mark.parametrize("name", ["fp8-current", "fp8-delayed-e5m2", "mxfp8",
                                   "nvfp4-row-scaled-rowwise"])
-def test_gpu_grouped_quantize_is_bitwise_the_reference(rng, groups, name):
+def test_gpu_grouped_quantize_is_bitwise_the_reference(on_gpu, rng, groups, name):
   _check_quantize(rng, name, 1000 + groups, 192, groups, jnp.bfloat16,
                   empty=tuple(range(0, groups, 3)) if groups > 1 else (), spare=13)
 
@@ -271,7 +276,7 @@ def test_gpu_grouped_quantize_is_bitwise_the_reference(rng, groups, name):
 @pytest.mark.parametrize("pair", [("fp8", "fp8"), ("mxfp8", "mxfp8"), ("nvfp4-row", "nvfp4"),
                                   ("nvfp4-row", "nvfp4-2d"), ("fp8-e5m2", "fp8"),
                                   ("block-1x128", "block-128x128")])
-def test_gpu_ragged_gemm_matches_the_reference(rng, groups, pair):
+def test_gpu_ragged_gemm_matches_the_reference(on_gpu, rng, groups, pair):
   check_ragged(rng, pair, 1500 + 7 * groups, 320, 200, groups,
                empty=tuple(range(1, groups, 4)), spare=11, rel=2.0**-10)
 
@@ -280,11 +285,11 @@ def test_gpu_ragged_gemm_matches_the_reference(rng, groups, pair):
 @pytest.mark.parametrize("groups", [1, 8, 64])
 @pytest.mark.parametrize("pair", [("fp8", "fp8"), ("fp8-e5m2", "fp8"), ("mxfp8", "mxfp8"),
                                   ("nvfp4", "nvfp4"), ("block-1x128", "block-1x128")])
-def test_gpu_wgrad_gemm_matches_the_reference(rng, groups, pair):
+def test_gpu_wgrad_gemm_matches_the_reference(on_gpu, rng, groups, pair):
   check_wgrad(rng, pair, 1500 + 5 * groups, 136, 200, groups,
               empty=tuple(range(2, groups, 5)), spare=7, rel=2.0**-10)
 
 
 @pytest.mark.gpu
-def test_gpu_expert_weights_fp8(rng):
+def test_gpu_expert_weights_fp8(on_gpu, rng):
   test_expert_weights_fp8_is_bitwise_the_reference(rng, "fp8-current")
