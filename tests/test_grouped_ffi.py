@@ -243,7 +243,7 @@ def test_grouped_dense_on_the_kernels_matches_the_reference(rng, recipe):
   x = jnp.asarray(oracle.random_matrix(rng, (tokens, k)), jnp.bfloat16)
   dy = jnp.asarray(oracle.random_matrix(rng, (tokens, n)), jnp.bfloat16)
   sizes = jnp.asarray(_sizes(rng, tokens, groups, (1,), 5))
-  variables = model.init(jax.random.PRNGKey(0), x, sizes)
+  variables = _on("reference", model.init, jax.random.PRNGKey(0), x, sizes)
 
   def step(variables, x, dy, sizes):
     y, vjp = jax.vjp(lambda v, x: model.apply(v, x, sizes), variables, x)
