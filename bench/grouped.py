@@ -13,8 +13,8 @@ Group sizes are a seeded multinomial draw (balanced routing, uneven groups). One
 y, vjp = jax.vjp(apply, variables, x); vjp(dy): the forward grouped GEMM, dgrad and wgrad and
 every quantize / state update the recipe needs, jitted as one program. Time = median over
 repeats of (R back-to-back steps) / R after warm-up. The "paths" column is what
-`jaxquant.explain` reports for the grouped GEMMs (today: "reference", one `ragged_dot` per
-GEMM, until the grouped FFI kernels exist), the "why" column the reason given.
+`jaxquant.explain` reports for the grouped GEMMs and quantizes ("ffi": the grouped kernels of
+ffi/grouped; "reference": one `ragged_dot` per GEMM, with the reason printed below the table).
 """
 
 from __future__ import annotations
@@ -98,11 +98,12 @@ def run_case(experts: int, spec, args, card: str) -> list[dict]:
   for name, model in models.items():
     variables = jax.jit(model.init)(jax.random.key(0), x, sizes)
     step = step_fn(model)
-    paths = why = ""
+    paths = why = qpaths = ""
     if name.startswith("jaxquant"):
       report = jq.explain(step, variables, x, sizes, dy, key)
       gemms = [d for d in report if d.op == "grouped_gemm"]
       paths = ",".join(sorted({d.path for d in gemms}))
+      qpaths = ",".join(sorted({d.path for d in report if d.op == "grouped_quantize"}))
       why = "; ".join(sorted({d.reason for d in gemms if d.reason}))
     try:
       sec = bench(step, variables, x, sizes, dy, key, **timing)
@@ -112,10 +113,63 @@ def run_case(experts: int, spec, args, card: str) -> list[dict]:
     base = sec if base is None else base
     row = dict(experts=groups, case=name, tokens=t, k=k, n=n, ms=sec * 1e3,
                tflops=flops / sec / 1e12, speedup_vs_bf16=base / sec, gemm_paths=paths,
-               why=why, card=card)
+               quantize_paths=qpaths, why=why, card=card)
     rows.append(row)
     print(f"  {name:38s} {sec * 1e3:9.3f} ms  {row['tflops']:7.1f} TFLOP/s  "
-          f"{row['speedup_vs_bf16']:5.2f}x  {paths}", flush=True)
+          f"{row['speedup_vs_bf16']:5.2f}x  gemm {paths or '-'} / quantize {qpaths or '-'}",
+          flush=True)
+  return rows
+
+
+GEMM_FORMATS = {
+    "Float8CurrentScaling": lambda: jq.Float8CurrentScalingQuantizer(),
+    "MXFP8": lambda: jq.MXFP8Quantizer(),
+    "NVFP4 (row-scaled x)": lambda: jq.NVFP4Quantizer(row_scaled=True),
+    "Float8Block 1x128": lambda: jq.Float8BlockQuantizer((1, 128)),
+}
+
+
+def run_gemms(experts: int, spec, args, card: str) -> list[dict]:
+  """The grouped GEMMs alone (operands quantized beforehand): forward (ragged rows x experts)
+  and wgrad (per-group contraction over tokens), vs bf16 jax.lax.ragged_dot[_general]."""
+  import jaxquant.grouped as jg
+  groups, t, k, n, what = spec
+  rng = np.random.default_rng(args.seed)
+  sizes = jnp.asarray(group_sizes(rng, t, groups))
+  x = jnp.asarray(rng.standard_normal((t, k), np.float32), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((groups, n, k), np.float32), jnp.bfloat16)
+  dy = jnp.asarray(rng.standard_normal((t, n), np.float32), jnp.bfloat16)
+  flops = 2 * t * k * n
+  dnums = jax.lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[1],
+      rhs_group_dimensions=[])
+  timing = dict(repeats=args.repeats, calls=args.calls, warmup=args.warmup)
+  fwd = jax.jit(lambda x, w, s: jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), s))
+  wgr = jax.jit(lambda x, dy, s: jax.lax.ragged_dot_general(x.T, dy.T, s, dnums))
+  base = {"fprop": bench(fwd, x, w, sizes, **timing), "wgrad": bench(wgr, x, dy, sizes, **timing)}
+  rows = []
+  print(f"\n{groups} experts, GEMMs alone (T={t} K={k} N={n}); bf16 ragged_dot fprop "
+        f"{base['fprop'] * 1e3:.3f} ms, wgrad {base['wgrad'] * 1e3:.3f} ms", flush=True)
+  for name, make in GEMM_FORMATS.items():
+    q = make()
+    a = jax.jit(lambda x, s: jg.quantize(x, s, q, columnwise=True, col_block=128))(x, sizes)
+    qw = q if not getattr(q, "row_scaled", False) else jq.NVFP4Quantizer()
+    b = jax.jit(lambda w: jg.quantize_experts(w, qw, columnwise=False))(w)
+    qd = q if not getattr(q, "row_scaled", False) else jq.NVFP4Quantizer()
+    c = jax.jit(lambda d, s: jg.quantize(d, s, qd, rowwise=False, col_block=128))(dy, sizes)
+    f_fwd = jax.jit(lambda a, b: jg.gemm(a, b))
+    f_wgr = jax.jit(lambda a, c: jg.gemm(a, c))
+    for kind, fn, ops in (("fprop", f_fwd, (a.rowwise, b.rowwise)),
+                          ("wgrad", f_wgr, (a.columnwise, c.columnwise))):
+      report = jq.explain(fn, *ops)
+      path = ",".join(sorted({d.path for d in report}))
+      sec = bench(fn, *ops, **timing)
+      row = dict(experts=groups, gemm=kind, format=name, ms=sec * 1e3,
+                 tflops=flops / sec / 1e12, speedup_vs_bf16=base[kind] / sec, path=path,
+                 bf16_ms=base[kind] * 1e3, card=card)
+      rows.append(row)
+      print(f"  {kind} {name:24s} {sec * 1e3:8.3f} ms {row['tflops']:7.1f} TFLOP/s "
+            f"{row['speedup_vs_bf16']:5.2f}x vs bf16 ({path})", flush=True)
   return rows
 
 
@@ -129,6 +183,8 @@ def main(argv=None) -> int:
                       help="only these recipes (default: all)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--json", default=None)
+  parser.add_argument("--gemms", action="store_true",
+                      help="also time the grouped GEMMs alone (fprop, wgrad) per format")
   args = parser.parse_args(argv)
   args.repeats, args.calls, args.warmup = (1, 1, 1) if args.tiny else (5, 5, 2)
   device = jax.devices()[0]
@@ -136,20 +192,29 @@ def main(argv=None) -> int:
   print(f"device: {card}; jax {jax.__version__}", flush=True)
   cases = TINY if args.tiny else CASES
   results = []
+  gemm_rows = []
   for experts in args.experts:
     results += run_case(experts, cases[experts], args, card)
+    if args.gemms:
+      gemm_rows += run_gemms(experts, cases[experts], args, card)
   print("\n| experts | case | ms | effective TFLOP/s | speedup vs bf16 ragged_dot | grouped GEMM "
-        "path |")
-  print("|---|---|---|---|---|---|")
+        "path | grouped quantize path |")
+  print("|---|---|---|---|---|---|---|")
   for r in results:
     print(f"| {r['experts']} | {r['case']} | {r['ms']:.2f} | {r['tflops']:.0f} | "
-          f"{r['speedup_vs_bf16']:.2f}x | {r['gemm_paths']} |")
+          f"{r['speedup_vs_bf16']:.2f}x | {r['gemm_paths']} | {r['quantize_paths']} |")
   reasons = sorted({r["why"] for r in results if r["why"]})
   if reasons:
     print("\nwhy the reference path: " + " | ".join(reasons))
+  if gemm_rows:
+    print("\n| experts | GEMM | format | ms | TFLOP/s | vs bf16 ragged_dot | path |")
+    print("|---|---|---|---|---|---|---|")
+    for r in gemm_rows:
+      print(f"| {r['experts']} | {r['gemm']} | {r['format']} | {r['ms']:.3f} | "
+            f"{r['tflops']:.0f} | {r['speedup_vs_bf16']:.2f}x | {r['path']} |")
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(results, f, indent=1)
+      json.dump({"steps": results, "gemms": gemm_rows}, f, indent=1)
   return 0
 
 

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "gemm/registrations.h"
+#include "grouped/registrations.h"
 #include "handlers.h"
 
 namespace nb = nanobind;
@@ -30,6 +31,7 @@ NB_MODULE(_jaxquant_ffi, m) {
     cuda = table(jqffi::cuda_targets());
 #endif
     jaxquant_gemm::RegisterGemmTargets(cpu, cuda);  // ffi/gemm
+    jqgrouped::RegisterGroupedTargets(cpu, cuda);   // ffi/grouped
     platforms["cpu"] = cpu;
 #ifdef JAXQUANT_WITH_CUDA
     platforms["CUDA"] = cuda;

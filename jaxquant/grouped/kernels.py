@@ -1,14 +1,24 @@
-"""The FFI seam of the grouped ops: where grouped CUDA kernels plug in.
+"""The FFI seam of the grouped ops: which grouped kernel serves a case, and why not.
 
-Planned targets (the GPU follow-up of issue 7; none is built yet):
+Targets (ffi/grouped, CPU and CUDA handlers with the same numerics):
 
-  jaxquant_grouped_quantize_<format>  one launch for all groups: reads `x[T, C]` and
-      `group_sizes[G]`, writes the rowwise copy and the transposed columnwise copy in the padded
-      token layout (`jaxquant.grouped.layout`) with per-group amax / scales, bit-for-bit the
-      reference of `jaxquant.grouped.formats`.
-  jaxquant_grouped_gemm  the ragged GEMMs of `jaxquant.grouped.gemm` in one launch (a
-      persistent grouped kernel, or cuBLASLt's grouped mode where the cuBLASLt version has it),
-      with the per-group / per-token factors in the epilogue.
+  jaxquant_grouped_quantize_fp8  per-tensor FP8 (current or delayed scaling) of tokens `x[T, C]`
+      with one amax / scale per group: the rowwise copy and the transposed columnwise copy in
+      any token layout (`jaxquant.grouped.layout`), in one amax launch + one quantize launch for
+      all groups; also the expert weights `[G, rows, cols]` (equal groups, columnwise
+      `[G, cols, rows]`). Bit-for-bit `jaxquant.grouped.formats`.
+  jaxquant_grouped_amax  the per-group amax of tokens (one launch).
+  jaxquant_grouped_gemm  the ragged GEMMs of `jaxquant.grouped.gemm` in one launch (forward /
+      dgrad: rows in groups x one matrix per group; wgrad: a contraction over each group's
+      positions), operands per-tensor FP8, MXFP8, NVFP4 (row-scaled included) or Float8Block
+      with power-of-two scales, in any mix,
+      decoded exactly in the kernel, per-group / per-row / per-(group, column) factors and the
+      bias in the float32 epilogue.
+
+Block formats whose scales are block-local (MXFP8, Float8Block; the rowwise copy of row-scaled
+NVFP4) need no grouped quantize kernel: the reference quantizes the padded token layout with the
+single-tensor format, so the ordinary single-tensor kernel (one launch) on the XLA-gathered
+layout is already the grouped quantize, and `jaxquant_grouped_amax` gives the per-group amax.
 
 Each `*_unsupported` function returns None when a kernel can serve the case, else the reason
 the reference path is taken; `jaxquant.explain` prints that reason, and `JAXQUANT_BACKEND=ffi`
@@ -21,10 +31,21 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
+import numpy as np
+
 from jaxquant.kernels import registry
+from jaxquant.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer,
+                                 Float8DelayedScalingQuantizer, IdentityQuantizer,
+                                 MXFP8Quantizer, NVFP4Quantizer)
 
 QUANTIZE_TARGET_PREFIX = "jaxquant_grouped_quantize"
+QUANTIZE_FP8_TARGET = "jaxquant_grouped_quantize_fp8"
+AMAX_TARGET = "jaxquant_grouped_amax"
 GEMM_TARGET = "jaxquant_grouped_gemm"
+CPU_MAX_MACS = 1 << 24  # the CPU handler is a plain loop: small problems only
+_MAX_DIM = 2**31 - 1
+_PER_TENSOR_FP8 = (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer)
+OUT_DTYPES = (np.dtype("bfloat16"), np.dtype("float16"), np.dtype("float32"))
 
 
 def _platform() -> str:
@@ -45,34 +66,133 @@ def _targets(platform: str) -> frozenset:
   return frozenset(names)
 
 
-def _missing(target: str) -> Optional[str]:
+def _missing(*targets: str) -> Optional[str]:
   platform = _platform()
   reason = registry.unserved_reason(platform)
   if reason is not None:
     return reason
-  if not any(t.startswith(target) for t in _targets(platform)):
-    return (f"no grouped kernel ({target}) in the jaxquant FFI extension for {platform} yet; "
-            "the reference computes all groups in one program")
+  for target in targets:
+    if target not in _targets(platform):
+      return (f"no grouped kernel ({target}) in the jaxquant FFI extension for {platform}; "
+              "the reference computes all groups in one program")
   return None
+
+
+def _single_kernel_reason(leaf, direction: str) -> Optional[str]:
+  from jaxquant.kernels.quantize import _FORMATS
+  if type(leaf) not in _FORMATS:
+    return f"no FFI quantize kernel for {type(leaf).__name__}"
+  return None
+
+
+def quantize_route(quantizer, direction: str) -> tuple[Optional[str], Optional[str]]:
+  """(route, reason): route "fp8" (the grouped FP8 kernel) or "single" (XLA gathers the padded
+  layout, the single-tensor kernel quantizes it, `jaxquant_grouped_amax` gives the per-group
+  amax); reason is None when a route serves the case."""
+  if isinstance(quantizer, _PER_TENSOR_FP8):
+    return "fp8", _missing(QUANTIZE_FP8_TARGET)
+  if isinstance(quantizer, (MXFP8Quantizer, Float8BlockQuantizer)):
+    return "single", _missing(AMAX_TARGET) or _single_kernel_reason(quantizer, direction)
+  if isinstance(quantizer, NVFP4Quantizer):
+    if not (quantizer.row_scaled and direction == "rowwise"):
+      return None, ("NVFP4 with one second-level scale per group (per-tensor or per-(group, "
+                    "feature) amax) has no grouped kernel yet; the reference quantizes all "
+                    "groups in one program")
+    if quantizer.stochastic_rounding:
+      return None, ("grouped NVFP4 stochastic rounding draws each group's bits from its own key "
+                    "at the token's index within the group; no grouped kernel does that yet")
+    if quantizer.block_2d:
+      return None, "row-scaled NVFP4 with 16x16 blocks has no grouped kernel path"
+    return "single", _missing(AMAX_TARGET) or _single_kernel_reason(quantizer, direction)
+  return None, f"no grouped quantize kernel for {type(quantizer).__name__}"
 
 
 def quantize_unsupported(quantizer, direction: str) -> Optional[str]:
   """Why grouped quantize of tokens with `quantizer` in `direction` cannot run on the FFI."""
-  return _missing(QUANTIZE_TARGET_PREFIX)
+  return quantize_route(quantizer, direction)[1]
 
 
-def quantize_experts_unsupported(quantizer) -> Optional[str]:
+def quantize_experts_unsupported(quantizer, w_shape=None) -> Optional[str]:
   """Why the expert weights `[G, rows, cols]` cannot be quantized by one FFI launch."""
-  return _missing(QUANTIZE_TARGET_PREFIX)
+  if not isinstance(quantizer, _PER_TENSOR_FP8):
+    return (f"expert weights: only per-tensor FP8 has a grouped kernel; "
+            f"{type(quantizer).__name__} experts are quantized on the reference path (one vmap "
+            "over experts, one program)")
+  if w_shape is not None and w_shape[0] * w_shape[1] > _MAX_DIM:
+    return f"expert weights: {w_shape[0]} x {w_shape[1]} rows is >= 2^31"
+  return _missing(QUANTIZE_FP8_TARGET)
 
 
-def gemm_unsupported(a, b) -> Optional[str]:
+# --------------------------------------------- GEMM -------------------------------------------
+
+def gemm_scaling(operand) -> Optional[int]:
+  """The kernel's scaling code of a quantized operand (0 per-tensor FP8, 1 MXFP8, 2 NVFP4 1x16,
+  3 NVFP4 16x16, 4 / 5 Float8Block 1x128 / 128x128 with power-of-two scales), or None when the
+  kernel does not take it."""
+  q = getattr(operand, "quantizer", None)
+  if getattr(operand, "scale_inv", None) is None:
+    return None
+  if isinstance(q, _PER_TENSOR_FP8):
+    return 0
+  if isinstance(q, MXFP8Quantizer):
+    return 1
+  if isinstance(q, NVFP4Quantizer):
+    return 3 if q.block_2d else 2
+  if isinstance(q, Float8BlockQuantizer) and q.pow2_scale:  # exact in bf16 only with 2^k scales
+    return 5 if tuple(q.block) == (128, 128) else 4
+  return None
+
+
+def gemm_unsupported(a, b, out_dtype=None) -> Optional[str]:
   """Why a grouped GEMM of `a` and `b` cannot run on the FFI."""
-  return _missing(GEMM_TARGET)
+  for name, operand in (("a", a), ("b", b)):
+    if gemm_scaling(operand) is None:
+      q = getattr(operand, "quantizer", None)
+      what = (type(q).__name__ if q is not None and not isinstance(q, IdentityQuantizer)
+              else "a high-precision operand")
+      if isinstance(q, Float8BlockQuantizer):
+        what += " with pow2_scale=False (its decoded values are not exact in bfloat16)"
+      return (f"{name} is {what}: the grouped GEMM kernel takes per-tensor FP8, MXFP8, NVFP4 "
+              "and power-of-two Float8Block operands (the reference runs jax.lax.ragged_dot)")
+  if out_dtype is not None and np.dtype(out_dtype) not in OUT_DTYPES:
+    return f"output dtype {np.dtype(out_dtype).name}; the kernel writes bfloat16/float16/float32"
+  if a.token_axis == 0:
+    m, k = a.shape
+    n = b.shape[1]
+  else:
+    m, k = a.shape
+    n = b.shape[0]
+  for name, operand in (("a", a), ("b", b)):
+    if isinstance(operand.quantizer, NVFP4Quantizer) and k % 2:
+      return f"{name} is NVFP4 with an odd contraction length {k} (rows share bytes)"
+  if max(m, n, k) > _MAX_DIM:
+    return f"a GEMM dimension is >= 2^31 ({m}, {n}, {k})"
+  reason = _missing(GEMM_TARGET)
+  if reason is not None:
+    return reason
+  if _platform() == "cpu":
+    macs = m * n * k * (a.groups if a.token_axis == 1 else 1)
+    if macs > CPU_MAX_MACS:
+      return (f"the CPU grouped GEMM handler serves small problems only ({macs} MACs > "
+              f"{CPU_MAX_MACS})")
+  return None
 
 
-def _not_built(*args, **kwargs):
-  raise NotImplementedError("the grouped FFI kernels are not built yet (issue 7, GPU part)")
+def quantize_tokens(*args, **kwargs):
+  from jaxquant.grouped import ffi_quantize
+  return ffi_quantize.quantize_tokens(*args, **kwargs)
 
 
-quantize_tokens = quantize_experts = gemm = _not_built
+def quantize_token_pair(*args, **kwargs):
+  from jaxquant.grouped import ffi_quantize
+  return ffi_quantize.quantize_token_pair(*args, **kwargs)
+
+
+def quantize_experts(*args, **kwargs):
+  from jaxquant.grouped import ffi_quantize
+  return ffi_quantize.quantize_experts(*args, **kwargs)
+
+
+def gemm(*args, **kwargs):
+  from jaxquant.grouped import ffi_gemm
+  return ffi_gemm.gemm(*args, **kwargs)

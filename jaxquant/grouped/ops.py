@@ -148,6 +148,11 @@ def _tokens(x, sizes, leaf: Quantizer, direction: str, layout: TokenLayout, word
                  lambda: kernels.quantize_unsupported(leaf, direction))
   if path == "ffi":
     return kernels.quantize_tokens(x, sizes, leaf, direction, layout, words, state, orig_dtype)
+  return _tokens_reference(x, sizes, leaf, direction, layout, words, state, orig_dtype)
+
+
+def _tokens_reference(x, sizes, leaf: Quantizer, direction: str, layout: TokenLayout, words,
+                      state, orig_dtype) -> GroupedScaledTensor:
   mat = layout.gather(x, sizes)
   group, local, _ = layout.positions(sizes)
   token_axis, rht = 0, uses_rht(leaf, direction)
@@ -211,6 +216,11 @@ def quantize(x: jax.Array, group_sizes: jax.Array, quantizer: Quantizer, *,
                    orig_dtype, role)
 
   if not isinstance(quantizer, HybridQuantizer):
+    blocks = {d: _layout_block(quantizer, d, requested[d]) for d in DIRECTIONS}
+    if (rowwise and columnwise and blocks["rowwise"] == blocks["columnwise"]
+        and kernels.quantize_route(quantizer, "rowwise")[0] == "fp8"):
+      return _token_pair(x, sizes, quantizer, TokenLayout(tokens, groups, blocks["rowwise"]),
+                         state, orig_dtype, role)
     row = copy(x, quantizer, "rowwise", state) if rowwise else None
     col = copy(x, quantizer, "columnwise", state) if columnwise else None
     return GroupedQuantizedTensor(row, col, quantizer)
@@ -223,6 +233,21 @@ def quantize(x: jax.Array, group_sizes: jax.Array, quantizer: Quantizer, *,
     source = row.tokens(jnp.float32) if from_rowwise else x
     col = copy(source, quantizer.columnwise, "columnwise", col_state)
   return GroupedQuantizedTensor(row if rowwise else None, col, quantizer)
+
+
+def _token_pair(x, sizes, leaf: Quantizer, layout: TokenLayout, state, orig_dtype,
+                role) -> GroupedQuantizedTensor:
+  """Both copies of per-tensor FP8 tokens in one layout: one FFI call reads x once."""
+  detail = (f"rowwise+columnwise: {leaf} [{layout.groups} groups, "
+            f"{'packed' if not layout.padded else f'token block {layout.block}'}]")
+  path = _record("grouped_quantize", role, detail, leaf,
+                 lambda: kernels.quantize_unsupported(leaf, "rowwise"))
+  if path == "ffi":
+    row, col = kernels.quantize_token_pair(x, sizes, leaf, layout, state, orig_dtype)
+  else:
+    row, col = (_tokens_reference(x, sizes, leaf, d, layout, None, state, orig_dtype)
+                for d in DIRECTIONS)
+  return GroupedQuantizedTensor(row, col, leaf)
 
 
 def _expert(w2d, quantizer: Quantizer, rowwise: bool, columnwise: bool, words, state,
@@ -270,13 +295,18 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool = True
       and w.shape[1] % 16:
     raise ValueError(f"w: NVFP4Quantizer(rht=True) transforms the columnwise copy along the "
                      f"rows in chunks of 16; got {w.shape[1]} rows")
+  paths = []
   for direction in DIRECTIONS:
     if (rowwise, columnwise)[DIRECTIONS.index(direction)]:
       leaf = quantizer.for_direction(direction)
-      _record("grouped_quantize", role, f"{direction}: {leaf} [{groups} experts]", leaf,
-              lambda: kernels.quantize_experts_unsupported(leaf))
-  words = _direction_words(keys, quantizer)
+      paths.append(_record("grouped_quantize", role, f"{direction}: {leaf} [{groups} experts]",
+                           leaf, lambda: kernels.quantize_experts_unsupported(
+                               quantizer, tuple(w.shape))))
   orig_dtype = np.dtype(w.dtype)
+  if all(p == "ffi" for p in paths):
+    return kernels.quantize_experts(w, quantizer, rowwise=rowwise, columnwise=columnwise,
+                                    state=state, orig_dtype=orig_dtype)
+  words = _direction_words(keys, quantizer)
   return jax.vmap(lambda m, wd, s: _expert(m, quantizer, rowwise, columnwise, wd, s,
                                            orig_dtype))(w, words, state)
 
@@ -344,7 +374,7 @@ def gemm(a: GroupedScaledTensor, b: Operand, *, out_dtype=None,
       raise ValueError("bias: the per-group (wgrad) GEMM takes no bias")
     mode, impl = "per-group over tokens", reference.per_group_gemm
   detail = f"{_describe(a)} x {_describe(b)} [{a.groups} groups, {mode}]"
-  path = _record("grouped_gemm", role, detail, None, lambda: kernels.gemm_unsupported(a, b))
+  path = _record("grouped_gemm", role, detail, None, lambda: kernels.gemm_unsupported(a, b, out_dtype))
   if path == "ffi":
     return kernels.gemm(a, b, out_dtype=out_dtype, bias=bias, precision=precision)
   kwargs = dict(out_dtype=out_dtype, precision=precision)

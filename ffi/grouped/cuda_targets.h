@@ -1,0 +1,17 @@
+// The grouped targets' CUDA handlers, listed by grouped_cuda.cu (a header free of nanobind, so
+// nvcc never compiles nanobind).
+#pragma once
+
+#include <vector>
+
+namespace jqgrouped {
+
+#ifdef JAXQUANT_WITH_CUDA
+struct CudaTarget {
+  const char* name;
+  void* handler;  // XLA_FFI_Handler*
+};
+std::vector<CudaTarget> GroupedCudaTargets();
+#endif
+
+}  // namespace jqgrouped

@@ -1,0 +1,269 @@
+// Argument checking for the grouped (mixture-of-experts) targets, shared by the CPU and CUDA
+// handlers (host code only). Every `decode_*` checks the buffers XLA passes against the
+// target's contract and fills a plain struct the two platforms execute identically.
+//
+// Group geometry is passed as device arrays computed by XLA (never read on the host, so the
+// handlers need no host sync and are CUDA-graph compatible):
+//   starts[G + 1]   packed start row of each group in x (starts[G] = tokens that belong to a group)
+//   pstarts[G + 1]  start position of each group in the output token layout (padded to the
+//                   layout's block; pstarts[G] = first position of no group)
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "grouped/grouped_params.h"
+#include "handler_common.h"
+
+namespace jqgrouped {
+
+namespace ffi = xla::ffi;
+using jqffi::expect;
+using jqffi::invalid;
+
+inline ffi::Error decode_int_vector(const char* t, const char* what, const ffi::AnyBuffer& b,
+                                    int64_t n, const int32_t** out) {
+  JQ_RETURN_IF_ERROR(expect(t, what, b, {ffi::DataType::S32}, {n}));
+  *out = static_cast<const int32_t*>(b.untyped_data());
+  return ffi::Error::Success();
+}
+
+// jaxquant_grouped_quantize_fp8(x[T, C], starts[G+1], pstarts[G+1], s[G])
+//   -> [row f8 [L, C]], [col f8 [C, L] or [G, C, E] (experts)], scale_inv f32[G], amax f32[G]
+// jaxquant_grouped_amax(x[T, C], starts[G+1]) -> amax f32[G]  (rowwise = columnwise = false)
+inline ffi::Error decode_quantize_fp8(const char* t, ffi::AnyBuffer x, ffi::AnyBuffer starts,
+                                      ffi::AnyBuffer pstarts, ffi::AnyBuffer s,
+                                      ffi::RemainingRets rets, bool rowwise, bool columnwise,
+                                      bool delayed, bool pow2_scale, float amax_epsilon,
+                                      int64_t length, int64_t expert_rows, QuantizeParams* p) {
+  jqffi::Input in;
+  JQ_RETURN_IF_ERROR(jqffi::decode_input(t, x, &in));
+  JQ_RETURN_IF_ERROR(jqffi::need_direction(t, rowwise, columnwise));
+  const auto sdims = starts.dimensions();
+  if (sdims.size() != 1 || sdims[0] < 2) {
+    return invalid(t, "starts must be int32[G + 1] with G >= 1; got shape " +
+                          jqffi::dims_str(sdims));
+  }
+  const int64_t G = sdims[0] - 1;
+  JQ_RETURN_IF_ERROR(decode_int_vector(t, "starts", starts, G + 1, &p->starts));
+  JQ_RETURN_IF_ERROR(decode_int_vector(t, "pstarts", pstarts, G + 1, &p->pstarts));
+  JQ_RETURN_IF_ERROR(expect(t, delayed ? "scale" : "s (unused placeholder)", s,
+                            {ffi::DataType::F32}, {delayed ? G : int64_t{1}}));
+  if (length < 1 || length >= (int64_t{1} << 31)) {
+    return invalid(t, "length=" + std::to_string(length) + " must be in [1, 2^31)");
+  }
+  if (expert_rows < 0 || (expert_rows > 0 && expert_rows * G != length)) {
+    return invalid(t, "expert_rows=" + std::to_string(expert_rows) + " must be 0 (tokens) or "
+                      "length / G = " + std::to_string(length) + " / " + std::to_string(G));
+  }
+  p->x = in.data;
+  p->in_type = static_cast<int>(in.type);
+  p->T = in.rows;
+  p->C = in.cols;
+  p->G = G;
+  p->L = length;
+  p->expert_rows = expert_rows;
+  p->delayed = delayed;
+  p->pow2_scale = pow2_scale;
+  p->amax_epsilon = amax_epsilon;
+  p->s = static_cast<const float*>(s.untyped_data());
+  jqffi::RetReader r(t, rets);
+  void* q;
+  ffi::DataType row_type = ffi::DataType::INVALID, col_type = ffi::DataType::INVALID;
+  if (rowwise) {
+    JQ_RETURN_IF_ERROR(r.next("rowwise data", jqffi::kFp8Types, {length, in.cols}, &q, &row_type));
+    p->row = static_cast<uint8_t*>(q);
+  }
+  if (columnwise) {
+    if (expert_rows > 0) {
+      JQ_RETURN_IF_ERROR(r.next("columnwise data", jqffi::kFp8Types, {G, in.cols, expert_rows},
+                                &q, &col_type));
+    } else {
+      JQ_RETURN_IF_ERROR(r.next("columnwise data", jqffi::kFp8Types, {in.cols, length}, &q,
+                                &col_type));
+    }
+    p->col = static_cast<uint8_t*>(q);
+  }
+  if (rowwise && columnwise && row_type != col_type) {
+    return invalid(t, "rowwise and columnwise data must share one FP8 dtype");
+  }
+  p->fmt = static_cast<int>(jqffi::fp8_of(rowwise ? row_type : col_type));
+  JQ_RETURN_IF_ERROR(r.next("scale_inv", {ffi::DataType::F32}, {G}, &q));
+  p->scale_inv = static_cast<float*>(q);
+  JQ_RETURN_IF_ERROR(r.next("amax", {ffi::DataType::F32}, {G}, &q));
+  p->amax = static_cast<float*>(q);
+  return r.done();
+}
+
+inline ffi::Error decode_amax(const char* t, ffi::AnyBuffer x, ffi::AnyBuffer starts,
+                              ffi::Result<ffi::AnyBuffer> amax, QuantizeParams* p) {
+  jqffi::Input in;
+  JQ_RETURN_IF_ERROR(jqffi::decode_input(t, x, &in));
+  const auto sdims = starts.dimensions();
+  if (sdims.size() != 1 || sdims[0] < 2) {
+    return invalid(t, "starts must be int32[G + 1] with G >= 1; got shape " +
+                          jqffi::dims_str(sdims));
+  }
+  const int64_t G = sdims[0] - 1;
+  JQ_RETURN_IF_ERROR(decode_int_vector(t, "starts", starts, G + 1, &p->starts));
+  JQ_RETURN_IF_ERROR(expect(t, "amax", *amax, {ffi::DataType::F32}, {G}));
+  p->x = in.data;
+  p->in_type = static_cast<int>(in.type);
+  p->T = in.rows;
+  p->C = in.cols;
+  p->G = G;
+  p->amax = static_cast<float*>(amax->untyped_data());
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------
+// jaxquant_grouped_gemm(a, a_scale, b, b_scale, pstarts[G+1], row_factor, col_factor,
+//                       group_factor, bias) -> out
+//   mode 0 (ragged): a[L, K] rows in groups, b[G, N, K]      -> out[L, N]
+//   mode 1 (wgrad):  a[M, L], b[N, L], contraction over each group's positions -> out[G, M, N]
+// ---------------------------------------------------------------------------------------------
+
+inline ffi::Error operand_elem(const char* t, const char* what, const ffi::AnyBuffer& b,
+                               int* elem) {
+  switch (b.element_type()) {
+    case ffi::DataType::F8E4M3FN: *elem = kElemE4M3; return ffi::Error::Success();
+    case ffi::DataType::F8E5M2: *elem = kElemE5M2; return ffi::Error::Success();
+    case ffi::DataType::F4E2M1FN: *elem = kElemE2M1; return ffi::Error::Success();
+    default:
+      return invalid(t, std::string(what) + " is " + jqffi::dtype_name(b.element_type()) +
+                            "; expected float8_e4m3fn, float8_e5m2 or float4_e2m1fn");
+  }
+}
+
+// Checks an operand's block scales: [scale_rows, ceil(K / block)] uint8 (scale bytes), with a
+// leading [G] for expert operands; `scaling` is kScalePerTensor (placeholder u8[1]),
+// kScaleMx (E8M0 per 32), kScaleNv (E4M3 per 16) or kScaleNv2d (E4M3 per 16x16).
+inline ffi::Error decode_operand(const char* t, const char* what, const ffi::AnyBuffer& data,
+                                 const ffi::AnyBuffer& scale, int scaling, int64_t experts,
+                                 int64_t rows, int64_t K, GemmOperand* op) {
+  JQ_RETURN_IF_ERROR(operand_elem(t, what, data, &op->elem));
+  const bool fp4 = op->elem == kElemE2M1;
+  if (fp4 != (scaling == kScaleNv || scaling == kScaleNv2d)) {
+    return invalid(t, std::string(what) + ": scaling=" + std::to_string(scaling) +
+                          " does not fit its payload dtype (float4_e2m1fn <-> NVFP4 scaling)");
+  }
+  if (fp4 && K % 2) {
+    return invalid(t, std::string(what) + ": an FP4 operand needs an even contraction length; "
+                      "got " + std::to_string(K));
+  }
+  const auto dims = data.dimensions();
+  const bool ok = experts > 0 ? (dims.size() == 3 && dims[0] == experts && dims[1] == rows &&
+                                 dims[2] == K)
+                              : (dims.size() == 2 && dims[0] == rows && dims[1] == K);
+  if (!ok) {
+    return invalid(t, std::string(what) + " has shape " + jqffi::dims_str(dims) + "; expected " +
+                          (experts > 0 ? jqffi::dims_str({experts, rows, K})
+                                       : jqffi::dims_str({rows, K})));
+  }
+  op->data = static_cast<const uint8_t*>(data.untyped_data());
+  op->rows = rows;
+  op->K = K;
+  op->row_bytes = fp4 ? K / 2 : K;
+  op->scaling = scaling;
+  op->scale = static_cast<const uint8_t*>(scale.untyped_data());
+  if (scaling == kScalePerTensor) {
+    op->scale = nullptr;
+    return ffi::Error::Success();
+  }
+  const bool f32 = scaling >= kScaleBlock;
+  const int64_t block = scaling == kScaleMx ? 32 : f32 ? 128 : 16;
+  const int64_t srows = scaling == kScaleNv2d      ? jqffi::ceil_div(rows, 16)
+                        : scaling == kScaleBlock2d ? jqffi::ceil_div(rows, 128)
+                                                   : rows;
+  op->scale_cols = jqffi::ceil_div(K, block);
+  op->scale_rows = srows;
+  const auto type = f32 ? ffi::DataType::F32 : ffi::DataType::U8;
+  if (experts > 0) {
+    JQ_RETURN_IF_ERROR(expect(t, "block scales", scale, {type}, {experts, srows, op->scale_cols}));
+  } else {
+    JQ_RETURN_IF_ERROR(expect(t, "block scales", scale, {type}, {srows, op->scale_cols}));
+  }
+  return ffi::Error::Success();
+}
+
+inline ffi::Error decode_factor(const char* t, const char* what, const ffi::AnyBuffer& b,
+                                int64_t n, bool on, const float** out) {
+  if (!on) {
+    *out = nullptr;
+    return ffi::Error::Success();
+  }
+  JQ_RETURN_IF_ERROR(expect(t, what, b, {ffi::DataType::F32}, {n}));
+  *out = static_cast<const float*>(b.untyped_data());
+  return ffi::Error::Success();
+}
+
+inline ffi::Error decode_gemm(const char* t, ffi::AnyBuffer a, ffi::AnyBuffer a_scale,
+                              ffi::AnyBuffer b, ffi::AnyBuffer b_scale, ffi::AnyBuffer pstarts,
+                              ffi::AnyBuffer row_factor, ffi::AnyBuffer col_factor,
+                              ffi::AnyBuffer group_factor, ffi::AnyBuffer bias,
+                              ffi::Result<ffi::AnyBuffer> out, int32_t mode, int32_t a_scaling,
+                              int32_t b_scaling, bool has_row_factor, bool has_col_factor,
+                              bool has_group_factor, bool has_bias, GemmParams* p) {
+  if (mode != kModeRagged && mode != kModeWgrad) {
+    return invalid(t, "mode=" + std::to_string(mode) + "; expected 0 (ragged) or 1 (wgrad)");
+  }
+  for (int32_t s : {a_scaling, b_scaling}) {
+    if (s < kScalePerTensor || s > kScaleBlock2d) {
+      return invalid(t, "scaling=" + std::to_string(s) + "; expected 0 (per tensor), 1 (MXFP8), "
+                        "2 (NVFP4 1x16), 3 (NVFP4 16x16), 4 (Float8Block 1x128) or 5 (128x128)");
+    }
+  }
+  const auto sdims = pstarts.dimensions();
+  if (sdims.size() != 1 || sdims[0] < 2) {
+    return invalid(t, "pstarts must be int32[G + 1] with G >= 1; got shape " +
+                          jqffi::dims_str(sdims));
+  }
+  const int64_t G = sdims[0] - 1;
+  JQ_RETURN_IF_ERROR(decode_int_vector(t, "pstarts", pstarts, G + 1, &p->pstarts));
+  const auto ad = a.dimensions(), bd = b.dimensions();
+  if (ad.size() != 2) return invalid(t, "a must be 2-D; got shape " + jqffi::dims_str(ad));
+  p->mode = mode;
+  p->G = G;
+  if (mode == kModeRagged) {
+    if (bd.size() != 3) return invalid(t, "b must be [G, N, K]; got shape " + jqffi::dims_str(bd));
+    p->L = ad[0];
+    p->K = ad[1];
+    p->N = bd[1];
+    p->M = p->L;
+    JQ_RETURN_IF_ERROR(decode_operand(t, "a", a, a_scale, a_scaling, 0, p->L, p->K, &p->a));
+    JQ_RETURN_IF_ERROR(decode_operand(t, "b", b, b_scale, b_scaling, G, p->N, p->K, &p->b));
+  } else {
+    if (bd.size() != 2) return invalid(t, "b must be [N, L]; got shape " + jqffi::dims_str(bd));
+    p->M = ad[0];
+    p->L = ad[1];
+    p->K = p->L;
+    p->N = bd[0];
+    JQ_RETURN_IF_ERROR(decode_operand(t, "a", a, a_scale, a_scaling, 0, p->M, p->L, &p->a));
+    JQ_RETURN_IF_ERROR(decode_operand(t, "b", b, b_scale, b_scaling, 0, p->N, p->L, &p->b));
+  }
+  if (p->M >= (int64_t{1} << 31) || p->N >= (int64_t{1} << 31) || p->K >= (int64_t{1} << 31)) {
+    return invalid(t, "a dimension is >= 2^31");
+  }
+  const int64_t row_n = mode == kModeRagged ? p->L : G * p->M;
+  JQ_RETURN_IF_ERROR(decode_factor(t, "row_factor", row_factor, row_n, has_row_factor,
+                                   &p->row_factor));
+  JQ_RETURN_IF_ERROR(decode_factor(t, "col_factor", col_factor, G * p->N, has_col_factor,
+                                   &p->col_factor));
+  JQ_RETURN_IF_ERROR(decode_factor(t, "group_factor", group_factor, G, has_group_factor,
+                                   &p->group_factor));
+  if (has_bias && mode != kModeRagged) return invalid(t, "bias is only taken in mode 0");
+  JQ_RETURN_IF_ERROR(decode_factor(t, "bias", bias, G * p->N, has_bias, &p->bias));
+  const ffi::DataType ot = out->element_type();
+  p->out_kind = ot == ffi::DataType::BF16 ? kOutBF16 : ot == ffi::DataType::F16 ? kOutF16 : kOutF32;
+  if (mode == kModeRagged) {
+    JQ_RETURN_IF_ERROR(expect(t, "out", *out, {ffi::DataType::BF16, ffi::DataType::F16,
+                                               ffi::DataType::F32}, {p->L, p->N}));
+  } else {
+    JQ_RETURN_IF_ERROR(expect(t, "out", *out, {ffi::DataType::BF16, ffi::DataType::F16,
+                                               ffi::DataType::F32}, {G, p->M, p->N}));
+  }
+  p->out = out->untyped_data();
+  return ffi::Error::Success();
+}
+
+}  // namespace jqgrouped

@@ -1,0 +1,261 @@
+// CPU handlers of the grouped targets: plain loops over the numerics header, so CI exercises
+// the grouped FFI path (lowering, argument checks, layouts) with the CUDA kernels' math.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "grouped/grouped_args.h"
+#include "grouped/registrations.h"
+
+namespace jqgrouped {
+namespace {
+
+using jq::bits_of;
+using jq::float_of;
+
+float half_bits_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+  if (e == 0x1F) return float_of(sign | 0x7F800000u | (m << 13));
+  if (e != 0) return float_of(sign | ((e - 15 + 127) << 23) | (m << 13));
+  if (m == 0) return float_of(sign);
+  int shift = 0;
+  uint32_t mm = m;
+  while (!(mm & 0x400u)) { mm <<= 1; ++shift; }
+  return float_of(sign | static_cast<uint32_t>(127 - 15 - shift + 1) << 23 | ((mm & 0x3FFu) << 13));
+}
+
+float load_x(const QuantizeParams& p, int64_t i) {
+  switch (static_cast<jqffi::In>(p.in_type)) {
+    case jqffi::In::kBF16: return float_of(uint32_t(static_cast<const uint16_t*>(p.x)[i]) << 16);
+    case jqffi::In::kF16: return half_bits_to_float(static_cast<const uint16_t*>(p.x)[i]);
+    default: return static_cast<const float*>(p.x)[i];
+  }
+}
+
+// Per-group amax over the rows of each group (NaN-propagating max of |x| bits).
+void group_amax(const QuantizeParams& p, std::vector<uint32_t>* bits) {
+  bits->assign(static_cast<size_t>(p.G), 0u);
+  for (int64_t g = 0; g < p.G; ++g) {
+    const int64_t r0 = std::min<int64_t>(p.starts[g], p.T), r1 = std::min<int64_t>(p.starts[g + 1], p.T);
+    uint32_t m = 0;
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t c = 0; c < p.C; ++c) m = std::max(m, jq::abs_bits(load_x(p, r * p.C + c)));
+    }
+    (*bits)[g] = m;
+  }
+}
+
+// Position -> (group, source row or -1 for padding / no group).
+void locate(const QuantizeParams& p, int64_t pos, int64_t* group, int64_t* src, int64_t* local) {
+  const int32_t* end = std::upper_bound(p.pstarts, p.pstarts + p.G + 1, static_cast<int32_t>(pos));
+  const int64_t g = (end - p.pstarts) - 1;
+  *group = g;
+  *src = -1;
+  *local = 0;
+  if (g < 0 || g >= p.G) return;
+  *local = pos - p.pstarts[g];
+  if (*local < p.starts[g + 1] - p.starts[g]) *src = p.starts[g] + *local;
+}
+
+ffi::Error GroupedQuantizeFp8Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::AnyBuffer pstarts,
+                                 ffi::AnyBuffer s, ffi::RemainingRets rets, bool rowwise,
+                                 bool columnwise, bool delayed, bool pow2_scale,
+                                 float amax_epsilon, int64_t length, int64_t expert_rows) {
+  QuantizeParams p;
+  JQ_RETURN_IF_ERROR(decode_quantize_fp8("jaxquant_grouped_quantize_fp8", x, starts, pstarts, s,
+                                         rets, rowwise, columnwise, delayed, pow2_scale,
+                                         amax_epsilon, length, expert_rows, &p));
+  std::vector<uint32_t> bits;
+  group_amax(p, &bits);
+  const jq::Fp8 fmt = static_cast<jq::Fp8>(p.fmt);
+  const float fmax = jq::spec_of(fmt).fmax;
+  std::vector<float> scale(static_cast<size_t>(p.G));
+  for (int64_t g = 0; g < p.G; ++g) {
+    p.amax[g] = float_of(bits[g]);
+    scale[g] = delayed ? p.s[g] : jq::scale_from_amax(p.amax[g], fmax, pow2_scale, amax_epsilon);
+    p.scale_inv[g] = jq::rcp_f32(scale[g]);
+  }
+  for (int64_t pos = 0; pos < p.L; ++pos) {
+    int64_t g, src, local;
+    locate(p, pos, &g, &src, &local);
+    for (int64_t c = 0; c < p.C; ++c) {
+      const float v = src >= 0 ? load_x(p, src * p.C + c) * scale[g] : 0.0f;
+      const uint8_t code = src >= 0 ? uint8_t(jq::encode_fp8(v, fmt)) : uint8_t(0);
+      if (p.row) p.row[pos * p.C + c] = code;
+      if (p.col) {
+        if (p.expert_rows > 0) {
+          p.col[(g * p.C + c) * p.expert_rows + local] = code;
+        } else {
+          p.col[c * p.L + pos] = code;
+        }
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupedAmaxCpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::Result<ffi::AnyBuffer> amax) {
+  QuantizeParams p;
+  JQ_RETURN_IF_ERROR(decode_amax("jaxquant_grouped_amax", x, starts, amax, &p));
+  std::vector<uint32_t> bits;
+  group_amax(p, &bits);
+  for (int64_t g = 0; g < p.G; ++g) p.amax[g] = float_of(bits[g]);
+  return ffi::Error::Success();
+}
+
+// An operand decoded to float32 (payload times block scale, exactly).
+std::vector<float> decode_operand(const GemmOperand& op, int64_t experts) {
+  const int64_t n = std::max<int64_t>(experts, 1);
+  std::vector<float> out(static_cast<size_t>(n * op.rows * op.K));
+  const int64_t scale_size = op.scale_rows * op.scale_cols * (op.scaling >= kScaleBlock ? 4 : 1);
+  for (int64_t e = 0; e < n; ++e) {
+    const uint8_t* d = op.data + e * op.rows * op.row_bytes;
+    const uint8_t* s = op.scale ? op.scale + e * scale_size : nullptr;
+    for (int64_t r = 0; r < op.rows; ++r) {
+      for (int64_t k = 0; k < op.K; ++k) {
+        const uint32_t code = op.elem == kElemE2M1 ? (d[r * op.row_bytes + k / 2] >> (4 * (k & 1))) & 0xFu
+                                                   : d[r * op.row_bytes + k];
+        const float v = decode_elem(op.elem, code);
+        out[(e * op.rows + r) * op.K + k] = s ? v * block_scale(op, s, r, k) : v;
+      }
+    }
+  }
+  return out;
+}
+
+uint16_t float_to_bf16(float f) {
+  const uint32_t u = bits_of(f);
+  if (jq::is_nan(f)) return uint16_t((u >> 16) | 0x40u);
+  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+uint16_t float_to_f16(float f) {
+  // Round to nearest even, with subnormals and overflow to inf.
+  const uint32_t u = bits_of(f), sign = (u >> 16) & 0x8000u;
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return uint16_t(sign | 0x7E00u);
+  if (a >= 0x477FF000u) return uint16_t(sign | 0x7C00u);  // >= 65520 rounds to inf
+  if (a < 0x38800000u) {  // subnormal half (or zero): quantum 2^-24
+    const float q = float_of(a) * 0x1p24f;  // exact scaling into [0, 1024)
+    return uint16_t(sign | static_cast<uint32_t>(jq::rint_nonneg(q)));
+  }
+  const uint32_t e = (a >> 23) - 127 + 15, m = a & 0x7FFFFFu;
+  uint32_t h = (e << 10) | (m >> 13);
+  const uint32_t rest = m & 0x1FFFu;
+  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;
+  return uint16_t(sign | h);
+}
+
+void store_out(const GemmParams& p, int64_t i, float v) {
+  switch (p.out_kind) {
+    case kOutBF16: static_cast<uint16_t*>(p.out)[i] = float_to_bf16(v); break;
+    case kOutF16: static_cast<uint16_t*>(p.out)[i] = float_to_f16(v); break;
+    default: static_cast<float*>(p.out)[i] = v; break;
+  }
+}
+
+float epilogue(const GemmParams& p, float acc, int64_t g, int64_t row_index, int64_t n) {
+  if (p.group_factor) acc = acc * p.group_factor[g];
+  if (p.row_factor) acc = acc * p.row_factor[row_index];
+  if (p.col_factor) acc = acc * p.col_factor[g * p.N + n];
+  if (p.bias) acc = acc + p.bias[g * p.N + n];
+  return acc;
+}
+
+ffi::Error GroupedGemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer a_scale, ffi::AnyBuffer b,
+                          ffi::AnyBuffer b_scale, ffi::AnyBuffer pstarts, ffi::AnyBuffer row_factor,
+                          ffi::AnyBuffer col_factor, ffi::AnyBuffer group_factor, ffi::AnyBuffer bias,
+                          ffi::Result<ffi::AnyBuffer> out, int32_t mode, int32_t a_scaling,
+                          int32_t b_scaling, bool has_row_factor, bool has_col_factor,
+                          bool has_group_factor, bool has_bias) {
+  GemmParams p;
+  JQ_RETURN_IF_ERROR(decode_gemm("jaxquant_grouped_gemm", a, a_scale, b, b_scale, pstarts, row_factor,
+                                 col_factor, group_factor, bias, out, mode, a_scaling, b_scaling,
+                                 has_row_factor, has_col_factor, has_group_factor, has_bias, &p));
+  const std::vector<float> A = decode_operand(p.a, 0);
+  const std::vector<float> B = decode_operand(p.b, p.mode == kModeRagged ? p.G : 0);
+  const int64_t K = p.K;
+  if (p.mode == kModeRagged) {
+    for (int64_t r = 0; r < p.L; ++r) {
+      const int32_t* end = std::upper_bound(p.pstarts, p.pstarts + p.G + 1, static_cast<int32_t>(r));
+      const int64_t g = (end - p.pstarts) - 1;
+      for (int64_t n = 0; n < p.N; ++n) {
+        if (g < 0 || g >= p.G) {
+          store_out(p, r * p.N + n, 0.0f);
+          continue;
+        }
+        float acc = 0.0f;
+        const float* ar = &A[r * K];
+        const float* br = &B[(g * p.N + n) * K];
+        for (int64_t k = 0; k < K; ++k) acc += ar[k] * br[k];
+        store_out(p, r * p.N + n, epilogue(p, acc, g, r, n));
+      }
+    }
+  } else {
+    for (int64_t g = 0; g < p.G; ++g) {
+      const int64_t k0 = std::max<int64_t>(0, std::min<int64_t>(p.pstarts[g], K));
+      const int64_t k1 = std::max<int64_t>(k0, std::min<int64_t>(p.pstarts[g + 1], K));
+      for (int64_t m = 0; m < p.M; ++m) {
+        for (int64_t n = 0; n < p.N; ++n) {
+          float acc = 0.0f;
+          for (int64_t k = k0; k < k1; ++k) acc += A[m * K + k] * B[n * K + k];
+          store_out(p, (g * p.M + m) * p.N + n, epilogue(p, acc, g, g * p.M + m, n));
+        }
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER(kGroupedQuantizeFp8Cpu, GroupedQuantizeFp8Cpu,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .RemainingRets()
+                           .Attr<bool>("rowwise")
+                           .Attr<bool>("columnwise")
+                           .Attr<bool>("delayed")
+                           .Attr<bool>("pow2_scale")
+                           .Attr<float>("amax_epsilon")
+                           .Attr<int64_t>("length")
+                           .Attr<int64_t>("expert_rows"));
+
+XLA_FFI_DEFINE_HANDLER(kGroupedAmaxCpu, GroupedAmaxCpu,
+                       ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER(kGroupedGemmCpu, GroupedGemmCpu,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Attr<int32_t>("mode")
+                           .Attr<int32_t>("a_scaling")
+                           .Attr<int32_t>("b_scaling")
+                           .Attr<bool>("has_row_factor")
+                           .Attr<bool>("has_col_factor")
+                           .Attr<bool>("has_group_factor")
+                           .Attr<bool>("has_bias"));
+
+void RegisterGroupedTargets(nanobind::dict& cpu, nanobind::dict& cuda) {
+  cpu["jaxquant_grouped_quantize_fp8"] = nanobind::capsule(reinterpret_cast<void*>(kGroupedQuantizeFp8Cpu));
+  cpu["jaxquant_grouped_amax"] = nanobind::capsule(reinterpret_cast<void*>(kGroupedAmaxCpu));
+  cpu["jaxquant_grouped_gemm"] = nanobind::capsule(reinterpret_cast<void*>(kGroupedGemmCpu));
+#ifdef JAXQUANT_WITH_CUDA
+  for (const CudaTarget& t : GroupedCudaTargets()) cuda[t.name] = nanobind::capsule(t.handler);
+#else
+  (void)cuda;
+#endif
+}
+
+}  // namespace jqgrouped

@@ -1,0 +1,96 @@
+"""The grouped GEMMs through `jaxquant_grouped_gemm` (one launch per GEMM).
+
+Same contract as `jaxquant.grouped.reference` (`ragged_gemm` for a rowwise `a`, `per_group_gemm`
+for a columnwise one): the kernel decodes each operand exactly (payload times block scale), sums
+in float32, and its epilogue multiplies the accumulator by what the reference multiplies:
+per-tensor FP8 scales and NVFP4 per-tensor factors of both operands as one per-group product,
+NVFP4 per-token / per-(group, feature) factors as row / column factors, then adds the bias.
+Results equal the reference up to float32 accumulation order.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant.grouped import formats, kernels, reference
+from jaxquant.grouped.tensors import GroupedScaledTensor
+from jaxquant.kernels import calls
+from jaxquant.tensors import ScaledTensor
+
+_PLACEHOLDER_U8 = np.zeros((1,), np.uint8)
+_PLACEHOLDER_F32 = np.zeros((1,), np.float32)
+
+
+def _scale_bytes(operand) -> jax.Array:
+  """Block scales as the kernel reads them: E8M0 / E4M3 bytes, Float8Block's float32."""
+  scaling = kernels.gemm_scaling(operand)
+  if scaling == 0:
+    return jnp.asarray(_PLACEHOLDER_U8)
+  if scaling >= 4:
+    return operand.scale_inv.astype(jnp.float32)
+  return jax.lax.bitcast_convert_type(operand.scale_inv, jnp.uint8)
+
+
+def _per_group(operand) -> Optional[jax.Array]:
+  """The operand's per-tensor scale of each group: FP8 `scale_inv [G]`, else None."""
+  if kernels.gemm_scaling(operand) == 0:
+    return operand.scale_inv.astype(jnp.float32)
+  return None
+
+
+def gemm(a: GroupedScaledTensor, b, *, out_dtype, bias: Optional[jax.Array] = None,
+         precision=None) -> jax.Array:
+  """`jaxquant.grouped.gemm` on the FFI (`kernels.gemm_unsupported(a, b)` must be None)."""
+  del precision  # quantized operands: exact decode, float32 accumulation
+  reason = kernels.gemm_unsupported(a, b, out_dtype)
+  if reason is not None:
+    raise ValueError(f"grouped FFI GEMM cannot serve this pair: {reason}")
+  groups = a.groups
+  pstarts = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                             jnp.cumsum(a.layout.extents(a.group_sizes).astype(jnp.int32))])
+  group_factors = [f for f in (_per_group(a), _per_group(b)) if f is not None]
+  row_factor = col_factor = None
+  if a.token_axis == 0:
+    mode, (rows, _), n = 0, a.shape, b.shape[1]
+    out_shape = (rows, n)
+    lhs = formats.token_factor(a)  # [L] or None
+    if lhs is not None:
+      row_factor = lhs.astype(jnp.float32)
+    rhs = reference.expert_factor(b)  # [G] or [G, N]
+    if rhs is not None:
+      if rhs.ndim == 1:
+        group_factors.append(rhs)
+      else:
+        col_factor = rhs.reshape(-1)
+  else:
+    mode, m, n = 1, a.shape[0], b.shape[0]
+    out_shape = (groups, m, n)
+    for f, is_row in ((formats.factor(a), True), (formats.factor(b), False)):
+      if f is None:
+        continue
+      if f.ndim == 1:
+        group_factors.append(f)
+      elif is_row:
+        row_factor = f.reshape(-1)
+      else:
+        col_factor = f.reshape(-1)
+  group_factor = None
+  for f in group_factors:
+    f = f.astype(jnp.float32)
+    group_factor = f if group_factor is None else group_factor * f
+  if bias is not None:
+    bias = bias.astype(jnp.float32).reshape(-1)
+  as_f32 = lambda v: jnp.asarray(_PLACEHOLDER_F32) if v is None else v.astype(jnp.float32)
+  (out,) = calls.call(
+      kernels.GEMM_TARGET, [jax.ShapeDtypeStruct(out_shape, np.dtype(out_dtype))],
+      a.data, _scale_bytes(a), b.data, _scale_bytes(b), pstarts, as_f32(row_factor),
+      as_f32(col_factor), as_f32(group_factor), as_f32(bias),
+      mode=np.int32(mode), a_scaling=np.int32(kernels.gemm_scaling(a)),
+      b_scaling=np.int32(kernels.gemm_scaling(b)), has_row_factor=row_factor is not None,
+      has_col_factor=col_factor is not None, has_group_factor=group_factor is not None,
+      has_bias=bias is not None)
+  return out

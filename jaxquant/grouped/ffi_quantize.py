@@ -1,0 +1,125 @@
+"""Grouped quantize through the FFI: the same storages as `jaxquant.grouped.formats`, bit for bit.
+
+- per-tensor FP8 (current / delayed scaling): `jaxquant_grouped_quantize_fp8`, one amax launch
+  and one quantize launch for all groups, both copies from one read of `x` when they share a
+  token layout;
+- MXFP8, Float8Block and the rowwise copy of row-scaled NVFP4: XLA gathers the token layout,
+  the single-tensor kernel (`jaxquant.kernels.quantize`) quantizes it in one launch (blocks never
+  straddle groups in that layout, so this *is* the grouped quantize), and
+  `jaxquant_grouped_amax` gives each group's amax.
+Group offsets are computed by XLA from the traced sizes and stay on the device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant.grouped import kernels
+from jaxquant.grouped.layout import TokenLayout
+from jaxquant.grouped.tensors import GroupedScaledTensor
+from jaxquant.kernels import calls
+from jaxquant.kernels import quantize as single
+from jaxquant.quantizers import Float8DelayedScalingQuantizer, Quantizer
+from jaxquant.state import DelayedScalingState
+from jaxquant.tensors import QuantizedTensor, ScaledTensor
+
+
+def _offsets(sizes: jax.Array) -> jax.Array:
+  return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes.astype(jnp.int32))])
+
+
+def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(tuple(int(s) for s in shape), np.dtype(dtype))
+
+
+def _delayed_scale(quantizer, state, groups: int) -> jax.Array:
+  if not isinstance(state, DelayedScalingState) or state.scale.shape != (groups,):
+    got = (f"{type(state).__name__} with scale shape {tuple(state.scale.shape)}"
+           if isinstance(state, DelayedScalingState) else type(state).__name__)
+    raise ValueError(f"state: grouped Float8DelayedScalingQuantizer needs one "
+                     f"DelayedScalingState per group (scale [{groups}], amax_history "
+                     f"[{groups}, {quantizer.amax_history_len}]; jaxquant.grouped.init_state); "
+                     f"got {got}")
+  return state.scale.astype(jnp.float32)
+
+
+def _fp8_call(x2d, starts, pstarts, quantizer, state, groups: int, length: int, rowwise: bool,
+              columnwise: bool, expert_rows: int = 0):
+  """(row data, col data, scale_inv [G], amax [G]) from `jaxquant_grouped_quantize_fp8`."""
+  delayed = isinstance(quantizer, Float8DelayedScalingQuantizer)
+  s = _delayed_scale(quantizer, state, groups) if delayed else jnp.zeros((1,), jnp.float32)
+  cols = x2d.shape[1]
+  results = []
+  if rowwise:
+    results.append(_sds((length, cols), quantizer.dtype))
+  if columnwise:
+    shape = (groups, cols, expert_rows) if expert_rows else (cols, length)
+    results.append(_sds(shape, quantizer.dtype))
+  results += [_sds((groups,), np.float32), _sds((groups,), np.float32)]
+  outs = calls.call(kernels.QUANTIZE_FP8_TARGET, results, x2d, starts, pstarts, s,
+                    rowwise=rowwise, columnwise=columnwise, delayed=delayed,
+                    pow2_scale=False if delayed else quantizer.pow2_scale,
+                    amax_epsilon=0.0 if delayed else float(quantizer.amax_epsilon),
+                    length=np.int64(length), expert_rows=np.int64(expert_rows))
+  row = outs.pop(0) if rowwise else None
+  col = outs.pop(0) if columnwise else None
+  return row, col, outs[0], outs[1]
+
+
+def group_amax(x: jax.Array, sizes: jax.Array) -> jax.Array:
+  """float32 `[G]`: each group's max |x| over its rows (`jaxquant_grouped_amax`)."""
+  return calls.call(kernels.AMAX_TARGET, [_sds(sizes.shape, np.float32)], x, _offsets(sizes))[0]
+
+
+def _make(data, scale_inv, amax, sizes, leaf, orig_dtype, direction, layout, rht=False):
+  return GroupedScaledTensor(data, scale_inv, amax, sizes, leaf, orig_dtype, rht,
+                             0 if direction == "rowwise" else 1, layout)
+
+
+def quantize_token_pair(x: jax.Array, sizes: jax.Array, leaf: Quantizer, layout: TokenLayout,
+                        state: Any, orig_dtype) -> tuple[GroupedScaledTensor, GroupedScaledTensor]:
+  """Both copies of per-tensor FP8 tokens in one layout, from one call (one read of x)."""
+  row, col, scale_inv, amax = _fp8_call(x, _offsets(sizes), _offsets(layout.extents(sizes)),
+                                        leaf, state, layout.groups, layout.length, True, True)
+  return (_make(row, scale_inv, amax, sizes, leaf, orig_dtype, "rowwise", layout),
+          _make(col, scale_inv, amax, sizes, leaf, orig_dtype, "columnwise", layout))
+
+
+def quantize_tokens(x: jax.Array, sizes: jax.Array, leaf: Quantizer, direction: str,
+                    layout: TokenLayout, words: Optional[jax.Array], state: Any,
+                    orig_dtype) -> GroupedScaledTensor:
+  """One copy of tokens `x[T, C]` (see `jaxquant.grouped.ops.quantize`) through the FFI."""
+  route, reason = kernels.quantize_route(leaf, direction)
+  if reason is not None:
+    raise ValueError(f"grouped FFI quantize cannot serve {leaf} ({direction}): {reason}")
+  rowwise = direction == "rowwise"
+  if route == "fp8":
+    row, col, scale_inv, amax = _fp8_call(x, _offsets(sizes), _offsets(layout.extents(sizes)),
+                                          leaf, state, layout.groups, layout.length, rowwise,
+                                          not rowwise)
+    return _make(row if rowwise else col, scale_inv, amax, sizes, leaf, orig_dtype, direction,
+                 layout)
+  mat = layout.gather(x, sizes)
+  row, col = single.quantize_single(mat, leaf, rowwise=rowwise, columnwise=not rowwise,
+                                    orig_dtype=orig_dtype)
+  t = row if rowwise else col
+  amax = t.amax if getattr(leaf, "row_scaled", False) else group_amax(x, sizes)
+  return _make(t.data, t.scale_inv, amax, sizes, leaf, orig_dtype, direction, layout, t.rht)
+
+
+def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool, columnwise: bool,
+                     state: Any, orig_dtype) -> QuantizedTensor:
+  """Per-tensor FP8 expert weights `w[G, rows, cols]` in one call: every expert its own amax
+  and scale; columnwise `[G, cols, rows]`."""
+  groups, rows, cols = w.shape
+  starts = jnp.arange(groups + 1, dtype=jnp.int32) * rows
+  row, col, scale_inv, amax = _fp8_call(w.reshape(groups * rows, cols), starts, starts,
+                                        quantizer, state, groups, groups * rows, rowwise,
+                                        columnwise, expert_rows=rows)
+  make = lambda d: ScaledTensor(d, scale_inv, amax, quantizer, orig_dtype, False)
+  return QuantizedTensor(make(row.reshape(groups, rows, cols)) if rowwise else None,
+                         make(col) if columnwise else None, quantizer)

@@ -1,0 +1,295 @@
+"""The grouped FFI targets (ffi/grouped) against the reference (`jaxquant.grouped`).
+
+Each check runs the same jitted function twice, with `JAXQUANT_BACKEND=ffi` (the kernels: the
+CPU handlers here, the CUDA kernels under `-m gpu`) and `JAXQUANT_BACKEND=reference`:
+quantized storages must be bitwise equal; GEMMs, float32 outputs, equal within float32
+accumulation-order error (`2^-14 * max |out|` on CPU, where both sum in float32 in a different
+order; `2^-10` on the GPU, where XLA may run the reference's decoded GEMM in its own way).
+Inputs are fresh random draws; groups are uneven, include empty ones and rows of no group.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+import jaxquant.flax  # noqa: F401
+import jaxquant.grouped as jg
+import oracle
+from helpers import assert_same_leaves
+from jaxquant.grouped import kernels
+
+pytestmark = pytest.mark.skipif(
+    not kernels._targets("cpu") and not kernels._targets("cuda"),
+    reason="jaxquant FFI extension without the grouped targets")
+
+FP8 = jq.Float8CurrentScalingQuantizer()
+TOKEN_QUANTIZERS = {
+    "fp8-current": FP8,
+    "fp8-current-pow2": jq.Float8CurrentScalingQuantizer(pow2_scale=True),
+    "fp8-delayed-e5m2": jq.Float8DelayedScalingQuantizer(jnp.float8_e5m2, amax_history_len=4),
+    "mxfp8": jq.MXFP8Quantizer(),
+    "fp8-block-1x128": jq.Float8BlockQuantizer((1, 128)),
+    "fp8-block-128x128": jq.Float8BlockQuantizer((128, 128)),
+    "nvfp4-row-scaled-rowwise": jq.NVFP4Quantizer(row_scaled=True),
+}
+
+
+def _sizes(rng, tokens, groups, empty=(), spare=0):
+  weights = rng.uniform(0.2, 1.0, groups)
+  weights[list(empty)] = 0.0
+  if not weights.any():
+    return np.zeros(groups, np.int32)
+  total = tokens - spare
+  sizes = np.floor(weights / weights.sum() * total).astype(np.int32)
+  sizes[np.argmax(sizes)] += total - sizes.sum()
+  return sizes
+
+
+def _on(backend, fn, *args):
+  old = os.environ.get("JAXQUANT_BACKEND")
+  os.environ["JAXQUANT_BACKEND"] = backend
+  try:
+    return jax.jit(lambda *a: fn(*a))(*args)  # a fresh function: no trace shared across backends
+  finally:
+    if old is None:
+      del os.environ["JAXQUANT_BACKEND"]
+    else:
+      os.environ["JAXQUANT_BACKEND"] = old
+
+
+def _paths(fn, *args):
+  old = os.environ.get("JAXQUANT_BACKEND")
+  os.environ["JAXQUANT_BACKEND"] = "ffi"
+  try:
+    return jq.explain(fn, *args)
+  finally:
+    if old is None:
+      del os.environ["JAXQUANT_BACKEND"]
+    else:
+      os.environ["JAXQUANT_BACKEND"] = old
+
+
+def _random_state(rng, quantizer, groups):
+  state = jg.init_state(quantizer, groups)
+  if state is None:
+    return None
+  return jax.tree_util.tree_map(
+      lambda a: jnp.asarray(rng.uniform(0.5, 40.0, a.shape), jnp.float32), state)
+
+
+def _check_quantize(rng, name, tokens, features, groups, dtype, empty, spare, row_block=None,
+                    col_block=None):
+  q = TOKEN_QUANTIZERS[name]
+  x = jnp.asarray(oracle.random_matrix(rng, (tokens, features)), dtype)
+  sizes = jnp.asarray(_sizes(rng, tokens, groups, empty, spare))
+  state = _random_state(rng, q, groups)
+  columnwise = name != "nvfp4-row-scaled-rowwise"
+  fn = lambda x, sizes, state: jg.quantize(x, sizes, q, columnwise=columnwise, state=state,
+                                           row_block=row_block, col_block=col_block)
+  report = _paths(fn, x, sizes, state)
+  assert report.paths() == {"ffi"}, str(report)
+  assert_same_leaves(_on("ffi", fn, x, sizes, state), _on("reference", fn, x, sizes, state), name)
+
+
+@pytest.mark.parametrize("name", list(TOKEN_QUANTIZERS))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_grouped_quantize_is_bitwise_the_reference(rng, name, dtype):
+  _check_quantize(rng, name, 150, 72, 5, dtype, empty=(1,), spare=7)
+
+
+@pytest.mark.parametrize("blocks", [(1, 32), (32, 32), (16, 128)])
+def test_grouped_fp8_quantize_in_padded_layouts(rng, blocks):
+  _check_quantize(rng, "fp8-current", 133, 40, 4, jnp.bfloat16, empty=(0,), spare=3,
+                  row_block=blocks[0], col_block=blocks[1])
+
+
+def test_grouped_quantize_of_all_empty_groups(rng):
+  _check_quantize(rng, "fp8-current", 32, 16, 3, jnp.float32, empty=(0, 1, 2), spare=0)
+
+
+@pytest.mark.parametrize("name", ["fp8-current", "fp8-delayed-e5m2"])
+def test_expert_weights_fp8_is_bitwise_the_reference(rng, name):
+  q = TOKEN_QUANTIZERS[name]
+  w = jnp.asarray(oracle.random_matrix(rng, (3, 40, 24)), jnp.bfloat16)
+  state = _random_state(rng, q, 3)
+  fn = lambda w, state: jg.quantize_experts(w, q, state=state)
+  assert _paths(fn, w, state).paths() == {"ffi"}
+  assert_same_leaves(_on("ffi", fn, w, state), _on("reference", fn, w, state), name)
+
+
+# -------------------------------------------- GEMMs -------------------------------------------
+
+GEMM_QUANTIZERS = {
+    "fp8": FP8,
+    "fp8-e5m2": jq.Float8CurrentScalingQuantizer(jnp.float8_e5m2),
+    "mxfp8": jq.MXFP8Quantizer(),
+    "nvfp4": jq.NVFP4Quantizer(),
+    "nvfp4-row": jq.NVFP4Quantizer(row_scaled=True),
+    "nvfp4-2d": jq.NVFP4Quantizer(block_2d=True),
+    "block-1x128": jq.Float8BlockQuantizer((1, 128)),
+    "block-128x128": jq.Float8BlockQuantizer((128, 128)),
+}
+RAGGED_PAIRS = [("fp8", "fp8"), ("fp8", "fp8-e5m2"), ("mxfp8", "mxfp8"), ("nvfp4", "nvfp4"),
+                ("nvfp4-row", "nvfp4-2d"), ("nvfp4-row", "nvfp4-row"), ("mxfp8", "fp8"),
+                ("fp8", "nvfp4"), ("block-1x128", "block-128x128"), ("block-1x128", "mxfp8")]
+WGRAD_PAIRS = [("fp8", "fp8"), ("fp8-e5m2", "fp8"), ("mxfp8", "mxfp8"), ("nvfp4", "nvfp4"),
+               ("nvfp4-row", "mxfp8"), ("block-1x128", "block-1x128")]
+
+
+def _assert_close(actual, expected, rel, msg=""):
+  actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+  assert actual.shape == expected.shape, msg
+  scale = max(np.abs(expected).max(initial=0.0), 1e-30)
+  err = np.abs(actual - expected).max(initial=0.0)
+  assert err <= rel * scale, f"{msg}: max error {err:.3g} > {rel:.3g} x {scale:.3g}"
+
+
+def check_ragged(rng, pair, tokens, k, n, groups, empty, spare, rel, bias=True):
+  qa, qb = (GEMM_QUANTIZERS[p] for p in pair)
+  x = jnp.asarray(oracle.random_matrix(rng, (tokens, k)), jnp.bfloat16)
+  w = jnp.asarray(oracle.random_matrix(rng, (groups, n, k)), jnp.bfloat16)
+  b = jnp.asarray(rng.standard_normal((groups, n)), jnp.float32) if bias else None
+  sizes = jnp.asarray(_sizes(rng, tokens, groups, empty, spare))
+
+  def fn(x, w, b, sizes):
+    os.environ["JAXQUANT_BACKEND"] = "reference"  # same operands for both GEMMs
+    a = jg.quantize(x, sizes, qa, columnwise=False).rowwise
+    e = jg.quantize_experts(w, qb, columnwise=False).rowwise
+    os.environ["JAXQUANT_BACKEND"] = backend
+    return jg.gemm(a, e, bias=b, out_dtype=jnp.float32)
+
+  outs = {}
+  for backend in ("ffi", "reference"):
+    outs[backend] = _on(backend, fn, x, w, b, sizes)
+  _assert_close(outs["ffi"], outs["reference"], rel, f"ragged {pair}")
+  start = int(np.sum(np.asarray(sizes)))
+  if pair[0] != "nvfp4-2d":
+    assert np.all(np.asarray(outs["ffi"])[start:] == 0), "rows of no group must be zero"
+
+
+def check_wgrad(rng, pair, tokens, m, n, groups, empty, spare, rel, block=1):
+  qa, qb = (GEMM_QUANTIZERS[p] for p in pair)
+  x = jnp.asarray(oracle.random_matrix(rng, (tokens, m)), jnp.bfloat16)
+  dy = jnp.asarray(oracle.random_matrix(rng, (tokens, n)), jnp.bfloat16)
+  sizes = jnp.asarray(_sizes(rng, tokens, groups, empty, spare))
+  need = max(jg.formats.token_block(q, "columnwise") for q in (qa, qb))
+  block = max(block, need)
+
+  def fn(x, dy, sizes):
+    os.environ["JAXQUANT_BACKEND"] = "reference"
+    a = jg.quantize(x, sizes, qa, rowwise=False, col_block=block).columnwise
+    b = jg.quantize(dy, sizes, qb, rowwise=False, col_block=block).columnwise
+    os.environ["JAXQUANT_BACKEND"] = backend
+    return jg.gemm(a, b, out_dtype=jnp.float32)
+
+  outs = {}
+  for backend in ("ffi", "reference"):
+    outs[backend] = _on(backend, fn, x, dy, sizes)
+  _assert_close(outs["ffi"], outs["reference"], rel, f"wgrad {pair}")
+  for g in np.flatnonzero(np.asarray(sizes) == 0):
+    assert np.all(np.asarray(outs["ffi"])[g] == 0), f"empty group {g} must give zeros"
+
+
+@pytest.mark.parametrize("pair", RAGGED_PAIRS)
+def test_ragged_gemm_matches_the_reference(rng, pair):
+  check_ragged(rng, pair, 150, 64, 40, 5, empty=(2,), spare=9, rel=2.0**-14)
+
+
+@pytest.mark.parametrize("pair", WGRAD_PAIRS)
+def test_wgrad_gemm_matches_the_reference(rng, pair):
+  check_wgrad(rng, pair, 150, 40, 24, 5, empty=(0, 3), spare=5, rel=2.0**-14)
+
+
+def test_explain_reports_the_grouped_kernels_and_the_reference_visibly(monkeypatch):
+  monkeypatch.setenv("JAXQUANT_BACKEND", "auto")
+  role = jq.QuantizerRole("grouped_linear", "input", "experts")
+
+  def f(x, sizes):
+    a = jg.quantize(x, sizes, FP8, columnwise=False, role=role).rowwise
+    b = jg.quantize_experts(jnp.ones((2, 8, 32)), FP8, columnwise=False)
+    n = jg.quantize(x, sizes, jq.NVFP4Quantizer(), columnwise=False).rowwise
+    return jg.gemm(a, b.rowwise), n
+
+  report = jq.explain(f, jax.ShapeDtypeStruct((64, 32), jnp.float32),
+                      jax.ShapeDtypeStruct((2,), jnp.int32))
+  by_path = {d.path for d in report}
+  assert by_path == {"ffi", "reference"}, str(report)
+  nvfp4 = [d for d in report if "NVFP4" in d.detail]
+  assert nvfp4 and all(d.path == "reference" and "second-level" in d.reason for d in nvfp4)
+
+
+def test_forcing_the_ffi_on_an_unserved_case_is_an_error(monkeypatch):
+  monkeypatch.setenv("JAXQUANT_BACKEND", "ffi")
+  with pytest.raises(RuntimeError, match="grouped quantize"):
+    jax.eval_shape(lambda x: jg.quantize(x, np.array([30, 34]), jq.NVFP4Quantizer()),
+                   jax.ShapeDtypeStruct((64, 32), jnp.float32))
+
+
+@pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "DelayedScaling", "moe"])
+def test_grouped_dense_on_the_kernels_matches_the_reference(rng, recipe):
+  """GroupedDense forward + backward with every grouped op the recipe can put on a kernel."""
+  recipe = {"Float8CurrentScaling": jq.recipes.Float8CurrentScaling,
+            "DelayedScaling": jq.recipes.DelayedScaling,
+            "moe": lambda: jq.CustomRecipe(jq.factories.moe_nvfp4_forward_mxfp8_backward)}[recipe]()
+  groups, tokens, k, n = 4, 96, 64, 48
+  model = jq.flax.GroupedDense(features=n, num_groups=groups, recipe=recipe, dtype=jnp.bfloat16,
+                               param_dtype=jnp.bfloat16)
+  x = jnp.asarray(oracle.random_matrix(rng, (tokens, k)), jnp.bfloat16)
+  dy = jnp.asarray(oracle.random_matrix(rng, (tokens, n)), jnp.bfloat16)
+  sizes = jnp.asarray(_sizes(rng, tokens, groups, (1,), 5))
+  variables = _on("reference", model.init, jax.random.PRNGKey(0), x, sizes)
+
+  def step(variables, x, dy, sizes):
+    y, vjp = jax.vjp(lambda v, x: model.apply(v, x, sizes), variables, x)
+    return y, vjp(dy)
+
+  ffi, ref = _on("auto", step, variables, x, dy, sizes), _on("reference", step, variables, x,
+                                                           dy, sizes)
+  for u, v in zip(jax.tree_util.tree_leaves(ffi), jax.tree_util.tree_leaves(ref)):
+    _assert_close(np.asarray(u, np.float32), np.asarray(v, np.float32), 2.0**-7)
+
+
+# --------------------------------------------- GPU --------------------------------------------
+
+@pytest.fixture
+def on_gpu():
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a CUDA GPU (the default JAX backend is not gpu)")
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", [1, 8, 64])
+@pytest.mark.parametrize("name", ["fp8-current", "fp8-delayed-e5m2", "mxfp8",
+                                  "nvfp4-row-scaled-rowwise"])
+def test_gpu_grouped_quantize_is_bitwise_the_reference(on_gpu, rng, groups, name):
+  _check_quantize(rng, name, 1000 + groups, 192, groups, jnp.bfloat16,
+                  empty=tuple(range(0, groups, 3)) if groups > 1 else (), spare=13)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", [1, 8, 64])
+@pytest.mark.parametrize("pair", [("fp8", "fp8"), ("mxfp8", "mxfp8"), ("nvfp4-row", "nvfp4"),
+                                  ("nvfp4-row", "nvfp4-2d"), ("fp8-e5m2", "fp8"),
+                                  ("block-1x128", "block-128x128")])
+def test_gpu_ragged_gemm_matches_the_reference(on_gpu, rng, groups, pair):
+  check_ragged(rng, pair, 1500 + 7 * groups, 320, 200, groups,
+               empty=tuple(range(1, groups, 4)), spare=11, rel=2.0**-10)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", [1, 8, 64])
+@pytest.mark.parametrize("pair", [("fp8", "fp8"), ("fp8-e5m2", "fp8"), ("mxfp8", "mxfp8"),
+                                  ("nvfp4", "nvfp4"), ("block-1x128", "block-1x128")])
+def test_gpu_wgrad_gemm_matches_the_reference(on_gpu, rng, groups, pair):
+  check_wgrad(rng, pair, 1500 + 5 * groups, 136, 200, groups,
+              empty=tuple(range(2, groups, 5)), spare=7, rel=2.0**-10)
+
+
+@pytest.mark.gpu
+def test_gpu_expert_weights_fp8(on_gpu, rng):
+  test_expert_weights_fp8_is_bitwise_the_reference(rng, "fp8-current")
