@@ -123,6 +123,49 @@ def test_expert_weights_fp8_is_bitwise_the_reference(rng, name):
   assert_same_leaves(_on("ffi", fn, w, state), _on("reference", fn, w, state), name)
 
 
+EXPERT_QUANTIZERS = {
+    "mxfp8": jq.MXFP8Quantizer(),
+    "mxfp8-e5m2": jq.MXFP8Quantizer(jnp.float8_e5m2),
+    "fp8-block-1x128": jq.Float8BlockQuantizer((1, 128)),
+    "fp8-block-128x128": jq.Float8BlockQuantizer((128, 128)),
+    # the MoE zoo recipe's experts: row-scaled NVFP4 forward, MXFP8 backward
+    "hybrid-nvfp4-row-mxfp8": jq.HybridQuantizer(jq.NVFP4Quantizer(row_scaled=True),
+                                                 jq.MXFP8Quantizer()),
+    "hybrid-fp8-mxfp8": jq.HybridQuantizer(FP8, jq.MXFP8Quantizer()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPERT_QUANTIZERS))
+def test_expert_weights_block_formats_are_bitwise_the_reference(rng, name, rows=128):
+  """Block-scaled expert weights: one single-tensor launch per copy on `[G * rows, cols]`
+  (blocks never span experts), regrouped; each expert bit-for-bit its own reference quantize,
+  its tensor amax included. cols = 200: a partial last block per row."""
+  q = EXPERT_QUANTIZERS[name]
+  w = jnp.asarray(oracle.random_matrix(rng, (3, rows, 200)), jnp.bfloat16)
+  w = w.at[1].multiply(64.0)  # experts of different ranges: their own scales and amaxes
+  fn = lambda w: jg.quantize_experts(w, q)
+  assert _paths(fn, w).paths() == {"ffi"}
+  got, want = _on("ffi", fn, w), _on("reference", fn, w)
+  assert_same_leaves(got, want, name)
+  assert got.columnwise.data.shape == (3, 200, rows)
+
+
+@pytest.mark.parametrize("name,rows", [("mxfp8", 48), ("fp8-block-1x128", 64),
+                                       ("fp8-block-128x128", 64)])
+def test_expert_weights_whose_blocks_would_span_experts_take_the_reference(rng, name, rows):
+  """Rows per expert not a multiple of the columnwise block: the single-tensor kernel would put
+  two experts in one block, so the reference serves it, and explain says why."""
+  q = EXPERT_QUANTIZERS[name]
+  w = jnp.asarray(oracle.random_matrix(rng, (2, rows, 64)), jnp.bfloat16)
+  os.environ.pop("JAXQUANT_BACKEND", None)  # auto: the kernels where they serve
+  report = jq.explain(lambda w: jg.quantize_experts(w, q), w)
+  columnwise = [d for d in report if d.detail.startswith("columnwise")]
+  assert columnwise and all(d.path == "reference" for d in columnwise)
+  assert all("would span two experts" in d.reason for d in columnwise)
+  assert_same_leaves(_on("auto", lambda w: jg.quantize_experts(w, q), w),
+                     _on("reference", lambda w: jg.quantize_experts(w, q), w), name)
+
+
 # -------------------------------------------- GEMMs -------------------------------------------
 
 GEMM_QUANTIZERS = {
@@ -293,3 +336,9 @@ def test_gpu_wgrad_gemm_matches_the_reference(on_gpu, rng, groups, pair):
 @pytest.mark.gpu
 def test_gpu_expert_weights_fp8(on_gpu, rng):
   test_expert_weights_fp8_is_bitwise_the_reference(rng, "fp8-current")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(EXPERT_QUANTIZERS))
+def test_gpu_expert_weights_block_formats(on_gpu, rng, name):
+  test_expert_weights_block_formats_are_bitwise_the_reference(rng, name, rows=256)

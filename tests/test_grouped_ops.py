@@ -391,7 +391,9 @@ def test_bad_operands_are_rejected():
   assert out.shape == (64, 8)
 
 
-def test_explain_says_the_reference_path_was_taken_and_why():
+def test_explain_says_the_reference_path_was_taken_and_why(monkeypatch):
+  # This test is about the reference path; the kernels' decisions: test_grouped_ffi.py.
+  monkeypatch.setenv("JAXQUANT_BACKEND", "reference")
   role = jq.QuantizerRole("grouped_linear", "input", "experts")
 
   def f(x, sizes):

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxquant.formats.base import tensor_amax
 from jaxquant.grouped import kernels
 from jaxquant.grouped.layout import TokenLayout
 from jaxquant.grouped.tensors import GroupedScaledTensor
@@ -113,8 +114,31 @@ def quantize_tokens(x: jax.Array, sizes: jax.Array, leaf: Quantizer, direction: 
 
 def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool, columnwise: bool,
                      state: Any, orig_dtype) -> QuantizedTensor:
-  """Per-tensor FP8 expert weights `w[G, rows, cols]` in one call: every expert its own amax
-  and scale; columnwise `[G, cols, rows]`."""
+  """Expert weights `w[G, rows, cols]`, each expert bit-for-bit its own quantize (columnwise
+  copies `[G, cols, rows]`): per-tensor FP8 both copies in one grouped call (every expert its
+  own amax and scale); block formats one single-tensor launch per copy (`_experts_single`)."""
+  if isinstance(quantizer, kernels._PER_TENSOR_FP8):
+    return _experts_fp8(w, quantizer, rowwise, columnwise, state, orig_dtype)
+  states = state if isinstance(state, tuple) else (state, state)
+  copies = {}
+  for index, (direction, wanted) in enumerate((("rowwise", rowwise),
+                                               ("columnwise", columnwise))):
+    if not wanted:
+      continue
+    leaf = quantizer.for_direction(direction)
+    route, reason = kernels.expert_route(quantizer, direction, tuple(w.shape))
+    if reason is not None:
+      raise ValueError(f"FFI expert quantize cannot serve {leaf} ({direction}): {reason}")
+    if route == "fp8":
+      pair = _experts_fp8(w, leaf, direction == "rowwise", direction == "columnwise",
+                          states[index], orig_dtype)
+      copies[direction] = pair.rowwise if direction == "rowwise" else pair.columnwise
+    else:
+      copies[direction] = _experts_single(w, leaf, direction, orig_dtype)
+  return QuantizedTensor(copies.get("rowwise"), copies.get("columnwise"), quantizer)
+
+
+def _experts_fp8(w, quantizer, rowwise: bool, columnwise: bool, state, orig_dtype):
   groups, rows, cols = w.shape
   starts = jnp.arange(groups + 1, dtype=jnp.int32) * rows
   row, col, scale_inv, amax = _fp8_call(w.reshape(groups * rows, cols), starts, starts,
@@ -123,3 +147,26 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool, colum
   make = lambda d: ScaledTensor(d, scale_inv, amax, quantizer, orig_dtype, False)
   return QuantizedTensor(make(row.reshape(groups, rows, cols)) if rowwise else None,
                          make(col) if columnwise else None, quantizer)
+
+
+def _experts_single(w: jax.Array, leaf: Quantizer, direction: str, orig_dtype) -> ScaledTensor:
+  """One copy of block-scaled expert weights from one single-tensor kernel launch on
+  `[G * rows, cols]`: `kernels.expert_route` checked that no block spans two experts, so every
+  block (and, for row-scaled NVFP4, every row amax) is the expert's own. The rowwise copy is a
+  reshape; the columnwise copy `[cols, G * rows]` is regrouped to `[G, cols, rows]` (data and
+  block scales) by one XLA transpose; the tensor amax each expert's ScaledTensor records is the
+  expert's own (`tensor_amax`, as the reference computes it)."""
+  groups, rows, cols = w.shape
+  rowwise = direction == "rowwise"
+  row, col = single.quantize_single(w.reshape(groups * rows, cols), leaf, rowwise=rowwise,
+                                    columnwise=not rowwise, orig_dtype=orig_dtype)
+  t = row if rowwise else col
+  if rowwise:
+    regroup = lambda a: a.reshape(groups, a.shape[0] // groups, *a.shape[1:])
+  else:
+    regroup = lambda a: jnp.swapaxes(a.reshape(a.shape[0], groups, a.shape[1] // groups), 0, 1)
+  if getattr(leaf, "row_scaled", False):
+    amax = regroup(t.amax)
+  else:
+    amax = jax.vmap(tensor_amax)(w)
+  return ScaledTensor(regroup(t.data), regroup(t.scale_inv), amax, leaf, orig_dtype, t.rht)

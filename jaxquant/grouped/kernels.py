@@ -19,6 +19,9 @@ Block formats whose scales are block-local (MXFP8, Float8Block; the rowwise copy
 NVFP4) need no grouped quantize kernel: the reference quantizes the padded token layout with the
 single-tensor format, so the ordinary single-tensor kernel (one launch) on the XLA-gathered
 layout is already the grouped quantize, and `jaxquant_grouped_amax` gives the per-group amax.
+Expert weights `[G, rows, cols]` in those formats likewise: one single-tensor launch per copy on
+`[G * rows, cols]` when `rows` keeps every block inside one expert (`expert_route`), the
+columnwise copy regrouped to `[G, cols, rows]` by XLA.
 
 Each `*_unsupported` function returns None when a kernel can serve the case, else the reason
 the reference path is taken; `jaxquant.explain` prints that reason, and `JAXQUANT_BACKEND=ffi`
@@ -112,15 +115,57 @@ def quantize_unsupported(quantizer, direction: str) -> Optional[str]:
   return quantize_route(quantizer, direction)[1]
 
 
-def quantize_experts_unsupported(quantizer, w_shape=None) -> Optional[str]:
-  """Why the expert weights `[G, rows, cols]` cannot be quantized by one FFI launch."""
-  if not isinstance(quantizer, _PER_TENSOR_FP8):
-    return (f"expert weights: only per-tensor FP8 has a grouped kernel; "
-            f"{type(quantizer).__name__} experts are quantized on the reference path (one vmap "
-            "over experts, one program)")
+def expert_rows_multiple(leaf, direction: str) -> Optional[int]:
+  """How many rows an expert must be a multiple of so that no scaling block of `leaf`'s
+  `direction` copy spans two experts when `[G, rows, cols]` is quantized as one
+  `[G * rows, cols]` matrix by the single-tensor kernel; None when that kernel cannot give each
+  expert its own result (per-tensor / per-expert amaxes, stochastic rounding, RHT)."""
+  if isinstance(leaf, MXFP8Quantizer):
+    return 1 if direction == "rowwise" else 32
+  if isinstance(leaf, Float8BlockQuantizer):
+    return leaf.block[0] if direction == "rowwise" else leaf.block[1] if leaf.block[0] == 1 \
+        else max(leaf.block)
+  if (isinstance(leaf, NVFP4Quantizer) and leaf.row_scaled and direction == "rowwise"
+      and not (leaf.stochastic_rounding or leaf.block_2d or leaf.rht)):
+    return 1  # every row its own amax and 1x16 blocks
+  return None
+
+
+def expert_route(quantizer, direction: str, w_shape=None) -> tuple[Optional[str], Optional[str]]:
+  """(route, reason) for one copy of expert weights `[G, rows, cols]`: "fp8" (the grouped FP8
+  kernel, one amax and scale per expert) or "single" (one single-tensor kernel launch on
+  `[G * rows, cols]`, blocks never spanning experts; the columnwise copy regrouped by XLA)."""
+  from jaxquant.quantizers import HybridQuantizer
   if w_shape is not None and w_shape[0] * w_shape[1] > _MAX_DIM:
-    return f"expert weights: {w_shape[0]} x {w_shape[1]} rows is >= 2^31"
-  return _missing(QUANTIZE_FP8_TARGET)
+    return None, f"expert weights: {w_shape[0]} x {w_shape[1]} rows is >= 2^31"
+  if (isinstance(quantizer, HybridQuantizer) and direction == "columnwise"
+      and quantizer.columnwise_source == "rowwise_dequantized"):
+    return None, ("expert weights: columnwise_source='rowwise_dequantized' quantizes each "
+                  "expert's decoded rowwise copy; the reference does that in one program")
+  leaf = quantizer.for_direction(direction)
+  if isinstance(leaf, _PER_TENSOR_FP8):
+    return "fp8", _missing(QUANTIZE_FP8_TARGET)
+  multiple = expert_rows_multiple(leaf, direction)
+  if multiple is None:
+    return None, (f"expert weights: no kernel gives every expert its own {direction} "
+                  f"{type(leaf).__name__} copy ({leaf}); the reference quantizes all experts in "
+                  "one program (vmap)")
+  if w_shape is not None and w_shape[1] % multiple:
+    return None, (f"expert weights: {w_shape[1]} rows per expert is not a multiple of "
+                  f"{multiple}, so one {direction} scaling block of {leaf} would span two "
+                  "experts in the single-tensor kernel; the reference quantizes each expert")
+  return "single", _single_kernel_reason(leaf, direction)
+
+
+def quantize_experts_unsupported(quantizer, w_shape=None,
+                                 direction: Optional[str] = None) -> Optional[str]:
+  """Why the expert weights `[G, rows, cols]` (one `direction`, or both) cannot be quantized by
+  the FFI kernels (one launch per copy, or one for both copies of per-tensor FP8)."""
+  for d in ((direction,) if direction else ("rowwise", "columnwise")):
+    reason = expert_route(quantizer, d, w_shape)[1]
+    if reason is not None:
+      return reason
+  return None
 
 
 # --------------------------------------------- GEMM -------------------------------------------

@@ -300,8 +300,8 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool = True
     if (rowwise, columnwise)[DIRECTIONS.index(direction)]:
       leaf = quantizer.for_direction(direction)
       paths.append(_record("grouped_quantize", role, f"{direction}: {leaf} [{groups} experts]",
-                           leaf, lambda: kernels.quantize_experts_unsupported(
-                               quantizer, tuple(w.shape))))
+                           leaf, lambda d=direction: kernels.quantize_experts_unsupported(
+                               quantizer, tuple(w.shape), d)))
   orig_dtype = np.dtype(w.dtype)
   if all(p == "ffi" for p in paths):
     return kernels.quantize_experts(w, quantizer, rowwise=rowwise, columnwise=columnwise,
