@@ -17,22 +17,10 @@ namespace {
 using jq::bits_of;
 using jq::float_of;
 
-float half_to_float(uint16_t h) {
-  const uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
-  if (e == 0x1F) return float_of(sign | 0x7F800000u | (m << 13));
-  if (e != 0) return float_of(sign | ((e - 15 + 127) << 23) | (m << 13));
-  // f16 subnormal: m * 2^-24, a normal float32 (built from bits: DAZ-proof).
-  if (m == 0) return float_of(sign);
-  int shift = 0;
-  uint32_t mm = m;
-  while (!(mm & 0x400u)) { mm <<= 1; ++shift; }
-  return float_of(sign | static_cast<uint32_t>(127 - 15 - shift + 1) << 23 | ((mm & 0x3FFu) << 13));
-}
-
 float load(const Input& x, int64_t i) {
   switch (x.type) {
     case In::kBF16: return float_of(uint32_t(static_cast<const uint16_t*>(x.data)[i]) << 16);
-    case In::kF16: return half_to_float(static_cast<const uint16_t*>(x.data)[i]);
+    case In::kF16: return jq::f16_bits_to_float(static_cast<const uint16_t*>(x.data)[i]);
     default: return static_cast<const float*>(x.data)[i];
   }
 }

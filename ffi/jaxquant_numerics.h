@@ -54,6 +54,19 @@ JQ_HD float float_of(uint32_t u) {
 #endif
 }
 
+// IEEE half bits -> float32, built from bits (exact; a half subnormal m * 2^-24 is a float32
+// normal, so no denormal flushing can touch it). The CPU handlers read float16 inputs with it.
+JQ_HD float f16_bits_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+  if (e == 0x1F) return float_of(sign | 0x7F800000u | (m << 13));
+  if (e != 0) return float_of(sign | ((e - 15 + 127) << 23) | (m << 13));
+  if (m == 0) return float_of(sign);
+  int shift = 0;
+  uint32_t mm = m;
+  while (!(mm & 0x400u)) { mm <<= 1; ++shift; }
+  return float_of(sign | static_cast<uint32_t>(127 - 15 - shift + 1) << 23 | ((mm & 0x3FFu) << 13));
+}
+
 JQ_HD bool is_nan(float x) { return (bits_of(x) & 0x7FFFFFFFu) > 0x7F800000u; }
 JQ_HD bool is_inf(float x) { return (bits_of(x) & 0x7FFFFFFFu) == 0x7F800000u; }
 JQ_HD float abs_f(float x) { return float_of(bits_of(x) & 0x7FFFFFFFu); }

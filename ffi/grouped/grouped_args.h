@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "grouped/grouped_params.h"
 #include "handler_common.h"
@@ -264,6 +265,55 @@ inline ffi::Error decode_gemm(const char* t, ffi::AnyBuffer a, ffi::AnyBuffer a_
   }
   p->out = out->untyped_data();
   return ffi::Error::Success();
+}
+
+// The FFI signatures of the grouped targets, one copy for both platforms: the CPU handlers bind
+// `BindX(ffi::Ffi::Bind())`, the CUDA ones `BindX(ffi::Ffi::Bind().Ctx<Stream>())`.
+// jaxquant_grouped_quantize_fp8: x, starts, padded starts, delayed scales -> outputs.
+template <typename Binding>
+auto BindGroupedQuantizeFp8(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .RemainingRets()
+      .template Attr<bool>("rowwise")
+      .template Attr<bool>("columnwise")
+      .template Attr<bool>("delayed")
+      .template Attr<bool>("pow2_scale")
+      .template Attr<float>("amax_epsilon")
+      .template Attr<int64_t>("length")
+      .template Attr<int64_t>("expert_rows");
+}
+
+// jaxquant_grouped_amax: x, starts -> per-group amax.
+template <typename Binding>
+auto BindGroupedAmax(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>();
+}
+
+// jaxquant_grouped_gemm: a, b, their scales and factors, offsets, bias -> out.
+template <typename Binding>
+auto BindGroupedGemm(Binding binding) {
+  auto args = std::move(binding).template Arg<ffi::AnyBuffer>()
+                  .template Arg<ffi::AnyBuffer>()
+                  .template Arg<ffi::AnyBuffer>()
+                  .template Arg<ffi::AnyBuffer>()
+                  .template Arg<ffi::AnyBuffer>()
+                  .template Arg<ffi::AnyBuffer>()
+                  .template Arg<ffi::AnyBuffer>()
+                  .template Arg<ffi::AnyBuffer>()
+                  .template Arg<ffi::AnyBuffer>();
+  return std::move(args).template Ret<ffi::AnyBuffer>()
+      .template Attr<int32_t>("mode")
+      .template Attr<int32_t>("a_scaling")
+      .template Attr<int32_t>("b_scaling")
+      .template Attr<bool>("has_row_factor")
+      .template Attr<bool>("has_col_factor")
+      .template Attr<bool>("has_group_factor")
+      .template Attr<bool>("has_bias");
 }
 
 }  // namespace jqgrouped

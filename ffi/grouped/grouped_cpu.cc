@@ -13,21 +13,10 @@ namespace {
 using jq::bits_of;
 using jq::float_of;
 
-float half_bits_to_float(uint16_t h) {
-  const uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
-  if (e == 0x1F) return float_of(sign | 0x7F800000u | (m << 13));
-  if (e != 0) return float_of(sign | ((e - 15 + 127) << 23) | (m << 13));
-  if (m == 0) return float_of(sign);
-  int shift = 0;
-  uint32_t mm = m;
-  while (!(mm & 0x400u)) { mm <<= 1; ++shift; }
-  return float_of(sign | static_cast<uint32_t>(127 - 15 - shift + 1) << 23 | ((mm & 0x3FFu) << 13));
-}
-
 float load_x(const QuantizeParams& p, int64_t i) {
   switch (static_cast<jqffi::In>(p.in_type)) {
     case jqffi::In::kBF16: return float_of(uint32_t(static_cast<const uint16_t*>(p.x)[i]) << 16);
-    case jqffi::In::kF16: return half_bits_to_float(static_cast<const uint16_t*>(p.x)[i]);
+    case jqffi::In::kF16: return jq::f16_bits_to_float(static_cast<const uint16_t*>(p.x)[i]);
     default: return static_cast<const float*>(p.x)[i];
   }
 }
@@ -210,42 +199,9 @@ ffi::Error GroupedGemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer a_scale, ffi::AnyBuff
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER(kGroupedQuantizeFp8Cpu, GroupedQuantizeFp8Cpu,
-                       ffi::Ffi::Bind()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .RemainingRets()
-                           .Attr<bool>("rowwise")
-                           .Attr<bool>("columnwise")
-                           .Attr<bool>("delayed")
-                           .Attr<bool>("pow2_scale")
-                           .Attr<float>("amax_epsilon")
-                           .Attr<int64_t>("length")
-                           .Attr<int64_t>("expert_rows"));
-
-XLA_FFI_DEFINE_HANDLER(kGroupedAmaxCpu, GroupedAmaxCpu,
-                       ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
-
-XLA_FFI_DEFINE_HANDLER(kGroupedGemmCpu, GroupedGemmCpu,
-                       ffi::Ffi::Bind()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Attr<int32_t>("mode")
-                           .Attr<int32_t>("a_scaling")
-                           .Attr<int32_t>("b_scaling")
-                           .Attr<bool>("has_row_factor")
-                           .Attr<bool>("has_col_factor")
-                           .Attr<bool>("has_group_factor")
-                           .Attr<bool>("has_bias"));
+                       BindGroupedQuantizeFp8(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kGroupedAmaxCpu, GroupedAmaxCpu, BindGroupedAmax(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kGroupedGemmCpu, GroupedGemmCpu, BindGroupedGemm(ffi::Ffi::Bind()));
 
 void RegisterGroupedTargets(nanobind::dict& cpu, nanobind::dict& cuda) {
   cpu["jaxquant_grouped_quantize_fp8"] = nanobind::capsule(reinterpret_cast<void*>(kGroupedQuantizeFp8Cpu));

@@ -30,11 +30,14 @@
 #include <atomic>
 #include <string>
 
+#include "gemm/bf16_decode.cuh"
 #include "grouped/cuda_targets.h"
 #include "grouped/grouped_args.h"
 
 namespace jqgrouped {
 namespace {
+
+using namespace jaxquant_bf16_decode;
 
 using Stream = ffi::PlatformStream<cudaStream_t>;
 
@@ -342,55 +345,18 @@ __device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// ---- fast exact decoders (adapted from ffi/gemm/dequant_kernel.cuh, validated there) ------
+// ---- exact decoders: ffi/gemm/bf16_decode.cuh (shared with the dense dequant kernel) -------
 
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
-
-__device__ __forceinline__ uint32_t hmul2_bf16(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-
-// Four E4M3 (E5M2) bytes -> two bf16x2 holding value * 2^-120 (2^-112): each 16-bit lane gets
-// [sign-replicated byte, byte] (prmt msb mode); the shift puts exponent and mantissa in place,
-// the mask keeps them and one sign copy. Subnormals become bf16 subnormals (kept by mul.bf16x2).
 __device__ __forceinline__ void decode_fp8x4(uint32_t w, int elem, uint32_t& lo, uint32_t& hi) {
   if (elem == kElemE4M3) {
-    lo = (prmt(w, 0, 0x9180) << 4) & 0x87F087F0u;
-    hi = (prmt(w, 0, 0xB3A2) << 4) & 0x87F087F0u;
+    decode_e4m3x4(w, lo, hi);
   } else {
-    lo = (prmt(w, 0, 0x9180) << 5) & 0x8FE08FE0u;
-    hi = (prmt(w, 0, 0xB3A2) << 5) & 0x8FE08FE0u;
+    decode_e5m2x4(w, lo, hi);
   }
 }
 
-// Eight E2M1 nibbles (element 0 low) -> four bf16x2 holding value * 2^120, by byte lookups of
-// the bf16 high / low bytes of {0, 0.5, 1, 1.5, 2, 3, 4, 6} * 2^120, signs merged in.
 __device__ __forceinline__ void decode_e2m1x8(uint32_t w, uint32_t* out) {
-  constexpr uint32_t kHiLo = 0x7B7B7B00u, kLoLo = 0xC0800000u, kHiHi = 0x7C7C7C7Cu, kLoHi = 0xC0804000u;
-  const uint32_t m = w & 0x77777777u;
-  const uint32_t m_hi = m >> 16;
-  const uint32_t sw = w << 4;
-  const uint32_t s0 = prmt(w, sw, 0x1504), s1 = prmt(w, sw, 0x3726);
-  const uint32_t h0 = prmt(kHiLo, kHiHi, m) | (s0 & 0x80808080u);
-  const uint32_t h1 = prmt(kHiLo, kHiHi, m_hi) | (s1 & 0x80808080u);
-  const uint32_t l0 = prmt(kLoLo, kLoHi, m), l1 = prmt(kLoLo, kLoHi, m_hi);
-  out[0] = prmt(l0, h0, 0x5140);
-  out[1] = prmt(l0, h0, 0x7362);
-  out[2] = prmt(l1, h1, 0x5140);
-  out[3] = prmt(l1, h1, 0x7362);
-}
-
-// E4M3 scale code -> bf16x2 (both halves) holding scale * 2^-120 (NaN codes are not propagated:
-// a NaN block scale comes with a NaN amax, hence a NaN factor in the epilogue).
-__device__ __forceinline__ uint32_t e4m3_scale_bf16x2(uint32_t code) {
-  const uint32_t b = ((code & 0x7Fu) << 4) | ((code & 0x80u) << 8);
-  return b | (b << 16);
+  jaxquant_bf16_decode::decode_e2m1x8(w, out, kE2M1HiLo, kE2M1LoLo);
 }
 
 // The bf16x2 factor 2^t (t a biased exponent in [1, 254]).
@@ -737,46 +703,13 @@ ffi::Error GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER(kGroupedQuantizeFp8Cuda, GroupedQuantizeFp8Cuda,
-                       ffi::Ffi::Bind()
-                           .Ctx<Stream>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .RemainingRets()
-                           .Attr<bool>("rowwise")
-                           .Attr<bool>("columnwise")
-                           .Attr<bool>("delayed")
-                           .Attr<bool>("pow2_scale")
-                           .Attr<float>("amax_epsilon")
-                           .Attr<int64_t>("length")
-                           .Attr<int64_t>("expert_rows"),
+                       BindGroupedQuantizeFp8(ffi::Ffi::Bind().Ctx<Stream>()),
                        {ffi::Traits::kCmdBufferCompatible});
-
 XLA_FFI_DEFINE_HANDLER(kGroupedAmaxCuda, GroupedAmaxCuda,
-                       ffi::Ffi::Bind().Ctx<Stream>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>(),
+                       BindGroupedAmax(ffi::Ffi::Bind().Ctx<Stream>()),
                        {ffi::Traits::kCmdBufferCompatible});
-
 XLA_FFI_DEFINE_HANDLER(kGroupedGemmCuda, GroupedGemmCuda,
-                       ffi::Ffi::Bind()
-                           .Ctx<Stream>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Attr<int32_t>("mode")
-                           .Attr<int32_t>("a_scaling")
-                           .Attr<int32_t>("b_scaling")
-                           .Attr<bool>("has_row_factor")
-                           .Attr<bool>("has_col_factor")
-                           .Attr<bool>("has_group_factor")
-                           .Attr<bool>("has_bias"),
+                       BindGroupedGemm(ffi::Ffi::Bind().Ctx<Stream>()),
                        {ffi::Traits::kCmdBufferCompatible});
 
 std::vector<CudaTarget> GroupedCudaTargets() {
