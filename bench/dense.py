@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import flax.linen as nn
 import jax
@@ -25,6 +23,7 @@ import numpy as np
 from flax.linen import fp8_ops
 
 import jaxquant as jq
+from timing import bench  # bench/timing.py (this folder is on sys.path when run)
 import jaxquant.flax  # noqa: F401
 
 RECIPES = {
@@ -34,20 +33,6 @@ RECIPES = {
     "MXFP8BlockScaling": lambda: jq.recipes.MXFP8BlockScaling(),
     "NVFP4BlockScaling": lambda: jq.recipes.NVFP4BlockScaling(),
 }
-
-
-def bench(fn, *args, repeats=5, calls=5, warmup=2) -> float:
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    out = None
-    for _ in range(calls):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / calls)
-  return statistics.median(times)
 
 
 def step_fn(model):

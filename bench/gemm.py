@@ -15,15 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxquant as jq
+from timing import bench  # bench/timing.py (this folder is on sys.path when run)
 from jaxquant import ffi_gemm
 
 DEFAULT_SHAPES = ["8192x8192x8192", "16384x8192x8192", "8192x28672x8192"]
@@ -34,21 +33,6 @@ CORE_CASES = ("bf16 jnp.dot", "XLA fp8 dot (e4m3)", "fp8 e4m3 x e4m3 (fast acc)"
               "mxfp8 x mxfp8 (wgmma-dequant kernel)", "mxfp8 x mxfp8 (default path)",
               "mxfp8 jax.nn.scaled_matmul", "nvfp4 1x16 x 16x16 (wgmma-dequant kernel)",
               "nvfp4 jax.nn.scaled_matmul")
-
-
-def bench(fn, *args, repeats=5, calls=5, warmup=2) -> float:
-  """Median seconds per call of the jitted `fn(*args)`."""
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    out = None
-    for _ in range(calls):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / calls)
-  return statistics.median(times)
 
 
 def quantize(x, quantizer, key=None):

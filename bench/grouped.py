@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxquant as jq
+from timing import bench  # bench/timing.py (this folder is on sys.path when run)
 import jaxquant.flax  # noqa: F401
 
 RECIPES = {
@@ -48,20 +47,6 @@ CASES = {
     64: (64, 16384, 2048, 1408, "Qwen1.5-MoE-style fc1: 2048 tokens x top-8"),
 }
 TINY = {8: (8, 256, 128, 256, "tiny"), 64: (64, 512, 64, 128, "tiny")}
-
-
-def bench(fn, *args, repeats=5, calls=5, warmup=2) -> float:
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    out = None
-    for _ in range(calls):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / calls)
-  return statistics.median(times)
 
 
 def step_fn(model):

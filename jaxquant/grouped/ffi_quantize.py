@@ -120,6 +120,7 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool, colum
   if isinstance(quantizer, kernels._PER_TENSOR_FP8):
     return _experts_fp8(w, quantizer, rowwise, columnwise, state, orig_dtype)
   states = state if isinstance(state, tuple) else (state, state)
+  expert_amax = None  # each expert's tensor amax, one pass over w shared by both copies
   copies = {}
   for index, (direction, wanted) in enumerate((("rowwise", rowwise),
                                                ("columnwise", columnwise))):
@@ -134,7 +135,9 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool, colum
                           states[index], orig_dtype)
       copies[direction] = pair.rowwise if direction == "rowwise" else pair.columnwise
     else:
-      copies[direction] = _experts_single(w, leaf, direction, orig_dtype)
+      if expert_amax is None and not getattr(leaf, "row_scaled", False):
+        expert_amax = jax.vmap(tensor_amax)(w)
+      copies[direction] = _experts_single(w, leaf, direction, orig_dtype, expert_amax)
   return QuantizedTensor(copies.get("rowwise"), copies.get("columnwise"), quantizer)
 
 
@@ -149,13 +152,14 @@ def _experts_fp8(w, quantizer, rowwise: bool, columnwise: bool, state, orig_dtyp
                          make(col) if columnwise else None, quantizer)
 
 
-def _experts_single(w: jax.Array, leaf: Quantizer, direction: str, orig_dtype) -> ScaledTensor:
+def _experts_single(w: jax.Array, leaf: Quantizer, direction: str, orig_dtype,
+                    expert_amax: Optional[jax.Array]) -> ScaledTensor:
   """One copy of block-scaled expert weights from one single-tensor kernel launch on
   `[G * rows, cols]`: `kernels.expert_route` checked that no block spans two experts, so every
   block (and, for row-scaled NVFP4, every row amax) is the expert's own. The rowwise copy is a
   reshape; the columnwise copy `[cols, G * rows]` is regrouped to `[G, cols, rows]` (data and
-  block scales) by one XLA transpose; the tensor amax each expert's ScaledTensor records is the
-  expert's own (`tensor_amax`, as the reference computes it)."""
+  block scales) by one XLA transpose; `expert_amax[G]` is each expert's own tensor amax
+  (`tensor_amax`, as the reference computes it), passed in so both copies share one pass."""
   groups, rows, cols = w.shape
   rowwise = direction == "rowwise"
   row, col = single.quantize_single(w.reshape(groups * rows, cols), leaf, rowwise=rowwise,
@@ -165,8 +169,5 @@ def _experts_single(w: jax.Array, leaf: Quantizer, direction: str, orig_dtype) -
     regroup = lambda a: a.reshape(groups, a.shape[0] // groups, *a.shape[1:])
   else:
     regroup = lambda a: jnp.swapaxes(a.reshape(a.shape[0], groups, a.shape[1] // groups), 0, 1)
-  if getattr(leaf, "row_scaled", False):
-    amax = regroup(t.amax)
-  else:
-    amax = jax.vmap(tensor_amax)(w)
+  amax = regroup(t.amax) if getattr(leaf, "row_scaled", False) else expert_amax
   return ScaledTensor(regroup(t.data), regroup(t.scale_inv), amax, leaf, orig_dtype, t.rht)
