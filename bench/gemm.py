@@ -23,7 +23,7 @@ import numpy as np
 
 import jaxquant as jq
 from timing import bench  # bench/timing.py (this folder is on sys.path when run)
-from jaxquant import ffi_gemm
+from jaxquant.backends.ffi import gemm as ffi_gemm
 
 DEFAULT_SHAPES = ["8192x8192x8192", "16384x8192x8192", "8192x28672x8192"]
 # With --core-after-first, shapes after the first run only these cases.

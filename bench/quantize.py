@@ -26,12 +26,12 @@ from jax import lax
 
 import jaxquant as jq
 from jaxquant.formats.base import abs_max
-from jaxquant.kernels import calls, debug
-from jaxquant.kernels import quantize as fq
-from jaxquant.kernels import transpose as ft
+from jaxquant.backends.ffi import calls, debug
+from jaxquant.backends.ffi import quantize as fq
+from jaxquant.backends.ffi import transpose as ft
 from jaxquant.numerics import rht16
 from jaxquant.numerics.random_bits import key_words
-from jaxquant.ops import reference
+from jaxquant.backends.reference import ops as reference
 
 
 def timed(fn, *args, iters: int, rounds: int = 5) -> float:

@@ -9,7 +9,7 @@
 
 #include "gemm/registrations.h"
 #include "grouped/registrations.h"
-#include "handlers.h"
+#include "quantize/handlers.h"
 
 namespace nb = nanobind;
 

@@ -5,10 +5,10 @@ FFI kernels where built); recipes map module roles to quantizers; `jaxquant.flax
 """
 
 from jaxquant import factories, formats, ops
-from jaxquant.quantized_dense import DenseQuantizers, dense
+from jaxquant.layers.dense import DenseQuantizers, dense
 from jaxquant import grouped
-from jaxquant.grouped_dense import grouped_dense
-from jaxquant.grouped_dense import init_states as grouped_dense_states
+from jaxquant.layers.grouped_dense import grouped_dense
+from jaxquant.layers.grouped_dense import init_states as grouped_dense_states
 from jaxquant.explain import Decision, Report, explain, explain_recording
 from jaxquant.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer,
                                  Float8DelayedScalingQuantizer, HybridQuantizer,

@@ -7,11 +7,11 @@ layer from them and `jaxquant.flax.GroupedDense` is its module. Storages:
 `GroupedScaledTensor` / `GroupedQuantizedTensor`; token layouts: `TokenLayout`.
 """
 
-from jaxquant.grouped.layout import TokenLayout, clip_sizes
-from jaxquant.grouped.tensors import GroupedQuantizedTensor, GroupedScaledTensor
-from jaxquant.grouped.formats import token_block
-from jaxquant.grouped.ops import check_group_sizes, gemm, quantize, quantize_experts, to_tokens
-from jaxquant.grouped.state import init_state, update_state
+from jaxquant.grouping.layout import TokenLayout, clip_sizes
+from jaxquant.grouping.tensors import GroupedQuantizedTensor, GroupedScaledTensor
+from jaxquant.grouping.formats import token_block
+from jaxquant.ops.grouped import check_group_sizes, gemm, quantize, quantize_experts, to_tokens
+from jaxquant.grouping.state import init_state, update_state
 
 __all__ = ["TokenLayout", "clip_sizes", "GroupedScaledTensor", "GroupedQuantizedTensor",
            "token_block", "check_group_sizes", "gemm", "quantize", "quantize_experts",

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant.flax.quantization import QUANTIZE_RNG, check_recipe, stochastic_roles
-from jaxquant.quantized_dense import TENSOR_TYPES, DenseQuantizers, dense
+from jaxquant.layers.dense import TENSOR_TYPES, DenseQuantizers, dense
 from jaxquant.recipes import Recipe, current_recipe
 from jaxquant.state import DelayedScalingState
 

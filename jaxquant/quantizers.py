@@ -214,3 +214,8 @@ class HybridQuantizer(Quantizer):
 
 def is_identity(quantizer: Quantizer) -> bool:
   return isinstance(quantizer, IdentityQuantizer)
+
+
+def uses_rht(quantizer: Quantizer, direction: str) -> bool:
+  """NVFP4 with `rht=True` transforms its columnwise copy (the wgrad operand) only."""
+  return isinstance(quantizer, NVFP4Quantizer) and quantizer.rht and direction == "columnwise"

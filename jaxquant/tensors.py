@@ -9,13 +9,31 @@ flags are static aux data, so they pass through `jit`, `vmap`, `tree_map` and do
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxquant.quantizers import Quantizer
+
+
+# Decoders by quantizer class. The formats (`jaxquant.formats`) build on this module, so each
+# registers its decoder here when it registers itself, rather than this module importing them.
+_DECODERS: dict[type, Callable[[ScaledTensor], jax.Array]] = {}
+
+
+def register_decoder(quantizer_type: type, decode: Callable[[ScaledTensor], jax.Array]) -> None:
+  """Makes `ScaledTensor.dequantize` use `decode` (float32 values) for `quantizer_type`."""
+  _DECODERS[quantizer_type] = decode
+
+
+def _decoder(quantizer: Quantizer) -> Callable[[ScaledTensor], jax.Array]:
+  try:
+    return _DECODERS[type(quantizer)]
+  except KeyError:
+    raise TypeError(f"quantizer: no format decodes {type(quantizer).__name__}; expected one of "
+                    f"{sorted(t.__name__ for t in _DECODERS)}") from None
 
 
 @jax.tree_util.register_dataclass
@@ -51,8 +69,7 @@ class ScaledTensor:
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     """The high-precision `[rows, cols]` matrix this storage encodes (RHT undone)."""
-    from jaxquant.formats import dequantize_scaled  # formats depend on this module
-    return dequantize_scaled(self).astype(dtype)
+    return _decoder(self.quantizer)(self).astype(dtype)
 
 
 @jax.tree_util.register_dataclass

@@ -1,4 +1,4 @@
-"""The FFI GEMM (`jaxquant.ffi_gemm`, targets jaxquant_gemm_fp8 / jaxquant_gemm_dequant) against
+"""The FFI GEMM (`jaxquant.backends.ffi.gemm`, targets jaxquant_gemm_fp8 / jaxquant_gemm_dequant) against
 the reference GEMM, for every format pair, bias, output dtype and NVFP4 row-scaling combination.
 
 Operands are quantized by the reference quantizers (the spec), so only the GEMM is under test.
@@ -37,8 +37,9 @@ import pytest
 import jaxquant as jq
 import jaxquant.flax  # noqa: F401  (jq.flax)
 import oracle
-from jaxquant import ffi_gemm
-from jaxquant.ops import dispatch, reference
+from jaxquant.backends.ffi import gemm as ffi_gemm
+from jaxquant.backends.reference import ops as reference
+from jaxquant.ops import dispatch
 from jaxquant.state import init_state
 
 PLATFORMS = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
@@ -356,7 +357,7 @@ _GRAPH_SCRIPT = textwrap.dedent("""
     import sys
     import jax, jax.numpy as jnp, numpy as np
     import jaxquant as jq
-    from jaxquant import ffi_gemm
+    from jaxquant.backends.ffi import gemm as ffi_gemm
     seed, out_path = int(sys.argv[1]), sys.argv[2]
     rng = np.random.default_rng(seed)
     bf16 = jnp.bfloat16

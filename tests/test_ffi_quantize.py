@@ -18,11 +18,11 @@ import pytest
 
 import jaxquant as jq
 from jaxquant.explain import explain_recording
-from jaxquant import ffi_bindings
-from jaxquant.kernels import calls, registry
-from jaxquant.kernels import quantize as ffi_quantize
+from jaxquant.backends import ffi as ffi_bindings
+from jaxquant.backends.ffi import calls, registry
+from jaxquant.backends.ffi import quantize as ffi_quantize
 from jaxquant.numerics.random_bits import key_words
-from jaxquant.ops import reference
+from jaxquant.backends.reference import ops as reference
 
 pytestmark = pytest.mark.skipif(not registry.extension_built(),
                                 reason="jaxquant FFI extension not built")

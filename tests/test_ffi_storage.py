@@ -20,12 +20,12 @@ import pytest
 
 import jaxquant as jq
 from jaxquant.formats.base import abs_max
-from jaxquant.kernels import calls, debug, registry
-from jaxquant.kernels import quantize as ffi_quantize
-from jaxquant.kernels import transpose as ffi_transpose
+from jaxquant.backends.ffi import calls, debug, registry
+from jaxquant.backends.ffi import quantize as ffi_quantize
+from jaxquant.backends.ffi import transpose as ffi_transpose
 from jaxquant.numerics import rht16
 from jaxquant.numerics.minifloat import E2M1, from_storage, to_storage
-from jaxquant.ops import reference
+from jaxquant.backends.reference import ops as reference
 
 pytestmark = pytest.mark.skipif(not registry.extension_built(),
                                 reason="jaxquant FFI extension not built")
@@ -192,8 +192,8 @@ def test_transpose_rejects_non_fp8_data():
 _GRAPH_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     import jaxquant as jq
-    from jaxquant.kernels import quantize as fq
-    from jaxquant.ops import reference
+    from jaxquant.backends.ffi import quantize as fq
+    from jaxquant.backends.reference import ops as reference
     qs = [jq.Float8CurrentScalingQuantizer(), jq.MXFP8Quantizer(), jq.Float8BlockQuantizer(),
           jq.NVFP4Quantizer(rht=True), jq.NVFP4Quantizer(row_scaled=True)]
     def step(x):

@@ -17,7 +17,7 @@ from jax._src.ad_checkpoint import saved_residuals
 
 import jaxquant as jq
 import jaxquant.flax as jf
-from jaxquant.quantized_dense import RESIDUAL_NAMES
+from jaxquant.layers.dense import RESIDUAL_NAMES
 
 IDENTITY = jq.CustomRecipe(lambda role: jq.IdentityQuantizer())
 FP8 = jq.Float8CurrentScalingQuantizer()  # E4M3, per-tensor current scaling

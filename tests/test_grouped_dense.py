@@ -22,8 +22,8 @@ import pytest
 
 import jaxquant as jq
 import jaxquant.flax as jf
-from jaxquant.grouped_dense import token_blocks
-from jaxquant.quantized_dense import DenseQuantizers
+from jaxquant.layers.grouped_dense import token_blocks
+from jaxquant.layers.dense import DenseQuantizers
 
 # Under JAXQUANT_BACKEND=ffi a case without a grouped kernel is an error by design (never a silent
 # fallback); those cases are expected to raise that RuntimeError, every other case must pass.

@@ -22,7 +22,7 @@ import jaxquant.flax  # noqa: F401
 import jaxquant.grouped as jg
 import oracle
 from helpers import assert_same_leaves
-from jaxquant.grouped import kernels
+from jaxquant.backends.ffi.grouped import support as kernels
 
 pytestmark = pytest.mark.skipif(
     not kernels._targets("cpu") and not kernels._targets("cuda"),

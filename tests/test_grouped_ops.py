@@ -18,7 +18,7 @@ import pytest
 
 import jaxquant as jq
 import jaxquant.grouped as jg
-import jaxquant.grouped.formats  # noqa: F401  (jg.formats)
+from jaxquant.grouping.tensors import row_scaled, scale_blocks
 import oracle
 from helpers import assert_same_leaves
 
@@ -113,10 +113,10 @@ def _cut(stored: jq.ScaledTensor, extent: int, direction: str) -> jq.ScaledTenso
   axis = 0 if direction == "rowwise" else 1
   cut = lambda a, n: a[:n] if axis == 0 else a[:, :n]
   scale_inv, amax = stored.scale_inv, stored.amax
-  blocks = jg.formats.scale_blocks(stored.quantizer)
+  blocks = scale_blocks(stored.quantizer)
   if blocks is not None:
     scale_inv = cut(scale_inv, -(-extent // blocks[axis]))
-  if axis == 0 and jg.formats.row_scaled(stored.quantizer):
+  if axis == 0 and row_scaled(stored.quantizer):
     amax = amax[:extent]
   return jq.ScaledTensor(cut(stored.data, extent), scale_inv, amax, stored.quantizer,
                          stored.orig_dtype, stored.rht)

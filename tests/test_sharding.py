@@ -13,7 +13,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 
 import jaxquant as jq
 from jaxquant import sharding as jqs
-from jaxquant.kernels import partitioning
+from jaxquant.backends.ffi import partitioning
 from jaxquant.numerics.random_bits import stochastic_round_bits
 
 MESH = AbstractMesh((2, 2, 2), ("dp", "fsdp", "tp"))

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant.flax.quantization import module_key, module_quantizers, module_states
-from jaxquant.quantized_dense import dense
+from jaxquant.layers.dense import dense
 from jaxquant.recipes import Recipe
 
 default_kernel_init = nn.initializers.lecun_normal()

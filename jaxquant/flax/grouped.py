@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant.flax.quantization import module_key, module_quantizers, module_states
-from jaxquant.grouped_dense import MODULE_TYPE, grouped_dense
+from jaxquant.layers.grouped_dense import MODULE_TYPE, grouped_dense
 from jaxquant.recipes import Recipe
 
 # One fan-in per expert: the leading group axis is a batch axis, not part of the fan.

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant import sharding as _sharding
-from jaxquant.quantized_dense import TENSOR_TYPES, DenseQuantizers, dense
+from jaxquant.layers.dense import TENSOR_TYPES, DenseQuantizers, dense
 from jaxquant.quantizers import NVFP4Quantizer
 from jaxquant.recipes import Recipe, current_recipe
 from jaxquant.state import DelayedScalingState

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jaxquant.numerics.hadamard import rht16_inverse
 from jaxquant.quantizers import Quantizer
-from jaxquant.tensors import ScaledTensor
+from jaxquant.tensors import ScaledTensor, register_decoder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +42,8 @@ class Format:
   quantize: Callable[[jax.Array, Quantizer, QuantizeContext], ScaledTensor]
   dequantize_raw: Callable[[ScaledTensor], jax.Array]
   gemm_factor: Callable[[ScaledTensor], Optional[jax.Array]] = lambda t: None
+  # (block_rows, block_cols) of the scales, or None for one scale per tensor (or no scale).
+  blocks: Callable[[Quantizer], Optional[tuple[int, int]]] = lambda q: None
 
 
 _REGISTRY: dict[type, Format] = {}
@@ -49,6 +51,7 @@ _REGISTRY: dict[type, Format] = {}
 
 def register(quantizer_type: type, fmt: Format) -> None:
   _REGISTRY[quantizer_type] = fmt
+  register_decoder(quantizer_type, dequantize_scaled)
 
 
 def format_of(quantizer: Quantizer) -> Format:

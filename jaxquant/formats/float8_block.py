@@ -36,4 +36,5 @@ def dequantize_raw(t: ScaledTensor) -> jax.Array:
   return decode(t.data) * scale_inv
 
 
-register(Float8BlockQuantizer, Format("fp8-block", quantize, dequantize_raw))
+register(Float8BlockQuantizer, Format("fp8-block", quantize, dequantize_raw,
+                                         blocks=lambda q: tuple(q.block)))

@@ -46,4 +46,4 @@ def dequantize_raw(t: ScaledTensor) -> jax.Array:
   return decode(t.data) * scale
 
 
-register(MXFP8Quantizer, Format("mxfp8", quantize, dequantize_raw))
+register(MXFP8Quantizer, Format("mxfp8", quantize, dequantize_raw, blocks=lambda q: (1, BLOCK)))

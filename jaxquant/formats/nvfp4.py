@@ -81,4 +81,5 @@ def gemm_factor(t: ScaledTensor) -> jax.Array:
   return t.amax * jnp.float32(1.0 / GLOBAL_DECODE_DIVISOR)
 
 
-register(NVFP4Quantizer, Format("nvfp4", quantize, dequantize_raw, gemm_factor))
+register(NVFP4Quantizer, Format("nvfp4", quantize, dequantize_raw, gemm_factor,
+                               blocks=block_shape))

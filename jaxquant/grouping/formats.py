@@ -1,10 +1,9 @@
 """Grouped quantization per format: each format's reference (`jaxquant.formats`) applied to a
 token layout whose groups must not share anything a format computes per tensor.
 
-One table entry per quantizer class says
-- which blocks its scales use (`blocks`), hence the token-layout block a direction needs
-  (`token_block`): blocks along the token axis must not straddle two groups;
-- how to quantize a layout matrix (`quantize`): block-local formats (MXFP8, Float8Block) run
+The token-layout block a direction needs (`token_block`) follows from the format's scale blocks
+(`jaxquant.grouping.tensors.scale_blocks`): blocks along the token axis must not straddle two
+groups. One table entry per quantizer class says how to quantize a layout matrix (`quantize`): block-local formats (MXFP8, Float8Block) run
   their reference unchanged on the padded layout; per-tensor FP8 and NVFP4 take one amax per
   group (so one scale, or one second-level scale, per group), NVFP4's stochastic rounding draws
   each group's bits from that group's key at the token's index *within the group*.
@@ -20,19 +19,17 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant.formats import QuantizeContext, format_of
-from jaxquant.formats import float8_tensor, mxfp8, nvfp4
+from jaxquant.formats import float8_tensor, nvfp4
 from jaxquant.formats.base import abs_max, pad_to_blocks
-from jaxquant.grouped.layout import abs_bits, per_position, segment_amax
-from jaxquant.grouped.tensors import GroupedScaledTensor, along_tokens, positions
+from jaxquant.grouping.layout import abs_bits, per_position, segment_amax
+from jaxquant.grouping.tensors import scale_blocks
 from jaxquant.numerics import (nvfp4_global_encode_scale, scale_from_amax, spec_for_dtype,
                                stochastic_round_bits)
 from jaxquant.numerics.division import ieee_div
-from jaxquant.ops.reference import uses_rht
 from jaxquant.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer,
                                  Float8DelayedScalingQuantizer, IdentityQuantizer,
-                                 MXFP8Quantizer, NVFP4Quantizer, Quantizer)
+                                 MXFP8Quantizer, NVFP4Quantizer, Quantizer, uses_rht)
 from jaxquant.state import DelayedScalingState
-from jaxquant.tensors import ScaledTensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +72,6 @@ Quantize = Callable[[jax.Array, Quantizer, GroupedContext], tuple]
 @dataclasses.dataclass(frozen=True)
 class GroupedFormat:
   quantize: Quantize  # (layout matrix, quantizer, context) -> (data, scale_inv, amax)
-  blocks: Callable[[Quantizer], Optional[tuple[int, int]]] = lambda q: None
-  per_group_scale: bool = False  # scale_inv is [G] (per-tensor FP8)
 
 
 # --------------------------------------- per-tensor FP8 ---------------------------------------
@@ -155,11 +150,11 @@ def _identity(mat, q: IdentityQuantizer, ctx: GroupedContext):
 
 
 _REGISTRY: dict[type, GroupedFormat] = {
-    Float8CurrentScalingQuantizer: GroupedFormat(_fp8_current, per_group_scale=True),
-    Float8DelayedScalingQuantizer: GroupedFormat(_fp8_delayed, per_group_scale=True),
-    MXFP8Quantizer: GroupedFormat(_block_local, lambda q: (1, mxfp8.BLOCK)),
-    Float8BlockQuantizer: GroupedFormat(_block_local, lambda q: tuple(q.block)),
-    NVFP4Quantizer: GroupedFormat(_nvfp4, nvfp4.block_shape),
+    Float8CurrentScalingQuantizer: GroupedFormat(_fp8_current),
+    Float8DelayedScalingQuantizer: GroupedFormat(_fp8_delayed),
+    MXFP8Quantizer: GroupedFormat(_block_local),
+    Float8BlockQuantizer: GroupedFormat(_block_local),
+    NVFP4Quantizer: GroupedFormat(_nvfp4),
     IdentityQuantizer: GroupedFormat(_identity),
 }
 
@@ -175,15 +170,6 @@ def grouped_format(quantizer: Quantizer) -> GroupedFormat:
 
 # ----------------------------------------- properties -----------------------------------------
 
-def scale_blocks(quantizer: Quantizer) -> Optional[tuple[int, int]]:
-  """`(block_rows, block_cols)` of the format's scales, or None (per tensor, Identity)."""
-  return grouped_format(quantizer).blocks(quantizer)
-
-
-def row_scaled(quantizer: Quantizer) -> bool:
-  return isinstance(quantizer, NVFP4Quantizer) and quantizer.row_scaled
-
-
 def token_block(quantizer: Quantizer, direction: str) -> int:
   """The token-layout block `direction`'s copy needs: the scale block along the token axis
   (rows of a rowwise copy, columns of a columnwise copy), at least 16 under RHT."""
@@ -194,48 +180,3 @@ def token_block(quantizer: Quantizer, direction: str) -> int:
 
 def quantize(mat: jax.Array, quantizer: Quantizer, ctx: GroupedContext):
   return grouped_format(quantizer).quantize(mat, quantizer, ctx)
-
-
-# ------------------------------------------ decoding ------------------------------------------
-
-def _view(t: GroupedScaledTensor, scale_inv=None, amax=None) -> ScaledTensor:
-  return ScaledTensor(t.data, scale_inv, amax, t.quantizer, t.orig_dtype, t.rht)
-
-
-def raw(t: GroupedScaledTensor) -> jax.Array:
-  """float32 blocks times block scales (per-group scales for per-tensor FP8), without NVFP4's
-  second-level factor: what the GEMM multiplies."""
-  scale_inv = t.scale_inv
-  if scale_inv is not None and grouped_format(t.quantizer).per_group_scale:
-    scale_inv = along_tokens(t, scale_inv, 1.0)
-  return format_of(t.quantizer).dequantize_raw(_view(t, scale_inv))
-
-
-def factor(t: GroupedScaledTensor) -> Optional[jax.Array]:
-  """NVFP4's second-level factor `amax / (6 * 448)` in `t.amax`'s shape (`[G]`, `[rows]` or
-  `[G, rows]`), or None for formats without one."""
-  if t.amax is None:
-    return None
-  return format_of(t.quantizer).gemm_factor(_view(t, t.scale_inv, t.amax))
-
-
-def token_factor(t: GroupedScaledTensor) -> Optional[jax.Array]:
-  """`[L]` factor per token position of a rowwise copy (token_axis 0), or None."""
-  f = factor(t)
-  if f is None or row_scaled(t.quantizer):
-    return f
-  group, _, _ = positions(t)
-  return per_position(f, group, 1.0)
-
-
-def elementwise_factor(t: GroupedScaledTensor) -> Optional[jax.Array]:
-  """The factor broadcastable to `t.data` (for dequantization), or None."""
-  f = factor(t)
-  if f is None:
-    return None
-  if t.token_axis == 0:
-    return token_factor(t)[:, None]
-  if row_scaled(t.quantizer):  # [G, rows] -> [rows, L]
-    group, _, _ = positions(t)
-    return per_position(f, group, 1.0).T
-  return along_tokens(t, f, 1.0)

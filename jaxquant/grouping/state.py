@@ -13,7 +13,7 @@ from typing import Any, Union
 import jax
 import jax.numpy as jnp
 
-from jaxquant.grouped.tensors import GroupedQuantizedTensor
+from jaxquant.grouping.tensors import GroupedQuantizedTensor
 from jaxquant.quantizers import Float8DelayedScalingQuantizer, HybridQuantizer, Quantizer
 from jaxquant.state import delayed_scaling_update
 from jaxquant.state import init_state as _init_single

@@ -26,10 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant.grouped import layout as layout_lib
-from jaxquant.grouped.layout import TokenLayout
+from jaxquant.grouping import layout as layout_lib
+from jaxquant.grouping.layout import TokenLayout
+from jaxquant.formats import format_of
 from jaxquant.numerics.hadamard import rht16_inverse
-from jaxquant.quantizers import Quantizer
+from jaxquant.quantizers import (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer,
+                                 NVFP4Quantizer, Quantizer)
 from jaxquant.tensors import ScaledTensor
 
 
@@ -77,9 +79,8 @@ class GroupedScaledTensor:
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     """The high-precision matrix in this storage's layout (`[rows, cols]`, RHT undone)."""
-    from jaxquant.grouped import formats  # formats depend on this module
-    values = formats.raw(self)
-    factor = formats.elementwise_factor(self)
+    values = raw(self)
+    factor = elementwise_factor(self)
     if factor is not None:
       values = values * factor
     if self.rht:
@@ -99,12 +100,11 @@ class GroupedScaledTensor:
     The view covers the group's extent in the layout (its tokens zero-padded to the layout's
     block), so it equals `jaxquant.ops.quantize` of the group's rows zero-padded the same way.
     """
-    from jaxquant.grouped import formats
     start, extent = self.layout.group_slices(self.group_sizes)[g]
     sl = slice(start, start + extent)
     data = self.data[sl] if self.token_axis == 0 else self.data[:, sl]
     scale_inv = self.scale_inv
-    blocks = formats.scale_blocks(self.quantizer)
+    blocks = scale_blocks(self.quantizer)
     if scale_inv is not None:
       if blocks is None:  # per-tensor FP8
         scale_inv = scale_inv[g]
@@ -114,7 +114,7 @@ class GroupedScaledTensor:
         scale_inv = scale_inv[bl] if self.token_axis == 0 else scale_inv[:, bl]
     amax = self.amax
     if amax is not None:
-      per_token = self.token_axis == 0 and formats.row_scaled(self.quantizer)
+      per_token = self.token_axis == 0 and row_scaled(self.quantizer)
       amax = amax[sl] if per_token else amax[g]
     return ScaledTensor(data, scale_inv, amax, self.quantizer, self.orig_dtype, self.rht)
 
@@ -141,3 +141,64 @@ def along_tokens(t: GroupedScaledTensor, values: jax.Array, fill) -> jax.Array:
   group, _, _ = positions(t)
   per_pos = layout_lib.per_position(values, group, fill)
   return per_pos[:, None] if t.token_axis == 0 else per_pos[None, :]
+
+
+# ------------------------------------ format properties -------------------------------------
+
+def scale_blocks(quantizer: Quantizer) -> Optional[tuple[int, int]]:
+  """`(block_rows, block_cols)` of the format's scales, or None (per tensor, Identity)."""
+  return format_of(quantizer).blocks(quantizer)
+
+
+def per_group_scale(quantizer: Quantizer) -> bool:
+  """Whether `scale_inv` holds one scale per group (`[G]`): per-tensor FP8."""
+  return isinstance(quantizer, (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer))
+
+
+def row_scaled(quantizer: Quantizer) -> bool:
+  return isinstance(quantizer, NVFP4Quantizer) and quantizer.row_scaled
+
+
+# ------------------------------------------ decoding ------------------------------------------
+
+def _view(t: GroupedScaledTensor, scale_inv=None, amax=None) -> ScaledTensor:
+  return ScaledTensor(t.data, scale_inv, amax, t.quantizer, t.orig_dtype, t.rht)
+
+
+def raw(t: GroupedScaledTensor) -> jax.Array:
+  """float32 blocks times block scales (per-group scales for per-tensor FP8), without NVFP4's
+  second-level factor: what the GEMM multiplies."""
+  scale_inv = t.scale_inv
+  if scale_inv is not None and per_group_scale(t.quantizer):
+    scale_inv = along_tokens(t, scale_inv, 1.0)
+  return format_of(t.quantizer).dequantize_raw(_view(t, scale_inv))
+
+
+def factor(t: GroupedScaledTensor) -> Optional[jax.Array]:
+  """NVFP4's second-level factor `amax / (6 * 448)` in `t.amax`'s shape (`[G]`, `[rows]` or
+  `[G, rows]`), or None for formats without one."""
+  if t.amax is None:
+    return None
+  return format_of(t.quantizer).gemm_factor(_view(t, t.scale_inv, t.amax))
+
+
+def token_factor(t: GroupedScaledTensor) -> Optional[jax.Array]:
+  """`[L]` factor per token position of a rowwise copy (token_axis 0), or None."""
+  f = factor(t)
+  if f is None or row_scaled(t.quantizer):
+    return f
+  group, _, _ = positions(t)
+  return layout_lib.per_position(f, group, 1.0)
+
+
+def elementwise_factor(t: GroupedScaledTensor) -> Optional[jax.Array]:
+  """The factor broadcastable to `t.data` (for dequantization), or None."""
+  f = factor(t)
+  if f is None:
+    return None
+  if t.token_axis == 0:
+    return token_factor(t)[:, None]
+  if row_scaled(t.quantizer):  # [G, rows] -> [rows, L]
+    group, _, _ = positions(t)
+    return layout_lib.per_position(f, group, 1.0).T
+  return along_tokens(t, f, 1.0)

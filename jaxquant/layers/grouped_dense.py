@@ -16,7 +16,7 @@ Semantics the issue left open, decided here:
   directions, so one scale per expert for its tokens, its weight and its gradient;
 - block formats never let a block straddle two groups: the rowwise copies of `x`/`dy` contract
   over K and stay packed unless their blocks are 2-D; the columnwise (wgrad) copies, whose blocks
-  run along tokens, use the padded token layout of `jaxquant.grouped.layout` with one block
+  run along tokens, use the padded token layout of `jaxquant.grouping.layout` with one block
   shared by `x_col` and `dy_col` (the larger of the two formats' needs, 16 at least under RHT);
 - the RHT's 16-row chunks therefore never mix groups, and a group of any size is accepted (its
   zero padding is transformed with it; `jaxquant.dense` itself requires rows % 16 == 0);
@@ -35,11 +35,12 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxquant.grouped import formats, ops as grouped_ops
-from jaxquant.grouped.layout import TokenLayout, clip_sizes
-from jaxquant.grouped.state import init_state as init_group_state
-from jaxquant.grouped.state import update_state
-from jaxquant.quantized_dense import RESIDUAL_NAMES, TENSOR_TYPES, DenseQuantizers
+from jaxquant.grouping import formats
+from jaxquant.ops import grouped as grouped_ops
+from jaxquant.grouping.layout import TokenLayout, clip_sizes
+from jaxquant.grouping.state import init_state as init_group_state
+from jaxquant.grouping.state import update_state
+from jaxquant.layers.dense import RESIDUAL_NAMES, TENSOR_TYPES, DenseQuantizers
 
 MODULE_TYPE = "grouped_linear"
 

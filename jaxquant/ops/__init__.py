@@ -14,9 +14,10 @@ import numpy as np
 
 from jaxquant import explain as _explain
 from jaxquant.numerics.random_bits import key_words
-from jaxquant.ops import dispatch, reference
+from jaxquant.backends.reference import ops as reference
+from jaxquant.ops import dispatch
 from jaxquant.quantizers import (HIGH_PRECISION_DTYPES, HybridQuantizer, IdentityQuantizer,
-                                 NVFP4Quantizer, Quantizer)
+                                 NVFP4Quantizer, Quantizer, uses_rht)
 from jaxquant.tensors import QuantizedTensor, ScaledTensor
 
 Operand = Union[ScaledTensor, jax.Array]
@@ -40,7 +41,7 @@ def _needs_key(quantizer: Quantizer) -> bool:
 
 
 def _check_rht_shape(x2d: jax.Array, quantizer: Quantizer) -> None:
-  if reference.uses_rht(quantizer, "columnwise") and x2d.shape[0] % 16:
+  if uses_rht(quantizer, "columnwise") and x2d.shape[0] % 16:
     raise ValueError(
         f"x: NVFP4Quantizer(rht=True) transforms the columnwise copy along x's rows (the "
         f"wgrad contraction axis) in chunks of 16; got {x2d.shape[0]} rows. Use a row count "

@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-import jax
+from jaxquant.backends import ffi
+from jaxquant.backends.platform import current_platform
 
 BACKENDS = ("auto", "reference", "ffi")
 
@@ -22,19 +23,9 @@ def requested_backend() -> str:
   return value
 
 
-def current_platform() -> str:
-  """The platform ops are lowered for (the default backend): "cpu", "cuda", ..."""
-  platform = jax.default_backend()
-  return "cuda" if platform == "gpu" else platform
-
-
 def ffi_module():
-  """The loaded `jaxquant.ffi_bindings` module, or None when the extension is not built."""
-  try:
-    from jaxquant import ffi_bindings
-  except ImportError:
-    return None
-  return ffi_bindings if ffi_bindings.available() else None
+  """The FFI backend (`jaxquant.backends.ffi`), or None when the extension is not built."""
+  return ffi if ffi.available() else None
 
 
 def choose(op: str, unsupported_reason: Optional[str]) -> tuple[str, str]:

@@ -4,9 +4,9 @@
 group's storage is bit-for-bit `jaxquant.ops.quantize` of that group alone (per-group amax, scales,
 second-level scales, delayed-scaling state and stochastic-rounding key), in one program for all
 groups. `quantize_experts(w, quantizer)` quantizes `w[G, rows, cols]` one expert at a time (a
-`vmap`). `gemm` runs the two ragged GEMMs of `jaxquant.grouped.reference`.
+`vmap`). `gemm` runs the two ragged GEMMs of `jaxquant.backends.reference.grouped`.
 
-Each op validates its arguments, asks the FFI seam (`jaxquant.grouped.kernels`) whether a grouped
+Each op validates its arguments, asks the FFI seam (`jaxquant.backends.ffi.grouped`) whether a grouped
 kernel can serve it, and records the path taken and why for `jaxquant.explain` (op names
 `grouped_quantize` and `grouped_gemm`).
 """
@@ -20,17 +20,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant.explain import Decision, record
-from jaxquant.grouped import formats, kernels, reference
-from jaxquant.grouped.formats import GroupedContext
-from jaxquant.grouped.layout import TokenLayout, clip_sizes
-from jaxquant.grouped.tensors import GroupedQuantizedTensor, GroupedScaledTensor
+from jaxquant.backends.ffi import grouped as kernels
+from jaxquant.backends.reference import grouped as reference
+from jaxquant.grouping import formats
+from jaxquant.grouping.formats import GroupedContext
+from jaxquant.grouping.layout import TokenLayout, clip_sizes
+from jaxquant.grouping.tensors import GroupedQuantizedTensor, GroupedScaledTensor
 from jaxquant.numerics import rht16
 from jaxquant.numerics.random_bits import key_words
 from jaxquant.ops import dispatch
-from jaxquant.ops import reference as matrix_reference
-from jaxquant.ops.reference import uses_rht
+from jaxquant.backends.reference import ops as matrix_reference
 from jaxquant.quantizers import (HIGH_PRECISION_DTYPES, HybridQuantizer, IdentityQuantizer,
-                                 NVFP4Quantizer, Quantizer)
+                                 NVFP4Quantizer, Quantizer, uses_rht)
 from jaxquant.tensors import QuantizedTensor, ScaledTensor
 
 __all__ = ["quantize", "quantize_experts", "gemm", "to_tokens", "check_group_sizes"]
@@ -177,7 +178,7 @@ def quantize(x: jax.Array, group_sizes: jax.Array, quantizer: Quantizer, *,
   zero-padded to the copy's token block (`GroupedScaledTensor.group(g)` is that storage):
   per-tensor formats keep one amax and scale per group in both directions; block scales never
   span two groups (the copy whose blocks run along tokens uses the padded layout of
-  `jaxquant.grouped.layout`); the RHT transforms 16-token chunks of one group; stochastic
+  `jaxquant.grouping.layout`); the RHT transforms 16-token chunks of one group; stochastic
   rounding uses each group's key at the token's index within the group. Rows past
   `sum(group_sizes)` belong to no group (quantized as zeros).
 

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxquant as jq
-import jaxquant.ffi_gemm
+import jaxquant.backends.ffi.gemm
 from helpers import assert_same_leaves
 import sharded
 
@@ -44,7 +44,7 @@ def backend(request, monkeypatch):
   # not a float32 reduction, so these comparisons use split accumulation everywhere.
   monkeypatch.setenv("JAXQUANT_FP8_ACCUMULATION", "split")
   # The CPU GEMM handlers serve small problems only; these shapes are just above the default.
-  monkeypatch.setattr(jq.ffi_gemm, "CPU_MAX_MACS", 1 << 26)
+  monkeypatch.setattr(jaxquant.backends.ffi.gemm, "CPU_MAX_MACS", 1 << 26)
   return name
 
 

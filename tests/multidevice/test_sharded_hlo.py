@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxquant as jq
-import jaxquant.ffi_gemm
+import jaxquant.backends.ffi.gemm
 import sharded
 
 BACKENDS = ("reference", "ffi")
@@ -27,7 +27,7 @@ BACKENDS = ("reference", "ffi")
 
 @pytest.fixture(autouse=True)
 def _small_cpu_gemms(monkeypatch):
-  monkeypatch.setattr(jaxquant.ffi_gemm, "CPU_MAX_MACS", 1 << 26)
+  monkeypatch.setattr(jaxquant.backends.ffi.gemm, "CPU_MAX_MACS", 1 << 26)
 
 
 def _compiled(layout, mesh, quantizers, rng, *, backward=True, kernel_shape=None):

@@ -1,22 +1,23 @@
-"""The FFI path: registers the extension's handlers with XLA and says what it can serve.
+"""The FFI backend: the compiled extension's kernels, called through the XLA FFI.
 
-`available()` is False when the extension was not built (or registered nothing); the ops then
-take the reference path and `jaxquant.explain` says why. The kernels' Python wrappers live in
-`jaxquant.kernels`; this module is the seam `jaxquant.ops` dispatches through.
+This package's top level is what `jaxquant.ops` dispatches through: whether the extension can
+serve a case (`*_unsupported`, None when it can) and the ops themselves. `available()` is False
+when the extension was not built (or registered nothing); the ops then take the reference path
+and `jaxquant.explain` says why. Modules: `registry` (loading and registering the handlers),
+`targets` (plain `ffi_call`s), `partitioning` (sharded calls), `calls` (the two combined, and the
+amax target), `quantize`, `transpose`, `gemm` (cuBLASLt and in-kernel dequantization), `grouped`
+(the mixture-of-experts kernels) and `debug` (storage and encoder probes for the tests).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from jaxquant.kernels import quantize as _quantize
-from jaxquant.kernels import registry as _registry
-from jaxquant.kernels import transpose as _transpose
-
-
-def _platform() -> str:
-  from jaxquant.ops.dispatch import current_platform
-  return current_platform()
+from jaxquant.backends.ffi import gemm as _gemm
+from jaxquant.backends.ffi import quantize as _quantize
+from jaxquant.backends.ffi import registry as _registry
+from jaxquant.backends.ffi import transpose as _transpose
+from jaxquant.backends.platform import current_platform as _platform
 
 
 def available() -> bool:
@@ -38,7 +39,7 @@ def quantize_unsupported(x2d, quantizer, *, rowwise: bool, columnwise: bool) -> 
 
 def quantize_single(x2d, quantizer, *, rowwise: bool, columnwise: bool, orig_dtype,
                     row_key_words=None, col_key_words=None, state=None):
-  """Same contract as `jaxquant.ops.reference.quantize_single`."""
+  """Same contract as `jaxquant.backends.reference.ops.quantize_single`."""
   return _quantize.quantize_single(x2d, quantizer, rowwise=rowwise, columnwise=columnwise,
                                    orig_dtype=orig_dtype, row_key_words=row_key_words,
                                    col_key_words=col_key_words, state=state)
@@ -53,22 +54,17 @@ def transpose(t):
   return _transpose.transpose(t)
 
 
-# The GEMM lives in jaxquant.ffi_gemm (issue 5).
 def gemm_unsupported(a, b) -> Optional[str]:
-  from jaxquant import ffi_gemm
-  return ffi_gemm.gemm_unsupported(a, b)
+  return _gemm.gemm_unsupported(a, b)
 
 
 def gemm_path(a, b) -> str:
-  from jaxquant import ffi_gemm
-  return ffi_gemm.gemm_path(a, b)
+  return _gemm.gemm_path(a, b)
 
 
 def gemm_path_reason(a, b) -> str:
-  from jaxquant import ffi_gemm
-  return ffi_gemm.gemm_path_reason(a, b)
+  return _gemm.gemm_path_reason(a, b)
 
 
 def gemm(a, b, *, out_dtype, bias=None, precision=None, **kwargs):
-  from jaxquant import ffi_gemm
-  return ffi_gemm.gemm(a, b, out_dtype=out_dtype, bias=bias, precision=precision, **kwargs)
+  return _gemm.gemm(a, b, out_dtype=out_dtype, bias=bias, precision=precision, **kwargs)

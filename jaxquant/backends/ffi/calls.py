@@ -1,4 +1,4 @@
-"""Thin `jax.ffi.ffi_call` helpers shared by the per-op wrappers."""
+"""Calling FFI targets, partitioned when the program is sharded, and the amax target."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from jaxquant.kernels import registry
+from jaxquant.backends.ffi import partitioning, targets
+from jaxquant.backends.ffi.partitioning import Layout
 
 # Bit set of `jaxquant_amax` outputs (ffi/handler_common.h, AmaxOutput); results come in bit order.
 AMAX_TENSOR, AMAX_TENSOR_RHT, AMAX_ROWS, AMAX_COLS, AMAX_COLS_RHT = 1, 2, 4, 8, 16
@@ -16,22 +17,11 @@ AMAX_TENSOR, AMAX_TENSOR_RHT, AMAX_ROWS, AMAX_COLS, AMAX_COLS_RHT = 1, 2, 4, 8, 
 def call(target: str, results: Sequence[jax.ShapeDtypeStruct], *args, layout=None, **attrs):
   """Calls FFI `target`; `attrs` are typed here (bool -> i1, float -> f32, int -> i32/i64).
 
-  With a `layout` (`jaxquant.kernels.partitioning.Layout`) the call is partitioned when the
+  With a `layout` (`jaxquant.backends.ffi.partitioning.Layout`) the call is partitioned when the
   program is sharded: each shard runs the target on its local block."""
   if layout is not None:
-    from jaxquant.kernels import partitioning
     return partitioning.call(target, results, *args, layout=layout, **attrs)
-  registry.registered_platforms()  # registers the handlers on first use
-  typed = {}
-  for name, value in attrs.items():
-    if isinstance(value, (bool, np.bool_)):
-      typed[name] = np.bool_(value)
-    elif isinstance(value, float):
-      typed[name] = np.float32(value)
-    else:
-      typed[name] = value
-  out = jax.ffi.ffi_call(target, list(results), vmap_method="sequential")(*args, **typed)
-  return list(out)
+  return targets.call(target, results, *args, **attrs)
 
 
 # Per output bit: (shape as logical axes, the axes it reduces over, a Hadamard chunk along m).
@@ -46,7 +36,6 @@ def amax(x2d: jax.Array, outputs: int) -> list[jax.Array]:
   Partitioned: each shard reduces its block, then a `pmax` over the mesh axes that shard the
   reduced axes (all of them for a per-tensor amax; the columns' for a per-row amax) makes the
   result global before any scale is derived from it."""
-  from jaxquant.kernels.partitioning import Layout
   lengths = dict(zip("mk", x2d.shape))
   bits = [bit for bit in _AMAX_OUTPUTS if outputs & bit]
   results = [jax.ShapeDtypeStruct(tuple(lengths[a] for a in _AMAX_OUTPUTS[bit][0]), np.float32)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant.kernels import calls
+from jaxquant.backends.ffi import calls
 
 
 def raw_bytes(x: jax.Array, nbytes: int) -> jax.Array:

@@ -20,7 +20,7 @@
   xla-dot             two high-precision operands: XLA's own dot, exactly like the reference
 On CPU the two kernel targets have simple handlers and the paths read `cpu:<path>`; they serve
 small problems only (M*N*K <= CPU_MAX_MACS), larger ones take the reference path, visibly.
-Under a mesh the kernel paths are partitioned (`jaxquant.kernels.partitioning.gemm`): each shard
+Under a mesh the kernel paths are partitioned (`jaxquant.backends.ffi.partitioning.gemm`): each shard
 multiplies its rows, a sharded K ends in one float32 psum, and the bias is added after it; the
 XLA paths are partitioned by XLA itself.
 
@@ -50,8 +50,9 @@ import numpy as np
 from jax import lax
 
 from jaxquant.formats import format_of
-from jaxquant.kernels import partitioning
-from jaxquant.ops import reference
+from jaxquant.backends.ffi import partitioning, registry
+from jaxquant.backends.platform import current_platform as _platform
+from jaxquant.backends.reference import ops as reference
 from jaxquant.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer,
                                  Float8DelayedScalingQuantizer, IdentityQuantizer,
                                  MXFP8Quantizer, NVFP4Quantizer)
@@ -127,21 +128,9 @@ def _kind(x: Operand) -> _Kind:
 # What this process can run.
 # ---------------------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
 def _targets(platform: str) -> frozenset:
   """GEMM targets the extension registered for `platform` ("cpu", "cuda")."""
-  try:
-    from jaxquant import ffi_bindings
-    from jaxquant import _jaxquant_ffi as ext
-  except ImportError:
-    return frozenset()
-  if not ffi_bindings.available():  # registers every target with XLA
-    return frozenset()
-  names = set()
-  for name, targets in ext.registrations().items():
-    if name.lower() == platform.lower():
-      names |= {t for t in targets if t in (FP8_TARGET, DEQUANT_TARGET)}
-  return frozenset(names)
+  return registry.registered_targets(platform) & {FP8_TARGET, DEQUANT_TARGET}
 
 
 @functools.lru_cache(maxsize=None)
@@ -169,11 +158,6 @@ def _compute_capability() -> Optional[tuple[int, int]]:
     return None
   major, minor = str(cc).split(".")[:2]
   return int(major), int(minor)
-
-
-def _platform() -> str:
-  from jaxquant.ops import dispatch
-  return dispatch.current_platform()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxquant import sharding as _sharding
+from jaxquant.backends.ffi import targets
 
 Dims = _sharding.Dims
 
@@ -264,14 +265,13 @@ def _thaw(frozen: tuple) -> dict:
 @functools.lru_cache(maxsize=None)
 def _partitioned_call(target: str, layout: Layout, operand_shapes: tuple, results: tuple,
                       frozen_attrs: tuple) -> Callable:
-  from jaxquant.kernels import calls
   attrs = _thaw(frozen_attrs)
   result_structs = [jax.ShapeDtypeStruct(s, d) for s, d in results]
   result_shapes = [s for s, _ in results]
   order = tuple(dict.fromkeys(a for a, _ in _all_dims(layout) if a is not None))
 
   def single(*args):
-    return tuple(calls.call(target, result_structs, *args, **attrs))
+    return tuple(targets.call(target, result_structs, *args, **attrs))
 
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
@@ -293,7 +293,7 @@ def _partitioned_call(target: str, layout: Layout, operand_shapes: tuple, result
         col0 = shard_origin(assign[col_axis], mesh,
                             lengths[col_axis] // _sharding.axis_size(mesh, assign[col_axis]))
         args[index] = offset_key(args[index], row0, col0)
-      outs = calls.call(target, local, *args, **attrs)
+      outs = targets.call(target, local, *args, **attrs)
       for index, axes in layout.reduce:
         mesh_axes = tuple(a for axis in axes for a in assign.get(axis, ()))
         if mesh_axes:
@@ -310,7 +310,7 @@ def _partitioned_call(target: str, layout: Layout, operand_shapes: tuple, result
 
 def call(target: str, results: Sequence[jax.ShapeDtypeStruct], *args, layout: Layout,
          **attrs) -> list:
-  """`jaxquant.kernels.calls.call`, partitioned by `layout` when the program is sharded."""
+  """`jaxquant.backends.ffi.calls.call`, partitioned by `layout` when the program is sharded."""
   if len(layout.operands) != len(args) or len(layout.results) != len(results):
     raise ValueError(f"{target}: layout describes {len(layout.operands)} operands and "
                      f"{len(layout.results)} results; got {len(args)} and {len(results)}")

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant.kernels import calls
-from jaxquant.kernels.partitioning import Layout
+from jaxquant.backends.ffi import calls
+from jaxquant.backends.ffi.partitioning import Layout
 from jaxquant.quantizers import (HIGH_PRECISION_DTYPES, Float8BlockQuantizer,
                                  Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer,
                                  MXFP8Quantizer, NVFP4Quantizer, Quantizer)
@@ -221,7 +221,7 @@ def _nvfp4(req: Request, q: NVFP4Quantizer) -> Pair:
 
 # ------------------------------------------- registry -----------------------------------------
 
-_FORMATS: dict[type, Callable[[Request, Quantizer], Pair]] = {
+KERNEL_FORMATS: dict[type, Callable[[Request, Quantizer], Pair]] = {
     Float8CurrentScalingQuantizer: lambda req, q: _fp8_tensor(req, q, delayed=False),
     Float8DelayedScalingQuantizer: lambda req, q: _fp8_tensor(req, q, delayed=True),
     MXFP8Quantizer: _mxfp8,
@@ -232,7 +232,7 @@ _FORMATS: dict[type, Callable[[Request, Quantizer], Pair]] = {
 
 def unsupported(x2d, quantizer: Quantizer, *, rowwise: bool, columnwise: bool) -> Optional[str]:
   """None when a kernel serves this quantize, else the reason (the reference path is taken)."""
-  if type(quantizer) not in _FORMATS:
+  if type(quantizer) not in KERNEL_FORMATS:
     return f"no FFI quantize kernel for {type(quantizer).__name__}"
   if x2d.ndim != 2 or 0 in x2d.shape:
     return f"the FFI kernels need a non-empty 2-D matrix; got shape {tuple(x2d.shape)}"
@@ -254,4 +254,4 @@ def quantize_single(x2d, quantizer: Quantizer, *, rowwise: bool, columnwise: boo
   if reason is not None:
     raise ValueError(f"FFI quantize cannot serve {quantizer}: {reason}")
   req = Request(x2d, rowwise, columnwise, orig_dtype, row_key_words, col_key_words, state)
-  return _FORMATS[type(quantizer)](req, quantizer)
+  return KERNEL_FORMATS[type(quantizer)](req, quantizer)

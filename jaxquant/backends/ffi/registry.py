@@ -12,7 +12,7 @@ try:
 except ImportError:  # extension not built
   _ext = None
 
-# XLA platform names (as registered) for jaxquant's platform names (`dispatch.current_platform`).
+# XLA platform names (as registered) for jaxquant's platform names (`platform.current_platform`).
 _XLA_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}
 
 
@@ -28,6 +28,15 @@ def registered_platforms() -> tuple[str, ...]:
     if targets:
       platforms.append(platform)
   return tuple(platforms)
+
+
+@functools.lru_cache(maxsize=None)
+def registered_targets(platform: str) -> frozenset:
+  """Names of the targets registered for jaxquant platform `platform` ("cpu", "cuda")."""
+  xla_platform = _XLA_PLATFORM.get(platform)
+  if xla_platform is None or xla_platform not in registered_platforms():
+    return frozenset()
+  return frozenset(_ext.registrations()[xla_platform])
 
 
 def extension_built() -> bool:

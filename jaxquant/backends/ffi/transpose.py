@@ -7,8 +7,8 @@ from typing import Optional
 import jax
 import numpy as np
 
-from jaxquant.kernels import calls
-from jaxquant.kernels.partitioning import Layout
+from jaxquant.backends.ffi import calls
+from jaxquant.backends.ffi.partitioning import Layout
 from jaxquant.quantizers import FP8_DTYPES
 from jaxquant.tensors import ScaledTensor
 

@@ -5,7 +5,7 @@ Both are `jax.lax.ragged_dot` semantics on the TN storage convention:
   `out[r, n] = sum_k a[r, k] b[group(r), n, k]`. Forward and data-gradient GEMMs.
 - `per_group_gemm`: `a[M, L]` and `b[N, L]` share a token layout along the contraction axis;
   `out[g, m, n] = sum over positions l of group g of a[m, l] b[n, l]`. Weight-gradient GEMM.
-As in `jaxquant.ops.reference.gemm`: quantized operands are decoded exactly (blocks times block
+As in `jaxquant.backends.reference.ops.gemm`: quantized operands are decoded exactly (blocks times block
 scales, per-group scales for per-tensor FP8), products accumulate in float32, NVFP4's
 second-level factors (per group, per token, or per group and feature) multiply the accumulator,
 and two high-precision operands take a plain ragged dot in their own dtype.
@@ -20,9 +20,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxquant.formats import format_of
-from jaxquant.grouped import formats
-from jaxquant.grouped.layout import per_position
-from jaxquant.grouped.tensors import GroupedScaledTensor, positions
+from jaxquant.grouping.layout import per_position
+from jaxquant.grouping.tensors import GroupedScaledTensor, factor, positions, raw, token_factor
 from jaxquant.tensors import ScaledTensor
 
 Experts = Union[ScaledTensor, jax.Array]  # [G, N, K]: a leading expert axis
@@ -72,10 +71,10 @@ def ragged_gemm(a: GroupedScaledTensor, b: Experts, *, out_dtype,
     if bias_rows is not None:
       out = out + bias_rows.astype(out.dtype)
     return out.astype(out_dtype)
-  lhs, rhs = lax.optimization_barrier((formats.raw(a), expert_raw(b)))
+  lhs, rhs = lax.optimization_barrier((raw(a), expert_raw(b)))
   acc = lax.ragged_dot(lhs, jnp.swapaxes(rhs, 1, 2), sizes, precision=lax.Precision.HIGHEST,
                        preferred_element_type=jnp.float32)
-  lhs_factor = formats.token_factor(a)
+  lhs_factor = token_factor(a)
   if lhs_factor is not None:
     acc = acc * lhs_factor[:, None]
   rhs_factor = expert_factor(b)
@@ -95,14 +94,14 @@ def per_group_gemm(a: GroupedScaledTensor, b: GroupedScaledTensor, *, out_dtype,
     lhs, rhs = _same_dtype(a.data, b.data)
     out = lax.ragged_dot_general(lhs, rhs, sizes, _PER_GROUP_DNUMS, precision=precision)
     return out.astype(out_dtype)
-  lhs, rhs = lax.optimization_barrier((formats.raw(a), formats.raw(b)))
+  lhs, rhs = lax.optimization_barrier((raw(a), raw(b)))
   acc = lax.ragged_dot_general(lhs, rhs, sizes, _PER_GROUP_DNUMS,
                                precision=lax.Precision.HIGHEST,
                                preferred_element_type=jnp.float32)
-  lhs_factor = formats.factor(a)
+  lhs_factor = factor(a)
   if lhs_factor is not None:
     acc = acc * (lhs_factor[:, None, None] if lhs_factor.ndim == 1 else lhs_factor[:, :, None])
-  rhs_factor = formats.factor(b)
+  rhs_factor = factor(b)
   if rhs_factor is not None:
     acc = acc * (rhs_factor[:, None, None] if rhs_factor.ndim == 1 else rhs_factor[:, None, :])
   return acc.astype(out_dtype)

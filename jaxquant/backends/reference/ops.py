@@ -16,15 +16,10 @@ from jax import lax
 from jaxquant.formats import QuantizeContext, format_of
 from jaxquant.numerics import rht16
 from jaxquant.quantizers import Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer
-from jaxquant.quantizers import NVFP4Quantizer, Quantizer
+from jaxquant.quantizers import NVFP4Quantizer, Quantizer, uses_rht
 from jaxquant.tensors import ScaledTensor
 
 Operand = Union[ScaledTensor, jax.Array]
-
-
-def uses_rht(quantizer: Quantizer, direction: str) -> bool:
-  """NVFP4 with `rht=True` transforms its columnwise copy (the wgrad operand) only."""
-  return isinstance(quantizer, NVFP4Quantizer) and quantizer.rht and direction == "columnwise"
 
 
 def quantize_single(x2d: jax.Array, quantizer: Quantizer, *, rowwise: bool, columnwise: bool,

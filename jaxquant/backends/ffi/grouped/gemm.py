@@ -1,6 +1,6 @@
 """The grouped GEMMs through `jaxquant_grouped_gemm` (one launch per GEMM).
 
-Same contract as `jaxquant.grouped.reference` (`ragged_gemm` for a rowwise `a`, `per_group_gemm`
+Same contract as `jaxquant.backends.reference.grouped` (`ragged_gemm` for a rowwise `a`, `per_group_gemm`
 for a columnwise one): the kernel decodes each operand exactly (payload times block scale), sums
 in float32, and its epilogue multiplies the accumulator by what the reference multiplies:
 per-tensor FP8 scales and NVFP4 per-tensor factors of both operands as one per-group product,
@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant.grouped import formats, kernels, reference
-from jaxquant.grouped.tensors import GroupedScaledTensor
-from jaxquant.kernels import calls
+from jaxquant.backends.ffi import calls
+from jaxquant.backends.ffi.grouped import support
+from jaxquant.backends.reference import grouped as reference
+from jaxquant.grouping.tensors import GroupedScaledTensor, factor, token_factor
 from jaxquant.tensors import ScaledTensor
 
 _PLACEHOLDER_U8 = np.zeros((1,), np.uint8)
@@ -27,7 +28,7 @@ _PLACEHOLDER_F32 = np.zeros((1,), np.float32)
 
 def _scale_bytes(operand) -> jax.Array:
   """Block scales as the kernel reads them: E8M0 / E4M3 bytes, Float8Block's float32."""
-  scaling = kernels.gemm_scaling(operand)
+  scaling = support.gemm_scaling(operand)
   if scaling == 0:
     return jnp.asarray(_PLACEHOLDER_U8)
   if scaling >= 4:
@@ -37,16 +38,16 @@ def _scale_bytes(operand) -> jax.Array:
 
 def _per_group(operand) -> Optional[jax.Array]:
   """The operand's per-tensor scale of each group: FP8 `scale_inv [G]`, else None."""
-  if kernels.gemm_scaling(operand) == 0:
+  if support.gemm_scaling(operand) == 0:
     return operand.scale_inv.astype(jnp.float32)
   return None
 
 
 def gemm(a: GroupedScaledTensor, b, *, out_dtype, bias: Optional[jax.Array] = None,
          precision=None) -> jax.Array:
-  """`jaxquant.grouped.gemm` on the FFI (`kernels.gemm_unsupported(a, b)` must be None)."""
+  """`jaxquant.grouped.gemm` on the FFI (`support.gemm_unsupported(a, b)` must be None)."""
   del precision  # quantized operands: exact decode, float32 accumulation
-  reason = kernels.gemm_unsupported(a, b, out_dtype)
+  reason = support.gemm_unsupported(a, b, out_dtype)
   if reason is not None:
     raise ValueError(f"grouped FFI GEMM cannot serve this pair: {reason}")
   groups = a.groups
@@ -57,7 +58,7 @@ def gemm(a: GroupedScaledTensor, b, *, out_dtype, bias: Optional[jax.Array] = No
   if a.token_axis == 0:
     mode, (rows, _), n = 0, a.shape, b.shape[1]
     out_shape = (rows, n)
-    lhs = formats.token_factor(a)  # [L] or None
+    lhs = token_factor(a)  # [L] or None
     if lhs is not None:
       row_factor = lhs.astype(jnp.float32)
     rhs = reference.expert_factor(b)  # [G] or [G, N]
@@ -69,7 +70,7 @@ def gemm(a: GroupedScaledTensor, b, *, out_dtype, bias: Optional[jax.Array] = No
   else:
     mode, m, n = 1, a.shape[0], b.shape[0]
     out_shape = (groups, m, n)
-    for f, is_row in ((formats.factor(a), True), (formats.factor(b), False)):
+    for f, is_row in ((factor(a), True), (factor(b), False)):
       if f is None:
         continue
       if f.ndim == 1:
@@ -86,11 +87,11 @@ def gemm(a: GroupedScaledTensor, b, *, out_dtype, bias: Optional[jax.Array] = No
     bias = bias.astype(jnp.float32).reshape(-1)
   as_f32 = lambda v: jnp.asarray(_PLACEHOLDER_F32) if v is None else v.astype(jnp.float32)
   (out,) = calls.call(
-      kernels.GEMM_TARGET, [jax.ShapeDtypeStruct(out_shape, np.dtype(out_dtype))],
+      support.GEMM_TARGET, [jax.ShapeDtypeStruct(out_shape, np.dtype(out_dtype))],
       a.data, _scale_bytes(a), b.data, _scale_bytes(b), pstarts, as_f32(row_factor),
       as_f32(col_factor), as_f32(group_factor), as_f32(bias),
-      mode=np.int32(mode), a_scaling=np.int32(kernels.gemm_scaling(a)),
-      b_scaling=np.int32(kernels.gemm_scaling(b)), has_row_factor=row_factor is not None,
+      mode=np.int32(mode), a_scaling=np.int32(support.gemm_scaling(a)),
+      b_scaling=np.int32(support.gemm_scaling(b)), has_row_factor=row_factor is not None,
       has_col_factor=col_factor is not None, has_group_factor=group_factor is not None,
       has_bias=bias is not None)
   return out

@@ -1,10 +1,10 @@
-"""Grouped quantize through the FFI: the same storages as `jaxquant.grouped.formats`, bit for bit.
+"""Grouped quantize through the FFI: the same storages as `jaxquant.grouping.formats`, bit for bit.
 
 - per-tensor FP8 (current / delayed scaling): `jaxquant_grouped_quantize_fp8`, one amax launch
   and one quantize launch for all groups, both copies from one read of `x` when they share a
   token layout;
 - MXFP8, Float8Block and the rowwise copy of row-scaled NVFP4: XLA gathers the token layout,
-  the single-tensor kernel (`jaxquant.kernels.quantize`) quantizes it in one launch (blocks never
+  the single-tensor kernel (`jaxquant.backends.ffi.quantize`) quantizes it in one launch (blocks never
   straddle groups in that layout, so this *is* the grouped quantize), and
   `jaxquant_grouped_amax` gives each group's amax.
 Group offsets are computed by XLA from the traced sizes and stay on the device.
@@ -18,12 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxquant.backends.ffi import calls
+from jaxquant.backends.ffi import quantize as single
+from jaxquant.backends.ffi.grouped import support
 from jaxquant.formats.base import tensor_amax
-from jaxquant.grouped import kernels
-from jaxquant.grouped.layout import TokenLayout
-from jaxquant.grouped.tensors import GroupedScaledTensor
-from jaxquant.kernels import calls
-from jaxquant.kernels import quantize as single
+from jaxquant.grouping.layout import TokenLayout
+from jaxquant.grouping.tensors import GroupedScaledTensor
 from jaxquant.quantizers import Float8DelayedScalingQuantizer, Quantizer
 from jaxquant.state import DelayedScalingState
 from jaxquant.tensors import QuantizedTensor, ScaledTensor
@@ -61,7 +61,7 @@ def _fp8_call(x2d, starts, pstarts, quantizer, state, groups: int, length: int, 
     shape = (groups, cols, expert_rows) if expert_rows else (cols, length)
     results.append(_sds(shape, quantizer.dtype))
   results += [_sds((groups,), np.float32), _sds((groups,), np.float32)]
-  outs = calls.call(kernels.QUANTIZE_FP8_TARGET, results, x2d, starts, pstarts, s,
+  outs = calls.call(support.QUANTIZE_FP8_TARGET, results, x2d, starts, pstarts, s,
                     rowwise=rowwise, columnwise=columnwise, delayed=delayed,
                     pow2_scale=False if delayed else quantizer.pow2_scale,
                     amax_epsilon=0.0 if delayed else float(quantizer.amax_epsilon),
@@ -73,7 +73,7 @@ def _fp8_call(x2d, starts, pstarts, quantizer, state, groups: int, length: int, 
 
 def group_amax(x: jax.Array, sizes: jax.Array) -> jax.Array:
   """float32 `[G]`: each group's max |x| over its rows (`jaxquant_grouped_amax`)."""
-  return calls.call(kernels.AMAX_TARGET, [_sds(sizes.shape, np.float32)], x, _offsets(sizes))[0]
+  return calls.call(support.AMAX_TARGET, [_sds(sizes.shape, np.float32)], x, _offsets(sizes))[0]
 
 
 def _make(data, scale_inv, amax, sizes, leaf, orig_dtype, direction, layout, rht=False):
@@ -93,8 +93,8 @@ def quantize_token_pair(x: jax.Array, sizes: jax.Array, leaf: Quantizer, layout:
 def quantize_tokens(x: jax.Array, sizes: jax.Array, leaf: Quantizer, direction: str,
                     layout: TokenLayout, words: Optional[jax.Array], state: Any,
                     orig_dtype) -> GroupedScaledTensor:
-  """One copy of tokens `x[T, C]` (see `jaxquant.grouped.ops.quantize`) through the FFI."""
-  route, reason = kernels.quantize_route(leaf, direction)
+  """One copy of tokens `x[T, C]` (see `jaxquant.ops.grouped.quantize`) through the FFI."""
+  route, reason = support.quantize_route(leaf, direction)
   if reason is not None:
     raise ValueError(f"grouped FFI quantize cannot serve {leaf} ({direction}): {reason}")
   rowwise = direction == "rowwise"
@@ -117,7 +117,7 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool, colum
   """Expert weights `w[G, rows, cols]`, each expert bit-for-bit its own quantize (columnwise
   copies `[G, cols, rows]`): per-tensor FP8 both copies in one grouped call (every expert its
   own amax and scale); block formats one single-tensor launch per copy (`_experts_single`)."""
-  if isinstance(quantizer, kernels._PER_TENSOR_FP8):
+  if isinstance(quantizer, support._PER_TENSOR_FP8):
     return _experts_fp8(w, quantizer, rowwise, columnwise, state, orig_dtype)
   states = state if isinstance(state, tuple) else (state, state)
   expert_amax = None  # each expert's tensor amax, one pass over w shared by both copies
@@ -127,7 +127,7 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool, colum
     if not wanted:
       continue
     leaf = quantizer.for_direction(direction)
-    route, reason = kernels.expert_route(quantizer, direction, tuple(w.shape))
+    route, reason = support.expert_route(quantizer, direction, tuple(w.shape))
     if reason is not None:
       raise ValueError(f"FFI expert quantize cannot serve {leaf} ({direction}): {reason}")
     if route == "fp8":
@@ -155,7 +155,7 @@ def _experts_fp8(w, quantizer, rowwise: bool, columnwise: bool, state, orig_dtyp
 def _experts_single(w: jax.Array, leaf: Quantizer, direction: str, orig_dtype,
                     expert_amax: Optional[jax.Array]) -> ScaledTensor:
   """One copy of block-scaled expert weights from one single-tensor kernel launch on
-  `[G * rows, cols]`: `kernels.expert_route` checked that no block spans two experts, so every
+  `[G * rows, cols]`: `support.expert_route` checked that no block spans two experts, so every
   block (and, for row-scaled NVFP4, every row amax) is the expert's own. The rowwise copy is a
   reshape; the columnwise copy `[cols, G * rows]` is regrouped to `[G, cols, rows]` (data and
   block scales) by one XLA transpose; `expert_amax[G]` is each expert's own tensor amax

@@ -1,12 +1,12 @@
-"""The FFI seam of the grouped ops: which grouped kernel serves a case, and why not.
+"""Which grouped kernel serves a case, and why not (the routes of `jaxquant.backends.ffi.grouped`).
 
 Targets (ffi/grouped, CPU and CUDA handlers with the same numerics):
 
   jaxquant_grouped_quantize_fp8  per-tensor FP8 (current or delayed scaling) of tokens `x[T, C]`
       with one amax / scale per group: the rowwise copy and the transposed columnwise copy in
-      any token layout (`jaxquant.grouped.layout`), in one amax launch + one quantize launch for
+      any token layout (`jaxquant.grouping.layout`), in one amax launch + one quantize launch for
       all groups; also the expert weights `[G, rows, cols]` (equal groups, columnwise
-      `[G, cols, rows]`). Bit-for-bit `jaxquant.grouped.formats`.
+      `[G, cols, rows]`). Bit-for-bit `jaxquant.grouping.formats`.
   jaxquant_grouped_amax  the per-group amax of tokens (one launch).
   jaxquant_grouped_gemm  the ragged GEMMs of `jaxquant.grouped.gemm` in one launch (forward /
       dgrad: rows in groups x one matrix per group; wgrad: a contraction over each group's
@@ -31,15 +31,16 @@ program (one `jax.lax.ragged_dot` per GEMM), never a Python loop over groups.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import numpy as np
 
-from jaxquant.kernels import registry
+from jaxquant.backends.ffi import quantize as single_quantize
+from jaxquant.backends.ffi import registry
+from jaxquant.backends.platform import current_platform as _platform
 from jaxquant.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer,
-                                 Float8DelayedScalingQuantizer, IdentityQuantizer,
-                                 MXFP8Quantizer, NVFP4Quantizer)
+                                 Float8DelayedScalingQuantizer, HybridQuantizer,
+                                 IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer)
 
 QUANTIZE_TARGET_PREFIX = "jaxquant_grouped_quantize"
 QUANTIZE_FP8_TARGET = "jaxquant_grouped_quantize_fp8"
@@ -51,22 +52,10 @@ _PER_TENSOR_FP8 = (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer)
 OUT_DTYPES = (np.dtype("bfloat16"), np.dtype("float16"), np.dtype("float32"))
 
 
-def _platform() -> str:
-  from jaxquant.ops.dispatch import current_platform
-  return current_platform()
-
-
-@functools.lru_cache(maxsize=None)
 def _targets(platform: str) -> frozenset:
   """Grouped targets the extension registered for `platform`."""
-  if not registry.extension_built() or not registry.registered_platforms():
-    return frozenset()
-  from jaxquant import _jaxquant_ffi as ext
-  names = set()
-  for name, targets in ext.registrations().items():
-    if name.lower() == platform.lower():
-      names |= {t for t in targets if t.startswith(("jaxquant_grouped_",))}
-  return frozenset(names)
+  return frozenset(t for t in registry.registered_targets(platform)
+                   if t.startswith("jaxquant_grouped_"))
 
 
 def _missing(*targets: str) -> Optional[str]:
@@ -82,8 +71,7 @@ def _missing(*targets: str) -> Optional[str]:
 
 
 def _single_kernel_reason(leaf, direction: str) -> Optional[str]:
-  from jaxquant.kernels.quantize import _FORMATS
-  if type(leaf) not in _FORMATS:
+  if type(leaf) not in single_quantize.KERNEL_FORMATS:
     return f"no FFI quantize kernel for {type(leaf).__name__}"
   return None
 
@@ -135,7 +123,6 @@ def expert_route(quantizer, direction: str, w_shape=None) -> tuple[Optional[str]
   """(route, reason) for one copy of expert weights `[G, rows, cols]`: "fp8" (the grouped FP8
   kernel, one amax and scale per expert) or "single" (one single-tensor kernel launch on
   `[G * rows, cols]`, blocks never spanning experts; the columnwise copy regrouped by XLA)."""
-  from jaxquant.quantizers import HybridQuantizer
   if w_shape is not None and w_shape[0] * w_shape[1] > _MAX_DIM:
     return None, f"expert weights: {w_shape[0]} x {w_shape[1]} rows is >= 2^31"
   if (isinstance(quantizer, HybridQuantizer) and direction == "columnwise"
@@ -221,23 +208,3 @@ def gemm_unsupported(a, b, out_dtype=None) -> Optional[str]:
       return (f"the CPU grouped GEMM handler serves small problems only ({macs} MACs > "
               f"{CPU_MAX_MACS})")
   return None
-
-
-def quantize_tokens(*args, **kwargs):
-  from jaxquant.grouped import ffi_quantize
-  return ffi_quantize.quantize_tokens(*args, **kwargs)
-
-
-def quantize_token_pair(*args, **kwargs):
-  from jaxquant.grouped import ffi_quantize
-  return ffi_quantize.quantize_token_pair(*args, **kwargs)
-
-
-def quantize_experts(*args, **kwargs):
-  from jaxquant.grouped import ffi_quantize
-  return ffi_quantize.quantize_experts(*args, **kwargs)
-
-
-def gemm(*args, **kwargs):
-  from jaxquant.grouped import ffi_gemm
-  return ffi_gemm.gemm(*args, **kwargs)

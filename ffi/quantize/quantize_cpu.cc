@@ -1,4 +1,5 @@
-// CPU handlers of every jaxquant FFI target: plain loops over the numerics header.
+// CPU handlers of the quantize, amax, transpose and debug targets: plain loops over the numerics
+// header.
 //
 // They exist so CI exercises the FFI path (lowering, argument checking, output layouts) without
 // a GPU, with the same scalar math as the CUDA kernels. Speed is not a goal: each direction is
@@ -9,7 +10,7 @@
 #include <vector>
 
 #include "handler_common.h"
-#include "handlers.h"
+#include "quantize/handlers.h"
 
 namespace jqffi {
 namespace {

@@ -1,0 +1,203 @@
+// NVFP4 quantize kernels (tiled, and the odd-row-length generic path).
+#pragma once
+
+#include "quantize/tile.cuh"
+
+namespace jqffi {
+namespace {
+// ============================================================================================
+// NVFP4: E2M1 payload, E4M3 scale per 1x16 block or 16x16 tile, FP32 global scale from the
+// given amax (per tensor or per row), RHT on the columnwise copy, stochastic rounding.
+// Tile 64x128; a column-phase thread owns one 16-row chunk = one NVFP4 block (= one RHT chunk).
+// ============================================================================================
+
+struct Nvfp4Params {
+  const void* x;
+  int64_t R, C;
+  bool vec_in, vec_row, vec_col, do_row, do_col, row_scaled, block_2d, rht, sr;
+  const float *row_amax, *col_amax;
+  const uint32_t *row_key, *col_key;
+  uint8_t *row, *row_scale, *col, *col_scale;
+};
+
+struct Nvfp4Block {
+  uint32_t code;  // E4M3 code of S_dec_b
+  float s_enc_b;
+};
+
+__device__ __forceinline__ Nvfp4Block nvfp4_block(uint32_t amax_bits, float s_enc) {
+  const uint32_t code = jq::nvfp4_block_decode_code(__uint_as_float(amax_bits), s_enc);
+  return {code, jq::nvfp4_block_encode_scale(jq::decode_e4m3(code), s_enc)};
+}
+
+// Eight E2M1 codes of v * s, packed low nibble first; SR draws at (row hash, col0 + i).
+__device__ __forceinline__ uint32_t e2m1x8(const float* v, float s, bool sr, uint32_t row_hash,
+                                           uint32_t k1, uint32_t col0) {
+  uint32_t packed = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float y = v[i] * s;
+    const uint32_t q = sr ? jq::encode_e2m1_stochastic(y, jq::sr_uniform(row_hash, k1, col0 + i))
+                          : jq::encode_e2m1(y);
+    packed |= q << (4 * i);
+  }
+  return packed;
+}
+
+template <typename In>
+using NVFP4Tile = Geometry<In, 64, 128>;
+
+template <typename In>
+__global__ void __launch_bounds__(kThreads, 3) nvfp4_kernel(const Nvfp4Params p) {  // 3 CTAs an SM
+  using G = NVFP4Tile<In>;
+  static_assert(G::RPP == 16, "a load pass is one row of 16x16 tiles");
+  extern __shared__ __align__(16) unsigned char smem[];
+  In* tile = reinterpret_cast<In*>(smem);
+  __shared__ uint32_t part2d[G::NP][16][G::TC / 16];  // per (row, 16-block) amax, block_2d
+  __shared__ uint32_t tile2d[G::NP][G::TC / 16];      // 16x16 tile amax, block_2d
+  const In* x = static_cast<const In*>(p.x);
+  const int tid = threadIdx.x;
+  const TileIndex t = tile_index(p.C, G::TR, G::TC);
+  const int64_t row_nb = (p.C + 15) / 16, col_nb = (p.R + 15) / 16;
+  const int lr = tid / G::TPR, lc = (tid % G::TPR) * 8;
+  alignas(16) In raw[G::NP][8];
+#pragma unroll
+  for (int pp = 0; pp < G::NP; ++pp) load8(x, p.R, p.C, t.r0 + pp * G::RPP + lr, t.c0 + lc, p.vec_in, raw[pp]);
+  uint32_t blk[G::NP];
+#pragma unroll
+  for (int pp = 0; pp < G::NP; ++pp) {
+    if (p.do_col) tile_store8<G>(tile, pp * G::RPP + lr, lc, raw[pp]);
+    uint32_t m = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) m = max(m, jq::abs_bits(to_float(raw[pp][i])));
+    m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));  // 2 threads = one 16-wide block
+    blk[pp] = m;
+    if (p.block_2d && (tid & 1) == 0) part2d[pp][lr][lc / 16] = m;
+  }
+  if (p.block_2d) {
+    __syncthreads();
+    if (tid < G::NP * (G::TC / 16)) {
+      const int pp = tid / (G::TC / 16), j = tid % (G::TC / 16);
+      uint32_t m = 0;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) m = max(m, part2d[pp][i][j]);
+      tile2d[pp][j] = m;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int pp = 0; pp < G::NP; ++pp) blk[pp] = tile2d[pp][lc / 16];
+  }
+  if (p.do_row) {
+    const float tensor_s_enc = p.row_scaled ? 0.0f : jq::nvfp4_global_encode_scale(*p.row_amax);
+    const uint32_t k0 = p.sr ? p.row_key[0] : 0u, k1 = p.sr ? p.row_key[1] : 0u;
+#pragma unroll
+    for (int pp = 0; pp < G::NP; ++pp) {
+      const int64_t r = t.r0 + pp * G::RPP + lr, c = t.c0 + lc;
+      if (r >= p.R || c >= p.C) continue;
+      const float s_enc = p.row_scaled ? jq::nvfp4_global_encode_scale(p.row_amax[r]) : tensor_s_enc;
+      const Nvfp4Block b = nvfp4_block(blk[pp], s_enc);
+      float v[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = to_float(raw[pp][i]);
+      const uint32_t row_hash = p.sr ? jq::sr_row_hash(k0, uint32_t(r)) : 0u;
+      const uint32_t packed = e2m1x8(v, b.s_enc_b, p.sr, row_hash, k1, uint32_t(c));
+      store_bytes4(p.row + (r * p.C + c) / 2, packed, int(min64(8, p.C - c)) / 2, p.vec_row);
+      if ((tid & 1) == 0) {
+        if (!p.block_2d) {
+          p.row_scale[r * row_nb + c / 16] = uint8_t(b.code);
+        } else if (lr == 0) {
+          p.row_scale[(r / 16) * row_nb + c / 16] = uint8_t(b.code);
+        }
+      }
+    }
+  }
+  if (!p.do_col) return;
+  __syncthreads();
+  const float tensor_s_enc = p.row_scaled ? 0.0f : jq::nvfp4_global_encode_scale(*p.col_amax);
+  const uint32_t k0 = p.sr ? p.col_key[0] : 0u, k1 = p.sr ? p.col_key[1] : 0u;
+#pragma unroll
+  for (int it = 0; it < G::ITERS; ++it) {
+    const ColumnSlot<G> slot(it);
+    const int64_t c = t.c0 + slot.cl, rr = t.r0 + 16 * slot.j;
+    if (c >= p.C || rr >= p.R) continue;
+    float w[16];
+    tile_column16<G>(tile, 16 * slot.j, slot.cl, w);
+    if (p.rht) jq::rht16(w);
+    uint32_t m;
+    if (p.block_2d) {
+      m = tile2d[slot.j][slot.cl / 16];
+    } else {
+      m = 0;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) m = max(m, jq::abs_bits(w[i]));
+    }
+    const float s_enc = p.row_scaled ? jq::nvfp4_global_encode_scale(p.col_amax[c]) : tensor_s_enc;
+    const Nvfp4Block b = nvfp4_block(m, s_enc);
+    const uint32_t row_hash = p.sr ? jq::sr_row_hash(k0, uint32_t(c)) : 0u;
+    const uint32_t lo = e2m1x8(w, b.s_enc_b, p.sr, row_hash, k1, uint32_t(rr));
+    const uint32_t hi = e2m1x8(w + 8, b.s_enc_b, p.sr, row_hash, k1, uint32_t(rr + 8));
+    store_bytes8(p.col + (c * p.R + rr) / 2, lo, hi, int(min64(16, p.R - rr)) / 2, p.vec_col);
+    if (!p.block_2d) {
+      p.col_scale[c * col_nb + rr / 16] = uint8_t(b.code);
+    } else if (slot.cl % 16 == 0) {
+      p.col_scale[(c / 16) * col_nb + rr / 16] = uint8_t(b.code);
+    }
+  }
+}
+
+// NVFP4 for an output matrix M (x, or x^T when `transposed`; never RHT'd) whose row length is
+// odd, so rows share bytes: first every block scale, then one thread per output byte.
+struct Nvfp4GenericParams {
+  const void* x;
+  int64_t R, C, mrows, mcols;
+  bool transposed, row_scaled, block_2d, sr;
+  const float* amax;
+  const uint32_t* key;
+  uint8_t *data, *scale;
+};
+
+template <typename In>
+__device__ __forceinline__ float m_at(const Nvfp4GenericParams& p, int64_t mr, int64_t mc) {
+  const In* x = static_cast<const In*>(p.x);
+  return to_float(p.transposed ? x[mc * p.C + mr] : x[mr * p.C + mc]);
+}
+
+template <typename In>
+__global__ void __launch_bounds__(kThreads) nvfp4_generic_scales_kernel(const Nvfp4GenericParams p) {
+  const int bh = p.block_2d ? 16 : 1;
+  const int64_t nbr = (p.mrows + bh - 1) / bh, nbc = (p.mcols + 15) / 16;
+  for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < nbr * nbc; i += int64_t(gridDim.x) * kThreads) {
+    const int64_t br = i / nbc, bc = i % nbc;
+    uint32_t m = 0;
+    for (int64_t mr = br * bh; mr < min64(p.mrows, br * bh + bh); ++mr) {
+      for (int64_t mc = bc * 16; mc < min64(p.mcols, bc * 16 + 16); ++mc) m = max(m, jq::abs_bits(m_at<In>(p, mr, mc)));
+    }
+    const float s_enc = jq::nvfp4_global_encode_scale(p.row_scaled ? p.amax[br] : *p.amax);
+    p.scale[i] = uint8_t(jq::nvfp4_block_decode_code(__uint_as_float(m), s_enc));
+  }
+}
+
+template <typename In>
+__global__ void __launch_bounds__(kThreads) nvfp4_generic_data_kernel(const Nvfp4GenericParams p) {
+  const int64_t n = p.mrows * p.mcols, nbytes = (n + 1) / 2, nbc = (p.mcols + 15) / 16;
+  const int bh = p.block_2d ? 16 : 1;
+  for (int64_t b = blockIdx.x * int64_t(kThreads) + threadIdx.x; b < nbytes; b += int64_t(gridDim.x) * kThreads) {
+    uint32_t byte = 0;
+    for (int e = 0; e < 2; ++e) {
+      const int64_t i = 2 * b + e;
+      if (i >= n) break;
+      const int64_t mr = i / p.mcols, mc = i % p.mcols;
+      const float s_enc = jq::nvfp4_global_encode_scale(p.row_scaled ? p.amax[mr] : *p.amax);
+      const float s_dec = jq::decode_e4m3(p.scale[(mr / bh) * nbc + mc / 16]);
+      const float y = m_at<In>(p, mr, mc) * jq::nvfp4_block_encode_scale(s_dec, s_enc);
+      const uint32_t q = p.sr ? jq::encode_e2m1_stochastic(
+                                    y, jq::sr_uniform(jq::sr_row_hash(p.key[0], uint32_t(mr)), p.key[1], uint32_t(mc)))
+                              : jq::encode_e2m1(y);
+      byte |= q << (4 * e);
+    }
+    p.data[b] = uint8_t(byte);
+  }
+}
+
+}  // namespace
+}  // namespace jqffi

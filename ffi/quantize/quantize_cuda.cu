@@ -1,0 +1,301 @@
+// CUDA handlers of the quantize, amax and transpose targets (sm_90a; see CMakeLists.txt).
+// The kernels are in the headers beside this file, one per format.
+//
+// Design (ffi/NOTES.md has the reasoning and the measurements):
+//  * Quantize is one pass over x per call: a CTA loads a TR x TC tile with 16-byte loads, makes
+//    the rowwise output from registers (block reductions by warp shuffles), keeps the tile in a
+//    swizzled shared-memory buffer and makes the transposed columnwise output from it: a thread
+//    owns a 16-row chunk of one column (one NVFP4 block / RHT chunk, half an MXFP8 block, an
+//    eighth of a 1x128 block, reduced across lanes by shuffles) and the lanes of a warp cover
+//    consecutive chunks, so each warp store writes a few output rows with 64-128 contiguous
+//    bytes each (writing 32 different output rows per store ran at half the bandwidth).
+//  * Per-tensor amax (and the per-row / per-column amax of row-scaled NVFP4) is a separate
+//    kernel (`jaxquant_amax`) whose result feeds the quantize call, so a sharded caller can
+//    insert a pmax in between. Formats whose scales don't depend on the tensor amax (MXFP8,
+//    Float8Block, delayed FP8) fold the amax output into the quantize pass with atomicMax on
+//    the float bits (|x| bits order like the floats and put NaN above inf: NaN-propagating).
+//  * Handlers use only the FFI stream, no host syncs and no allocations (outputs that are
+//    reduced with atomics are cleared with cudaMemsetAsync), so they are marked
+//    command-buffer compatible.
+//  * NVFP4 data is written straight into XLA's packed float4_e2m1fn layout. An output whose
+//    row length is odd (rows then share bytes) takes a simple two-kernel path (scales, then one
+//    thread per output byte).
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+
+#include "handler_common.h"
+#include "quantize/handlers.h"
+#include "quantize/amax.cuh"
+#include "quantize/fp8_tensor.cuh"
+#include "quantize/mxfp8.cuh"
+#include "quantize/fp8_block.cuh"
+#include "quantize/nvfp4.cuh"
+#include "quantize/transpose.cuh"
+#include "quantize/encoder_check.cuh"
+
+namespace jqffi {
+namespace {
+
+// ============================================================================================
+// Handlers.
+// ============================================================================================
+
+ffi::Error launch_status(const char* target, cudaError_t e = cudaSuccess) {
+  if (e == cudaSuccess) e = cudaGetLastError();
+  if (e != cudaSuccess) return ffi::Error::Internal(std::string(target) + ": CUDA error: " + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+ffi::Error clear(cudaStream_t stream, void* p, size_t bytes) {
+  if (p && cudaMemsetAsync(p, 0, bytes, stream) != cudaSuccess) return launch_status("cudaMemsetAsync");
+  return ffi::Error::Success();
+}
+
+template <typename F>
+ffi::Error by_input_type(In type, F&& f) {
+  switch (type) {
+    case In::kBF16: f(BF16{}); break;
+    case In::kF16: f(F16{}); break;
+    default: f(float{}); break;
+  }
+  return ffi::Error::Success();
+}
+
+bool vec_input(const Input& x) { return aligned(x.data, 16) && x.cols % 8 == 0; }
+
+ffi::Error AmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets rets, int32_t outputs) {
+  AmaxArgs a;
+  JQ_RETURN_IF_ERROR(decode_amax(x, rets, outputs, &a));
+  JQ_RETURN_IF_ERROR(clear(stream, a.tensor, 4));
+  JQ_RETURN_IF_ERROR(clear(stream, a.tensor_rht, 4));
+  JQ_RETURN_IF_ERROR(clear(stream, a.rows, 4 * a.x.rows));
+  JQ_RETURN_IF_ERROR(clear(stream, a.cols, 4 * a.x.cols));
+  JQ_RETURN_IF_ERROR(clear(stream, a.cols_rht, 4 * a.x.cols));
+  by_input_type(a.x.type, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int strip = 32 * (16 / sizeof(T));
+    const int64_t nstrips = ceil_div(a.x.cols, strip);
+    const int64_t chunks = ceil_div(a.x.rows, 128);  // a CTA step is 8 warps x 16 rows
+    const int64_t groups = std::max<int64_t>(1, std::min<int64_t>(chunks, ceil_div(1056, nstrips)));
+    AmaxParams p{a.x.data, a.x.rows, a.x.cols, ceil_div(chunks, groups) * 128,
+                 aligned(a.x.data, 16) && a.x.cols % (16 / sizeof(T)) == 0,
+                 a.tensor, a.tensor_rht, a.rows, a.cols, a.cols_rht};
+    const int64_t ngroups = ceil_div(a.x.rows, p.rows_per_cta);
+    amax_kernel<T><<<unsigned(nstrips * ngroups), kThreads, 0, stream>>>(p);
+  });
+  return launch_status("jaxquant_amax");
+}
+
+ffi::Error QuantizeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::RemainingRets rets,
+                           bool rowwise, bool columnwise, bool delayed, bool pow2_scale, float amax_epsilon) {
+  Fp8TensorArgs a;
+  JQ_RETURN_IF_ERROR(decode_fp8_tensor(x, s, rets, rowwise, columnwise, delayed, pow2_scale, amax_epsilon, &a));
+  JQ_RETURN_IF_ERROR(clear(stream, a.amax, 4));
+  Fp8TensorParams p{a.x.data, a.x.rows, a.x.cols, vec_input(a.x),
+                    aligned(a.row_data, 8) && a.x.cols % 8 == 0, aligned(a.col_data, 16) && a.x.rows % 16 == 0,
+                    rowwise, columnwise, delayed, pow2_scale, amax_epsilon, a.fmt, a.s,
+                    a.row_data, a.col_data, a.scale_inv, a.amax};
+  cudaError_t e = cudaSuccess;
+  by_input_type(a.x.type, [&](auto tag) {
+    using G = FP8Tile<decltype(tag)>;
+    e = launch_tiles(fp8_tensor_kernel<decltype(tag)>, num_tiles(a.x.rows, a.x.cols, G::TR, G::TC),
+                     columnwise ? G::kSmemBytes : 0, stream, p);
+  });
+  return launch_status("jaxquant_quantize_fp8", e);
+}
+
+ffi::Error QuantizeMxfp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets rets, bool rowwise,
+                             bool columnwise) {
+  Mxfp8Args a;
+  JQ_RETURN_IF_ERROR(decode_mxfp8(x, rets, rowwise, columnwise, &a));
+  JQ_RETURN_IF_ERROR(clear(stream, a.amax, 4));
+  Mxfp8Params p{a.x.data, a.x.rows, a.x.cols, vec_input(a.x),
+                aligned(a.row_data, 8) && a.x.cols % 8 == 0, aligned(a.col_data, 16) && a.x.rows % 16 == 0,
+                rowwise, columnwise, a.fmt, a.row_data, a.row_scale, a.col_data, a.col_scale, a.amax};
+  cudaError_t e = cudaSuccess;
+  by_input_type(a.x.type, [&](auto tag) {
+    using G = FP8Tile<decltype(tag)>;
+    e = launch_tiles(mxfp8_kernel<decltype(tag)>, num_tiles(a.x.rows, a.x.cols, G::TR, G::TC),
+                     columnwise ? G::kSmemBytes : 0, stream, p);
+  });
+  return launch_status("jaxquant_quantize_mxfp8", e);
+}
+
+ffi::Error QuantizeFp8BlockCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets rets, bool rowwise,
+                                bool columnwise, bool block_2d, bool pow2_scale, float amax_epsilon) {
+  Fp8BlockArgs a;
+  JQ_RETURN_IF_ERROR(decode_fp8_block(x, rets, rowwise, columnwise, block_2d, pow2_scale, amax_epsilon, &a));
+  JQ_RETURN_IF_ERROR(clear(stream, a.amax, 4));
+  Fp8BlockParams p{a.x.data, a.x.rows, a.x.cols, vec_input(a.x),
+                   aligned(a.row_data, 8) && a.x.cols % 8 == 0, aligned(a.col_data, 16) && a.x.rows % 16 == 0,
+                   rowwise, columnwise, block_2d, pow2_scale, amax_epsilon, a.fmt,
+                   a.row_data, a.col_data, a.row_scale, a.col_scale, a.amax};
+  cudaError_t e = cudaSuccess;
+  by_input_type(a.x.type, [&](auto tag) {
+    using G = FP8Tile<decltype(tag)>;
+    e = launch_tiles(fp8_block_kernel<decltype(tag)>, num_tiles(a.x.rows, a.x.cols, G::TR, G::TC),
+                     columnwise ? G::kSmemBytes : 0, stream, p);
+  });
+  return launch_status("jaxquant_quantize_fp8_block", e);
+}
+
+template <typename T>
+void launch_nvfp4_generic(cudaStream_t stream, const Nvfp4Args& a, bool transposed) {
+  Nvfp4GenericParams g{a.x.data, a.x.rows, a.x.cols,
+                       transposed ? a.x.cols : a.x.rows, transposed ? a.x.rows : a.x.cols,
+                       transposed, a.row_scaled, a.block_2d, a.stochastic,
+                       transposed ? a.col_amax : a.row_amax, transposed ? a.col_key : a.row_key,
+                       transposed ? a.col_data : a.row_data, transposed ? a.col_scale : a.row_scale};
+  const int64_t nblocks = ceil_div(g.mrows, a.block_2d ? 16 : 1) * ceil_div(g.mcols, 16);
+  const int64_t nbytes = ceil_div(g.mrows * g.mcols, 2);
+  nvfp4_generic_scales_kernel<T><<<unsigned(std::min<int64_t>(ceil_div(nblocks, kThreads), 4096)), kThreads, 0, stream>>>(g);
+  nvfp4_generic_data_kernel<T><<<unsigned(std::min<int64_t>(ceil_div(nbytes, kThreads), 8192)), kThreads, 0, stream>>>(g);
+}
+
+ffi::Error QuantizeNvfp4Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer row_amax,
+                             ffi::AnyBuffer col_amax, ffi::AnyBuffer row_key, ffi::AnyBuffer col_key,
+                             ffi::RemainingRets rets, bool rowwise, bool columnwise, bool row_scaled,
+                             bool block_2d, bool rht, bool stochastic) {
+  Nvfp4Args a;
+  JQ_RETURN_IF_ERROR(decode_nvfp4(x, row_amax, col_amax, row_key, col_key, rets, rowwise, columnwise,
+                                  row_scaled, block_2d, rht, stochastic, &a));
+  // The tiled kernel needs byte-aligned output rows (even row length); odd ones go generic.
+  const bool tiled_row = rowwise && a.x.cols % 2 == 0;
+  const bool tiled_col = columnwise && a.x.rows % 2 == 0;  // rht implies rows % 16 == 0
+  cudaError_t e = cudaSuccess;
+  by_input_type(a.x.type, [&](auto tag) {
+    using T = decltype(tag);
+    using G = NVFP4Tile<T>;
+    if (tiled_row || tiled_col) {
+      Nvfp4Params p{a.x.data, a.x.rows, a.x.cols, vec_input(a.x),
+                    aligned(a.row_data, 4) && a.x.cols % 8 == 0, aligned(a.col_data, 8) && a.x.rows % 16 == 0,
+                    tiled_row, tiled_col, row_scaled, block_2d, rht, stochastic,
+                    a.row_amax, a.col_amax, a.row_key, a.col_key, a.row_data, a.row_scale, a.col_data, a.col_scale};
+      e = launch_tiles(nvfp4_kernel<T>, num_tiles(a.x.rows, a.x.cols, G::TR, G::TC),
+                       tiled_col ? G::kSmemBytes : 0, stream, p);
+      if (e != cudaSuccess) return;
+    }
+    if (rowwise && !tiled_row) launch_nvfp4_generic<T>(stream, a, false);
+    if (columnwise && !tiled_col) launch_nvfp4_generic<T>(stream, a, true);
+  });
+  return launch_status("jaxquant_quantize_nvfp4", e);
+}
+
+ffi::Error TransposeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out) {
+  TransposeArgs a;
+  JQ_RETURN_IF_ERROR(decode_transpose(in, out, &a));
+  TransposeParams p{a.in, a.out, a.rows, a.cols, aligned(a.in, 16) && a.cols % 16 == 0,
+                    aligned(a.out, 16) && a.rows % 16 == 0};
+  transpose_kernel<<<num_tiles(a.rows, a.cols, 128, 128), kThreads, 0, stream>>>(p);
+  return launch_status("jaxquant_transpose_fp8");
+}
+
+ffi::Error RawBytesCuda(cudaStream_t stream, ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out) {
+  if (out->element_type() != ffi::DataType::U8 || out->dimensions().size() != 1) {
+    return invalid("jaxquant_debug_raw_bytes", "the result must be a 1-D uint8 array");
+  }
+  cudaMemcpyAsync(out->untyped_data(), in.untyped_data(), out->element_count(), cudaMemcpyDeviceToDevice, stream);
+  return launch_status("jaxquant_debug_raw_bytes");
+}
+
+ffi::Error EncoderMismatchesCuda(cudaStream_t stream, ffi::Result<ffi::AnyBuffer> out, int64_t start,
+                                 int64_t count, int64_t stride) {
+  JQ_RETURN_IF_ERROR(expect("jaxquant_debug_encoder_mismatches", "the result", *out, {ffi::DataType::U32}, {6}));
+  JQ_RETURN_IF_ERROR(clear(stream, out->untyped_data(), 24));
+  encoder_check_kernel<<<1024, kThreads, 0, stream>>>(static_cast<uint32_t*>(out->untyped_data()), start, count, stride);
+  return launch_status("jaxquant_debug_encoder_mismatches");
+}
+
+using Stream = ffi::PlatformStream<cudaStream_t>;
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER(kAmaxCuda, AmaxCuda,
+                       ffi::Ffi::Bind().Ctx<Stream>().Arg<ffi::AnyBuffer>().RemainingRets().Attr<int32_t>("outputs"),
+                       {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER(kQuantizeFp8Cuda, QuantizeFp8Cuda,
+                       ffi::Ffi::Bind()
+                           .Ctx<Stream>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .RemainingRets()
+                           .Attr<bool>("rowwise")
+                           .Attr<bool>("columnwise")
+                           .Attr<bool>("delayed")
+                           .Attr<bool>("pow2_scale")
+                           .Attr<float>("amax_epsilon"),
+                       {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER(kQuantizeMxfp8Cuda, QuantizeMxfp8Cuda,
+                       ffi::Ffi::Bind()
+                           .Ctx<Stream>()
+                           .Arg<ffi::AnyBuffer>()
+                           .RemainingRets()
+                           .Attr<bool>("rowwise")
+                           .Attr<bool>("columnwise"),
+                       {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER(kQuantizeFp8BlockCuda, QuantizeFp8BlockCuda,
+                       ffi::Ffi::Bind()
+                           .Ctx<Stream>()
+                           .Arg<ffi::AnyBuffer>()
+                           .RemainingRets()
+                           .Attr<bool>("rowwise")
+                           .Attr<bool>("columnwise")
+                           .Attr<bool>("block_2d")
+                           .Attr<bool>("pow2_scale")
+                           .Attr<float>("amax_epsilon"),
+                       {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER(kQuantizeNvfp4Cuda, QuantizeNvfp4Cuda,
+                       ffi::Ffi::Bind()
+                           .Ctx<Stream>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .RemainingRets()
+                           .Attr<bool>("rowwise")
+                           .Attr<bool>("columnwise")
+                           .Attr<bool>("row_scaled")
+                           .Attr<bool>("block_2d")
+                           .Attr<bool>("rht")
+                           .Attr<bool>("stochastic"),
+                       {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER(kTransposeFp8Cuda, TransposeFp8Cuda,
+                       ffi::Ffi::Bind().Ctx<Stream>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>(),
+                       {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER(kRawBytesCuda, RawBytesCuda,
+                       ffi::Ffi::Bind().Ctx<Stream>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>(),
+                       {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER(kEncoderMismatchesCuda, EncoderMismatchesCuda,
+                       ffi::Ffi::Bind()
+                           .Ctx<Stream>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Attr<int64_t>("start")
+                           .Attr<int64_t>("count")
+                           .Attr<int64_t>("stride"));
+
+std::vector<Target> cuda_targets() {
+  return {
+      {"jaxquant_amax", reinterpret_cast<void*>(kAmaxCuda)},
+      {"jaxquant_quantize_fp8", reinterpret_cast<void*>(kQuantizeFp8Cuda)},
+      {"jaxquant_quantize_mxfp8", reinterpret_cast<void*>(kQuantizeMxfp8Cuda)},
+      {"jaxquant_quantize_fp8_block", reinterpret_cast<void*>(kQuantizeFp8BlockCuda)},
+      {"jaxquant_quantize_nvfp4", reinterpret_cast<void*>(kQuantizeNvfp4Cuda)},
+      {"jaxquant_transpose_fp8", reinterpret_cast<void*>(kTransposeFp8Cuda)},
+      {"jaxquant_debug_raw_bytes", reinterpret_cast<void*>(kRawBytesCuda)},
+      {"jaxquant_debug_encoder_mismatches", reinterpret_cast<void*>(kEncoderMismatchesCuda)},
+  };
+}
+
+}  // namespace jqffi
+
