@@ -221,7 +221,7 @@ def check_wgrad(rng, pair, tokens, m, n, groups, empty, spare, rel, block=1):
   x = jnp.asarray(oracle.random_matrix(rng, (tokens, m)), jnp.bfloat16)
   dy = jnp.asarray(oracle.random_matrix(rng, (tokens, n)), jnp.bfloat16)
   sizes = jnp.asarray(_sizes(rng, tokens, groups, empty, spare))
-  need = max(jg.formats.token_block(q, "columnwise") for q in (qa, qb))
+  need = max(jg.token_block(q, "columnwise") for q in (qa, qb))
   block = max(block, need)
 
   def fn(x, dy, sizes):
