@@ -18,7 +18,7 @@ import pytest
 
 import jaxquant as jq
 from jaxquant.explain import explain_recording
-from jaxquant.backends import ffi as ffi_bindings
+from jaxquant.backends.ffi import ops as ffi_bindings
 from jaxquant.backends.ffi import calls, registry
 from jaxquant.backends.ffi import quantize as ffi_quantize
 from jaxquant.numerics.random_bits import key_words

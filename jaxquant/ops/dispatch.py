@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from jaxquant.backends import ffi
+from jaxquant.backends.ffi import ops as ffi
 from jaxquant.backends.platform import current_platform
 
 BACKENDS = ("auto", "reference", "ffi")
@@ -24,7 +24,7 @@ def requested_backend() -> str:
 
 
 def ffi_module():
-  """The FFI backend (`jaxquant.backends.ffi`), or None when the extension is not built."""
+  """The FFI backend (`jaxquant.backends.ffi.ops`), or None when the extension is not built."""
   return ffi if ffi.available() else None
 
 

@@ -1,0 +1,66 @@
+"""The FFI backend's entry points for `jaxquant.ops`: what the kernels can serve, and the ops.
+
+`available()` is False when the extension was not built (or registered nothing); the ops then
+take the reference path and `jaxquant.explain` says why. Each `*_unsupported` returns None when a
+kernel serves the case, else the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from jaxquant.backends.ffi import gemm as _gemm
+from jaxquant.backends.ffi import quantize as _quantize
+from jaxquant.backends.ffi import registry as _registry
+from jaxquant.backends.ffi import transpose as _transpose
+from jaxquant.backends.platform import current_platform as _platform
+
+
+def available() -> bool:
+  """Whether the extension is built and registered handlers for at least one platform."""
+  return bool(_registry.registered_platforms())
+
+
+def path_name() -> str:
+  """The implementation name `jaxquant.explain` shows: "ffi-cuda" or "ffi-cpu"."""
+  return f"ffi-{_platform()}"
+
+
+def quantize_unsupported(x2d, quantizer, *, rowwise: bool, columnwise: bool) -> Optional[str]:
+  reason = _registry.unserved_reason(_platform())
+  if reason is not None:
+    return reason
+  return _quantize.unsupported(x2d, quantizer, rowwise=rowwise, columnwise=columnwise)
+
+
+def quantize_single(x2d, quantizer, *, rowwise: bool, columnwise: bool, orig_dtype,
+                    row_key_words=None, col_key_words=None, state=None):
+  """Same contract as `jaxquant.backends.reference.ops.quantize_single`."""
+  return _quantize.quantize_single(x2d, quantizer, rowwise=rowwise, columnwise=columnwise,
+                                   orig_dtype=orig_dtype, row_key_words=row_key_words,
+                                   col_key_words=col_key_words, state=state)
+
+
+def transpose_unsupported(t) -> Optional[str]:
+  reason = _registry.unserved_reason(_platform())
+  return reason if reason is not None else _transpose.unsupported(t)
+
+
+def transpose(t):
+  return _transpose.transpose(t)
+
+
+def gemm_unsupported(a, b) -> Optional[str]:
+  return _gemm.gemm_unsupported(a, b)
+
+
+def gemm_path(a, b) -> str:
+  return _gemm.gemm_path(a, b)
+
+
+def gemm_path_reason(a, b) -> str:
+  return _gemm.gemm_path_reason(a, b)
+
+
+def gemm(a, b, *, out_dtype, bias=None, precision=None, **kwargs):
+  return _gemm.gemm(a, b, out_dtype=out_dtype, bias=bias, precision=precision, **kwargs)
