@@ -65,15 +65,16 @@ def test_dense_equals_flax_dense_bitwise(rng, recipe, dtype):
 # the same kernels, so even the gradients agree bit for bit.
 DENSE_GENERAL_EXACT = [
     ((4, 6, 8), dict(features=5)),
-    ((4, 6, 8), dict(features=(3, 5), axis=(1, -1))),
     ((3, 4, 8), dict(features=5, axis=0)),
     ((2, 6, 8), dict(features=5, batch_dims=(0,))),
     ((2, 3, 6, 8), dict(features=5, axis=-1, batch_dims=(0, 1))),
 ]
 # Here XLA:CPU gives Flax's batched multi-axis dot another kernel (e.g. YNNPACK with a transposed
 # operand; the choice even depends on the LLVM optimization level), which sums the same products
-# in another order.
+# in another order. The non-adjacent axes (1, -1): the input gradient of float32 inputs came out
+# reordered for some draws (seed 1748597177), so it is held to the summation-order bound too.
 DENSE_GENERAL_REORDERED = [
+    ((4, 6, 8), dict(features=(3, 5), axis=(1, -1))),
     ((2, 6, 8), dict(features=(2, 4), batch_dims=(0,))),
     ((2, 3, 6, 8), dict(features=5, axis=(2, 3), batch_dims=(0,))),
     ((2, 6, 3, 8), dict(features=5, axis=(-2, -1), batch_dims=(0,))),
