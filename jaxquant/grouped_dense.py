@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxquant.grouped import formats, ops as grouped_ops
+from jaxquant.grouped import formats, kernels as grouped_kernels, ops as grouped_ops
 from jaxquant.grouped.layout import TokenLayout, clip_sizes
 from jaxquant.grouped.state import init_state as init_group_state
 from jaxquant.grouped.state import update_state
@@ -67,8 +67,9 @@ class _Config:
 def token_blocks(quantizers: DenseQuantizers) -> tuple[int, int, int]:
   """(x rowwise, dy rowwise, wgrad) token-layout blocks the recipe's formats need."""
   x_q, dy_q = quantizers.input, quantizers.grad_output
-  wgrad = max(formats.token_block(x_q.for_direction("columnwise"), "columnwise"),
-              formats.token_block(dy_q.for_direction("columnwise"), "columnwise"))
+  x_col, dy_col = x_q.for_direction("columnwise"), dy_q.for_direction("columnwise")
+  wgrad = max(formats.token_block(x_col, "columnwise"), formats.token_block(dy_col, "columnwise"),
+              grouped_kernels.sm90_wgrad_block(x_col, dy_col))  # CUTLASS wgrad: aligned starts
   return (formats.token_block(x_q.for_direction("rowwise"), "rowwise"),
           formats.token_block(dy_q.for_direction("rowwise"), "rowwise"), wgrad)
 

@@ -129,11 +129,17 @@ def _layout_block(leaf: Quantizer, direction: str, requested: Optional[int]) -> 
   return requested
 
 
-def _record(op: str, role, detail: str, quantizer: Optional[Quantizer], reason_fn) -> str:
+def _record(op: str, role, detail: str, quantizer: Optional[Quantizer], reason_fn,
+            ffi_note_fn=None) -> str:
+  """Choose and record the path; on the FFI path `ffi_note_fn()` gives (detail suffix, why a
+  slower kernel serves it or "")."""
   if isinstance(quantizer, IdentityQuantizer):
     path, reason = "reference", ""  # nothing to compute
   else:
     path, reason = dispatch.choose(op.replace("_", " "), reason_fn())
+  if path == "ffi" and ffi_note_fn is not None:
+    suffix, reason = ffi_note_fn()
+    detail = f"{detail}; {suffix}"
   record(Decision(op, role, detail, path, reason))
   return path
 
@@ -374,7 +380,14 @@ def gemm(a: GroupedScaledTensor, b: Operand, *, out_dtype=None,
       raise ValueError("bias: the per-group (wgrad) GEMM takes no bias")
     mode, impl = "per-group over tokens", reference.per_group_gemm
   detail = f"{_describe(a)} x {_describe(b)} [{a.groups} groups, {mode}]"
-  path = _record("grouped_gemm", role, detail, None, lambda: kernels.gemm_unsupported(a, b, out_dtype))
+
+  def kernel_note():
+    target, why = kernels.gemm_kernel(a, b, out_dtype, bias)
+    return ("kernel: CUTLASS sm90 wgmma" if target == kernels.GEMM_SM90_TARGET
+            else "kernel: mma.sync"), why
+
+  path = _record("grouped_gemm", role, detail, None,
+                 lambda: kernels.gemm_unsupported(a, b, out_dtype), kernel_note)
   if path == "ffi":
     return kernels.gemm(a, b, out_dtype=out_dtype, bias=bias, precision=precision)
   kwargs = dict(out_dtype=out_dtype, precision=precision)
