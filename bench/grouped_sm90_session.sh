@@ -3,7 +3,7 @@
 # CUTLASS Hopper grouped GEMM (headers from $JAXQUANT_CUTLASS_DIR), run the GPU tests of the
 # grouped FFI targets, then bench/grouped.py --gemms (grouped GEMMs alone vs the dense bf16 / FP8
 # GEMMs of the same FLOPs, and GroupedDense steps). Logs and the JSON land in $OUT.
-#   BUILD_TIMEOUT / TEST_TIMEOUT / BENCH_TIMEOUT / NPROC / TESTS / TEST_ARGS / BENCH_ARGS /
+#   BUILD_TIMEOUT / TEST_TIMEOUT / BENCH_TIMEOUT / NPROC / TESTS / TEST_K (pytest -k) / BENCH_ARGS /
 #   SKIP_TESTS / SKIP_BENCH override
 set -o pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -19,7 +19,7 @@ python3 -c "from jaxquant import _jaxquant_ffi as m; print('sm90:', m.grouped_sm
 if [ -z "${SKIP_TESTS:-}" ]; then
   SECONDS=0
   timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -m gpu -n "${NPROC:-4}" -p no:cacheprovider \
-    ${TEST_ARGS:-} ${TESTS:-tests/test_grouped_ffi.py} 2>&1 | tee "$OUT/gpu_tests.log" \
+    -k "${TEST_K:-}" ${TESTS:-tests/test_grouped_ffi.py} 2>&1 | tee "$OUT/gpu_tests.log" \
     | grep -v "^\[jaxquant tests\]" | tail -40
   echo "gpu tests: ${SECONDS}s"
 fi
