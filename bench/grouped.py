@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import jax
@@ -178,26 +177,16 @@ def run_gemms(experts: int, spec, args, card: str) -> list[dict]:
                      tflops=tf(sec), speedup_vs_bf16=float("nan"), vs_dense_bf16=
                      peers["dense bf16"] / sec, vs_dense_fp8=float("nan"), path="", card=card))
   fp8_peer = peers.get("dense fp8 (split acc)")
-  variants = [(name, make, "") for name, make in GEMM_FORMATS.items()]
-  if args.sm90_tiles:  # the CUTLASS kernel's tile configurations, each forced
-    variants += [(f"Float8CurrentScaling [{tile}]", GEMM_FORMATS["Float8CurrentScaling"], tile)
-                 for tile in ("cooperative", "pingpong")]
-  for name, make, tile in variants:
+  for name, make in GEMM_FORMATS.items():
     q = make()
     plain = q if not getattr(q, "row_scaled", False) else jq.NVFP4Quantizer()
     a = jax.jit(lambda x, s: jg.quantize(x, s, q, columnwise=True, col_block=128))(x, sizes)
     b = jax.jit(lambda w: jg.quantize_experts(w, plain))(w)
     c = jax.jit(lambda d, s: jg.quantize(d, s, plain, col_block=128))(dy, sizes)
+    gemm = jax.jit(lambda a, b: jg.gemm(a, b))
     for kind, ops in (("fprop", (a.rowwise, b.rowwise)), ("dgrad", (c.rowwise, b.columnwise)),
                       ("wgrad", (a.columnwise, c.columnwise))):
-      gemm = jax.jit(lambda a, b: jg.gemm(a, b))  # fresh: traced under this variant's tile
-      if tile:
-        os.environ["JAXQUANT_GROUPED_SM90_TILE"] = tile
-      try:
-        report = jq.explain(gemm, *ops)
-        jax.block_until_ready(gemm(*ops))  # traced here, under the forced tile
-      finally:
-        os.environ.pop("JAXQUANT_GROUPED_SM90_TILE", None)
+      report = jq.explain(gemm, *ops)
       path = ",".join(sorted({d.path for d in report}))
       kernel = ",".join(sorted({d.detail.rsplit("kernel: ", 1)[-1] for d in report
                                 if "kernel: " in d.detail})) or "-"
@@ -228,9 +217,7 @@ def main(argv=None) -> int:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--json", default=None)
   parser.add_argument("--gemms", action="store_true",
-                      help="also time the grouped GEMMs alone (fprop, dgrad, wgrad) per format")
-  parser.add_argument("--sm90-tiles", action="store_true",
-                      help="with --gemms: also time FP8 on each CUTLASS tile configuration")
+                      help="also time the grouped GEMMs alone (fprop, wgrad) per format")
   args = parser.parse_args(argv)
   args.repeats, args.calls, args.warmup = (1, 1, 1) if args.tiny else (5, 5, 2)
   device = jax.devices()[0]

@@ -223,8 +223,7 @@ def check_ragged(rng, pair, tokens, k, n, groups, empty, spare, rel, bias=True,
 def _gemm_kernels(fn, *args) -> set:
   """The grouped GEMM kernels `jaxquant.explain` reports for `fn` with JAXQUANT_BACKEND=ffi."""
   report = _paths(fn, *args)
-  return {d.detail.rsplit("kernel: ", 1)[-1].split(",")[0] for d in report
-          if d.op == "grouped_gemm"}
+  return {d.detail.rsplit("kernel: ", 1)[-1] for d in report if d.op == "grouped_gemm"}
 
 
 def check_wgrad(rng, pair, tokens, m, n, groups, empty, spare, rel, block=1,
@@ -401,17 +400,6 @@ def test_gpu_sm90_wgrad_gemm_matches_the_reference(on_sm90, rng, groups, pair, b
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", ["cooperative", "pingpong"])
-def test_gpu_sm90_both_tile_configurations(on_sm90, rng, monkeypatch, tile):
-  """Each tile configuration on the shapes the heuristic would give the other one."""
-  monkeypatch.setenv("JAXQUANT_GROUPED_SM90_TILE", tile)
-  check_ragged(rng, ("fp8", "fp8"), 3000, 256, 136, 2, empty=(), spare=5, rel=2.0**-10,
-               bias=False, kernel=SM90)
-  check_wgrad(rng, ("fp8", "fp8-e5m2"), 900, 128, 64, 9, empty=(4,), spare=3, rel=2.0**-10,
-              block=16, kernel=SM90)
-
-
-@pytest.mark.gpu
 def test_gpu_sm90_all_groups_empty_gives_zeros(on_sm90, rng):
   check_ragged(rng, ("fp8", "fp8"), 64, 64, 32, 3, empty=(0, 1, 2), spare=0, rel=0.0,
                bias=False, kernel=SM90)
@@ -465,8 +453,7 @@ def test_gpu_sm90_explain_says_why_the_mma_sync_kernel_serves(on_sm90, rng):
             jg.gemm(fx.columnwise, fx.columnwise))
 
   gemms = [d for d in jq.explain(f, x, w, sizes) if d.op == "grouped_gemm"]
-  assert [d.detail.rsplit("kernel: ", 1)[-1] for d in gemms] == ["mma.sync"] * 3, \
-      "\n".join(map(str, gemms))
+  assert [d.detail.rsplit("kernel: ", 1)[-1] for d in gemms] == ["mma.sync"] * 3
   assert "per-tensor FP8" in gemms[0].reason
   assert "bias" in gemms[1].reason
   assert "multiples of 16" in gemms[2].reason

@@ -317,7 +317,7 @@ auto BindGroupedGemm(Binding binding) {
 }
 
 // jaxquant_grouped_gemm_sm90 (CUDA only, built with CUTLASS): the arguments and attributes of
-// jaxquant_grouped_gemm plus `tile`, results out and a u8 workspace (grouped/sm90/sm90_gemm.h).
+// jaxquant_grouped_gemm, results out and a u8 workspace (grouped/sm90/sm90_gemm.h).
 template <typename Binding>
 auto BindGroupedGemmSm90(Binding binding) {
   auto args = std::move(binding).template Arg<ffi::AnyBuffer>()
@@ -337,8 +337,7 @@ auto BindGroupedGemmSm90(Binding binding) {
       .template Attr<bool>("has_row_factor")
       .template Attr<bool>("has_col_factor")
       .template Attr<bool>("has_group_factor")
-      .template Attr<bool>("has_bias")
-      .template Attr<int32_t>("tile");
+      .template Attr<bool>("has_bias");
 }
 
 }  // namespace jqgrouped

@@ -1,8 +1,7 @@
 // CUDA handler of jaxquant_grouped_gemm_sm90: the grouped GEMM of jaxquant_grouped_gemm for
 // per-tensor FP8 operands on Hopper, through the CUTLASS pointer-array grouped kernel
 // (grouped/sm90/). Same arguments and attributes as jaxquant_grouped_gemm plus a u8 workspace
-// result of at least sm90::workspace_bytes(G) bytes and a `tile` attribute (sm90::kCooperative
-// or kPingpong, picked by the caller from the group sizes it expects). This file holds no CUTLASS code (the
+// result of at least sm90::workspace_bytes(G) bytes. This file holds no CUTLASS code (the
 // instances are compiled in their own translation units); it checks that the problem is one
 // the kernel serves (else an error naming what is not: the Python side decides, never this
 // handler) and dispatches on the (A, B, output) types.
@@ -48,22 +47,16 @@ std::string unserved(const GemmParams& p) {
 
 using Runner = std::string (*)(const sm90::Problem&, cudaStream_t);
 
-template <int TILE>
-Runner runner_of(int a, int b, bool f32) {
+Runner runner(int a, int b, int out) {
   using sm90::kE4M3;
   using sm90::kE5M2;
   using sm90::run_instance;
   constexpr int F32 = sm90::kOutF32, BF16 = sm90::kOutBF16;
-  if (a == kE4M3 && b == kE4M3) return f32 ? run_instance<kE4M3, kE4M3, F32, TILE> : run_instance<kE4M3, kE4M3, BF16, TILE>;
-  if (a == kE5M2 && b == kE4M3) return f32 ? run_instance<kE5M2, kE4M3, F32, TILE> : run_instance<kE5M2, kE4M3, BF16, TILE>;
-  if (a == kE4M3 && b == kE5M2) return f32 ? run_instance<kE4M3, kE5M2, F32, TILE> : run_instance<kE4M3, kE5M2, BF16, TILE>;
+  const bool f32 = out == F32;
+  if (a == kE4M3 && b == kE4M3) return f32 ? run_instance<kE4M3, kE4M3, F32> : run_instance<kE4M3, kE4M3, BF16>;
+  if (a == kE5M2 && b == kE4M3) return f32 ? run_instance<kE5M2, kE4M3, F32> : run_instance<kE5M2, kE4M3, BF16>;
+  if (a == kE4M3 && b == kE5M2) return f32 ? run_instance<kE4M3, kE5M2, F32> : run_instance<kE4M3, kE5M2, BF16>;
   return nullptr;
-}
-
-Runner runner(int a, int b, int out, int tile) {
-  const bool f32 = out == sm90::kOutF32;
-  return tile == sm90::kPingpong ? runner_of<sm90::kPingpong>(a, b, f32)
-                                 : runner_of<sm90::kCooperative>(a, b, f32);
 }
 
 ffi::Error GroupedGemmSm90Cuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_scale,
@@ -73,16 +66,11 @@ ffi::Error GroupedGemmSm90Cuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBu
                                ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::AnyBuffer> workspace, int32_t mode,
                                int32_t a_scaling, int32_t b_scaling, bool has_row_factor,
-                               bool has_col_factor, bool has_group_factor, bool has_bias,
-                               int32_t tile) {
+                               bool has_col_factor, bool has_group_factor, bool has_bias) {
   GemmParams p;
   JQ_RETURN_IF_ERROR(decode_gemm(kTarget, a, a_scale, b, b_scale, pstarts, row_factor, col_factor,
                                  group_factor, bias, out, mode, a_scaling, b_scaling,
                                  has_row_factor, has_col_factor, has_group_factor, has_bias, &p));
-  if (tile != sm90::kCooperative && tile != sm90::kPingpong) {
-    return jqffi::invalid(kTarget, "tile=" + std::to_string(tile) +
-                                       "; expected 0 (cooperative 128x128) or 1 (pingpong 64x128)");
-  }
   const std::string why = unserved(p);
   if (!why.empty()) return jqffi::invalid(kTarget, why + " (use jaxquant_grouped_gemm)");
   const auto wdims = workspace->dimensions();
@@ -108,10 +96,9 @@ ffi::Error GroupedGemmSm90Cuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBu
   q.a_elem = p.a.elem == kElemE5M2 ? sm90::kE5M2 : sm90::kE4M3;
   q.b_elem = p.b.elem == kElemE5M2 ? sm90::kE5M2 : sm90::kE4M3;
   q.out_kind = p.out_kind == kOutF32 ? sm90::kOutF32 : sm90::kOutBF16;
-  q.tile = tile;
   q.workspace = workspace->untyped_data();
   q.workspace_bytes = static_cast<size_t>(wdims[0]);
-  const Runner run = runner(q.a_elem, q.b_elem, q.out_kind, q.tile);
+  const Runner run = runner(q.a_elem, q.b_elem, q.out_kind);
   const std::string err = run(q, stream);
   if (!err.empty()) return ffi::Error::Internal(std::string(kTarget) + ": " + err);
   return ffi::Error::Success();

@@ -88,10 +88,8 @@ def gemm(a: GroupedScaledTensor, b, *, out_dtype, bias: Optional[jax.Array] = No
   as_f32 = lambda v: jnp.asarray(_PLACEHOLDER_F32) if v is None else v.astype(jnp.float32)
   target, _ = kernels.gemm_kernel(a, b, out_dtype, bias)
   results = [jax.ShapeDtypeStruct(out_shape, np.dtype(out_dtype))]
-  extra = {}
   if target == kernels.GEMM_SM90_TARGET:  # + its workspace (per-group arguments, TMA descriptors)
     results.append(jax.ShapeDtypeStruct((kernels.sm90_workspace_bytes(groups),), np.uint8))
-    extra["tile"] = np.int32(kernels.SM90_TILES[kernels.sm90_tile(a)])
   out, *_ = calls.call(
       target, results,
       a.data, _scale_bytes(a), b.data, _scale_bytes(b), pstarts, as_f32(row_factor),
@@ -99,5 +97,5 @@ def gemm(a: GroupedScaledTensor, b, *, out_dtype, bias: Optional[jax.Array] = No
       mode=np.int32(mode), a_scaling=np.int32(kernels.gemm_scaling(a)),
       b_scaling=np.int32(kernels.gemm_scaling(b)), has_row_factor=row_factor is not None,
       has_col_factor=col_factor is not None, has_group_factor=group_factor is not None,
-      has_bias=bias is not None, **extra)
+      has_bias=bias is not None)
   return out

@@ -37,7 +37,6 @@ program (one `jax.lax.ragged_dot` per GEMM), never a Python loop over groups.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import jax
@@ -307,27 +306,6 @@ def sm90_unsupported(a, b, out_dtype=None, bias=None) -> Optional[str]:
       return (f"wgrad token layout block {a.layout.block} / length {a.shape[1]}: the CUTLASS "
               f"kernel needs both multiples of {SM90_WGRAD_BLOCK} (16-byte aligned group starts)")
   return None
-
-
-# Tile configurations of jaxquant_grouped_gemm_sm90 (ffi/grouped/sm90/sm90_gemm.h): 128x128
-# cooperative for large groups, 64x128 pingpong when a group holds few rows (fprop / dgrad) or
-# few tokens to contract (wgrad), where the padding of a 128-row tile and the unoverlapped
-# epilogue of short k-loops cost most. JAXQUANT_GROUPED_SM90_TILE=cooperative|pingpong forces
-# one (read when the GEMM is traced; for benchmarks).
-SM90_TILES = {"cooperative": 0, "pingpong": 1}
-SM90_PINGPONG_BELOW = 1024  # mean positions per group below which pingpong is picked
-
-
-def sm90_tile(a) -> str:
-  """The tile configuration for a grouped GEMM with `a` on the CUTLASS kernel."""
-  forced = os.environ.get("JAXQUANT_GROUPED_SM90_TILE", "")
-  if forced:
-    if forced not in SM90_TILES:
-      raise ValueError(f"JAXQUANT_GROUPED_SM90_TILE={forced!r}; expected one of "
-                       f"{sorted(SM90_TILES)} or unset")
-    return forced
-  positions = a.shape[0] if a.token_axis == 0 else a.shape[1]
-  return "pingpong" if positions < SM90_PINGPONG_BELOW * a.groups else "cooperative"
 
 
 def gemm_kernel(a, b, out_dtype=None, bias=None) -> tuple[str, str]:

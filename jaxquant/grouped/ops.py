@@ -383,9 +383,8 @@ def gemm(a: GroupedScaledTensor, b: Operand, *, out_dtype=None,
 
   def kernel_note():
     target, why = kernels.gemm_kernel(a, b, out_dtype, bias)
-    if target == kernels.GEMM_SM90_TARGET:
-      return f"kernel: CUTLASS sm90 wgmma, {kernels.sm90_tile(a)}", why
-    return "kernel: mma.sync", why
+    return ("kernel: CUTLASS sm90 wgmma" if target == kernels.GEMM_SM90_TARGET
+            else "kernel: mma.sync"), why
 
   path = _record("grouped_gemm", role, detail, None,
                  lambda: kernels.gemm_unsupported(a, b, out_dtype), kernel_note)

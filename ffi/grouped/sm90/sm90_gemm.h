@@ -1,6 +1,6 @@
 // The CUTLASS Hopper grouped FP8 GEMM (jaxquant_grouped_gemm_sm90): the plain-data problem the
 // FFI handler (grouped_sm90.cu, no CUTLASS) hands to the kernel instances (sm90_kernel.cuh,
-// one generated translation unit per (A, B, output, tile) instance), and the workspace contract.
+// one generated translation unit per (A, B, output) type triple), and the workspace contract.
 //
 // Workspace (an FFI result the caller allocates, `workspace_bytes(G)`): per-group problem
 // shapes, operand pointers and strides written on the device by a setup kernel from `pstarts`
@@ -19,13 +19,6 @@ namespace sm90 {
 
 enum : int { kE4M3 = 0, kE5M2 = 1 };     // operand element (jqgrouped::kElemE4M3 / kElemE5M2)
 enum : int { kOutBF16 = 0, kOutF32 = 2 };  // output (jqgrouped::kOutBF16 / kOutF32)
-// Tile configurations (the `tile` attribute; the Python side picks one per GEMM):
-//   kCooperative  128x128x128 tiles, two consumer warpgroups on one tile, cluster 1x2: large
-//                 groups (many k-tiles per output tile);
-//   kPingpong     64x128x128 tiles, the two consumer warpgroups on alternate tiles (one's
-//                 epilogue overlaps the other's mainloop), cluster 1x1: small groups (fprop rows
-//                 or wgrad tokens per group of a few hundred), less padding waste per group.
-enum : int { kCooperative = 0, kPingpong = 1 };
 
 struct Problem {
   int mode = 0;              // 0: ragged rows x experts (fprop / dgrad); 1: wgrad
@@ -35,7 +28,7 @@ struct Problem {
   const uint8_t* b = nullptr;  // mode 0: [G, N, K]; mode 1: [N, L]
   const float* alpha = nullptr;  // [G] per-group scale product, or nullptr (1)
   void* out = nullptr;           // mode 0: [L, N]; mode 1: [G, M, N]
-  int a_elem = kE4M3, b_elem = kE4M3, out_kind = kOutBF16, tile = kCooperative;
+  int a_elem = kE4M3, b_elem = kE4M3, out_kind = kOutBF16;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };
@@ -51,7 +44,7 @@ inline size_t workspace_bytes(int64_t G) {
 
 // One kernel instance (explicitly instantiated in the generated sm90_inst_*.cu files): returns
 // "" on success, else what went wrong (CUTLASS status or CUDA error).
-template <int A, int B, int OUT, int TILE>
+template <int A, int B, int OUT>
 std::string run_instance(const Problem& p, cudaStream_t stream);
 
 }  // namespace sm90

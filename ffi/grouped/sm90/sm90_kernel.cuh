@@ -1,9 +1,9 @@
 // The CUTLASS Hopper grouped FP8 GEMM instances behind jaxquant_grouped_gemm_sm90 (sm_90a).
 //
 // One CUTLASS 3.x/4.x pointer-array grouped GEMM (GroupProblemShape, persistent,
-// warp-specialized cooperative or pingpong: TMA producer warp, two wgmma consumer warpgroups with
-// the FP8 two-level accumulation that promotes the tensor-core partial sums to float32 every 4
-// k-blocks, TMA-store epilogue D = alpha[g] * acc). Both layouts of jaxquant_grouped_gemm are "TN" GEMMs
+// warp-specialized cooperative: TMA producer warp, two wgmma consumer warpgroups with the FP8
+// two-level accumulation that promotes the tensor-core partial sums to float32 every 4 k-blocks,
+// TMA-store epilogue D = alpha[g] * acc). Both layouts of jaxquant_grouped_gemm are "TN" GEMMs
 // (A and B contiguous along K), so one kernel serves them; only the per-group pointers and
 // strides differ:
 //   mode 0 (ragged rows x experts): group g = rows [pstarts[g], pstarts[g+1]) of a [L, K] times
@@ -41,22 +41,10 @@ template <> struct OutputOf<kOutF32> { using type = float; };
 
 using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K)
 
-// With the FP8 promotion each consumer warpgroup holds two float32 accumulators of its tile
-// (cooperative: 64 x 128 per warpgroup; pingpong: 64 x 128), 128 registers; wider tiles spill.
-template <int TILE> struct TileConfig {  // kCooperative
-  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;  // the 2 CTAs share (multicast) A
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
-template <> struct TileConfig<kPingpong> {
-  using TileShape = cute::Shape<cute::_64, cute::_128, cute::_128>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-};
-
-template <int A, int B, int OUT, int TILE>
+// 128 x 128 x 128 tiles: with the FP8 promotion each consumer warpgroup holds two 64 x 128
+// float32 accumulators (128 registers); wider tiles would spill. Cluster 1 x 2: the two CTAs
+// of a cluster share (multicast) the A tile.
+template <int A, int B, int OUT>
 struct Kernel {
   using ElementA = typename ElementOf<A>::type;
   using ElementB = typename ElementOf<B>::type;
@@ -65,10 +53,10 @@ struct Kernel {
   using LayoutB = cutlass::layout::ColumnMajor;
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlignA = 16, kAlignB = 16, kAlignD = 16 / sizeof(ElementD);
-  using TileShape = typename TileConfig<TILE>::TileShape;
-  using ClusterShape = typename TileConfig<TILE>::ClusterShape;
-  using KernelSchedule = typename TileConfig<TILE>::KernelSchedule;
-  using EpilogueSchedule = typename TileConfig<TILE>::EpilogueSchedule;
+  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -188,9 +176,9 @@ inline int sm_count_of(int device) {
   return n;
 }
 
-template <int A, int B, int OUT, int TILE>
+template <int A, int B, int OUT>
 std::string run_instance(const Problem& p, cudaStream_t stream) {
-  using K = Kernel<A, B, OUT, TILE>;
+  using K = Kernel<A, B, OUT>;
   using Gemm = typename K::Gemm;
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return cudaGetErrorString(e);
@@ -244,6 +232,5 @@ std::string run_instance(const Problem& p, cudaStream_t stream) {
 }  // namespace jqgrouped
 
 // Explicit instantiation, used by the generated sm90_inst_*.cu files.
-#define JQ_SM90_INSTANTIATE(A, B, OUT, TILE)                                          \
-  template std::string jqgrouped::sm90::run_instance<A, B, OUT, TILE>(               \
-      const jqgrouped::sm90::Problem&, cudaStream_t);
+#define JQ_SM90_INSTANTIATE(A, B, OUT) \
+  template std::string jqgrouped::sm90::run_instance<A, B, OUT>(const jqgrouped::sm90::Problem&, cudaStream_t);
