@@ -353,7 +353,8 @@ def gemm(a: GroupedScaledTensor, b: Operand, *, out_dtype=None,
     out_dtype: output dtype; default: `a`'s original dtype.
     bias: optional `[G, N]` per-group bias (first mode only), added in float32.
     precision: for two high-precision operands, as `jax.lax.ragged_dot`.
-    role: label for `jaxquant.explain`.
+    role: label for `jaxquant.explain` (an FFI decision's detail ends in the kernel that runs
+      it, "kernel: CUTLASS sm90 wgmma" or "kernel: mma.sync", the latter with the reason).
   """
   if not isinstance(a, GroupedScaledTensor):
     raise TypeError(f"a: expected a GroupedScaledTensor (from jaxquant.grouped.quantize), got "
