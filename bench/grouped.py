@@ -14,7 +14,10 @@ y, vjp = jax.vjp(apply, variables, x); vjp(dy): the forward grouped GEMM, dgrad 
 every quantize / state update the recipe needs, jitted as one program. Time = median over
 repeats of (R back-to-back steps) / R after warm-up. The "paths" column is what
 `jaxquant.explain` reports for the grouped GEMMs and quantizes ("ffi": the grouped kernels of
-ffi/grouped; "reference": one `ragged_dot` per GEMM, with the reason printed below the table).
+ffi/grouped, "ffi-cutlass" the CUTLASS Hopper grouped GEMM; "reference": one `ragged_dot` per
+GEMM, with the reason printed below the table). `--gemms` also times each grouped GEMM alone
+(fprop, dgrad, wgrad) next to the dense GEMMs of the same FLOPs in bf16 and FP8 (the roofline
+peers), with grouped/dense ratios.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import numpy as np
 import jaxquant as jq
 from timing import bench  # bench/timing.py (this folder is on sys.path when run)
 import jaxquant.flax  # noqa: F401
+from jaxquant.backends.ffi import gemm as ffi_gemm
 
 RECIPES = {
     "Float8CurrentScaling": lambda: jq.recipes.Float8CurrentScaling(),
@@ -87,7 +91,8 @@ def run_case(experts: int, spec, args, card: str) -> list[dict]:
     if name.startswith("jaxquant"):
       report = jq.explain(step, variables, x, sizes, dy, key)
       gemms = [d for d in report if d.op == "grouped_gemm"]
-      paths = ",".join(sorted({d.path for d in gemms}))
+      paths = ",".join(sorted({d.path + ("-cutlass" if "CUTLASS" in d.detail else "")
+                               for d in gemms}))  # ffi-cutlass: jaxquant_grouped_gemm_sm90
       qpaths = ",".join(sorted({d.path for d in report if d.op == "grouped_quantize"}))
       why = "; ".join(sorted({d.reason for d in gemms if d.reason}))
     try:
@@ -114,9 +119,34 @@ GEMM_FORMATS = {
 }
 
 
+def dense_peers(t: int, k: int, n: int, rng, timing) -> dict[str, float]:
+  """Seconds of the dense GEMMs of the grouped GEMMs' FLOPs (2 T K N), the roofline peers:
+  bf16 `jax.lax.dot_general` (cuBLAS through XLA) and jaxquant's per-tensor FP8 GEMM (cuBLASLt)
+  with split (float32-promoted) and fast accumulation, bf16 out."""
+  x = jnp.asarray(rng.standard_normal((t, k), np.float32), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((n, k), np.float32), jnp.bfloat16)
+  dot_nt = lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                            preferred_element_type=jnp.bfloat16)
+  peers = {"dense bf16": bench(jax.jit(dot_nt), x, w, **timing)}
+  fp8 = jq.Float8CurrentScalingQuantizer()
+  q = lambda m: jax.jit(lambda m: jq.ops.quantize(m, fp8, rowwise=True,
+                                                  columnwise=False).rowwise)(m)
+  qx, qw = q(x), q(w)
+  for acc in ("split", "fast"):
+    fn = jax.jit(lambda a, b, acc=acc: ffi_gemm.gemm(a, b, out_dtype=jnp.bfloat16,
+                                                     accumulation=acc))
+    try:
+      peers[f"dense fp8 ({acc} acc)"] = bench(fn, qx, qw, **timing)
+    except Exception as e:  # noqa: BLE001 - no cuBLASLt here: report, go on
+      print(f"  dense fp8 ({acc} acc): FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+  return peers
+
+
 def run_gemms(experts: int, spec, args, card: str) -> list[dict]:
-  """The grouped GEMMs alone (operands quantized beforehand): forward (ragged rows x experts)
-  and wgrad (per-group contraction over tokens), vs bf16 jax.lax.ragged_dot[_general]."""
+  """The grouped GEMMs alone (operands quantized beforehand): forward (ragged rows x experts),
+  dgrad (ragged rows of dy x the experts' columnwise copies) and wgrad (per-group contraction
+  over tokens), vs bf16 jax.lax.ragged_dot[_general] and vs the dense GEMMs of the same FLOPs
+  (bf16 and FP8, timed in this process on this card)."""
   import jaxquant.grouped as jg
   groups, t, k, n, what = spec
   rng = np.random.default_rng(args.seed)
@@ -130,31 +160,49 @@ def run_gemms(experts: int, spec, args, card: str) -> list[dict]:
       rhs_group_dimensions=[])
   timing = dict(repeats=args.repeats, calls=args.calls, warmup=args.warmup)
   fwd = jax.jit(lambda x, w, s: jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), s))
+  dgr = jax.jit(lambda d, w, s: jax.lax.ragged_dot(d, w, s))
   wgr = jax.jit(lambda x, dy, s: jax.lax.ragged_dot_general(x.T, dy.T, s, dnums))
-  base = {"fprop": bench(fwd, x, w, sizes, **timing), "wgrad": bench(wgr, x, dy, sizes, **timing)}
+  base = {"fprop": bench(fwd, x, w, sizes, **timing), "dgrad": bench(dgr, dy, w, sizes, **timing),
+          "wgrad": bench(wgr, x, dy, sizes, **timing)}
+  peers = dense_peers(t, k, n, rng, timing)
+  tf = lambda sec: flops / sec / 1e12
   rows = []
   print(f"\n{groups} experts, GEMMs alone (T={t} K={k} N={n}); bf16 ragged_dot fprop "
-        f"{base['fprop'] * 1e3:.3f} ms, wgrad {base['wgrad'] * 1e3:.3f} ms", flush=True)
+        f"{base['fprop'] * 1e3:.3f} ms, dgrad {base['dgrad'] * 1e3:.3f} ms, wgrad "
+        f"{base['wgrad'] * 1e3:.3f} ms; dense peers (same FLOPs): " +
+        ", ".join(f"{name} {sec * 1e3:.3f} ms = {tf(sec):.0f} TFLOP/s"
+                  for name, sec in peers.items()), flush=True)
+  for name, sec in peers.items():
+    rows.append(dict(experts=groups, gemm="dense peer", format=name, ms=sec * 1e3,
+                     tflops=tf(sec), speedup_vs_bf16=float("nan"), vs_dense_bf16=
+                     peers["dense bf16"] / sec, vs_dense_fp8=float("nan"), path="", card=card))
+  fp8_peer = peers.get("dense fp8 (split acc)")
   for name, make in GEMM_FORMATS.items():
     q = make()
+    plain = q if not getattr(q, "row_scaled", False) else jq.NVFP4Quantizer()
     a = jax.jit(lambda x, s: jg.quantize(x, s, q, columnwise=True, col_block=128))(x, sizes)
-    qw = q if not getattr(q, "row_scaled", False) else jq.NVFP4Quantizer()
-    b = jax.jit(lambda w: jg.quantize_experts(w, qw, columnwise=False))(w)
-    qd = q if not getattr(q, "row_scaled", False) else jq.NVFP4Quantizer()
-    c = jax.jit(lambda d, s: jg.quantize(d, s, qd, rowwise=False, col_block=128))(dy, sizes)
-    f_fwd = jax.jit(lambda a, b: jg.gemm(a, b))
-    f_wgr = jax.jit(lambda a, c: jg.gemm(a, c))
-    for kind, fn, ops in (("fprop", f_fwd, (a.rowwise, b.rowwise)),
-                          ("wgrad", f_wgr, (a.columnwise, c.columnwise))):
-      report = jq.explain(fn, *ops)
+    b = jax.jit(lambda w: jg.quantize_experts(w, plain))(w)
+    c = jax.jit(lambda d, s: jg.quantize(d, s, plain, col_block=128))(dy, sizes)
+    gemm = jax.jit(lambda a, b: jg.gemm(a, b))
+    for kind, ops in (("fprop", (a.rowwise, b.rowwise)), ("dgrad", (c.rowwise, b.columnwise)),
+                      ("wgrad", (a.columnwise, c.columnwise))):
+      report = jq.explain(gemm, *ops)
       path = ",".join(sorted({d.path for d in report}))
-      sec = bench(fn, *ops, **timing)
-      row = dict(experts=groups, gemm=kind, format=name, ms=sec * 1e3,
-                 tflops=flops / sec / 1e12, speedup_vs_bf16=base[kind] / sec, path=path,
-                 bf16_ms=base[kind] * 1e3, card=card)
+      kernel = ",".join(sorted({d.detail.rsplit("kernel: ", 1)[-1] for d in report
+                                if "kernel: " in d.detail})) or "-"
+      try:
+        sec = bench(gemm, *ops, **timing)
+      except Exception as e:  # noqa: BLE001 - report and go on with the other rows
+        print(f"  {kind} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        continue
+      row = dict(experts=groups, gemm=kind, format=name, ms=sec * 1e3, tflops=tf(sec),
+                 speedup_vs_bf16=base[kind] / sec, vs_dense_bf16=peers["dense bf16"] / sec,
+                 vs_dense_fp8=(fp8_peer / sec) if fp8_peer else float("nan"),
+                 path=f"{path} ({kernel})", bf16_ms=base[kind] * 1e3, card=card)
       rows.append(row)
       print(f"  {kind} {name:24s} {sec * 1e3:8.3f} ms {row['tflops']:7.1f} TFLOP/s "
-            f"{row['speedup_vs_bf16']:5.2f}x vs bf16 ({path})", flush=True)
+            f"{row['speedup_vs_bf16']:5.2f}x vs bf16 ragged_dot, {row['vs_dense_bf16']:4.2f}x "
+            f"dense bf16, {row['vs_dense_fp8']:4.2f}x dense fp8 ({path}, {kernel})", flush=True)
   return rows
 
 
@@ -190,13 +238,15 @@ def main(argv=None) -> int:
           f"{r['speedup_vs_bf16']:.2f}x | {r['gemm_paths']} | {r['quantize_paths']} |")
   reasons = sorted({r["why"] for r in results if r["why"]})
   if reasons:
-    print("\nwhy the reference path: " + " | ".join(reasons))
+    print("\nwhy a slower path (reference, or the mma.sync kernel): " + " | ".join(reasons))
   if gemm_rows:
-    print("\n| experts | GEMM | format | ms | TFLOP/s | vs bf16 ragged_dot | path |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| experts | GEMM | format | ms | TFLOP/s | vs bf16 ragged_dot | grouped/dense bf16 "
+          "| grouped/dense fp8 (split acc) | path |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in gemm_rows:
       print(f"| {r['experts']} | {r['gemm']} | {r['format']} | {r['ms']:.3f} | "
-            f"{r['tflops']:.0f} | {r['speedup_vs_bf16']:.2f}x | {r['path']} |")
+            f"{r['tflops']:.0f} | {r['speedup_vs_bf16']:.2f}x | {r['vs_dense_bf16']:.2f} | "
+            f"{r['vs_dense_fp8']:.2f} | {r['path']} |")
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"steps": results, "gemms": gemm_rows}, f, indent=1)

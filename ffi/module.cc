@@ -2,6 +2,7 @@
 //
 //   registrations() -> {"cpu": {target: capsule}, "CUDA": {target: capsule}}  (CUDA when built)
 //   has_cuda() -> whether the CUDA kernels were compiled in
+//   grouped_sm90_status() -> the CUTLASS grouped GEMM's build (CUTLASS version) or why it is absent
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
@@ -43,6 +44,15 @@ NB_MODULE(_jaxquant_ffi, m) {
     return true;
 #else
     return false;
+#endif
+  });
+  // Whether the CUTLASS Hopper grouped GEMM (jaxquant_grouped_gemm_sm90) was built, and from
+  // which CUTLASS, or why not (ffi/grouped/sm90/sm90.cmake).
+  m.def("grouped_sm90_status", []() {
+#ifdef JAXQUANT_GROUPED_SM90_STATUS
+    return std::string(JAXQUANT_GROUPED_SM90_STATUS);
+#else
+    return std::string("not configured");
 #endif
   });
   m.def("cuda_archs", []() {

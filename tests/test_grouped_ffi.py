@@ -214,7 +214,8 @@ def _assert_close(actual, expected, rel, msg=""):
   assert err <= rel * scale, f"{msg}: max error {err:.3g} > {rel:.3g} x {scale:.3g}"
 
 
-def check_ragged(rng, pair, tokens, k, n, groups, empty, spare, rel, bias=True):
+def check_ragged(rng, pair, tokens, k, n, groups, empty, spare, rel, bias=True,
+                 out_dtype=jnp.float32, kernel=None):
   qa, qb = (GEMM_QUANTIZERS[p] for p in pair)
   x = jnp.asarray(oracle.random_matrix(rng, (tokens, k)), jnp.bfloat16)
   w = jnp.asarray(oracle.random_matrix(rng, (groups, n, k)), jnp.bfloat16)
@@ -226,18 +227,28 @@ def check_ragged(rng, pair, tokens, k, n, groups, empty, spare, rel, bias=True):
     a = jg.quantize(x, sizes, qa, columnwise=False).rowwise
     e = jg.quantize_experts(w, qb, columnwise=False).rowwise
     os.environ["JAXQUANT_BACKEND"] = backend
-    return jg.gemm(a, e, bias=b, out_dtype=jnp.float32)
+    return jg.gemm(a, e, bias=b, out_dtype=out_dtype)
 
   outs = {}
   for backend in ("ffi", "reference"):
     outs[backend] = _on(backend, fn, x, w, b, sizes)
+  if kernel is not None:
+    backend = "ffi"
+    assert _gemm_kernels(fn, x, w, b, sizes) == {kernel}
   _assert_close(outs["ffi"], outs["reference"], rel, f"ragged {pair}")
   start = int(np.sum(np.asarray(sizes)))
   if pair[0] != "nvfp4-2d":
     assert np.all(np.asarray(outs["ffi"])[start:] == 0), "rows of no group must be zero"
 
 
-def check_wgrad(rng, pair, tokens, m, n, groups, empty, spare, rel, block=1):
+def _gemm_kernels(fn, *args) -> set:
+  """The grouped GEMM kernels `jaxquant.explain` reports for `fn` with JAXQUANT_BACKEND=ffi."""
+  report = _paths(fn, *args)
+  return {d.detail.rsplit("kernel: ", 1)[-1] for d in report if d.op == "grouped_gemm"}
+
+
+def check_wgrad(rng, pair, tokens, m, n, groups, empty, spare, rel, block=1,
+                out_dtype=jnp.float32, kernel=None):
   qa, qb = (GEMM_QUANTIZERS[p] for p in pair)
   x = jnp.asarray(oracle.random_matrix(rng, (tokens, m)), jnp.bfloat16)
   dy = jnp.asarray(oracle.random_matrix(rng, (tokens, n)), jnp.bfloat16)
@@ -250,11 +261,14 @@ def check_wgrad(rng, pair, tokens, m, n, groups, empty, spare, rel, block=1):
     a = jg.quantize(x, sizes, qa, rowwise=False, col_block=block).columnwise
     b = jg.quantize(dy, sizes, qb, rowwise=False, col_block=block).columnwise
     os.environ["JAXQUANT_BACKEND"] = backend
-    return jg.gemm(a, b, out_dtype=jnp.float32)
+    return jg.gemm(a, b, out_dtype=out_dtype)
 
   outs = {}
   for backend in ("ffi", "reference"):
     outs[backend] = _on(backend, fn, x, dy, sizes)
+  if kernel is not None:
+    backend = "ffi"
+    assert _gemm_kernels(fn, x, dy, sizes) == {kernel}
   _assert_close(outs["ffi"], outs["reference"], rel, f"wgrad {pair}")
   for g in np.flatnonzero(np.asarray(sizes) == 0):
     assert np.all(np.asarray(outs["ffi"])[g] == 0), f"empty group {g} must give zeros"
@@ -363,3 +377,123 @@ def test_gpu_expert_weights_fp8(on_gpu, rng):
 @pytest.mark.parametrize("name", sorted(EXPERT_QUANTIZERS))
 def test_gpu_expert_weights_block_formats(on_gpu, rng, name):
   test_expert_weights_block_formats_are_bitwise_the_reference(rng, name, rows=256)
+
+
+# ------------------------------- CUTLASS Hopper grouped GEMM ---------------------------------
+# jaxquant_grouped_gemm_sm90 (per-tensor FP8 on sm_90): FP8 wgmma sums each 128-long k-block in
+# the tensor cores' accumulator (narrower than float32) and promotes it to float32 between
+# blocks; the stated bound vs the reference (exact decode, float32 sums) is 2^-10 x max |out|
+# for float32 outputs, plus one bfloat16 rounding (2^-8) for bfloat16 outputs.
+
+SM90 = "CUTLASS sm90 wgmma"
+
+
+@pytest.fixture
+def on_sm90(on_gpu):
+  reason = kernels._sm90_device_reason()
+  if reason is not None:
+    pytest.skip(reason)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", [1, 8, 64])
+@pytest.mark.parametrize("pair", [("fp8", "fp8"), ("fp8-e5m2", "fp8"), ("fp8", "fp8-e5m2")])
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_sm90_ragged_gemm_matches_the_reference(on_sm90, rng, groups, pair, out_dtype):
+  """Ragged rows x experts (fprop / dgrad) on the CUTLASS kernel: uneven groups, empty groups,
+  rows of no group (zeros), K not a multiple of the 128 k-tile."""
+  rel = 2.0**-10 if out_dtype == jnp.float32 else 2.0**-7
+  check_ragged(rng, pair, 1500 + 7 * groups, 336, 200, groups,
+               empty=tuple(range(1, groups, 4)), spare=11, rel=rel, bias=False,
+               out_dtype=out_dtype, kernel=SM90)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", [1, 8, 64])
+@pytest.mark.parametrize("pair", [("fp8", "fp8"), ("fp8", "fp8-e5m2")])
+@pytest.mark.parametrize("block", [16, 128])
+def test_gpu_sm90_wgrad_gemm_matches_the_reference(on_sm90, rng, groups, pair, block):
+  """Per-group wgrad on the CUTLASS kernel: empty groups give zeros, token layouts whose group
+  starts are 16-aligned (the block), groups shorter than one k-tile."""
+  check_wgrad(rng, pair, 1500 + 5 * groups, 136, 200, groups,
+              empty=tuple(range(2, groups, 5)) if groups > 1 else (), spare=7, rel=2.0**-10,
+              block=block, kernel=SM90)
+
+
+@pytest.mark.gpu
+def test_gpu_sm90_all_groups_empty_gives_zeros(on_sm90, rng):
+  check_ragged(rng, ("fp8", "fp8"), 64, 64, 32, 3, empty=(0, 1, 2), spare=0, rel=0.0,
+               bias=False, kernel=SM90)
+  check_wgrad(rng, ("fp8", "fp8"), 64, 32, 24, 3, empty=(0, 1, 2), spare=0, rel=0.0, block=16,
+              kernel=SM90)
+
+
+@pytest.mark.gpu
+def test_gpu_sm90_grouped_dense_fp8_runs_every_gemm_on_the_cutlass_kernel(on_sm90, rng):
+  """GroupedDense under Float8CurrentScaling (E4M3 forward, E5M2 gradients): fprop, dgrad and
+  wgrad all on the CUTLASS kernel (the wgrad layout block is raised to 16 for it), and the
+  step matches the reference."""
+  groups, tokens, k, n = 8, 512, 256, 128
+  model = jq.flax.GroupedDense(features=n, num_groups=groups, use_bias=False,
+                               recipe=jq.recipes.Float8CurrentScaling(), dtype=jnp.bfloat16,
+                               param_dtype=jnp.bfloat16)
+  x = jnp.asarray(oracle.random_matrix(rng, (tokens, k)), jnp.bfloat16)
+  dy = jnp.asarray(oracle.random_matrix(rng, (tokens, n)), jnp.bfloat16)
+  sizes = jnp.asarray(_sizes(rng, tokens, groups, (3,), 9))
+  variables = _on("reference", model.init, jax.random.PRNGKey(0), x, sizes)
+
+  def step(variables, x, dy, sizes):
+    y, vjp = jax.vjp(lambda v, x: model.apply(v, x, sizes), variables, x)
+    return y, vjp(dy)
+
+  os.environ.pop("JAXQUANT_BACKEND", None)
+  gemms = [d for d in jq.explain(step, variables, x, dy, sizes) if d.op == "grouped_gemm"]
+  assert len(gemms) == 3 and all(d.path == "ffi" and SM90 in d.detail for d in gemms), \
+      "\n".join(map(str, gemms))
+  ffi, ref = _on("auto", step, variables, x, dy, sizes), _on("reference", step, variables, x,
+                                                           dy, sizes)
+  for u, v in zip(jax.tree_util.tree_leaves(ffi), jax.tree_util.tree_leaves(ref)):
+    _assert_close(np.asarray(u, np.float32), np.asarray(v, np.float32), 2.0**-7)
+
+
+@pytest.mark.gpu
+def test_gpu_sm90_explain_says_why_the_mma_sync_kernel_serves(on_sm90, rng):
+  """Block-scaled operands, a bias and a packed (unaligned) wgrad layout stay on the mma.sync
+  kernel, and explain says why."""
+  x = jnp.asarray(oracle.random_matrix(rng, (96, 64)), jnp.bfloat16)
+  w = jnp.asarray(oracle.random_matrix(rng, (2, 32, 64)), jnp.bfloat16)
+  sizes = jnp.asarray([40, 50], jnp.int32)
+  os.environ.pop("JAXQUANT_BACKEND", None)
+
+  def f(x, w, sizes):
+    mx = jg.quantize(x, sizes, jq.MXFP8Quantizer(), columnwise=False).rowwise
+    mw = jg.quantize_experts(w, jq.MXFP8Quantizer(), columnwise=False).rowwise
+    fx = jg.quantize(x, sizes, FP8)
+    fw = jg.quantize_experts(w, FP8, columnwise=False).rowwise
+    return (jg.gemm(mx, mw), jg.gemm(fx.rowwise, fw, bias=jnp.ones((2, 32))),
+            jg.gemm(fx.columnwise, fx.columnwise))
+
+  gemms = [d for d in jq.explain(f, x, w, sizes) if d.op == "grouped_gemm"]
+  assert [d.detail.rsplit("kernel: ", 1)[-1] for d in gemms] == ["mma.sync"] * 3
+  assert "per-tensor FP8" in gemms[0].reason
+  assert "bias" in gemms[1].reason
+  assert "multiples of 16" in gemms[2].reason
+
+
+def test_explain_names_the_grouped_gemm_kernel(monkeypatch):
+  """Every FFI grouped GEMM decision names its kernel; off Hopper (here: CPU) the mma.sync
+  kernel, with why not the CUTLASS one."""
+  monkeypatch.setenv("JAXQUANT_BACKEND", "ffi")
+  if kernels._sm90_device_reason() is None:
+    pytest.skip("this device runs the CUTLASS kernel (see the gpu tests)")
+
+  def f(x, sizes):
+    a = jg.quantize(x, sizes, FP8, columnwise=False).rowwise
+    b = jg.quantize_experts(jnp.ones((2, 8, 32)), FP8, columnwise=False)
+    return jg.gemm(a, b.rowwise)
+
+  report = jq.explain(f, jax.ShapeDtypeStruct((64, 32), jnp.float32),
+                      jax.ShapeDtypeStruct((2,), jnp.int32))
+  gemms = [d for d in report if d.op == "grouped_gemm"]
+  assert gemms and all(d.detail.endswith("kernel: mma.sync") for d in gemms)
+  assert all(d.reason.startswith("mma.sync grouped kernel: ") for d in gemms)

@@ -12,6 +12,9 @@ struct CudaTarget {
   void* handler;  // XLA_FFI_Handler*
 };
 std::vector<CudaTarget> GroupedCudaTargets();
+#ifdef JAXQUANT_GROUPED_SM90
+std::vector<CudaTarget> GroupedSm90Targets();  // grouped_sm90.cu (CUTLASS)
+#endif
 #endif
 
 }  // namespace jqgrouped

@@ -316,4 +316,28 @@ auto BindGroupedGemm(Binding binding) {
       .template Attr<bool>("has_bias");
 }
 
+// jaxquant_grouped_gemm_sm90 (CUDA only, built with CUTLASS): the arguments and attributes of
+// jaxquant_grouped_gemm, results out and a u8 workspace (grouped/sm90/sm90_gemm.h).
+template <typename Binding>
+auto BindGroupedGemmSm90(Binding binding) {
+  auto args = std::move(binding).template Arg<ffi::AnyBuffer>()
+                  .template Arg<ffi::AnyBuffer>()
+                  .template Arg<ffi::AnyBuffer>()
+                  .template Arg<ffi::AnyBuffer>()
+                  .template Arg<ffi::AnyBuffer>()
+                  .template Arg<ffi::AnyBuffer>()
+                  .template Arg<ffi::AnyBuffer>()
+                  .template Arg<ffi::AnyBuffer>()
+                  .template Arg<ffi::AnyBuffer>();
+  return std::move(args).template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<int32_t>("mode")
+      .template Attr<int32_t>("a_scaling")
+      .template Attr<int32_t>("b_scaling")
+      .template Attr<bool>("has_row_factor")
+      .template Attr<bool>("has_col_factor")
+      .template Attr<bool>("has_group_factor")
+      .template Attr<bool>("has_bias");
+}
+
 }  // namespace jqgrouped

@@ -713,9 +713,14 @@ XLA_FFI_DEFINE_HANDLER(kGroupedGemmCuda, GroupedGemmCuda,
                        {ffi::Traits::kCmdBufferCompatible});
 
 std::vector<CudaTarget> GroupedCudaTargets() {
-  return {{"jaxquant_grouped_quantize_fp8", reinterpret_cast<void*>(kGroupedQuantizeFp8Cuda)},
-          {"jaxquant_grouped_amax", reinterpret_cast<void*>(kGroupedAmaxCuda)},
-          {"jaxquant_grouped_gemm", reinterpret_cast<void*>(kGroupedGemmCuda)}};
+  std::vector<CudaTarget> targets = {
+      {"jaxquant_grouped_quantize_fp8", reinterpret_cast<void*>(kGroupedQuantizeFp8Cuda)},
+      {"jaxquant_grouped_amax", reinterpret_cast<void*>(kGroupedAmaxCuda)},
+      {"jaxquant_grouped_gemm", reinterpret_cast<void*>(kGroupedGemmCuda)}};
+#ifdef JAXQUANT_GROUPED_SM90
+  for (const CudaTarget& t : GroupedSm90Targets()) targets.push_back(t);
+#endif
+  return targets;
 }
 
 }  // namespace jqgrouped

@@ -68,8 +68,8 @@ class _Config:
 def token_blocks(quantizers: DenseQuantizers) -> tuple[int, int, int]:
   """(x rowwise, dy rowwise, wgrad) token-layout blocks the recipe's formats need."""
   x_q, dy_q = quantizers.input, quantizers.grad_output
-  wgrad = max(formats.token_block(x_q.for_direction("columnwise"), "columnwise"),
-              formats.token_block(dy_q.for_direction("columnwise"), "columnwise"))
+  x_col, dy_col = x_q.for_direction("columnwise"), dy_q.for_direction("columnwise")
+  wgrad = grouped_ops.wgrad_token_block(x_col, dy_col)
   return (formats.token_block(x_q.for_direction("rowwise"), "rowwise"),
           formats.token_block(dy_q.for_direction("rowwise"), "rowwise"), wgrad)
 

@@ -39,6 +39,19 @@ __all__ = ["quantize", "quantize_experts", "gemm", "to_tokens", "check_group_siz
 DIRECTIONS = ("rowwise", "columnwise")
 
 
+# ----------------------------------------- layouts --------------------------------------------
+
+def wgrad_token_block(x_quantizer: Quantizer, dy_quantizer: Quantizer) -> int:
+  """The token-layout block of the wgrad operands (the columnwise copies of x and dy): each
+  format's scale block along the tokens, and what the kernel that will run the wgrad GEMM needs
+  (16-aligned group starts for the CUTLASS Hopper kernel)."""
+  block = max(formats.token_block(x_quantizer, "columnwise"),
+              formats.token_block(dy_quantizer, "columnwise"))
+  if dispatch.requested_backend() != "reference":
+    block = max(block, kernels.sm90_wgrad_block(x_quantizer, dy_quantizer))
+  return block
+
+
 # ----------------------------------------- validation -----------------------------------------
 
 def check_group_sizes(group_sizes: Any, groups: Optional[int] = None,
@@ -130,11 +143,17 @@ def _layout_block(leaf: Quantizer, direction: str, requested: Optional[int]) -> 
   return requested
 
 
-def _record(op: str, role, detail: str, quantizer: Optional[Quantizer], reason_fn) -> str:
+def _record(op: str, role, detail: str, quantizer: Optional[Quantizer], reason_fn,
+            ffi_note_fn=None) -> str:
+  """Choose and record the path; on the FFI path `ffi_note_fn()` gives (detail suffix, why a
+  slower kernel serves it or "")."""
   if isinstance(quantizer, IdentityQuantizer):
     path, reason = "reference", ""  # nothing to compute
   else:
     path, reason = dispatch.choose(op.replace("_", " "), reason_fn())
+  if path == "ffi" and ffi_note_fn is not None:
+    suffix, reason = ffi_note_fn()
+    detail = f"{detail}; {suffix}"
   record(Decision(op, role, detail, path, reason))
   return path
 
@@ -348,7 +367,8 @@ def gemm(a: GroupedScaledTensor, b: Operand, *, out_dtype=None,
     out_dtype: output dtype; default: `a`'s original dtype.
     bias: optional `[G, N]` per-group bias (first mode only), added in float32.
     precision: for two high-precision operands, as `jax.lax.ragged_dot`.
-    role: label for `jaxquant.explain`.
+    role: label for `jaxquant.explain` (an FFI decision's detail ends in the kernel that runs
+      it, "kernel: CUTLASS sm90 wgmma" or "kernel: mma.sync", the latter with the reason).
   """
   if not isinstance(a, GroupedScaledTensor):
     raise TypeError(f"a: expected a GroupedScaledTensor (from jaxquant.grouped.quantize), got "
@@ -375,7 +395,14 @@ def gemm(a: GroupedScaledTensor, b: Operand, *, out_dtype=None,
       raise ValueError("bias: the per-group (wgrad) GEMM takes no bias")
     mode, impl = "per-group over tokens", reference.per_group_gemm
   detail = f"{_describe(a)} x {_describe(b)} [{a.groups} groups, {mode}]"
-  path = _record("grouped_gemm", role, detail, None, lambda: kernels.gemm_unsupported(a, b, out_dtype))
+
+  def kernel_note():
+    target, why = kernels.gemm_kernel(a, b, out_dtype, bias)
+    return ("kernel: CUTLASS sm90 wgmma" if target == kernels.GEMM_SM90_TARGET
+            else "kernel: mma.sync"), why
+
+  path = _record("grouped_gemm", role, detail, None,
+                 lambda: kernels.gemm_unsupported(a, b, out_dtype), kernel_note)
   if path == "ffi":
     return kernels.gemm(a, b, out_dtype=out_dtype, bias=bias, precision=precision)
   kwargs = dict(out_dtype=out_dtype, precision=precision)

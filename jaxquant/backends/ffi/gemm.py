@@ -51,6 +51,7 @@ from jax import lax
 
 from jaxquant.formats import format_of
 from jaxquant.backends.ffi import partitioning, registry
+from jaxquant.backends.platform import compute_capability
 from jaxquant.backends.platform import current_platform as _platform
 from jaxquant.backends.reference import ops as reference
 from jaxquant.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer,
@@ -147,19 +148,6 @@ def cublaslt_version() -> Optional[int]:
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _compute_capability() -> Optional[tuple[int, int]]:
-  try:
-    devices = jax.devices("gpu")
-  except RuntimeError:
-    return None
-  cc = getattr(devices[0], "compute_capability", None) if devices else None
-  if not cc:
-    return None
-  major, minor = str(cc).split(".")[:2]
-  return int(major), int(minor)
-
-
 # ---------------------------------------------------------------------------------------------
 # Path selection.
 # ---------------------------------------------------------------------------------------------
@@ -175,7 +163,7 @@ def _kernel_path(a: Operand, b: Operand, platform: str) -> tuple[str, str]:
     return "xla-dot", ""
   n, k = b.shape[0], a.shape[1]
   cuda = platform == "cuda"
-  cc = _compute_capability() if cuda else None
+  cc = compute_capability() if cuda else None
   e5m2 = np.dtype(jnp.float8_e5m2)
   if ka.family == kb.family == "fp8":
     if ka.dtype == e5m2 and kb.dtype == e5m2:

@@ -39,6 +39,11 @@ def registered_targets(platform: str) -> frozenset:
   return frozenset(_ext.registrations()[xla_platform])
 
 
+def extension_function(name: str):
+  """The extension's module-level function `name`, or None (not built, or built without it)."""
+  return getattr(_ext, name, None) if _ext is not None else None
+
+
 def extension_built() -> bool:
   return _ext is not None
 

@@ -1,4 +1,5 @@
-"""The grouped GEMMs through `jaxquant_grouped_gemm` (one launch per GEMM).
+"""The grouped GEMMs through `jaxquant_grouped_gemm` or, for per-tensor FP8 on Hopper, its
+CUTLASS twin `jaxquant_grouped_gemm_sm90` (`support.gemm_kernel` picks; one call per GEMM).
 
 Same contract as `jaxquant.backends.reference.grouped` (`ragged_gemm` for a rowwise `a`, `per_group_gemm`
 for a columnwise one): the kernel decodes each operand exactly (payload times block scale), sums
@@ -86,8 +87,12 @@ def gemm(a: GroupedScaledTensor, b, *, out_dtype, bias: Optional[jax.Array] = No
   if bias is not None:
     bias = bias.astype(jnp.float32).reshape(-1)
   as_f32 = lambda v: jnp.asarray(_PLACEHOLDER_F32) if v is None else v.astype(jnp.float32)
-  (out,) = calls.call(
-      support.GEMM_TARGET, [jax.ShapeDtypeStruct(out_shape, np.dtype(out_dtype))],
+  target, _ = support.gemm_kernel(a, b, out_dtype, bias)
+  results = [jax.ShapeDtypeStruct(out_shape, np.dtype(out_dtype))]
+  if target == support.GEMM_SM90_TARGET:  # + its workspace (per-group arguments, TMA descriptors)
+    results.append(jax.ShapeDtypeStruct((support.sm90_workspace_bytes(groups),), np.uint8))
+  out, *_ = calls.call(
+      target, results,
       a.data, _scale_bytes(a), b.data, _scale_bytes(b), pstarts, as_f32(row_factor),
       as_f32(col_factor), as_f32(group_factor), as_f32(bias),
       mode=np.int32(mode), a_scaling=np.int32(support.gemm_scaling(a)),

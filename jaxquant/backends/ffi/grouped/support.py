@@ -13,7 +13,12 @@ Targets (ffi/grouped, CPU and CUDA handlers with the same numerics):
       positions), operands per-tensor FP8, MXFP8, NVFP4 (row-scaled included) or Float8Block
       with power-of-two scales, in any mix,
       decoded exactly in the kernel, per-group / per-row / per-(group, column) factors and the
-      bias in the float32 epilogue.
+      bias in the float32 epilogue (mma.sync, bf16/f16 tensor-core inputs).
+  jaxquant_grouped_gemm_sm90  the same GEMMs for per-tensor FP8 operands on Hopper (CUDA only,
+      built when CUTLASS is found): CUTLASS's persistent warp-specialized pointer-array grouped
+      GEMM (TMA + FP8 wgmma with float32 promotion, per-group scale product in the epilogue),
+      group offsets read on the device. `gemm_kernel` picks it where it serves, else the
+      mma.sync kernel with the reason (`jaxquant.explain` shows it).
 
 Block formats whose scales are block-local (MXFP8, Float8Block; the rowwise copy of row-scaled
 NVFP4) need no grouped quantize kernel: the reference quantizes the padded token layout with the
@@ -33,16 +38,26 @@ from __future__ import annotations
 
 from typing import Optional
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxquant.backends.ffi import quantize as single_quantize
 from jaxquant.backends.ffi import registry
+from jaxquant.backends.platform import compute_capability
 from jaxquant.backends.platform import current_platform as _platform
 from jaxquant.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer,
                                  Float8DelayedScalingQuantizer, HybridQuantizer,
                                  IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer)
 
 QUANTIZE_TARGET_PREFIX = "jaxquant_grouped_quantize"
+GEMM_SM90_TARGET = "jaxquant_grouped_gemm_sm90"
+# jaxquant_grouped_gemm_sm90's workspace (ffi/grouped/sm90/sm90_gemm.h, workspace_bytes): per
+# group 128 bytes of problem shapes / pointers / strides, plus a bound on CUTLASS's workspace.
+SM90_WORKSPACE_PER_GROUP = 128
+SM90_WORKSPACE_FIXED = 4096 + (1 << 20)
+# Token-layout block the sm90 wgrad needs: every group's first token 16-byte aligned for TMA.
+SM90_WGRAD_BLOCK = 16
 QUANTIZE_FP8_TARGET = "jaxquant_grouped_quantize_fp8"
 AMAX_TARGET = "jaxquant_grouped_amax"
 GEMM_TARGET = "jaxquant_grouped_gemm"
@@ -208,3 +223,77 @@ def gemm_unsupported(a, b, out_dtype=None) -> Optional[str]:
       return (f"the CPU grouped GEMM handler serves small problems only ({macs} MACs > "
               f"{CPU_MAX_MACS})")
   return None
+
+
+def sm90_workspace_bytes(groups: int) -> int:
+  """Bytes of the u8 workspace jaxquant_grouped_gemm_sm90 takes for `groups` groups."""
+  return groups * SM90_WORKSPACE_PER_GROUP + SM90_WORKSPACE_FIXED
+
+
+def _sm90_build_status() -> str:
+  status = registry.extension_function("grouped_sm90_status")
+  return status() if status is not None else "an extension built before the CUTLASS kernel"
+
+
+def _sm90_device_reason() -> Optional[str]:
+  """Why the CUTLASS Hopper kernel cannot run on this platform / device (None: it can)."""
+  platform = _platform()
+  if platform != "cuda":
+    return f"the CUTLASS Hopper grouped kernel is CUDA-only (platform {platform})"
+  if GEMM_SM90_TARGET not in _targets(platform):
+    return f"the extension has no CUTLASS Hopper grouped kernel ({_sm90_build_status()})"
+  cc = compute_capability()
+  if cc != (9, 0):
+    return f"the device is compute capability {cc}; the CUTLASS grouped kernel is sm_90a"
+  return None
+
+
+def sm90_unsupported(a, b, out_dtype=None, bias=None) -> Optional[str]:
+  """Why `jaxquant_grouped_gemm_sm90` cannot serve a grouped GEMM of `a` and `b` (None: it
+  can). Mirrors the handler's check in ffi/grouped/grouped_sm90.cu."""
+  reason = _sm90_device_reason()
+  if reason is not None:
+    return reason
+  for name, operand in (("a", a), ("b", b)):
+    if gemm_scaling(operand) != 0:
+      q = getattr(operand, "quantizer", None)
+      return (f"{name} is {type(q).__name__}: the CUTLASS Hopper kernel takes per-tensor FP8 "
+              "operands (block-scaled and FP4 operands are decoded by the mma.sync kernel)")
+  e5m2 = np.dtype(jnp.float8_e5m2)
+  if np.dtype(a.data.dtype) == e5m2 and np.dtype(b.data.dtype) == e5m2:
+    return "E5M2 x E5M2 has no CUTLASS instance"
+  if bias is not None:
+    return "a bias (the CUTLASS kernel's epilogue is alpha * acc)"
+  out = np.dtype(a.orig_dtype if out_dtype is None else out_dtype)
+  if out not in (np.dtype(jnp.bfloat16), np.dtype(np.float32)):
+    return f"output dtype {out.name} (the CUTLASS instances write bfloat16 / float32)"
+  n = b.shape[1] if a.token_axis == 0 else b.shape[0]
+  align = 8 if out == np.dtype(jnp.bfloat16) else 4
+  if n % align:
+    return f"N = {n} is not a multiple of {align} (16-byte TMA rows of the output)"
+  if a.token_axis == 0:
+    if a.shape[1] % 16:
+      return f"K = {a.shape[1]} is not a multiple of 16 (16-byte TMA rows of the operands)"
+  else:
+    if a.layout.block % SM90_WGRAD_BLOCK or a.shape[1] % 16:
+      return (f"wgrad token layout block {a.layout.block} / length {a.shape[1]}: the CUTLASS "
+              f"kernel needs both multiples of {SM90_WGRAD_BLOCK} (16-byte aligned group starts)")
+  return None
+
+
+def gemm_kernel(a, b, out_dtype=None, bias=None) -> tuple[str, str]:
+  """(FFI target, why not the CUTLASS kernel or "") for a grouped GEMM the FFI serves."""
+  reason = sm90_unsupported(a, b, out_dtype, bias)
+  if reason is None:
+    return GEMM_SM90_TARGET, ""
+  return GEMM_TARGET, f"mma.sync grouped kernel: {reason}"
+
+
+def sm90_wgrad_block(x_quantizer, dy_quantizer) -> int:
+  """Token-layout block for the wgrad copies so the CUTLASS kernel can serve the wgrad GEMM
+  (16 when both columnwise operands are per-tensor FP8 and the kernel can run here, else 1)."""
+  if not (isinstance(x_quantizer, _PER_TENSOR_FP8) and isinstance(dy_quantizer, _PER_TENSOR_FP8)):
+    return 1
+  if registry.unserved_reason(_platform()) is not None or _sm90_device_reason() is not None:
+    return 1
+  return SM90_WGRAD_BLOCK

@@ -1,0 +1,117 @@
+// CUDA handler of jaxquant_grouped_gemm_sm90: the grouped GEMM of jaxquant_grouped_gemm for
+// per-tensor FP8 operands on Hopper, through the CUTLASS pointer-array grouped kernel
+// (grouped/sm90/). Same arguments and attributes as jaxquant_grouped_gemm plus a u8 workspace
+// result of at least sm90::workspace_bytes(G) bytes. This file holds no CUTLASS code (the
+// instances are compiled in their own translation units); it checks that the problem is one
+// the kernel serves (else an error naming what is not: the Python side decides, never this
+// handler) and dispatches on the (A, B, output) types.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "grouped/cuda_targets.h"
+#include "grouped/grouped_args.h"
+#include "grouped/sm90/sm90_gemm.h"
+
+namespace jqgrouped {
+namespace {
+
+using Stream = ffi::PlatformStream<cudaStream_t>;
+constexpr const char* kTarget = "jaxquant_grouped_gemm_sm90";
+
+// Why the sm90 kernel cannot serve `p` ("" when it can). Mirrors
+// jaxquant.grouped.kernels.sm90_unsupported.
+std::string unserved(const GemmParams& p) {
+  if (p.a.scaling != kScalePerTensor || p.b.scaling != kScalePerTensor) {
+    return "operands must be per-tensor FP8 (a_scaling = b_scaling = 0)";
+  }
+  if (p.a.elem == kElemE2M1 || p.b.elem == kElemE2M1) return "operands must be FP8, not FP4";
+  if (p.a.elem == kElemE5M2 && p.b.elem == kElemE5M2) return "E5M2 x E5M2 has no instance";
+  if (p.row_factor || p.col_factor) return "row / column factors are not taken";
+  if (p.bias) return "the bias is not taken";
+  if (p.out_kind != kOutBF16 && p.out_kind != kOutF32) return "out must be bfloat16 or float32";
+  const int64_t out_align = p.out_kind == kOutF32 ? 4 : 8;
+  if (p.N % out_align) return "N must be a multiple of " + std::to_string(out_align);
+  if (p.mode == kModeRagged && p.K % 16) return "K must be a multiple of 16";
+  if (p.mode == kModeWgrad && p.L % 16) return "the token length L must be a multiple of 16";
+  if (p.G >= (int64_t{1} << 24)) return "too many groups";
+  int device = 0, major = 0, minor = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  if (major != 9 || minor != 0) {
+    return "the device is sm_" + std::to_string(10 * major + minor) + "; the kernel is sm_90a";
+  }
+  return "";
+}
+
+using Runner = std::string (*)(const sm90::Problem&, cudaStream_t);
+
+Runner runner(int a, int b, int out) {
+  using sm90::kE4M3;
+  using sm90::kE5M2;
+  using sm90::run_instance;
+  constexpr int F32 = sm90::kOutF32, BF16 = sm90::kOutBF16;
+  const bool f32 = out == F32;
+  if (a == kE4M3 && b == kE4M3) return f32 ? run_instance<kE4M3, kE4M3, F32> : run_instance<kE4M3, kE4M3, BF16>;
+  if (a == kE5M2 && b == kE4M3) return f32 ? run_instance<kE5M2, kE4M3, F32> : run_instance<kE5M2, kE4M3, BF16>;
+  if (a == kE4M3 && b == kE5M2) return f32 ? run_instance<kE4M3, kE5M2, F32> : run_instance<kE4M3, kE5M2, BF16>;
+  return nullptr;
+}
+
+ffi::Error GroupedGemmSm90Cuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_scale,
+                               ffi::AnyBuffer b, ffi::AnyBuffer b_scale, ffi::AnyBuffer pstarts,
+                               ffi::AnyBuffer row_factor, ffi::AnyBuffer col_factor,
+                               ffi::AnyBuffer group_factor, ffi::AnyBuffer bias,
+                               ffi::Result<ffi::AnyBuffer> out,
+                               ffi::Result<ffi::AnyBuffer> workspace, int32_t mode,
+                               int32_t a_scaling, int32_t b_scaling, bool has_row_factor,
+                               bool has_col_factor, bool has_group_factor, bool has_bias) {
+  GemmParams p;
+  JQ_RETURN_IF_ERROR(decode_gemm(kTarget, a, a_scale, b, b_scale, pstarts, row_factor, col_factor,
+                                 group_factor, bias, out, mode, a_scaling, b_scaling,
+                                 has_row_factor, has_col_factor, has_group_factor, has_bias, &p));
+  const std::string why = unserved(p);
+  if (!why.empty()) return jqffi::invalid(kTarget, why + " (use jaxquant_grouped_gemm)");
+  const auto wdims = workspace->dimensions();
+  const int64_t need = static_cast<int64_t>(sm90::workspace_bytes(p.G));
+  if (workspace->element_type() != ffi::DataType::U8 || wdims.size() != 1 || wdims[0] < need) {
+    return jqffi::invalid(kTarget, "workspace must be uint8[>= " + std::to_string(need) +
+                                       "]; got " + jqffi::dtype_name(workspace->element_type()) +
+                                       jqffi::dims_str(wdims));
+  }
+  if (p.L == 0 || p.N == 0 || p.M == 0) return ffi::Error::Success();
+  sm90::Problem q;
+  q.mode = p.mode;
+  q.G = p.G;
+  q.L = p.L;
+  q.M = p.M;
+  q.N = p.N;
+  q.K = p.K;
+  q.pstarts = p.pstarts;
+  q.a = p.a.data;
+  q.b = p.b.data;
+  q.alpha = p.group_factor;
+  q.out = p.out;
+  q.a_elem = p.a.elem == kElemE5M2 ? sm90::kE5M2 : sm90::kE4M3;
+  q.b_elem = p.b.elem == kElemE5M2 ? sm90::kE5M2 : sm90::kE4M3;
+  q.out_kind = p.out_kind == kOutF32 ? sm90::kOutF32 : sm90::kOutBF16;
+  q.workspace = workspace->untyped_data();
+  q.workspace_bytes = static_cast<size_t>(wdims[0]);
+  const Runner run = runner(q.a_elem, q.b_elem, q.out_kind);
+  const std::string err = run(q, stream);
+  if (!err.empty()) return ffi::Error::Internal(std::string(kTarget) + ": " + err);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER(kGroupedGemmSm90Cuda, GroupedGemmSm90Cuda,
+                       BindGroupedGemmSm90(ffi::Ffi::Bind().Ctx<Stream>()),
+                       {ffi::Traits::kCmdBufferCompatible});
+
+std::vector<CudaTarget> GroupedSm90Targets() {
+  return {{kTarget, reinterpret_cast<void*>(kGroupedGemmSm90Cuda)}};
+}
+
+}  // namespace jqgrouped
