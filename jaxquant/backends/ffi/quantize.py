@@ -252,7 +252,7 @@ def unsupported(x2d, quantizer: Quantizer, *, rowwise: bool, columnwise: bool) -
 def quantize_single(x2d, quantizer: Quantizer, *, rowwise: bool, columnwise: bool,
                     orig_dtype: Any, row_key_words=None, col_key_words=None,
                     state=None) -> Pair:
-  """Same contract as `jaxquant.ops.reference.quantize_single`, through the FFI kernels."""
+  """Same contract as `jaxquant.backends.reference.ops.quantize_single`, through the FFI kernels."""
   reason = unsupported(x2d, quantizer, rowwise=rowwise, columnwise=columnwise)
   if reason is not None:
     raise ValueError(f"FFI quantize cannot serve {quantizer}: {reason}")

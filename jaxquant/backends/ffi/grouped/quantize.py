@@ -50,7 +50,7 @@ def _delayed_scale(quantizer, state, groups: int, x2d: jax.Array, starts: jax.Ar
   scale = state.scale.astype(jnp.float32)
   if not needs_current_amax(quantizer):
     return scale
-  amax = calls.call(kernels.AMAX_TARGET, [_sds((groups,), np.float32)], x2d, starts)[0]
+  amax = calls.call(support.AMAX_TARGET, [_sds((groups,), np.float32)], x2d, starts)[0]
   return quantize_scale(scale, amax, quantizer)
 
 
