@@ -11,7 +11,6 @@ import os
 from typing import Optional
 
 from jaxquant.backends.ffi import ops as ffi
-from jaxquant.backends.platform import current_platform
 
 BACKENDS = ("auto", "reference", "ffi")
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import math
 import os
 from typing import Any, Optional, Union
 

@@ -16,7 +16,7 @@ from jax import lax
 from jaxquant.formats import QuantizeContext, format_of
 from jaxquant.numerics import rht16
 from jaxquant.quantizers import Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer
-from jaxquant.quantizers import NVFP4Quantizer, Quantizer, uses_rht
+from jaxquant.quantizers import Quantizer, uses_rht
 from jaxquant.tensors import ScaledTensor
 
 Operand = Union[ScaledTensor, jax.Array]

@@ -21,7 +21,6 @@ from jaxquant.backends.ffi import calls
 from jaxquant.backends.ffi.grouped import support
 from jaxquant.backends.reference import grouped as reference
 from jaxquant.grouping.tensors import GroupedScaledTensor, factor, token_factor
-from jaxquant.tensors import ScaledTensor
 
 _PLACEHOLDER_U8 = np.zeros((1,), np.uint8)
 _PLACEHOLDER_F32 = np.zeros((1,), np.float32)
