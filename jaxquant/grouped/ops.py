@@ -134,7 +134,8 @@ def _record(op: str, role, detail: str, quantizer: Optional[Quantizer], reason_f
     path, reason = "reference", ""  # nothing to compute
   else:
     path, reason = dispatch.choose(op.replace("_", " "), reason_fn())
-  record(Decision(op, role, detail, path, reason))
+  shown = path if path == "reference" else dispatch.ffi_module().path_name()  # ffi-cpu|ffi-cuda
+  record(Decision(op, role, detail, shown, reason))
   return path
 
 
