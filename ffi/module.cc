@@ -2,6 +2,8 @@
 //
 //   registrations() -> {"cpu": {target: capsule}, "CUDA": {target: capsule}}  (CUDA when built)
 //   has_cuda() -> whether the CUDA kernels were compiled in
+//   build_options() -> {"cuda": bool, "gemm": bool}: the CMake options JAXQUANT_CUDA (and nvcc
+//     found) and JAXQUANT_GEMM (False: built without the CUDA GEMM kernels)
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
@@ -44,6 +46,20 @@ NB_MODULE(_jaxquant_ffi, m) {
 #else
     return false;
 #endif
+  });
+  m.def("build_options", []() {
+    nb::dict options;
+#ifdef JAXQUANT_WITH_CUDA
+    options["cuda"] = true;
+#else
+    options["cuda"] = false;
+#endif
+#ifdef JAXQUANT_GEMM_OFF
+    options["gemm"] = false;
+#else
+    options["gemm"] = true;
+#endif
+    return options;
   });
   m.def("cuda_archs", []() {
 #ifdef JAXQUANT_CUDA_ARCHS

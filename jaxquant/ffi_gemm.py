@@ -241,12 +241,30 @@ def _uses_target(path: str) -> Optional[str]:
   return None
 
 
+def _built_without_gemm() -> bool:
+  """Whether the extension was built with -DJAXQUANT_GEMM=OFF (CUDA kernels, no CUDA GEMM)."""
+  try:
+    from jaxquant import _jaxquant_ffi as ext
+  except ImportError:
+    return False
+  options = getattr(ext, "build_options", dict)()
+  return options.get("gemm", True) is False
+
+
+def _missing_target_reason(platform: str, what: str) -> str:
+  reason = f"{what} for platform {platform!r}"
+  if platform == "cuda" and _built_without_gemm():
+    reason += (": the extension was built with -DJAXQUANT_GEMM=OFF (no cuBLASLt); reinstall "
+               "with nvidia-cublas (pip install -e \".[cuda]\") for the CUDA GEMM kernels")
+  return reason
+
+
 def gemm_unsupported(a: Operand, b: Operand) -> Optional[str]:
   """None when the FFI path can multiply `a` and `b` on the current platform, else why not."""
   platform = _platform()
   targets = _targets(platform)
   if not targets:
-    return f"the jaxquant extension has no GEMM targets for platform {platform!r}"
+    return _missing_target_reason(platform, "the jaxquant extension has no GEMM targets")
   path, _ = _kernel_path(a, b, platform)
   if platform == "cpu" and _uses_target(path):
     macs = a.shape[0] * b.shape[0] * a.shape[1]
@@ -255,7 +273,7 @@ def gemm_unsupported(a: Operand, b: Operand) -> Optional[str]:
               f"has {macs}")
   target = _uses_target(path)
   if target is not None and target not in targets:
-    return f"target {target} is not built for platform {platform!r}"
+    return _missing_target_reason(platform, f"target {target} is not built")
   return None
 
 

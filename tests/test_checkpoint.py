@@ -16,9 +16,12 @@ import pathlib
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 import pytest
+from flax.training.train_state import TrainState
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 TINY_LM = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq", "32", "--batch", "8",
@@ -111,10 +114,16 @@ def test_resumed_run_equals_the_uninterrupted_run_bit_for_bit(tmp_path, seed, mo
     assert any(np.asarray(h).shape[0] == 4 for h in histories)
 
 
-def test_a_checkpoint_of_other_settings_is_refused(tmp_path):
-  train_lm = _example("train_lm")
-  args = [*MODELS["dense"], *TINY_LM, "--checkpoint", str(tmp_path / "ck"), "--out",
-          str(tmp_path / "out"), "--steps", "2"]
-  train_lm.main(args)
+def test_a_checkpoint_of_other_settings_is_refused(tmp_path, rng):
+  checkpoint, training = _example("lm.checkpoint"), _example("lm.training")
+  params = {"params": {"w": jnp.asarray(rng.normal(size=(3, 2)), jnp.float32)}}
+  state = TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
+  saver = checkpoint.Checkpointer(tmp_path, every=1, settings={"recipe": "bf16", "lr": 0.01})
+  saver.save(state, training.History("bf16"), batches_consumed=0)
+  saver.close()
+  restored = checkpoint.Checkpointer(tmp_path, 1, {"recipe": "bf16", "lr": 0.01}).restore(
+      state, "bf16")
+  _assert_bitwise_equal(restored.state.params, params)
+  other = checkpoint.Checkpointer(tmp_path, every=1, settings={"recipe": "bf16", "lr": 0.02})
   with pytest.raises(ValueError, match=r"other settings .*'lr': \(0\.01, 0\.02\)"):
-    train_lm.main([*args, "--lr", "2e-2"])
+    other.restore(state, "bf16")

@@ -12,6 +12,8 @@ from typing import Optional
 
 import jax
 
+from jaxquant.kernels import registry
+
 BACKENDS = ("auto", "reference", "ffi")
 
 
@@ -35,6 +37,11 @@ def ffi_module():
   except ImportError:
     return None
   return ffi_bindings if ffi_bindings.available() else None
+
+
+def ffi_missing_reason() -> str:
+  """Why `ffi_module()` is None: the extension is not built, failed to load, or serves nothing."""
+  return registry.unserved_reason(current_platform()) or "jaxquant FFI extension not built"
 
 
 def choose(op: str, unsupported_reason: Optional[str]) -> tuple[str, str]:
