@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--recipe", default=DEFAULT_RECIPES,
                  help=f"'all', or comma-separated names ('-' or '_') from: "
                  f"{', '.join(recipes.available())}")
-  p.add_argument("--steps", type=int, default=250, help="training steps per recipe")
+  p.add_argument("--steps", type=int, default=200, help="training steps per recipe")
   p.add_argument("--batch", type=int, default=16, help="sequences per step")
   p.add_argument("--seq", type=int, default=128, help="tokens (bytes) per sequence")
   p.add_argument("--d-model", type=int, default=128)
