@@ -13,8 +13,8 @@ printed). Writes `<out>/losses.csv` (step, recipe, train_loss, val_loss, time) a
 `<out>/losses.png`, and prints a summary table. Recipe names accept `-` for `_`
 (`--recipe fp8-current`). `--checkpoint DIR` saves each recipe's run with orbax
 (`lm/checkpoint.py`: parameters, optimizer and delayed-scaling state, step, data position) and
-resumes it from there when run again with the same settings. On CPU the jaxquant ops take the pure-JAX
-reference path unless `--backend`/`$JAXQUANT_BACKEND` says otherwise.
+resumes it from there when run again with the same settings. On CPU the jaxquant ops take the
+pure-JAX reference path unless `--backend`/`$JAXQUANT_BACKEND` says otherwise.
 
 Layout: `lm/data.py` (corpus and batches), `lm/model.py` (the GPT), `lm/recipes.py` (recipe
 names), `lm/training.py` (optimizer, jitted steps, loop), `lm/report.py` (CSV, plot, table).

@@ -5,8 +5,8 @@
 # * CUDA handlers when the module is built with CUDA (JAXQUANT_WITH_CUDA): the cuBLASLt FP8
 #   GEMM and the in-kernel-dequantize wgmma kernel (sm_90a; compiled with the module's -gencode
 #   flags, the kernel body only exists for sm_90a). cuBLASLt comes from the pip nvidia-cublas
-#   wheel (nvidia/cu13): the imported target jaxquant_cublasLt the top file makes; the versioned libcublasLt.so.13 is linked by full path, with an RPATH to its
-#   folder. With -DJAXQUANT_GEMM=OFF the CUDA GEMM handlers are skipped (the Python side then
+#   wheel (nvidia/cu13): the imported target jaxquant_cublasLt the top file makes; the
+#   versioned libcublasLt.so.13 is linked by full path, with an RPATH to its folder. With -DJAXQUANT_GEMM=OFF the CUDA GEMM handlers are skipped (the Python side then
 #   reports the missing target and the build option, and takes another path); the top file
 #   stops the configuration when cuBLASLt is missing otherwise.
 
