@@ -199,6 +199,24 @@ def test_each_pair_takes_its_documented_path(pair, rng):
   assert ffi_gemm.gemm_unsupported(a, b) is None
 
 
+def test_a_cuda_build_without_gemm_kernels_names_the_build_option(rng, monkeypatch):
+  # As on a GPU machine whose extension was built with -DJAXQUANT_GEMM=OFF (no cuBLASLt): the
+  # CUDA platform has no GEMM targets, and the reason says which option left them out.
+  a, b = _operand(rng, (M, K), "fp8"), _operand(rng, (N, K), "fp8")
+  monkeypatch.setattr(ffi_gemm, "_platform", lambda: "cuda")
+  monkeypatch.setattr(ffi_gemm, "_compute_capability", lambda: (9, 0))  # an H100
+  monkeypatch.setattr(ffi_gemm, "_targets", lambda platform: frozenset())
+  monkeypatch.setattr(ffi_gemm, "_built_without_gemm", lambda: False)
+  assert ffi_gemm.gemm_unsupported(a, b) == (
+      "the jaxquant extension has no GEMM targets for platform 'cuda'")
+  monkeypatch.setattr(ffi_gemm, "_built_without_gemm", lambda: True)
+  assert "built with -DJAXQUANT_GEMM=OFF (no cuBLASLt)" in ffi_gemm.gemm_unsupported(a, b)
+  monkeypatch.setattr(ffi_gemm, "_targets", lambda platform: frozenset({ffi_gemm.DEQUANT_TARGET}))
+  reason = ffi_gemm.gemm_unsupported(a, b)
+  assert reason.startswith("target jaxquant_gemm_fp8 is not built for platform 'cuda'")
+  assert "-DJAXQUANT_GEMM=OFF" in reason
+
+
 def test_ops_gemm_reports_the_ffi_path_to_explain(rng, monkeypatch):
   _platform_or_skip("cpu")
   monkeypatch.setenv("JAXQUANT_BACKEND", "ffi")
