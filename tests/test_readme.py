@@ -53,14 +53,24 @@ def test_readme_python_blocks_run_as_written(tmp_path):
   assert f"ran {len(blocks)} README blocks" in result.stdout
 
 
-@pytest.mark.parametrize("name,module", [("flax", "flax.linen"), ("nnx", "flax.nnx")])
-def test_flax_submodules_are_imported_on_first_use_only(tmp_path, name, module):
-  code = (f"import sys, jaxquant\n"
-          f"assert {module!r} not in sys.modules, 'import jaxquant imported {module}'\n"
-          f"assert {name!r} in dir(jaxquant)\n"
-          f"sub = jaxquant.{name}\n"
-          f"assert {module!r} in sys.modules and sub is sys.modules['jaxquant.{name}']\n"
-          f"try:\n  jaxquant.no_such_module\nexcept AttributeError as err:\n"
-          f"  assert 'no_such_module' in str(err)\nelse:\n  raise AssertionError('no error')\n")
+@pytest.mark.parametrize("name", ["flax", "nnx"])
+def test_flax_submodules_are_imported_on_first_use_only(tmp_path, name):
+  """`import jaxquant` imports neither `jaxquant.flax` nor `jaxquant.nnx` (nor Flax NNX);
+  `jaxquant.<name>` imports it; only `jaxquant.nnx` brings in Flax NNX."""
+  code = f"""
+import sys, jaxquant
+for module in ("jaxquant.flax", "jaxquant.nnx", "flax.nnx"):
+  assert module not in sys.modules, f"import jaxquant imported {{module}}"
+assert {name!r} in dir(jaxquant)
+sub = jaxquant.{name}
+assert sub is sys.modules["jaxquant.{name}"] and jaxquant.{name} is sub
+assert ("flax.nnx" in sys.modules) == ({name!r} == "nnx"), "Flax NNX imported by jaxquant.{name}"
+try:
+  jaxquant.no_such_module
+except AttributeError as err:
+  assert "no_such_module" in str(err)
+else:
+  raise AssertionError("jaxquant.no_such_module did not raise AttributeError")
+"""
   result = _run(code, tmp_path)
   assert result.returncode == 0, result.stderr[-4000:]
