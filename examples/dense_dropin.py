@@ -100,6 +100,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   """Train the baseline and the quantized MLP side by side; returns their loss lists."""
   parser = build_parser()
   args = parser.parse_args(argv)
+  args.recipe = recipes.canonical(args.recipe)
   if args.recipe not in recipes.available() or args.recipe == recipes.BASELINE:
     parser.error(f"--recipe {args.recipe!r}; expected one of "
                  f"{', '.join(n for n in recipes.available() if n != recipes.BASELINE)}")

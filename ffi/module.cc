@@ -3,6 +3,8 @@
 //   registrations() -> {"cpu": {target: capsule}, "CUDA": {target: capsule}}  (CUDA when built)
 //   has_cuda() -> whether the CUDA kernels were compiled in
 //   grouped_sm90_status() -> the CUTLASS grouped GEMM's build (CUTLASS version) or why it is absent
+//   build_options() -> {"cuda": bool, "gemm": bool}: the CMake options JAXQUANT_CUDA (and nvcc
+//     found) and JAXQUANT_GEMM (False: built without the CUDA GEMM kernels)
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
@@ -54,6 +56,21 @@ NB_MODULE(_jaxquant_ffi, m) {
 #else
     return std::string("not configured");
 #endif
+  });
+
+  m.def("build_options", []() {
+    nb::dict options;
+#ifdef JAXQUANT_WITH_CUDA
+    options["cuda"] = true;
+#else
+    options["cuda"] = false;
+#endif
+#ifdef JAXQUANT_GEMM_OFF
+    options["gemm"] = false;
+#else
+    options["gemm"] = true;
+#endif
+    return options;
   });
   m.def("cuda_archs", []() {
 #ifdef JAXQUANT_CUDA_ARCHS

@@ -1,8 +1,12 @@
 """jaxquant: low-precision training for JAX/Flax with role-dispatched, per-direction quantization.
 
 Quantizers describe formats; `jaxquant.ops` quantizes and multiplies (reference path everywhere,
-FFI kernels where built); recipes map module roles to quantizers; `jaxquant.flax` has the modules.
+FFI kernels where built); recipes map module roles to quantizers; `jaxquant.flax` has the linen
+modules and `jaxquant.nnx` the Flax NNX ones. Both are imported on first attribute access
+(`jaxquant.flax.Dense`), so `import jaxquant` does not import Flax.
 """
+
+import importlib
 
 from jaxquant import factories, formats, ops
 from jaxquant.layers.dense import DenseQuantizers, dense
@@ -22,6 +26,21 @@ from jaxquant.state import DelayedScalingState, delayed_scaling_update, init_sta
 from jaxquant.tensors import QuantizedTensor, ScaledTensor
 
 __version__ = "0.1.0"
+
+# Submodules that depend on Flax: imported on first use (`jq.flax.Dense(...)` after a plain
+# `import jaxquant as jq`), not by `import jaxquant`.
+_LAZY_SUBMODULES = ("flax", "nnx")
+
+
+def __getattr__(name: str):
+  if name in _LAZY_SUBMODULES:
+    return importlib.import_module(f"{__name__}.{name}")  # also sets it as an attribute
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list:
+  return sorted(set(globals()) | set(_LAZY_SUBMODULES))
+
 
 __all__ = [
     "QuantizerRole", "Quantizer", "Float8CurrentScalingQuantizer",

@@ -27,7 +27,7 @@ class Decision:
   def __str__(self) -> str:
     role = str(self.role) if self.role is not None else "-"
     why = f"  ({self.reason})" if self.reason else ""
-    return f"{self.op:9s} {role:32s} {self.path:18s} {self.detail}{why}"
+    return f"{self.op:9s} {role:32s} {self.path:20s} {self.detail}{why}"
 
 
 class Report(list):

@@ -54,8 +54,31 @@ def test_train_lm_recipe_all_covers_every_builtin_and_zoo_recipe():
   names = recipes.parse("all")
   assert names == ["bf16", *jaxquant.BUILTIN_RECIPES, *jaxquant.factories.ZOO]
   assert recipes.parse("mxfp8, bf16,mxfp8") == ["mxfp8", "bf16"]
+  # `-` reads as `_` on the command line, in lists and in `make`.
+  assert recipes.parse("fp8-current,moe-nvfp4-fwd-mxfp8-bwd,fp8_current") == [
+      "fp8_current", "moe_nvfp4_fwd_mxfp8_bwd"]
+  assert recipes.make("fp8-delayed") == recipes.make("fp8_delayed") == jaxquant.DelayedScaling()
+  with pytest.raises(ValueError, match="unknown recipe 'fp8_nine'"):
+    recipes.parse("fp8-nine")
   with pytest.raises(ValueError, match="unknown recipe 'fp9'"):
     recipes.parse("bf16,fp9")
+
+
+def test_train_lm_trains_bf16_and_fp8_current_by_default():
+  train_lm = _example("train_lm")
+  args = train_lm.build_parser().parse_args([])
+  assert _example("lm.recipes").parse(args.recipe) == ["bf16", "fp8_current"]
+
+
+def test_train_lm_prints_each_recipes_final_gap_to_bf16():
+  report, training = _example("lm.report"), _example("lm.training")
+  histories = [training.History(name, rows=[{"val_loss": loss}])
+               for name, loss in (("bf16", 2.0), ("fp8_current", 2.05), ("mxfp8", 1.99))]
+  gaps = report.final_gaps(histories)
+  assert len(gaps) == 2
+  assert "fp8_current - bf16: +0.0500" in gaps[0] and "+2.50%" in gaps[0]
+  assert "mxfp8 - bf16: -0.0100" in gaps[1]
+  assert report.final_gaps(histories[1:]) == []  # no baseline, no gap
 
 
 def test_train_lm_mesh_larger_than_the_devices_is_refused_clearly():

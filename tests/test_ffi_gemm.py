@@ -192,9 +192,30 @@ def test_each_pair_takes_its_documented_path(pair, rng):
   a = _operand(rng, (M, K), pair[0])
   b = _operand(rng, (N, K), pair[1])
   path = ffi_gemm.gemm_path(a, b)
-  want = PAIRS[pair]
-  assert path == (f"cpu:{want}" if ffi_gemm._uses_target(want) else want)
+  want = PAIRS[pair]  # the CUDA path; on CPU the target's CPU handler runs instead
+  cpu_names = {ffi_gemm.FP8_TARGET: "ffi-cpu gemm-fp8",
+               ffi_gemm.DEQUANT_TARGET: "ffi-cpu gemm-dequant"}
+  assert path == cpu_names.get(ffi_gemm._uses_target(want), want)
+  assert "cublaslt" not in path and "wgmma" not in path  # neither runs on CPU
   assert ffi_gemm.gemm_unsupported(a, b) is None
+
+
+def test_a_cuda_build_without_gemm_kernels_names_the_build_option(rng, monkeypatch):
+  # As on a GPU machine whose extension was built with -DJAXQUANT_GEMM=OFF (no cuBLASLt): the
+  # CUDA platform has no GEMM targets, and the reason says which option left them out.
+  a, b = _operand(rng, (M, K), "fp8"), _operand(rng, (N, K), "fp8")
+  monkeypatch.setattr(ffi_gemm, "_platform", lambda: "cuda")
+  monkeypatch.setattr(ffi_gemm, "_compute_capability", lambda: (9, 0))  # an H100
+  monkeypatch.setattr(ffi_gemm, "_targets", lambda platform: frozenset())
+  monkeypatch.setattr(ffi_gemm, "_built_without_gemm", lambda: False)
+  assert ffi_gemm.gemm_unsupported(a, b) == (
+      "the jaxquant extension has no GEMM targets for platform 'cuda'")
+  monkeypatch.setattr(ffi_gemm, "_built_without_gemm", lambda: True)
+  assert "built with -DJAXQUANT_GEMM=OFF (no cuBLASLt)" in ffi_gemm.gemm_unsupported(a, b)
+  monkeypatch.setattr(ffi_gemm, "_targets", lambda platform: frozenset({ffi_gemm.DEQUANT_TARGET}))
+  reason = ffi_gemm.gemm_unsupported(a, b)
+  assert reason.startswith("target jaxquant_gemm_fp8 is not built for platform 'cuda'")
+  assert "-DJAXQUANT_GEMM=OFF" in reason
 
 
 def test_ops_gemm_reports_the_ffi_path_to_explain(rng, monkeypatch):
@@ -202,7 +223,8 @@ def test_ops_gemm_reports_the_ffi_path_to_explain(rng, monkeypatch):
   monkeypatch.setenv("JAXQUANT_BACKEND", "ffi")
   a, b = _operand(rng, (M, K), "mxfp8"), _operand(rng, (N, K), "nvfp4-row")
   report = jq.explain(lambda a, b: jq.ops.gemm(a, b, out_dtype=jnp.float32), a, b)
-  assert report.paths("gemm") == {"cpu:wgmma-dequant-mxfp8-nvfp4"}, str(report)
+  assert report.paths("gemm") == {"ffi-cpu gemm-dequant"}, str(report)
+  assert [d.detail for d in report if d.op == "gemm"] == ["MXFP8 x NVFP4"], str(report)
 
 
 def test_cpu_handlers_leave_large_problems_to_the_reference_visibly(rng):

@@ -71,12 +71,20 @@ def load_corpus(max_bytes: int, val_fraction: float = 0.05,
                 len(chunks) - num_val, num_val, root_name)
 
 
-def random_batches(stream: np.ndarray, batch: int, seq: int,
-                   seed: int) -> Iterator[np.ndarray]:
-  """Endless `[batch, seq + 1]` int32 windows at random offsets (inputs and shifted targets)."""
+def random_batches(stream: np.ndarray, batch: int, seq: int, seed: int,
+                   skip: int = 0) -> Iterator[np.ndarray]:
+  """Endless `[batch, seq + 1]` int32 windows at random offsets (inputs and shifted targets).
+
+  `skip`: start after that many batches of the same stream (a resumed run's data position);
+  the offsets are drawn and dropped, so batch `skip + i` is the one an unbroken stream yields.
+  """
   if stream.size < seq + 2:
     raise ValueError(f"stream of {stream.size} bytes is too short for seq={seq}")
+  if skip < 0:
+    raise ValueError(f"skip={skip}: expected a number of batches >= 0")
   rng = np.random.default_rng(seed)
+  for _ in range(skip):
+    rng.integers(0, stream.size - seq - 1, size=batch)
   while True:
     starts = rng.integers(0, stream.size - seq - 1, size=batch)
     yield np.stack([stream[s:s + seq + 1] for s in starts]).astype(np.int32)

@@ -1,4 +1,6 @@
-"""Recipe names on the command line: "bf16", the built-ins and the factory zoo."""
+"""Recipe names on the command line: "bf16", the built-ins and the factory zoo.
+
+Names are written with `_` (`fp8_current`); `-` is accepted for `_` (`fp8-current`)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,14 @@ def available() -> list[str]:
   return [BASELINE, *jaxquant.BUILTIN_RECIPES, *jaxquant.factories.ZOO]
 
 
+def canonical(name: str) -> str:
+  """The recipe name with `-` read as `_` (`"fp8-current"` -> `"fp8_current"`)."""
+  return name.strip().replace("-", "_")
+
+
 def parse(spec: str) -> list[str]:
   """`"all"`, one name, or a comma-separated list -> recipe names (validated, order kept)."""
-  names = [n.strip() for n in spec.split(",") if n.strip()]
+  names = [canonical(n) for n in spec.split(",") if n.strip()]
   if not names:
     raise ValueError(f"--recipe {spec!r}: expected a recipe name, a comma-separated list or "
                      "'all'")
@@ -33,6 +40,7 @@ def parse(spec: str) -> list[str]:
 
 def make(name: str) -> Optional[jaxquant.Recipe]:
   """The recipe object for a name (None for the unquantized baseline)."""
+  name = canonical(name)
   if name == BASELINE:
     return None
   if name in jaxquant.BUILTIN_RECIPES:

@@ -92,3 +92,16 @@ def summary_table(histories: Sequence[History]) -> str:
                  f"{last['val_loss']:9.4f} {gap:>8s} {1e3 * h.steady_step_time:8.1f} "
                  f"{h.compile_time:10.1f} {last['time']:8.1f}")
   return "\n".join(lines)
+
+
+def final_gaps(histories: Sequence[History]) -> list[str]:
+  """One line per quantized recipe: its final validation loss minus the bf16 baseline's (empty
+  without a baseline)."""
+  baseline = next((h for h in histories if h.recipe == "bf16"), None)
+  if baseline is None:
+    return []
+  base = baseline.final_val_loss
+  return [f"final validation loss, {h.recipe} - bf16: {h.final_val_loss - base:+.4f} nats/byte "
+          f"({100 * (h.final_val_loss - base) / base:+.2f}%; bf16 {base:.4f}, "
+          f"{h.recipe} {h.final_val_loss:.4f})"
+          for h in histories if h is not baseline]

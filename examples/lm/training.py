@@ -178,8 +178,10 @@ def condense(report: jaxquant.Report) -> str:
 
 def train(recipe_name: str, model: nn.Module, cfg: TrainConfig, batches: Iterator[np.ndarray],
           eval_sets: dict[str, np.ndarray], state: TrainState,
-          log: Callable[[str], None] = print, mesh=None) -> History:
-  """Run `cfg.steps` steps, evaluating at step 0, every `cfg.eval_every` steps and at the end.
+          log: Callable[[str], None] = print, mesh=None, history: Optional[History] = None,
+          checkpointer: Any = None) -> History:
+  """Run steps `state.step + 1 ... cfg.steps`, evaluating at step 0, every `cfg.eval_every`
+  steps and at the end.
 
   Args:
     recipe_name: label of the run.
@@ -191,13 +193,18 @@ def train(recipe_name: str, model: nn.Module, cfg: TrainConfig, batches: Iterato
     log: where eval lines go (tqdm-safe by default).
     mesh: with --mesh, the mesh the batches are sharded over (trace inside
       `lm.sharding.active(mesh)`).
+    history: a resumed run's history up to `state.step` (None: a new run, from step 0).
+    checkpointer: an `lm.checkpoint.Checkpointer` saving the run every few steps, or None.
+      `batches` must then start at the checkpoint's data position (batch `state.step + 1`).
   """
   from lm.sharding import put_batches  # noqa: PLC0415
   train_step, eval_loss = make_steps(model)
   eval_key = jax.random.key(cfg.seed + 2)
   eval_arrays = {split: put_batches(mesh, b, leading=1) for split, b in eval_sets.items()}
-  history = History(recipe_name)
-  start = time.perf_counter()
+  first_step = int(state.step)
+  resumed = history is not None
+  history = history if resumed else History(recipe_name)
+  start = time.perf_counter() - (history.rows[-1]["time"] if history.rows else 0.0)
 
   def evaluate(step: int) -> None:
     losses = {f"{split}_loss": float(eval_loss(state.params, b, eval_key))
@@ -208,10 +215,14 @@ def train(recipe_name: str, model: nn.Module, cfg: TrainConfig, batches: Iterato
     log(f"[{recipe_name}] step {step:5d}  train {row['train_loss']:.4f}  "
         f"val {row['val_loss']:.4f}  ({row['time']:.1f}s)")
 
-  evaluate(0)
+  if not resumed:
+    evaluate(0)
+  else:
+    log(f"[{recipe_name}] resumed at step {first_step} of {cfg.steps}")
   base_key = jax.random.key(cfg.seed + 3)
-  bar = tqdm(range(1, cfg.steps + 1), desc=recipe_name, disable=not cfg.progress,
-             dynamic_ncols=True, leave=False, mininterval=0.5)
+  bar = tqdm(range(first_step + 1, cfg.steps + 1), desc=recipe_name, disable=not cfg.progress,
+             dynamic_ncols=True, leave=False, mininterval=0.5, initial=first_step,
+             total=cfg.steps)
   for step in bar:
     tokens = next(batches)
     t0 = time.perf_counter()
@@ -225,6 +236,9 @@ def train(recipe_name: str, model: nn.Module, cfg: TrainConfig, batches: Iterato
     bar.set_postfix(loss=f"{loss:.3f}")
     if step % cfg.eval_every == 0 or step == cfg.steps:
       evaluate(step)
+    if checkpointer is not None and checkpointer.due(step, cfg.steps):
+      history.compile_time = history.step_times[0]
+      checkpointer.save(state, history, batches_consumed=step)
   bar.close()
   history.compile_time = history.step_times[0] if history.step_times else 0.0
   return history

@@ -5,10 +5,10 @@
 # * CUDA handlers when the module is built with CUDA (JAXQUANT_WITH_CUDA): the cuBLASLt FP8
 #   GEMM and the in-kernel-dequantize wgmma kernel (sm_90a; compiled with the module's -gencode
 #   flags, the kernel body only exists for sm_90a). cuBLASLt comes from the pip nvidia-cublas
-#   wheel (nvidia/cu13): the imported target jaxquant_cublasLt if the top file made one, else
-#   found here; the versioned libcublasLt.so.13 is linked by full path, with an RPATH to its
-#   folder. Without cuBLASLt the CUDA GEMM handlers are skipped (the Python side then reports
-#   the missing target and takes the reference path).
+#   wheel (nvidia/cu13): the imported target jaxquant_cublasLt the top file makes; the
+#   versioned libcublasLt.so.13 is linked by full path, with an RPATH to its folder. With -DJAXQUANT_GEMM=OFF the CUDA GEMM handlers are skipped (the Python side then
+#   reports the missing target and the build option, and takes another path); the top file
+#   stops the configuration when cuBLASLt is missing otherwise.
 
 function(jaxquant_add_gemm target)
   set(dir "${CMAKE_CURRENT_FUNCTION_LIST_DIR}")
@@ -17,23 +17,14 @@ function(jaxquant_add_gemm target)
     return()
   endif()
 
+  if(NOT JAXQUANT_GEMM)
+    message(STATUS "jaxquant GEMM: JAXQUANT_GEMM=OFF; building the CPU GEMM handlers only")
+    return()
+  endif()
   set(cublaslt jaxquant_cublasLt)
   if(NOT TARGET ${cublaslt})
-    execute_process(
-      COMMAND "${Python_EXECUTABLE}" -c "import nvidia.cu13; print(nvidia.cu13.__path__[0])"
-      OUTPUT_STRIP_TRAILING_WHITESPACE OUTPUT_VARIABLE cu13_root RESULT_VARIABLE cu13_result
-      ERROR_QUIET)
-    if(cu13_result EQUAL 0 AND EXISTS "${cu13_root}/lib/libcublasLt.so.13")
-      add_library(jaxquant_gemm_cublasLt SHARED IMPORTED)
-      set_target_properties(jaxquant_gemm_cublasLt PROPERTIES
-        IMPORTED_LOCATION "${cu13_root}/lib/libcublasLt.so.13"
-        INTERFACE_INCLUDE_DIRECTORIES "${cu13_root}/include")
-      set(cublaslt jaxquant_gemm_cublasLt)
-    else()
-      message(WARNING "jaxquant GEMM: cuBLASLt (pip nvidia-cublas) not found; building the CPU "
-                      "GEMM handlers only")
-      return()
-    endif()
+    message(FATAL_ERROR "jaxquant GEMM: the top CMakeLists.txt defines no jaxquant_cublasLt "
+                        "target; include this file after the cuBLASLt discovery")
   endif()
 
   get_target_property(cublaslt_location ${cublaslt} IMPORTED_LOCATION)

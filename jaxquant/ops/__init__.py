@@ -58,7 +58,7 @@ def _single(x2d, quantizer, *, rowwise, columnwise, orig_dtype, key, state, role
     col_words = key_words(jax.random.fold_in(key, 1))
   directions = "+".join(d for d, on in (("rowwise", rowwise), ("columnwise", columnwise)) if on)
   ffi = dispatch.ffi_module()
-  reason = "jaxquant FFI extension not built" if ffi is None else ffi.quantize_unsupported(
+  reason = dispatch.ffi_missing_reason() if ffi is None else ffi.quantize_unsupported(
       x2d, quantizer, rowwise=rowwise, columnwise=columnwise)
   if isinstance(quantizer, IdentityQuantizer):
     path, reason = "reference", ""  # nothing to compute
@@ -133,7 +133,7 @@ def transpose(t: ScaledTensor) -> ScaledTensor:
     raise ValueError(f"t: transpose needs per-tensor FP8 data; {t.quantizer} has block scales "
                      "along its rows, so quantize the columnwise direction instead")
   ffi = dispatch.ffi_module()
-  reason = "jaxquant FFI extension not built" if ffi is None else ffi.transpose_unsupported(t)
+  reason = dispatch.ffi_missing_reason() if ffi is None else ffi.transpose_unsupported(t)
   path, reason = dispatch.choose("transpose", reason)
   _explain.record(_explain.Decision("transpose", None, str(t.quantizer),
                                     path if path == "reference" else ffi.path_name(), reason))
@@ -154,7 +154,7 @@ def _check_operand(name: str, operand: Operand) -> None:
 
 def gemm_path_unsupported(a: Operand, b: Operand) -> Optional[str]:
   ffi = dispatch.ffi_module()
-  return "jaxquant FFI extension not built" if ffi is None else ffi.gemm_unsupported(a, b)
+  return dispatch.ffi_missing_reason() if ffi is None else ffi.gemm_unsupported(a, b)
 
 
 def gemm(a: Operand, b: Operand, *, out_dtype=None, bias: Optional[jax.Array] = None,

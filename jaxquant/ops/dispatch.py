@@ -11,6 +11,8 @@ import os
 from typing import Optional
 
 from jaxquant.backends.ffi import ops as ffi
+from jaxquant.backends.ffi import registry
+from jaxquant.backends.platform import current_platform
 
 BACKENDS = ("auto", "reference", "ffi")
 
@@ -25,6 +27,11 @@ def requested_backend() -> str:
 def ffi_module():
   """The FFI backend (`jaxquant.backends.ffi.ops`), or None when the extension is not built."""
   return ffi if ffi.available() else None
+
+
+def ffi_missing_reason() -> str:
+  """Why `ffi_module()` is None: the extension is not built, failed to load, or serves nothing."""
+  return registry.unserved_reason(current_platform()) or "jaxquant FFI extension not built"
 
 
 def choose(op: str, unsupported_reason: Optional[str]) -> tuple[str, str]:

@@ -154,7 +154,8 @@ def _record(op: str, role, detail: str, quantizer: Optional[Quantizer], reason_f
   if path == "ffi" and ffi_note_fn is not None:
     suffix, reason = ffi_note_fn()
     detail = f"{detail}; {suffix}"
-  record(Decision(op, role, detail, path, reason))
+  shown = path if path == "reference" else dispatch.ffi_module().path_name()  # ffi-cpu|ffi-cuda
+  record(Decision(op, role, detail, shown, reason))
   return path
 
 

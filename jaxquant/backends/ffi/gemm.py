@@ -18,8 +18,11 @@
   dequant-f32         the same where a decoded value is not exact in bf16 (Float8Block with
                       pow2_scale=False, float16/float32 Identity operands): a float32 GEMM
   xla-dot             two high-precision operands: XLA's own dot, exactly like the reference
-On CPU the two kernel targets have simple handlers and the paths read `cpu:<path>`; they serve
-small problems only (M*N*K <= CPU_MAX_MACS), larger ones take the reference path, visibly.
+On CPU the two kernel targets have simple float32 handlers (no cuBLASLt, no wgmma), so
+`explain` names what ran there: `ffi-cpu gemm-fp8` (the jaxquant_gemm_fp8 target's CPU handler,
+for the pairs the cublaslt-* paths take on CUDA) and `ffi-cpu gemm-dequant` (jaxquant_gemm_dequant,
+for the wgmma-dequant pairs). They serve small problems only (M*N*K <= CPU_MAX_MACS), larger
+ones take the reference path, visibly.
 Under a mesh the kernel paths are partitioned (`jaxquant.backends.ffi.partitioning.gemm`): each shard
 multiplies its rows, a sharded K ends in one float32 psum, and the bias is added after it; the
 XLA paths are partitioned by XLA itself.
@@ -209,12 +212,30 @@ def _uses_target(path: str) -> Optional[str]:
   return None
 
 
+def _built_without_gemm() -> bool:
+  """Whether the extension was built with -DJAXQUANT_GEMM=OFF (CUDA kernels, no CUDA GEMM)."""
+  try:
+    from jaxquant import _jaxquant_ffi as ext
+  except ImportError:
+    return False
+  options = getattr(ext, "build_options", dict)()
+  return options.get("gemm", True) is False
+
+
+def _missing_target_reason(platform: str, what: str) -> str:
+  reason = f"{what} for platform {platform!r}"
+  if platform == "cuda" and _built_without_gemm():
+    reason += (": the extension was built with -DJAXQUANT_GEMM=OFF (no cuBLASLt); reinstall "
+               "with nvidia-cublas (pip install -e \".[cuda]\") for the CUDA GEMM kernels")
+  return reason
+
+
 def gemm_unsupported(a: Operand, b: Operand) -> Optional[str]:
   """None when the FFI path can multiply `a` and `b` on the current platform, else why not."""
   platform = _platform()
   targets = _targets(platform)
   if not targets:
-    return f"the jaxquant extension has no GEMM targets for platform {platform!r}"
+    return _missing_target_reason(platform, "the jaxquant extension has no GEMM targets")
   path, _ = _kernel_path(a, b, platform)
   if platform == "cpu" and _uses_target(path):
     macs = a.shape[0] * b.shape[0] * a.shape[1]
@@ -223,15 +244,22 @@ def gemm_unsupported(a: Operand, b: Operand) -> Optional[str]:
               f"has {macs}")
   target = _uses_target(path)
   if target is not None and target not in targets:
-    return f"target {target} is not built for platform {platform!r}"
+    return _missing_target_reason(platform, f"target {target} is not built")
   return None
 
 
+# What `explain` shows for a kernel path served by a target's CPU handler.
+_CPU_HANDLER_NAMES = {FP8_TARGET: "ffi-cpu gemm-fp8", DEQUANT_TARGET: "ffi-cpu gemm-dequant"}
+
+
 def gemm_path(a: Operand, b: Operand) -> str:
-  """The path name `gemm` takes for this pair (for jaxquant.explain)."""
+  """The name of what `gemm` runs for this pair (for jaxquant.explain): the CUDA kernel path
+  (`cublaslt-fp8`, `wgmma-dequant-mxfp8`, ...), the CPU handler that stands in for it on CPU
+  (`ffi-cpu gemm-fp8`, `ffi-cpu gemm-dequant`), or an XLA path (`dequant-bf16`, `xla-dot`)."""
   platform = _platform()
   path, _ = _kernel_path(a, b, platform)
-  return f"cpu:{path}" if platform == "cpu" and _uses_target(path) else path
+  target = _uses_target(path)
+  return _CPU_HANDLER_NAMES[target] if platform == "cpu" and target else path
 
 
 def gemm_path_reason(a: Operand, b: Operand) -> str:

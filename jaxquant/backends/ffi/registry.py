@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Optional
 
 import jax
 
 try:
   from jaxquant import _jaxquant_ffi as _ext
-except ImportError:  # extension not built
-  _ext = None
+  _LOAD_ERROR = None
+except ModuleNotFoundError as err:  # extension not built
+  _ext, _LOAD_ERROR = None, None if err.name == "jaxquant._jaxquant_ffi" else err
+except ImportError as err:  # built, but cannot be loaded (e.g. cuBLASLt missing at run time)
+  _ext, _LOAD_ERROR = None, err
+if _LOAD_ERROR is not None:
+  warnings.warn(
+      f"jaxquant: the FFI extension is built but failed to load ({_LOAD_ERROR}); the ops take "
+      "the reference path. If libcublasLt is missing: pip install nvidia-cublas (the cuda "
+      "extra brings it), or reinstall with -C cmake.define.JAXQUANT_CUDA=OFF.", RuntimeWarning,
+      stacklevel=2)
 
 # XLA platform names (as registered) for jaxquant's platform names (`platform.current_platform`).
 _XLA_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}
@@ -51,6 +61,8 @@ def extension_built() -> bool:
 def unserved_reason(platform: str) -> Optional[str]:
   """None when the extension has handlers for `platform` ("cpu", "cuda"), else why not."""
   if _ext is None:
+    if _LOAD_ERROR is not None:
+      return f"jaxquant FFI extension failed to load: {_LOAD_ERROR}"
     return "jaxquant FFI extension not built"
   xla_platform = _XLA_PLATFORM.get(platform)
   if xla_platform is None or xla_platform not in registered_platforms():
