@@ -102,13 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
                  help="jaxquant op implementation (JAXQUANT_BACKEND); default: $JAXQUANT_BACKEND, "
                  "else 'reference' on CPU (faster there than the FFI's CPU handlers), 'auto' on GPU")
   p.add_argument("--mesh", type=parse_mesh, default=None,
-                 help="device mesh such as dp=2,tp=4 or fsdp=2 (axes dp, fsdp, tp): data, "
-                 "fully-sharded data and tensor parallelism")
+                 help="device mesh such as dp=2,tp=4, fsdp=2 or ep=4 (axes dp, fsdp, tp, ep): "
+                 "data, fully-sharded data, tensor and (with --moe) expert parallelism")
   p.add_argument("--moe", type=parse_moe, default=None,
                  help="EXPERTS,TOPK: a mixture-of-experts MLP (GroupedDense experts, top-k "
                  "routing) in every block instead of the dense MLP")
   p.add_argument("--moe-aux-weight", type=float, default=0.01,
                  help="weight of the MoE load-balancing loss")
+  p.add_argument("--moe-capacity", type=float, default=None,
+                 help="with --mesh ep=N: capacity factor of the expert all-to-all buffers "
+                 "(assignments past it are dropped); default: dropless")
   p.add_argument("--remat", action="store_true",
                  help="recompute each block's activations in the backward pass (large models)")
   p.add_argument("--scan-layers", action="store_true",
@@ -136,7 +139,8 @@ def run(args: argparse.Namespace, names: Sequence[str]) -> dict:
   config = LMConfig(seq=args.seq, d_model=args.d_model, layers=args.layers, heads=args.heads,
                     mlp_ratio=args.mlp_ratio, positions=args.positions,
                     tie_embeddings=args.tie_embeddings, dtype=jnp.bfloat16, moe=args.moe,
-                    moe_aux_weight=args.moe_aux_weight, remat=args.remat,
+                    moe_aux_weight=args.moe_aux_weight,
+                    moe_capacity=args.moe_capacity, remat=args.remat,
                     scan_layers=args.scan_layers)
   train_cfg = training.TrainConfig(steps=args.steps, lr=args.lr, warmup=args.warmup,
                                    weight_decay=args.weight_decay, eval_every=args.eval_every,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional, Sequence, Union
 
 import flax.linen as nn
@@ -9,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant.flax.quantization import module_key, module_quantizers, module_states
+from jaxquant.flax.quantization import (logical_init, module_key, module_quantizers,
+                                        module_sharding, module_states)
 from jaxquant.quantized_dense import dense
 from jaxquant.recipes import Recipe
 
@@ -55,6 +57,26 @@ def _flat_init(init, n_batch: int, n_axis: int, n_features: int):
   return wrapped
 
 
+def _strip_batch(sharding, n_batch: int):
+  """The per-element `DenseSharding` of a vmapped contraction: the specs without their
+  `batch_dims` entries, which must be unsharded."""
+  if sharding is None or not n_batch:
+    return sharding
+  specs = {}
+  for field in ("x", "kernel"):
+    spec = getattr(sharding, field)
+    if spec is None:
+      specs[field] = None
+      continue
+    entries = tuple(spec) + (None,) * max(0, n_batch - len(tuple(spec)))
+    if any(e is not None for e in entries[:n_batch]):
+      raise ValueError(f"DenseGeneral: the batch_dims axes of the {field} map to mesh axes "
+                       f"{entries[:n_batch]}; each batch element is its own GEMM, so these "
+                       "axes must stay unsharded (map their logical names to None)")
+    specs[field] = jax.sharding.PartitionSpec(*entries[n_batch:])
+  return dataclasses.replace(sharding, **specs)
+
+
 class DenseGeneral(nn.Module):
   """A linear transformation over any input axes, quantized by a recipe.
 
@@ -81,6 +103,14 @@ class DenseGeneral(nn.Module):
     bias_init: initializer of the bias (called on the flattened 1-D shape).
     precision: precision of high-precision (Identity) contractions.
     recipe: quantization recipe; None: the innermost `jaxquant.autocast`, or no quantization.
+    kernel_axes: logical names of the kernel's axes `(batch..., axis..., features...)`, as
+      `jaxquant.flax.Dense`'s (the kernel is boxed with them; the bias takes the batch and
+      feature names).
+    input_axes: logical names of the input's axes (one per input axis), as `Dense`'s: under a
+      mesh the input keeps that spec and FSDP axes are told apart. `batch_dims` axes must map
+      to no mesh axis (each batch element is its own vmapped GEMM).
+    reduce_dtype: dtype of the partial-sum reductions of K-sharded GEMMs under a mesh, as
+      `Dense`'s.
   """
 
   features: Union[int, Sequence[int]]
@@ -93,6 +123,9 @@ class DenseGeneral(nn.Module):
   bias_init: Any = nn.initializers.zeros_init()
   precision: Any = None
   recipe: Optional[Recipe] = None
+  kernel_axes: tuple = ()
+  input_axes: tuple = ()
+  reduce_dtype: Optional[Any] = None
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -108,12 +141,22 @@ class DenseGeneral(nn.Module):
                        "overlap; an axis is either contracted or a batch axis")
     n_batch, n_axis, n_features = len(batch_dims), len(axis), len(features)
     batch_shape = tuple(inputs.shape[ax] for ax in batch_dims)
-    kernel = self.param("kernel", _flat_init(self.kernel_init, n_batch, n_axis, n_features),
+    kernel_axes = tuple(self.kernel_axes)
+    if kernel_axes and len(kernel_axes) != n_batch + n_axis + n_features:
+      raise ValueError(f"kernel_axes={kernel_axes}: expected {n_batch + n_axis + n_features} "
+                       "names (batch_dims, axis, features)")
+    if self.input_axes and len(self.input_axes) != ndim:
+      raise ValueError(f"input_axes={tuple(self.input_axes)}: expected {ndim} names, one per "
+                       "input axis")
+    kernel = self.param("kernel", logical_init(
+        _flat_init(self.kernel_init, n_batch, n_axis, n_features), kernel_axes),
                         batch_shape + tuple(inputs.shape[ax] for ax in axis) + features,
                         self.param_dtype)
     bias = None
     if self.use_bias:
-      bias = self.param("bias", _flat_init(self.bias_init, n_batch, None, n_features),
+      bias_axes = kernel_axes[:n_batch] + kernel_axes[len(kernel_axes) - n_features:]
+      bias = self.param("bias", logical_init(
+          _flat_init(self.bias_init, n_batch, None, n_features), bias_axes),
                         batch_shape + features, self.param_dtype)
     inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
 
@@ -131,13 +174,17 @@ class DenseGeneral(nn.Module):
     # Batch axes first, then the rows of the GEMM, then the contracted axes (sorted):
     # the output [batch..., rows..., features...] is laid out as dot_general's.
     free = tuple(ax for ax in range(ndim) if ax not in axis and ax not in batch_dims)
-    inputs = jnp.transpose(inputs, batch_dims + free + axis)
+    order = batch_dims + free + axis
+    inputs = jnp.transpose(inputs, order)
     key = module_key(self, quantizers)
     states = module_states(self, quantizers, batch_shape=batch_shape)
+    input_names = tuple(self.input_axes[ax] for ax in order) if self.input_axes else None
+    sharding = _strip_batch(module_sharding(self, kernel.shape, kernel.dtype, input_names),
+                            n_batch)
 
     def contract(x, w, b, k, s):
       return dense(x, w, b, quantizers, key=k, states=s, contracting_dims=n_axis,
-                   precision=self.precision)
+                   precision=self.precision, sharding=sharding)
 
     if n_batch:
       key = None if key is None else jax.random.split(key, batch_shape)
