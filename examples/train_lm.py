@@ -18,7 +18,13 @@ a device mesh (`lm/sharding.py`: Flax logical axis rules; FP8 storages stay shar
 weights are gathered as quantized bytes where exact). `--moe 8,2` replaces every MLP by a
 routed mixture of 8 experts, 2 per token (`lm/moe.py`: `jaxquant.flax.GroupedDense` experts with
 roles `("grouped_linear", ..., "fc1" | "fc2")`, a float32 router, a load-balancing loss); try it
-with `--recipe moe_nvfp4_fwd_mxfp8_bwd`.
+with `--recipe moe_nvfp4_fwd_mxfp8_bwd`; `--mesh ep=4` (or `dp=2,ep=4`) shards the experts over
+the `ep` axis and sends tokens to them with all-to-alls (`jaxquant.expert_parallel`).
+
+On GPUs the step overlaps its collectives with compute: unless `--no-xla-overlap`, the XLA flags
+of `lm/xla_flags.py` (latency-hiding scheduler, collective pipelining across the scanned
+layers, double-buffered layer loop, high-priority collective stream) are added to `XLA_FLAGS`
+before the backend starts.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ _EXAMPLES = str(pathlib.Path(__file__).resolve().parent)
 if _EXAMPLES not in sys.path:  # make `lm` importable however this file was loaded
   sys.path.insert(0, _EXAMPLES)
 
-from lm import data, recipes, report, sharding, training  # noqa: E402
+from lm import data, recipes, report, sharding, training, xla_flags  # noqa: E402
 from lm.model import GPT, LMConfig  # noqa: E402
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "out"
@@ -116,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="recompute each block's activations in the backward pass (large models)")
   p.add_argument("--scan-layers", action="store_true",
                  help="one nn.scan over the blocks (compile time independent of --layers)")
+  p.add_argument("--no-xla-overlap", action="store_true",
+                 help="leave XLA_FLAGS alone; by default the flags of lm/xla_flags.py (async "
+                 "collectives overlapped with compute: latency-hiding scheduler, collective "
+                 "pipelining over the scanned layers) are added before the GPU backend starts")
   return p
 
 
@@ -129,8 +139,17 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser.error(str(err))
   if min(args.steps, args.batch, args.seq, args.eval_every, args.eval_batches) < 1:
     parser.error("--steps, --batch, --seq, --eval-every and --eval-batches must be >= 1")
-  with training.jaxquant_backend(args.backend or training.default_backend()):
-    return run(args, names)
+  previous = os.environ.get("XLA_FLAGS")
+  # Read when the backend starts (the first device query below); no effect once it runs.
+  xla_flags.apply_overlap_flags(not args.no_xla_overlap)
+  try:
+    with training.jaxquant_backend(args.backend or training.default_backend()):
+      return run(args, names)
+  finally:
+    if previous is None:
+      os.environ.pop("XLA_FLAGS", None)
+    else:
+      os.environ["XLA_FLAGS"] = previous
 
 
 def run(args: argparse.Namespace, names: Sequence[str]) -> dict:
