@@ -11,7 +11,10 @@ updated value (Flax's `_overwrite_with_gradient` convention).
 
 Sharding (`sharding=DenseSharding(x=..., kernel=...)`, see `jaxquant.sharding`): x, y, dy, dx,
 dW and every storage are constrained to the specs `plan_dense` derives, so the partitioned ops
-stay local (a K-sharded GEMM ends in one psum). An FSDP kernel is quantized shard by shard and
+stay local. Where both specs are known, a K-sharded GEMM (row-parallel forward, column-parallel
+dgrad, data-parallel wgrad) is `jaxquant.collective_gemm.reduced_gemm`: local products reduced
+once in `DenseSharding.reduce_dtype` (default: the GEMM's output dtype), an FSDP weight gradient
+reduce-scattered over the FSDP axes; otherwise the partitioned op's float32 psum. An FSDP kernel is quantized shard by shard and
 its quantized storage all-gathered over the FSDP axes (the residual keeps the local shard and
 the backward gathers it again), or gathered in high precision first where a shard would split a
 block; `jaxquant.explain` reports which.
