@@ -1,9 +1,11 @@
 #!/bin/bash
-# One device call of issue 14 on a 4-GPU machine (bench/scaling.py, results in $OUT):
+# One device call of issue 14 on a machine with NGPU (4, default, or 2) GPUs (bench/scaling.py,
+# results in $OUT):
 #   phase 1, each on its own GPU, while the extension builds: bf16 1 GPU, MoE 1 GPU (bf16
-#     experts, ragged_dot), then fp8_current 1 GPU once the build is done;
-#   phase 2, all 4 GPUs, one job at a time: bf16 and fp8_current interleaved at dp=4 and tp=4,
-#     the MoE at ep=4, bf16/fp8 at dp=2 x tp=2, fp8 at dp=4 without the XLA overlap flags.
+#     experts, ragged_dot), then fp8_current 1 GPU once the build is done (and a GPU is free);
+#   phase 2, all GPUs, one job at a time: bf16 and fp8_current interleaved at dp=N and tp=N,
+#     the MoE at ep=N, bf16/fp8 at dp=2 x tp=N/2 (4 GPUs), fp8 at dp=N without the XLA
+#     overlap flags.
 # Everything stops at DEADLINE seconds (default 300); each job writes its JSON as it goes.
 set -o pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -12,6 +14,8 @@ OUT=${OUT:-/tmp/jaxquant_out}
 mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 DEADLINE=${DEADLINE:-300}
+NGPU=${NGPU:-4}
+ALL=$(seq -s, 0 $((NGPU - 1)))
 SECONDS=0
 say() { echo "[$SECONDS s] $*" | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
@@ -49,15 +53,17 @@ job moe_one 1 "PYTHONPATH=$PWD" --recipe bf16 --meshes 1 $MOE &
 MOE1=$!
 wait $BUILD
 say "build: $(tail -1 /tmp/build.log)"; tail -5 /tmp/build.log >> "$LOG"
+FP8GPU=2
+[ "$NGPU" -lt 4 ] && { wait $ONE; FP8GPU=0; }
 if python3 -c "from jaxquant import _jaxquant_ffi as m; assert m.has_cuda()" >> "$LOG" 2>&1; then
-  job fp8_one 2 "" --recipe fp8_current --meshes 1 $DENSE
+  job fp8_one $FP8GPU "" --recipe fp8_current --meshes 1 $DENSE
 else
   say "no CUDA extension: FP8 jobs skipped"; tail -40 /tmp/build.log >> "$LOG"
 fi
 wait $ONE $MOE1
-job dense_a 0,1,2,3 "" --recipe bf16,fp8_current --meshes dp=4/tp=4 $DENSE
-job moe_mesh 0,1,2,3 "" --recipe bf16 --meshes ep=4 $MOE
-job dense_b 0,1,2,3 "" --recipe bf16,fp8_current --meshes dp=2,tp=2 $DENSE
-[ -z "$NOOV" ] && job no_overlap 0,1,2,3 "" --recipe fp8_current --meshes dp=4 --no-xla-overlap $DENSE
+job dense_a $ALL "" --recipe bf16,fp8_current --meshes dp=$NGPU/tp=$NGPU $DENSE
+job moe_mesh $ALL "" --recipe bf16 --meshes ep=$NGPU $MOE
+[ "$NGPU" -ge 4 ] && job dense_b $ALL "" --recipe bf16,fp8_current --meshes dp=2,tp=$((NGPU / 2)) $DENSE
+[ -z "$NOOV" ] && job no_overlap $ALL "" --recipe fp8_current --meshes dp=$NGPU --no-xla-overlap $DENSE
 python3 bench/mesh_report.py "$OUT"/*.json >> "$LOG" 2>&1
 say "done"
