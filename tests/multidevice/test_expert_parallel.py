@@ -45,7 +45,6 @@ def _sharded_step(lm, module, variables, x, c, axes):
   """(loss, grads, compiled collectives) on a mesh with `axes`."""
   _, _, lm_sharding = lm
   mesh = lm_sharding.make_mesh(axes)
-  grad_fn = jax.jit(jax.value_and_grad(_loss(module, c)))
   with lm_sharding.active(mesh):
     boxed = jax.eval_shape(module.init, jax.random.key(0), x)
     shardings = lm_sharding.state_shardings(boxed, mesh)
