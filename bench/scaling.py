@@ -10,11 +10,15 @@ records for each mesh:
     all-gather / all-to-all listed, and the ones whose result holds at least one sequence of
     activations (`seq x d_model` elements) flagged as activation all-gathers.
 
-    python bench/scaling.py --recipe fp8_current --meshes 1/dp=4/tp=4/dp=2,tp=2 \\
+    python bench/scaling.py --recipe bf16,fp8_current --meshes 1/dp=4/tp=4/dp=2,tp=2 \\
         --d-model 4096 --layers 8 --heads 32 --seq 2048 --batch 8 --remat --scan-layers \\
         --json out.json
+    python bench/scaling.py --recipe fp8_current --moe 8,2 --meshes 1/ep=4 ...  # experts over ep
 
-Meshes are separated by '/', axes within one by ','; "1" is one device without a mesh.
+Meshes are separated by '/', axes within one by ','; "1" is one device without a mesh. Several
+recipes (comma-separated) run interleaved: each mesh runs every recipe before the next mesh,
+so a ratio between recipes on one mesh comes from back-to-back runs. The XLA overlap flags of
+`examples/lm/xla_flags.py` are set unless `--no-xla-overlap`.
 With --scan-layers the HLO holds the block once (a while loop), so collective counts are per
 block plus the layers outside it, not per step.
 """
@@ -37,7 +41,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 
-from lm import data, recipes, sharding, training  # noqa: E402
+from lm import data, recipes, sharding, training, xla_flags  # noqa: E402
 from lm.model import GPT, LMConfig  # noqa: E402
 import train_lm  # noqa: E402
 
@@ -104,7 +108,12 @@ def run_mesh(model, config: LMConfig, batches: np.ndarray, cfg: training.TrainCo
 
 
 def compare_losses(runs: list[dict]) -> None:
-  """Add each run's largest relative loss difference from the first run (per step)."""
+  """Add each run's largest relative loss difference from the first run of its recipe."""
+  for recipe in dict.fromkeys(r.get("recipe") for r in runs):
+    _compare(runs=[r for r in runs if r.get("recipe") == recipe])
+
+
+def _compare(runs: list[dict]) -> None:
   base = np.asarray(runs[0]["losses"])
   for run in runs:
     rel = np.abs(np.asarray(run["losses"]) - base) / np.abs(base)
@@ -114,7 +123,8 @@ def compare_losses(runs: list[dict]) -> None:
 
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--recipe", default="fp8_current", help="bf16, a built-in or a zoo recipe")
+  p.add_argument("--recipe", default="fp8_current",
+                 help="bf16, a built-in or a zoo recipe; comma-separated: run interleaved")
   p.add_argument("--meshes", type=parse_meshes, default=parse_meshes("1/dp=2"))
   p.add_argument("--d-model", type=int, default=4096)
   p.add_argument("--layers", type=int, default=8)
@@ -129,18 +139,25 @@ def main() -> None:
                  help="sgd keeps the meshes' reduction-order differences at gradient size (the "
                  "loss check); adamw amplifies them in its first steps")
   p.add_argument("--moe", type=train_lm.parse_moe, default=None)
+  p.add_argument("--moe-capacity", type=float, default=None,
+                 help="capacity factor of the expert all-to-all buffers (default dropless)")
+  p.add_argument("--no-xla-overlap", action="store_true",
+                 help="do not add lm/xla_flags.py's collective-overlap flags to XLA_FLAGS")
   p.add_argument("--remat", action="store_true")
   p.add_argument("--scan-layers", action="store_true")
   p.add_argument("--data-mb", type=float, default=8.0)
   p.add_argument("--backend", choices=training.BACKENDS, default=None)
   p.add_argument("--json", type=pathlib.Path, default=None)
   args = p.parse_args()
+  flags = xla_flags.apply_overlap_flags(not args.no_xla_overlap)  # before the backend starts
+  names = recipes.parse(args.recipe)
 
   with training.jaxquant_backend(args.backend or training.default_backend()) as backend:
     config = LMConfig(seq=args.seq, d_model=args.d_model, layers=args.layers, heads=args.heads,
                       mlp_ratio=args.mlp_ratio, dtype=jnp.bfloat16, moe=args.moe,
-                      remat=args.remat, scan_layers=args.scan_layers)
-    model = GPT(config, recipes.make(args.recipe))
+                      moe_capacity=args.moe_capacity, remat=args.remat,
+                      scan_layers=args.scan_layers)
+    models = {name: GPT(config, recipes.make(name)) for name in names}
     corpus = data.load_corpus(int(args.data_mb * 1e6))
     batches = data.fixed_batches(corpus.train, args.batch, args.seq, args.steps)
     cfg = training.TrainConfig(steps=args.steps, lr=args.lr, warmup=max(args.steps // 2, 1),
@@ -151,16 +168,18 @@ def main() -> None:
                                        f", {os.environ.get('JAXQUANT_FP8_ACCUMULATION', 'default')}"
                                        " FP8 accumulation)"),
                "fp8_accumulation": os.environ.get("JAXQUANT_FP8_ACCUMULATION", "default"),
+               "xla_flags": flags,
                "config": {k: v for k, v in vars(args).items()
                           if k not in ("meshes", "json", "backend")},
                "runs": []}
-    for axes in args.meshes:
-      print(f"[{args.recipe}] {mesh_name(axes)} ...", flush=True)
+    for axes, name in ((a, n) for a in args.meshes for n in names):
+      print(f"[{name}] {mesh_name(axes)} ...", flush=True)
       try:
-        run = run_mesh(model, config, batches, cfg, axes, args.warmup)
+        run = run_mesh(models[name], config, batches, cfg, axes, args.warmup)
       except Exception as err:  # a mesh that fails (e.g. out of memory) is reported, not fatal
         run = {"mesh": mesh_name(axes), "axes": axes or {}, "error": f"{type(err).__name__}: "
                f"{str(err)[:2000]}"}
+      run["recipe"] = name
       results["runs"].append(run)
       print(json.dumps({k: v for k, v in run.items() if k != "collectives"}), flush=True)
       if "collectives" in run:
@@ -172,7 +191,7 @@ def main() -> None:
   if ok:
     compare_losses(ok)
   for r in ok:
-    print(f"{args.recipe:24s} {r['mesh']:12s} {r['step_ms']:9.1f} ms/step "
+    print(f"{r['recipe']:24s} {r['mesh']:12s} {r['step_ms']:9.1f} ms/step "
           f"{r['tokens_per_s_per_device']:9.0f} tok/s/dev  compile {r['compile_s']:5.1f}s  "
           f"max rel loss diff {r['max_rel_loss_diff']:.2e}  "
           f"act gathers {len(r['collectives']['activation_gathers'])}")

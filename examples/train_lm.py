@@ -23,7 +23,13 @@ a device mesh (`lm/sharding.py`: Flax logical axis rules; FP8 storages stay shar
 weights are gathered as quantized bytes where exact). `--moe 8,2` replaces every MLP by a
 routed mixture of 8 experts, 2 per token (`lm/moe.py`: `jaxquant.flax.GroupedDense` experts with
 roles `("grouped_linear", ..., "fc1" | "fc2")`, a float32 router, a load-balancing loss); try it
-with `--recipe moe_nvfp4_fwd_mxfp8_bwd`.
+with `--recipe moe_nvfp4_fwd_mxfp8_bwd`; `--mesh ep=4` (or `dp=2,ep=4`) shards the experts over
+the `ep` axis and sends tokens to them with all-to-alls (`jaxquant.expert_parallel`).
+
+On GPUs the step overlaps its collectives with compute: unless `--no-xla-overlap`, the XLA flags
+of `lm/xla_flags.py` (latency-hiding scheduler, collective pipelining across the scanned
+layers, double-buffered layer loop, high-priority collective stream) are added to `XLA_FLAGS`
+before the backend starts.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ _EXAMPLES = str(pathlib.Path(__file__).resolve().parent)
 if _EXAMPLES not in sys.path:  # make `lm` importable however this file was loaded
   sys.path.insert(0, _EXAMPLES)
 
-from lm import checkpoint, data, recipes, report, sharding, training  # noqa: E402
+from lm import checkpoint, data, recipes, report, sharding, training, xla_flags  # noqa: E402
 from lm.model import GPT, LMConfig  # noqa: E402
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "out"
@@ -109,13 +115,16 @@ def build_parser() -> argparse.ArgumentParser:
                  help="jaxquant op implementation (JAXQUANT_BACKEND); default: $JAXQUANT_BACKEND, "
                  "else 'reference' on CPU (faster there than the FFI's CPU handlers), 'auto' on GPU")
   p.add_argument("--mesh", type=parse_mesh, default=None,
-                 help="device mesh such as dp=2,tp=4 or fsdp=2 (axes dp, fsdp, tp): data, "
-                 "fully-sharded data and tensor parallelism")
+                 help="device mesh such as dp=2,tp=4, fsdp=2 or ep=4 (axes dp, fsdp, tp, ep): "
+                 "data, fully-sharded data, tensor and (with --moe) expert parallelism")
   p.add_argument("--moe", type=parse_moe, default=None,
                  help="EXPERTS,TOPK: a mixture-of-experts MLP (GroupedDense experts, top-k "
                  "routing) in every block instead of the dense MLP")
   p.add_argument("--moe-aux-weight", type=float, default=0.01,
                  help="weight of the MoE load-balancing loss")
+  p.add_argument("--moe-capacity", type=float, default=None,
+                 help="with --mesh ep=N: capacity factor of the expert all-to-all buffers "
+                 "(assignments past it are dropped); default: dropless")
   p.add_argument("--remat", action="store_true",
                  help="recompute each block's activations in the backward pass (large models)")
   p.add_argument("--scan-layers", action="store_true",
@@ -125,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
                  "latest checkpoint there (same settings) when it exists")
   p.add_argument("--checkpoint-every", type=int, default=50,
                  help="steps between checkpoints (and one at the last step)")
+  p.add_argument("--no-xla-overlap", action="store_true",
+                 help="leave XLA_FLAGS alone; by default the flags of lm/xla_flags.py (async "
+                 "collectives overlapped with compute: latency-hiding scheduler, collective "
+                 "pipelining over the scanned layers) are added before the GPU backend starts")
   return p
 
 
@@ -140,8 +153,17 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
          args.checkpoint_every) < 1:
     parser.error("--steps, --batch, --seq, --eval-every, --eval-batches and "
                  "--checkpoint-every must be >= 1")
-  with training.jaxquant_backend(args.backend or training.default_backend()):
-    return run(args, names)
+  previous = os.environ.get("XLA_FLAGS")
+  # Read when the backend starts (the first device query below); no effect once it runs.
+  xla_flags.apply_overlap_flags(not args.no_xla_overlap)
+  try:
+    with training.jaxquant_backend(args.backend or training.default_backend()):
+      return run(args, names)
+  finally:
+    if previous is None:
+      os.environ.pop("XLA_FLAGS", None)
+    else:
+      os.environ["XLA_FLAGS"] = previous
 
 
 def run(args: argparse.Namespace, names: Sequence[str]) -> dict:
@@ -150,7 +172,8 @@ def run(args: argparse.Namespace, names: Sequence[str]) -> dict:
   config = LMConfig(seq=args.seq, d_model=args.d_model, layers=args.layers, heads=args.heads,
                     mlp_ratio=args.mlp_ratio, positions=args.positions,
                     tie_embeddings=args.tie_embeddings, dtype=jnp.bfloat16, moe=args.moe,
-                    moe_aux_weight=args.moe_aux_weight, remat=args.remat,
+                    moe_aux_weight=args.moe_aux_weight,
+                    moe_capacity=args.moe_capacity, remat=args.remat,
                     scan_layers=args.scan_layers)
   train_cfg = training.TrainConfig(steps=args.steps, lr=args.lr, warmup=args.warmup,
                                    weight_decay=args.weight_decay, eval_every=args.eval_every,

@@ -25,6 +25,7 @@ import math
 from typing import Any, Optional, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxquant.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer,
@@ -288,11 +289,18 @@ class DenseSharding:
     x: spec of `x[..., K1..Kc]` (None: unknown; XLA propagation decides).
     kernel: spec of `kernel[K1..Kc, N1..Nn]` (None: unknown).
     mesh: the mesh the specs refer to (None: the context mesh of `jax.set_mesh`).
+    reduce_dtype: the dtype in which the partial sums of a K-sharded GEMM (row-parallel
+      output, column-parallel input gradient, data-parallel weight gradient) are reduced.
+      None (default): the GEMM's output dtype, as XLA reduces an unquantized model's, so a
+      quantized bf16 model moves the same bytes as the bf16 one. `jnp.float32`: partial sums
+      stay float32 until one rounding after the reduction (a mesh equals one device to float32
+      reduction order; twice the bytes for a bf16 model).
   """
 
   x: Optional[P] = None
   kernel: Optional[P] = None
   mesh: Optional[Mesh] = None
+  reduce_dtype: Optional[Any] = None
 
   def __post_init__(self):
     for field in ("x", "kernel"):
@@ -300,6 +308,25 @@ class DenseSharding:
       if value is not None and not isinstance(value, P):
         raise TypeError(f"DenseSharding.{field}: expected a PartitionSpec or None, got "
                         f"{value!r}")
+    if self.reduce_dtype is not None:
+      dtype = check_reduce_dtype(self.reduce_dtype, "DenseSharding.reduce_dtype")
+      object.__setattr__(self, "reduce_dtype", dtype)
+
+
+REDUCE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def check_reduce_dtype(value: Any, owner: str):
+  """`value` as a numpy dtype, if it is one a reduction can use; else a ValueError naming
+  `owner`."""
+  try:
+    dtype = np.dtype(value)
+  except TypeError:
+    dtype = None
+  if dtype is None or dtype.name not in REDUCE_DTYPES:
+    raise ValueError(f"{owner}={value!r}: expected None (the GEMM's output dtype) or one of "
+                     f"{REDUCE_DTYPES}")
+  return dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,6 +351,22 @@ class DensePlan:
   weight_gather: str
   reason: str = ""
   rows_note: str = ""
+  reduce_dtype: Any = None  # DenseSharding.reduce_dtype
+  # Mesh axes of size > 1 of the GEMM dimensions (empty where the sharding left them unknown):
+  # x's rows and K, the kernel's K and N (FSDP axes included).
+  row_axes: tuple[str, ...] = ()
+  x_k_axes: tuple[str, ...] = ()
+  k_axes: tuple[str, ...] = ()
+  n_axes: tuple[str, ...] = ()
+
+  @property
+  def known(self) -> bool:
+    """Both specs were given: every GEMM's operand specs are known."""
+    return self.x2d is not None and self.kernel2d is not None
+
+  def gathered(self, axes: tuple[str, ...]) -> tuple[str, ...]:
+    """`axes` without the FSDP axes (what the GEMMs read after the weight gather)."""
+    return tuple(a for a in axes if a not in self.fsdp_axes)
 
 
 def _rows_note(x_shape: Sequence[int], x_spec: P, n_contract: int, mesh: Mesh) -> str:
@@ -373,8 +416,10 @@ def plan_dense(sharding: DenseSharding, x_shape: Sequence[int], kernel_shape: Se
   x_entries = tuple(x_spec) + (None,) * (len(x_shape) - len(tuple(x_spec)))
   row_axes = tuple(n for e in x_entries[:len(x_shape) - n_contract] for n in axes_tuple(e))
   x_k_axes = tuple(n for e in x_entries[len(x_shape) - n_contract:] for n in axes_tuple(e))
-  fsdp = tuple(a for a in k_axes + n_axes if a in row_axes)
-  keep = lambda axes: spec_entry(tuple(a for a in axes if a not in fsdp))
+  shared = tuple(a for a in k_axes + n_axes if a in row_axes)
+  # Axes of size 1 shard nothing: no gather, no reduction over them.
+  fsdp = tuple(a for a in shared if mesh.shape[a] > 1)
+  keep = lambda axes: spec_entry(tuple(a for a in axes if a not in shared))
   weight = P(spec_entry(n_axes), spec_entry(k_axes))
   weight_gathered = P(keep(n_axes), keep(k_axes))
   gather, reason = "none", ""
@@ -402,4 +447,12 @@ def plan_dense(sharding: DenseSharding, x_shape: Sequence[int], kernel_shape: Se
       weight=weight if k_known else None,
       weight_gathered=weight_gathered if k_known else None, fsdp_axes=fsdp,
       weight_gather=gather, reason=reason,
-      rows_note=_rows_note(x_shape, x_spec, n_contract, mesh) if x_known else "")
+      rows_note=_rows_note(x_shape, x_spec, n_contract, mesh) if x_known else "",
+      reduce_dtype=sharding.reduce_dtype, row_axes=_sharded(row_axes, mesh),
+      x_k_axes=_sharded(x_k_axes, mesh), k_axes=_sharded(k_axes, mesh),
+      n_axes=_sharded(n_axes, mesh))
+
+
+def _sharded(axes: tuple[str, ...], mesh) -> tuple[str, ...]:
+  """`axes` without those of size 1."""
+  return tuple(a for a in axes if mesh.shape[a] > 1)

@@ -39,6 +39,9 @@ class LMConfig:
     moe: `(experts, top_k)` to replace every MLP by a routed mixture of experts
       (`lm.moe.MoEMLP`), or None for the dense MLP.
     moe_aux_weight: weight of the load-balancing loss added to the objective under `moe`.
+    moe_capacity: under a mesh with `ep`, the all-to-all buffers' capacity factor (rows per
+      device pair = factor x an even share of a device's assignments; the excess is dropped);
+      None: dropless (buffers for every assignment).
     remat: recompute each block's activations in the backward pass (`nn.remat`): the memory of
       one block instead of all of them, for large models (seq 2048 x d_model 4096).
     scan_layers: run the blocks as one `nn.scan` over stacked parameters (`blocks/...`, leading
@@ -56,6 +59,7 @@ class LMConfig:
   dtype: Any = jnp.bfloat16
   moe: Optional[tuple[int, int]] = None
   moe_aux_weight: float = 0.01
+  moe_capacity: Optional[float] = None
   remat: bool = False
   scan_layers: bool = False
 

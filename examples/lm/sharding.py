@@ -2,7 +2,9 @@
 
 Mesh axes: `dp` (data parallel: the batch), `fsdp` (the batch, and the parameters' `embed` axis,
 gathered before use), `tp` (tensor parallel: attention heads and the MLP's hidden axis, i.e.
-column-parallel `qkv`/`fc1` and row-parallel `proj`/`fc2`). Parameters carry logical names
+column-parallel `qkv`/`fc1` and row-parallel `proj`/`fc2`), `ep` (expert parallel, with
+`--moe`: the experts, and the batch as `dp` shards it; tokens reach their experts through
+all-to-alls, `lm.moe`). Parameters carry logical names
 (`lm.model`), activations entering a Dense are named `act_*`; the rules below map both to
 whichever of the three mesh axes exist.
 """
@@ -18,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("dp", "fsdp", "tp")
+MESH_AXES = ("dp", "fsdp", "tp", "ep")
 
 
 def make_mesh(axes: dict[str, int]) -> Mesh:
@@ -37,12 +39,14 @@ def make_mesh(axes: dict[str, int]) -> Mesh:
 def logical_rules(mesh: Mesh) -> tuple[tuple[str, object], ...]:
   """Logical axis -> mesh axes, for the axes this mesh has."""
   has = lambda name: name in mesh.axis_names and mesh.shape[name] > 1
-  batch = tuple(a for a in ("dp", "fsdp") if has(a))
+  batch = tuple(a for a in ("dp", "fsdp", "ep") if has(a))
   tp = "tp" if has("tp") else None
   fsdp = "fsdp" if has("fsdp") else None
+  ep = "ep" if has("ep") else None
   return (("act_batch", batch or None), ("act_len", None), ("act_embed", None),
           ("act_heads", tp), ("act_mlp", tp),
-          ("embed", fsdp), ("heads", tp), ("mlp", tp), ("vocab", None), ("layers", None))
+          ("embed", fsdp), ("heads", tp), ("mlp", tp), ("vocab", None), ("layers", None),
+          ("expert", ep))
 
 
 def batch_axes(mesh: Mesh):

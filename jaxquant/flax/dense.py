@@ -49,6 +49,9 @@ class Dense(nn.Module):
     input_axes: logical names of the input's axes; under a mesh the input is kept on that
       spec, and mesh axes shared by the kernel and the input's batch axes are FSDP axes (the
       kernel is gathered after quantization where exact, see `jaxquant.sharding`).
+    reduce_dtype: dtype of the partial-sum reductions of K-sharded GEMMs under a mesh (None:
+      the GEMM's output dtype, as XLA reduces nn.Dense's; `jnp.float32` sums the partial
+      products in float32 and rounds once, see `jaxquant.sharding.DenseSharding`).
   """
 
   features: int
@@ -61,6 +64,7 @@ class Dense(nn.Module):
   recipe: Optional[Recipe] = None
   kernel_axes: tuple = ()
   input_axes: tuple = ()
+  reduce_dtype: Optional[Any] = None
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:

@@ -7,6 +7,7 @@ with `flax.linen.DenseGeneral`'s attributes, so `quantize_dense` runs it for an 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Optional, Sequence, Union
 
 import flax.linen as nn
@@ -14,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant.flax.quantization import module_key, module_quantizers, module_states
+from jaxquant.flax.quantization import (logical_init, module_key, module_quantizers,
+                                        module_sharding, module_states)
 from jaxquant.layers.dense import dense
 from jaxquant.recipes import Recipe
 
@@ -60,6 +62,26 @@ def _flat_init(init, n_batch: int, n_axis: int, n_features: int):
   return wrapped
 
 
+def _strip_batch(sharding, n_batch: int):
+  """The per-element `DenseSharding` of a vmapped contraction: the specs without their
+  `batch_dims` entries, which must be unsharded."""
+  if sharding is None or not n_batch:
+    return sharding
+  specs = {}
+  for field in ("x", "kernel"):
+    spec = getattr(sharding, field)
+    if spec is None:
+      specs[field] = None
+      continue
+    entries = tuple(spec) + (None,) * max(0, n_batch - len(tuple(spec)))
+    if any(e is not None for e in entries[:n_batch]):
+      raise ValueError(f"DenseGeneral: the batch_dims axes of the {field} map to mesh axes "
+                       f"{entries[:n_batch]}; each batch element is its own GEMM, so these "
+                       "axes must stay unsharded (map their logical names to None)")
+    specs[field] = jax.sharding.PartitionSpec(*entries[n_batch:])
+  return dataclasses.replace(sharding, **specs)
+
+
 class DenseGeneral(nn.Module):
   """A linear transformation over any input axes, quantized by a recipe.
 
@@ -86,6 +108,14 @@ class DenseGeneral(nn.Module):
     bias_init: initializer of the bias (called on the flattened 1-D shape).
     precision: precision of high-precision (Identity) contractions.
     recipe: quantization recipe; None: the innermost `jaxquant.autocast`, or no quantization.
+    kernel_axes: logical names of the kernel's axes `(batch..., axis..., features...)`, as
+      `jaxquant.flax.Dense`'s (the kernel is boxed with them; the bias takes the batch and
+      feature names).
+    input_axes: logical names of the input's axes (one per input axis), as `Dense`'s: under a
+      mesh the input keeps that spec and FSDP axes are told apart. `batch_dims` axes must map
+      to no mesh axis (each batch element is its own vmapped GEMM).
+    reduce_dtype: dtype of the partial-sum reductions of K-sharded GEMMs under a mesh, as
+      `Dense`'s.
   """
 
   features: Union[int, Sequence[int]]
@@ -98,6 +128,9 @@ class DenseGeneral(nn.Module):
   bias_init: Any = nn.initializers.zeros_init()
   precision: Any = None
   recipe: Optional[Recipe] = None
+  kernel_axes: tuple = ()
+  input_axes: tuple = ()
+  reduce_dtype: Optional[Any] = None
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -110,7 +143,8 @@ def dense_general_contraction(module: nn.Module, inputs: jax.Array, *,
   """`flax.linen.DenseGeneral.__call__` of `module` (any module with its attributes), with the
   contraction quantized by `recipe` (default: the module's `recipe` attribute, else the
   innermost `jaxquant.autocast`; none: Flax's own contraction). Call it inside the module's
-  scope (from its `__call__` or an interceptor): parameters are created there."""
+  scope (from its `__call__` or an interceptor): parameters are created there. The sharding
+  attributes (`kernel_axes`, `input_axes`, `reduce_dtype`) are read where the module has them."""
   features = _as_tuple(module.features, "features")
   ndim = inputs.ndim
   axis = _normalize_axes(_as_tuple(module.axis, "axis"), ndim, "axis")
@@ -123,12 +157,22 @@ def dense_general_contraction(module: nn.Module, inputs: jax.Array, *,
                      "overlap; an axis is either contracted or a batch axis")
   n_batch, n_axis, n_features = len(batch_dims), len(axis), len(features)
   batch_shape = tuple(inputs.shape[ax] for ax in batch_dims)
-  kernel = module.param("kernel", _flat_init(module.kernel_init, n_batch, n_axis, n_features),
+  kernel_axes = tuple(getattr(module, "kernel_axes", ()) or ())
+  input_axes = tuple(getattr(module, "input_axes", ()) or ())
+  if kernel_axes and len(kernel_axes) != n_batch + n_axis + n_features:
+    raise ValueError(f"kernel_axes={kernel_axes}: expected {n_batch + n_axis + n_features} "
+                     "names (batch_dims, axis, features)")
+  if input_axes and len(input_axes) != ndim:
+    raise ValueError(f"input_axes={input_axes}: expected {ndim} names, one per input axis")
+  kernel = module.param("kernel", logical_init(
+      _flat_init(module.kernel_init, n_batch, n_axis, n_features), kernel_axes),
                         batch_shape + tuple(inputs.shape[ax] for ax in axis) + features,
                         module.param_dtype)
   bias = None
   if module.use_bias:
-    bias = module.param("bias", _flat_init(module.bias_init, n_batch, None, n_features),
+    bias_axes = kernel_axes[:n_batch] + kernel_axes[len(kernel_axes) - n_features:]
+    bias = module.param("bias", logical_init(
+        _flat_init(module.bias_init, n_batch, None, n_features), bias_axes),
                         batch_shape + features, module.param_dtype)
   inputs, kernel, bias = promote_dtype(inputs, kernel, bias, dtype=module.dtype)
 
@@ -146,13 +190,17 @@ def dense_general_contraction(module: nn.Module, inputs: jax.Array, *,
   # Batch axes first, then the rows of the GEMM, then the contracted axes (sorted):
   # the output [batch..., rows..., features...] is laid out as dot_general's.
   free = tuple(ax for ax in range(ndim) if ax not in axis and ax not in batch_dims)
-  inputs = jnp.transpose(inputs, batch_dims + free + axis)
+  order = batch_dims + free + axis
+  inputs = jnp.transpose(inputs, order)
   key = module_key(module, quantizers)
   states = module_states(module, quantizers, batch_shape=batch_shape)
+  input_names = tuple(input_axes[ax] for ax in order) if input_axes else None
+  sharding = _strip_batch(module_sharding(module, kernel.shape, kernel.dtype, input_names),
+                          n_batch)
 
   def contract(x, w, b, k, s):
     return dense(x, w, b, quantizers, key=k, states=s, contracting_dims=n_axis,
-                 precision=module.precision)
+                 precision=module.precision, sharding=sharding)
 
   if n_batch:
     key = None if key is None else jax.random.split(key, batch_shape)

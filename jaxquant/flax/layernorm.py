@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxquant.flax.dense import Dense
 from jaxquant.flax.dense_general import DenseGeneral, _as_tuple, _flat_init
 from jaxquant.flax.norm import check_norm_type, normalize
-from jaxquant.flax.quantization import quantized_contraction
+from jaxquant.flax.quantization import logical_init, quantized_contraction
 from jaxquant.recipes import Recipe
 
 default_kernel_init = nn.initializers.lecun_normal()
@@ -105,6 +105,8 @@ class LayerNormDense(nn.Module):
     param_dtype: dtype of the parameters.
     precision: precision of high-precision (Identity) contractions.
     recipe: quantization recipe; None: the innermost `jaxquant.autocast`, or no quantization.
+    kernel_axes, input_axes, reduce_dtype: sharding under a mesh, as `jaxquant.flax.Dense`'s
+      (`kernel_axes` names `(in, *features)`; the bias takes the feature names).
   """
 
   features: Union[int, Sequence[int]]
@@ -123,22 +125,30 @@ class LayerNormDense(nn.Module):
   param_dtype: Any = jnp.float32
   precision: Any = None
   recipe: Optional[Recipe] = None
+  kernel_axes: tuple = ()
+  input_axes: tuple = ()
+  reduce_dtype: Optional[Any] = None
 
   @nn.compact
   def __call__(self, inputs: jax.Array):
     check_norm_type(self.norm_type)
     features = _as_tuple(self.features, "features")
+    kernel_axes = tuple(self.kernel_axes)
+    if kernel_axes and len(kernel_axes) != 1 + len(features):
+      raise ValueError(f"kernel_axes={kernel_axes}: expected {1 + len(features)} names "
+                       "(in, *features)")
     ln_out = normalize(self, inputs, norm_type=self.norm_type, epsilon=self.epsilon,
                        use_scale=self.use_scale, use_bias=self.use_norm_bias,
                        zero_centered_gamma=self.zero_centered_gamma,
                        scale_init=self.scale_init, bias_init=self.norm_bias_init,
                        dtype=self.dtype, param_dtype=self.param_dtype)
-    kernel = self.param("kernel", _flat_init(self.kernel_init, 0, 1, len(features)),
+    kernel = self.param("kernel", logical_init(_flat_init(self.kernel_init, 0, 1, len(features)),
+                                               kernel_axes),
                         (inputs.shape[-1],) + features, self.param_dtype)
     bias = None
     if self.use_bias:
-      bias = self.param("bias", _flat_init(self.bias_init, 0, None, len(features)), features,
-                        self.param_dtype)
+      bias = self.param("bias", logical_init(_flat_init(self.bias_init, 0, None, len(features)),
+                                             kernel_axes[1:]), features, self.param_dtype)
     x, kernel, bias = nn.dtypes.promote_dtype(ln_out, kernel, bias, dtype=self.dtype)
     y = quantized_contraction(self, x, kernel, bias, precision=self.precision)
     return (y, ln_out) if self.return_layernorm_output else y
@@ -169,6 +179,12 @@ class LayerNormMLP(nn.Module):
     return_layernorm_output: also return the normalized input: `(y, ln_out)`.
     dtype, param_dtype, precision: as in `Dense`.
     recipe: quantization recipe for both dense layers; None: the innermost `jaxquant.autocast`.
+    input_axes: logical names of the input's axes (`fc1`'s input, as `Dense.input_axes`).
+    hidden_axes: logical names of the hidden activation's axes (`fc2`'s input), e.g.
+      `("batch", "length", "mlp")` for a tensor-parallel hidden layer.
+    kernel_axes_1, kernel_axes_2: logical names `(in, hidden)` of `fc1`'s kernel and
+      `(hidden, out)` of `fc2`'s (a gated `fc1` gets an unsharded middle axis).
+    reduce_dtype: dtype of the partial-sum reductions of K-sharded GEMMs, as `Dense`'s.
   """
 
   intermediate_dim: int = 2048
@@ -190,6 +206,11 @@ class LayerNormMLP(nn.Module):
   param_dtype: Any = jnp.float32
   precision: Any = None
   recipe: Optional[Recipe] = None
+  input_axes: tuple = ()
+  hidden_axes: tuple = ()
+  kernel_axes_1: tuple = ()
+  kernel_axes_2: tuple = ()
+  reduce_dtype: Optional[Any] = None
 
   @nn.compact
   def __call__(self, inputs: jax.Array):
@@ -205,13 +226,19 @@ class LayerNormMLP(nn.Module):
                        dtype=self.dtype, param_dtype=self.param_dtype)
     common = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
                   precision=self.precision, kernel_init=self.kernel_init,
-                  bias_init=self.bias_init, recipe=self.recipe)
+                  bias_init=self.bias_init, recipe=self.recipe, reduce_dtype=self.reduce_dtype)
+    axes_1 = tuple(self.kernel_axes_1)
     if len(functions) == 1:
-      hidden = functions[0](Dense(self.intermediate_dim, name=self.fc1_name, **common)(ln_out))
+      hidden = functions[0](Dense(self.intermediate_dim, name=self.fc1_name,
+                                  kernel_axes=axes_1, input_axes=tuple(self.input_axes),
+                                  **common)(ln_out))
     else:
+      gated_axes = axes_1[:1] + (None,) + axes_1[1:] if axes_1 else ()
       gates = DenseGeneral((len(functions), self.intermediate_dim), name=self.fc1_name,
+                           kernel_axes=gated_axes, input_axes=tuple(self.input_axes),
                            **common)(ln_out)
       hidden = functools.reduce(operator.mul, [f(gates[..., i, :])
                                                for i, f in enumerate(functions)])
-    y = Dense(inputs.shape[-1], name=self.fc2_name, **common)(hidden)
+    y = Dense(inputs.shape[-1], name=self.fc2_name, kernel_axes=tuple(self.kernel_axes_2),
+              input_axes=tuple(self.hidden_axes), **common)(hidden)
     return (y, ln_out) if self.return_layernorm_output else y

@@ -171,13 +171,24 @@ def _mesh_spec(names, logical: bool):
   return jax.sharding.PartitionSpec(*names)
 
 
-def module_sharding(module: nn.Module, kernel_shape, dtype) -> Optional[_sharding.DenseSharding]:
+def module_reduce_dtype(module: nn.Module):
+  """The module's `reduce_dtype` attribute, checked (None when it has none)."""
+  value = getattr(module, "reduce_dtype", None)
+  if value is None:
+    return None
+  return _sharding.check_reduce_dtype(value, f"{type(module).__name__}.reduce_dtype")
+
+
+def module_sharding(module: nn.Module, kernel_shape, dtype,
+                    input_names: Optional[tuple] = None) -> Optional[_sharding.DenseSharding]:
   """The `DenseSharding` of a module's contraction under the context mesh (None without a mesh
   or without axis names).
 
   Kernel names: the module's `kernel_axes` attribute, else those boxed into its `kernel_init`.
-  Input names: its `input_axes` attribute (without them the FSDP axes cannot be told apart
-  from tensor-parallel ones, and the kernel keeps its sharding)."""
+  Input names: `input_names` if given, else its `input_axes` attribute (without them the FSDP
+  axes cannot be told apart from tensor-parallel ones, and the kernel keeps its sharding).
+  Partial sums of K-sharded GEMMs reduce in the module's `reduce_dtype` (None: the GEMM's
+  output dtype)."""
   mesh = _sharding.current_mesh()
   if mesh is None:
     return None
@@ -185,11 +196,13 @@ def module_sharding(module: nn.Module, kernel_shape, dtype) -> Optional[_shardin
   if not kernel_names:
     kernel_names, logical = init_axis_names(getattr(module, "kernel_init", None), kernel_shape,
                                             dtype)
-  input_names = tuple(getattr(module, "input_axes", ()) or ()) or None
+  if input_names is None:
+    input_names = tuple(getattr(module, "input_axes", ()) or ()) or None
   if not kernel_names and input_names is None:
     return None
   return _sharding.DenseSharding(x=_mesh_spec(input_names, True),
-                                 kernel=_mesh_spec(kernel_names or None, logical), mesh=mesh)
+                                 kernel=_mesh_spec(kernel_names or None, logical), mesh=mesh,
+                                 reduce_dtype=module_reduce_dtype(module))
 
 
 def quantized_contraction(module: nn.Module, inputs: jax.Array, kernel: jax.Array,

@@ -11,7 +11,10 @@ updated value (Flax's `_overwrite_with_gradient` convention).
 
 Sharding (`sharding=DenseSharding(x=..., kernel=...)`, see `jaxquant.sharding`): x, y, dy, dx,
 dW and every storage are constrained to the specs `plan_dense` derives, so the partitioned ops
-stay local (a K-sharded GEMM ends in one psum). An FSDP kernel is quantized shard by shard and
+stay local. Where both specs are known, a K-sharded GEMM (row-parallel forward, column-parallel
+dgrad, data-parallel wgrad) is `jaxquant.layers.collective_gemm.reduced_gemm`: local products reduced
+once in `DenseSharding.reduce_dtype` (default: the GEMM's output dtype), an FSDP weight gradient
+reduce-scattered over the FSDP axes; otherwise the partitioned op's float32 psum. An FSDP kernel is quantized shard by shard and
 its quantized storage all-gathered over the FSDP axes (the residual keeps the local shard and
 the backward gathers it again), or gathered in high precision first where a shard would split a
 block; `jaxquant.explain` reports which.
@@ -27,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxquant.layers import collective_gemm
 from jaxquant import explain as _explain
 from jaxquant import ops
 from jaxquant import sharding as _sharding
@@ -159,9 +163,17 @@ def _forward(config: _Config, x, kernel, bias, key, states, *, need_dgrad: bool,
   qw = ops.quantize(w2d, q.weight, rowwise=True, columnwise=need_dgrad, key=key_w,
                     state=state_w, role=roles[1])
   qw = config.constrain_storage(qw, q.weight, plan and config.weight_spec)
-  y = ops.gemm(qx.rowwise, config.gathered_weight(qw).rowwise, out_dtype=x.dtype,
-               bias=None if bias is None else bias.reshape(n), role=config.gemm_label("fprop"),
-               precision=config.precision)
+  bias = None if bias is None else bias.reshape(n)
+  w_row = config.gathered_weight(qw).rowwise
+  if plan is not None and plan.known and plan.x_k_axes and (
+      plan.x_k_axes == plan.gathered(plan.k_axes)):  # row-parallel: K sharded
+    y = collective_gemm.reduced_gemm(
+        qx.rowwise, w_row, mesh=plan.mesh, rows=plan.row_axes, cols=plan.gathered(plan.n_axes),
+        k=plan.x_k_axes, out_dtype=x.dtype, reduce_dtype=plan.reduce_dtype, bias=bias,
+        role=config.gemm_label("fprop"), precision=config.precision)
+  else:
+    y = ops.gemm(qx.rowwise, w_row, out_dtype=x.dtype, bias=bias,
+                 role=config.gemm_label("fprop"), precision=config.precision)
   y = config.constrain(y, plan and plan.y2d)
   return y.reshape(*config.batch_shape, *config.out_shape), qx, qw
 
@@ -214,14 +226,24 @@ def _bwd(config, residuals, dy):
   dx = dkernel = None
   if w_col is not None:
     w_col = config.gathered_weight(jaxquant_tensor(w_col, q.weight)).columnwise
-    dx = ops.gemm(dqy.rowwise, w_col, out_dtype=config.x_dtype,
-                  role=config.gemm_label("dgrad"), precision=config.precision)
+    if plan is not None and plan.known and plan.gathered(plan.n_axes):  # column-parallel
+      dx = collective_gemm.reduced_gemm(
+          dqy.rowwise, w_col, mesh=plan.mesh, rows=plan.row_axes,
+          cols=plan.gathered(plan.k_axes), k=plan.gathered(plan.n_axes),
+          out_dtype=config.x_dtype, reduce_dtype=plan.reduce_dtype,
+          role=config.gemm_label("dgrad"), precision=config.precision)
+    else:
+      dx = ops.gemm(dqy.rowwise, w_col, out_dtype=config.x_dtype,
+                    role=config.gemm_label("dgrad"), precision=config.precision)
     dx = config.constrain(dx, plan and plan.x2d)
     dx = dx.reshape(*config.batch_shape, *config.contract_shape)
   if x_col is not None:
-    if _high_precision(x_col) and _high_precision(dqy.columnwise):
-      # JAX's transpose rule of dot_general computes (dy^T x)^T; the same operand order (XLA
-      # folds the transpose into the dot) keeps an Identity wgrad bit-identical to nn.Dense's.
+    # JAX's transpose rule of dot_general computes (dy^T x)^T; the same operand order (XLA
+    # folds the transpose into the dot) keeps an Identity wgrad bit-identical to nn.Dense's.
+    swap = _high_precision(x_col) and _high_precision(dqy.columnwise)
+    if plan is not None and plan.known and plan.row_axes:  # data-parallel: K = rows sharded
+      dkernel = _data_parallel_wgrad(config, x_col, dqy.columnwise, swap)
+    elif swap:
       dkernel = ops.gemm(dqy.columnwise, x_col, out_dtype=config.kernel_dtype,
                          role=config.gemm_label("wgrad"), precision=config.precision).T
     else:
@@ -237,6 +259,24 @@ def _bwd(config, residuals, dy):
     dbias = dbias.astype(config.bias_dtype)
   new_states = (states[0], states[1], update_state(q.grad_output, states[2], dqy))
   return dx, dkernel, dbias, None, new_states
+
+
+def _data_parallel_wgrad(config: _Config, x_col, dy_col, swap: bool):
+  """dW[K, N] summed over the data shards: reduce-scattered over the FSDP axes (dW arrives
+  sharded like the kernel), all-reduced over the others, in the plan's reduce dtype."""
+  plan = config.plan
+  scatter_k = tuple(a for a in plan.k_axes if a in plan.fsdp_axes)
+  scatter_n = tuple(a for a in plan.n_axes if a in plan.fsdp_axes)
+  common = dict(mesh=plan.mesh, k=plan.row_axes, out_dtype=config.kernel_dtype,
+                reduce_dtype=plan.reduce_dtype, role=config.gemm_label("wgrad"),
+                precision=config.precision)
+  if swap:
+    return collective_gemm.reduced_gemm(
+        dy_col, x_col, rows=plan.gathered(plan.n_axes), cols=plan.x_k_axes,
+        scatter_rows=scatter_n, scatter_cols=scatter_k, **common).T
+  return collective_gemm.reduced_gemm(
+      x_col, dy_col, rows=plan.x_k_axes, cols=plan.gathered(plan.n_axes),
+      scatter_rows=scatter_k, scatter_cols=scatter_n, **common)
 
 
 def jaxquant_tensor(columnwise, quantizer) -> QuantizedTensor:

@@ -94,7 +94,9 @@ def inputs(rng: np.random.Generator, layout: Layout, mesh: Mesh):
 def step_fn(quantizers: jq.DenseQuantizers, layout: Layout, mesh: Optional[Mesh]):
   """A jitted function returning the quantized storages of x, W^T and dy (as `jaxquant.dense`
   quantizes them) and the dense's y, dx, dW, db. `mesh=None`: the single-device program."""
-  sharding = None if mesh is None else jqs.DenseSharding(layout.x, layout.kernel, mesh)
+  # float32 partial sums: the mesh equals one device to float32 reduction order.
+  sharding = None if mesh is None else jqs.DenseSharding(layout.x, layout.kernel, mesh,
+                                                         reduce_dtype=jnp.float32)
 
   def step(x, w, b, dy, key, states):
     keys = [jax.random.fold_in(key, i) for i in range(3)]
