@@ -214,12 +214,8 @@ def _uses_target(path: str) -> Optional[str]:
 
 def _built_without_gemm() -> bool:
   """Whether the extension was built with -DJAXQUANT_GEMM=OFF (CUDA kernels, no CUDA GEMM)."""
-  try:
-    from jaxquant import _jaxquant_ffi as ext
-  except ImportError:
-    return False
-  options = getattr(ext, "build_options", dict)()
-  return options.get("gemm", True) is False
+  build_options = registry.extension_function("build_options")
+  return build_options is not None and build_options().get("gemm", True) is False
 
 
 def _missing_target_reason(platform: str, what: str) -> str:
