@@ -1,0 +1,112 @@
+"""Per-tensor FP8 quantize (current and delayed scaling) as plain XLA ops that fuse with their
+neighbours, bit-exact with `jaxquant.ops.reference`.
+
+The reference's quantize is a chain of bit manipulations written for clarity; this is the same
+function in the form XLA fuses best:
+  amax      = max |x| over the tensor (the reference's NaN-propagating max over the bits of |x|),
+              a reduction XLA fuses into the fusion that produces x;
+  scale     = the spec's `scale_from_amax` (current) or the state's scale (delayed): scalars,
+              through the spec's exact division;
+  q         = convert(clamp(x * scale, -fmax, fmax)) with NaN mapped to the spec's NaN code: an
+              elementwise chain XLA fuses into the producer of x (or its consumer), and the
+              columnwise copy is `q.T` (per-tensor scales commute with the transpose), which
+              XLA emits from the same fusion.
+The clamp makes the convert saturating, and XLA's float32 -> FP8 convert rounds to nearest
+even once (tested bit for bit against the reference on CPU and GPU, special values included),
+so `q` equals the reference's `cast_sat`. Under a mesh the amax reduction is partitioned by XLA
+(a global max), as on the reference path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxquant.formats.base import tensor_amax
+from jaxquant.numerics import scale_from_amax, spec_for_dtype
+from jaxquant.numerics.division import ieee_div
+from jaxquant.numerics.minifloat import MinifloatSpec
+from jaxquant.quantizers import (HIGH_PRECISION_DTYPES, Float8CurrentScalingQuantizer,
+                                 Float8DelayedScalingQuantizer, Quantizer)
+from jaxquant.state import DelayedScalingState
+from jaxquant.tensors import ScaledTensor
+
+PATH_NAME = "xla-fused"
+
+_SERVED = (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer)
+
+# Where the automatic choice takes this path over the FFI kernel, and why (per platform and
+# quantizer type). Measured in the training step of bench/e2e.py (bench/RESULTS.md, issue 13).
+_AUTO: dict[str, dict[type, str]] = {
+    "cuda": {
+        Float8CurrentScalingQuantizer: (
+            "per-tensor FP8 fuses into its producer under XLA (amax reduction and scale + "
+            "saturating convert), measured faster in the training step than the FFI kernel "
+            "(bench/RESULTS.md, e2e); JAXQUANT_BACKEND=ffi takes the kernel"),
+        Float8DelayedScalingQuantizer: (
+            "delayed-scaling FP8 fuses into its producer under XLA (amax and quantize in one "
+            "pass), measured faster in the training step than the FFI kernel "
+            "(bench/RESULTS.md, e2e); JAXQUANT_BACKEND=ffi takes the kernel"),
+    },
+}
+
+
+def unsupported(x2d, quantizer: Quantizer, *, rowwise: bool, columnwise: bool) -> Optional[str]:
+  """None when this path serves the quantize, else why not."""
+  del rowwise, columnwise  # both directions come from the same fusion
+  if not isinstance(quantizer, _SERVED):
+    return (f"no XLA-fused form for {type(quantizer).__name__} (only per-tensor FP8: "
+            "Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer)")
+  if x2d.ndim != 2:
+    return f"expected a 2-D matrix, got shape {tuple(x2d.shape)}"
+  if np.dtype(x2d.dtype) not in HIGH_PRECISION_DTYPES:
+    return f"reads bfloat16/float16/float32, not {np.dtype(x2d.dtype).name}"
+  return None
+
+
+def auto_reason(quantizer: Quantizer, platform: str) -> Optional[str]:
+  """Why the automatic choice takes this path for `quantizer` on `platform`, or None when it
+  prefers the FFI kernel there."""
+  return _AUTO.get(platform, {}).get(type(quantizer))
+
+
+def cast_sat(v: jax.Array, spec: MinifloatSpec) -> jax.Array:
+  """The spec's RNE saturating cast of float32 `v` (NaN -> the format's NaN code) as fusible
+  XLA ops: clamp to +-fmax, convert, and a select for NaN (whose sign and payload XLA's
+  convert may keep)."""
+  clamped = jnp.clip(v, -spec.fmax, spec.fmax)
+  nan = lax.bitcast_convert_type(jnp.uint8(spec.nan_code), spec.dtype)
+  return jnp.where(jnp.isnan(v), nan, clamped.astype(spec.dtype))
+
+
+def _scale(x2d, quantizer, state) -> tuple[jax.Array, jax.Array]:
+  """(scale, amax) of per-tensor FP8: from this tensor's amax, or the delayed state's scale."""
+  amax = tensor_amax(x2d)
+  if isinstance(quantizer, Float8DelayedScalingQuantizer):
+    if not isinstance(state, DelayedScalingState):
+      raise ValueError("state: Float8DelayedScalingQuantizer needs its DelayedScalingState "
+                       f"(jaxquant.init_state(quantizer)); got {type(state).__name__}")
+    return state.scale.astype(jnp.float32).reshape(()), amax
+  scale = scale_from_amax(amax, spec_for_dtype(quantizer.dtype).fmax,
+                          pow2_scale=quantizer.pow2_scale, amax_epsilon=quantizer.amax_epsilon)
+  return scale, amax
+
+
+def quantize_single(x2d, quantizer: Quantizer, *, rowwise: bool, columnwise: bool,
+                    orig_dtype: Any, row_key_words=None, col_key_words=None,
+                    state=None) -> tuple[Optional[ScaledTensor], Optional[ScaledTensor]]:
+  """Same contract as `jaxquant.ops.reference.quantize_single` (rowwise `[rows, cols]`,
+  columnwise `[cols, rows]`), for per-tensor FP8."""
+  del row_key_words, col_key_words  # per-tensor FP8 rounds to nearest
+  reason = unsupported(x2d, quantizer, rowwise=rowwise, columnwise=columnwise)
+  if reason is not None:
+    raise ValueError(f"the XLA-fused quantize cannot serve {quantizer}: {reason}")
+  scale, amax = _scale(x2d, quantizer, state)
+  data = cast_sat(x2d.astype(jnp.float32) * scale, spec_for_dtype(quantizer.dtype))
+  scale_inv = ieee_div(jnp.float32(1.0), scale)
+  make = lambda d: ScaledTensor(d, scale_inv, amax, quantizer, orig_dtype, False)
+  return (make(data) if rowwise else None, make(data.T) if columnwise else None)
