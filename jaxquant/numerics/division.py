@@ -1,12 +1,16 @@
-"""IEEE-754 float32 division, correctly rounded on every backend.
+"""IEEE-754 float32 division, correctly rounded on every backend, as straight-line code.
 
 XLA:GPU lowers float32 `a / b` to `div.full.f32` (up to 2 ulp off) and `1 / b` to
 `rcp.approx.f32`, so `/` in the reference would give different scales on CPU and GPU. The
 spec's divisions (scale = fmax / amax, scale_inv = 1 / scale, NVFP4's S_enc and S_enc_b, the
-delayed-scaling scale) go through `ieee_div` instead: long division on the integer mantissas,
-round-half-even with a sticky bit, subnormal results and IEEE special cases. It touches only
-per-tensor or per-block scalars, so its cost is negligible. Kernels use IEEE division
-(`__fdiv_rn` on the device, `/` on the host), which equals this bit for bit.
+delayed-scaling scale) go through `ieee_div` instead. It divides the 24-bit integer mantissas
+with unsigned 32-bit integer division, which is exact on every backend: one bit from the
+mantissa comparison, then three 8-bit quotient digits (the remainder stays below the divisor,
+so `remainder << 8` fits in 32 bits), and the last remainder gives the sticky bit; then
+round-half-even, subnormal results and IEEE special cases. Only integer ops, selects and
+bitcasts: no float arithmetic that a compiler could contract or approximate, and no loop (a
+loop on scalars runs as a GPU while loop, one kernel launch per iteration). Kernels use IEEE
+division (`__fdiv_rn` on the device, `/` on the host), which equals this bit for bit.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-_QUOTIENT_BITS = 25  # 24 mantissa bits and one guard bit; the remainder gives the sticky bit
+_DIGIT_BITS = 8  # remainder < divisor < 2^24, so remainder << 8 fits in uint32
+_DIGITS = 3  # 1 + 3 * 8 = 25 quotient bits: 24 mantissa bits and one guard bit
 
 
 def _bits(x):
@@ -44,19 +49,16 @@ def ieee_div(a, b) -> jnp.ndarray:
   b_mant, b_exp = _normalize(b_abs)
   exponent = a_exp - b_exp + 127
   smaller = a_mant < b_mant
-  remainder = jnp.where(smaller, a_mant << 1, a_mant)
   exponent = jnp.where(smaller, exponent - 1, exponent)
-
-  def step(_, carry):  # one quotient bit; remainder < 2 * b_mant < 2^25 throughout
-    quotient, remainder = carry
-    take = remainder >= b_mant
-    return ((quotient << 1) | take.astype(jnp.uint32),
-            jnp.where(take, remainder - b_mant, remainder) << 1)
-
-  # A loop rather than 25 unrolled steps: these are per-block scalars, and the unrolled form
-  # doubled the compile time of every quantize.
-  quotient, remainder = lax.fori_loop(0, _QUOTIENT_BITS, step,
-                                      (jnp.zeros_like(remainder), remainder))
+  # Zero, inf and NaN divisors have no mantissa; give them a harmless one (overridden below).
+  b_mant = jnp.where(b_mant == 0, jnp.uint32(0x800000), b_mant)
+  # a' = a_mant (or 2 a_mant) lies in [b_mant, 2 b_mant): the leading quotient bit is 1.
+  remainder = jnp.where(smaller, a_mant << 1, a_mant) - b_mant
+  quotient = jnp.ones_like(remainder)
+  for _ in range(_DIGITS):
+    shifted = remainder << _DIGIT_BITS
+    quotient = (quotient << _DIGIT_BITS) | lax.div(shifted, b_mant)
+    remainder = lax.rem(shifted, b_mant)
   sticky = remainder != 0
   # quotient has 25 bits (leading one at bit 24). Drop `drop` low bits with RNE: one guard bit
   # for a normal result, more when the result is subnormal.
