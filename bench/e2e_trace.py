@@ -50,7 +50,11 @@ def kernel_times(path: str) -> tuple[dict[str, float], list[str]]:
       gpu_pids.add(e["pid"])
     if e.get("name") == "thread_name":
       threads[(e.get("pid"), e.get("tid"))] = str(e.get("args", {}).get("name", ""))
-  streams = {k for k, v in threads.items() if k[0] in gpu_pids and "stream" in v.lower()}
+  gpu_threads = {k: v for k, v in threads.items() if k[0] in gpu_pids}
+  streams = {k for k, v in gpu_threads.items() if "stream" in v.lower()}
+  if not streams:  # another naming: every GPU thread but the per-op / per-module summaries
+    streams = {k for k, v in gpu_threads.items()
+               if not any(s in v for s in ("XLA Ops", "XLA Modules", "Steps", "TraceMe"))}
   totals: dict[str, float] = collections.defaultdict(float)
   for e in events:
     if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams:
