@@ -12,8 +12,8 @@ end to end with the device synchronized at both ends), tokens/s, the training lo
 25 and the last step (every variant trains on the same batches from the same initial
 parameters), and the GPU kernel time per step split into GEMM / quantize / other from a
 `jax.profiler` trace of `--profile-steps` further steps (`e2e_trace`). A variant name may end
-in `@<backend>` (`@ffi`, `@xla`, `@reference`): `JAXQUANT_BACKEND` is set to it while the step
-is traced. `--attention off` leaves the attention projections (`nn.DenseGeneral`) in bf16 in
+in `@<path>` (`PATHS`: `@ffi`, `@xla`, `@reference`, ...): the quantize implementation is
+forced to it while the step is traced. `--attention off` leaves the attention projections (`nn.DenseGeneral`) in bf16 in
 every variant.
 """
 
@@ -36,7 +36,7 @@ from flax.linen import fp8_ops
 
 import jaxquant as jq
 import jaxquant.flax as jqf
-from e2e_model import SIZES, Config, ModulesLM, StandardLM, markov_batches
+from e2e_model import SIZES, Config, ModulesLM, StandardLM, text_batches
 import e2e_trace
 
 RECIPES = {
@@ -64,35 +64,56 @@ def quantize_dense_context(recipe, attention: bool):
   return jqf.quantize_dense(recipe)
 
 
+# `<variant>@<path>`: the environment the step is traced under. The keys are those that pick
+# a quantize implementation (jaxquant.ops.dispatch, jaxquant.backends.xla, jaxquant.kernels).
+PATHS = {
+    "auto": {},
+    "reference": {"JAXQUANT_BACKEND": "reference"},
+    "ffi": {"JAXQUANT_BACKEND": "ffi", "JAXQUANT_FFI_AMAX": "kernel"},
+    "ffi_xamax": {"JAXQUANT_BACKEND": "ffi", "JAXQUANT_FFI_AMAX": "xla"},
+    "xla": {"JAXQUANT_BACKEND": "xla"},
+    "xla_top": {"JAXQUANT_BACKEND": "xla", "JAXQUANT_XLA_COLUMNWISE": "transpose-op"},
+    "xla_txla": {"JAXQUANT_BACKEND": "xla", "JAXQUANT_XLA_COLUMNWISE": "transpose-xla"},
+    "xla_fused": {"JAXQUANT_BACKEND": "xla", "JAXQUANT_XLA_COLUMNWISE": "fused"},
+}
+ENV_KEYS = sorted({k for env in PATHS.values() for k in env})
+
+
 def build_variant(name: str, cfg: Config, attention: bool):
-  """(model, context factory for init/trace, backend or None) of a variant name."""
-  base, _, backend = name.partition("@")
+  """(model, context factory for init/trace, environment) of a variant name."""
+  base, _, path = name.partition("@")
+  if path and path not in PATHS:
+    raise ValueError(f"variant {name!r}: unknown path {path!r}; expected one of {sorted(PATHS)}")
+  env = PATHS[path or "auto"]
   if base == "bf16":
-    return StandardLM(cfg), contextlib.nullcontext, backend or None
+    return StandardLM(cfg), contextlib.nullcontext, env
   if base in FLAX_FP8:
-    return StandardLM(cfg, FLAX_FP8[base], attention), contextlib.nullcontext, backend or None
+    return StandardLM(cfg, FLAX_FP8[base], attention), contextlib.nullcontext, env
   if base.startswith("modules_"):
     recipe = RECIPES[base[len("modules_"):]]()
-    return ModulesLM(cfg), lambda: jq.autocast(recipe), backend or None
+    return ModulesLM(cfg), lambda: jq.autocast(recipe), env
   if base in RECIPES:
     recipe = RECIPES[base]()
-    return StandardLM(cfg), lambda: quantize_dense_context(recipe, attention), backend or None
+    return StandardLM(cfg), lambda: quantize_dense_context(recipe, attention), env
   raise ValueError(f"variant {name!r}: expected one of bf16, {sorted(FLAX_FP8)}, "
-                   f"{sorted(RECIPES)}, modules_<recipe>, optionally with @<backend>")
+                   f"{sorted(RECIPES)}, modules_<recipe>, optionally with @<path>")
 
 
 @contextlib.contextmanager
-def backend_env(backend):
-  old = os.environ.get("JAXQUANT_BACKEND")
-  if backend:
-    os.environ["JAXQUANT_BACKEND"] = backend
+def path_env(env: dict):
+  """`env` set (and every other path-selecting variable unset) while the step is traced."""
+  old = {k: os.environ.get(k) for k in ENV_KEYS}
+  for k in ENV_KEYS:
+    os.environ.pop(k, None)
+  os.environ.update(env)
   try:
     yield
   finally:
-    if old is None:
-      os.environ.pop("JAXQUANT_BACKEND", None)
-    else:
-      os.environ["JAXQUANT_BACKEND"] = old
+    for k, v in old.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
 
 
 def make_step(model, tx):
@@ -114,8 +135,8 @@ def make_step(model, tx):
 
 
 def run_variant(name, cfg, args, batches, tx):
-  model, context, backend = build_variant(name, cfg, args.attention == "on")
-  with backend_env(backend), context():
+  model, context, env = build_variant(name, cfg, args.attention == "on")
+  with path_env(env), context():
     variables = jax.jit(model.init)(jax.random.key(0), batches[0, :, :-1])
     variables = dict(variables)
     opt_state = jqf.init_optimizer(tx, variables)
@@ -209,7 +230,7 @@ def main(argv=None) -> int:
   card = getattr(device, "device_kind", str(device))
   print(f"device: {card}; jax {jax.__version__}; {cfg}; ~{cfg.params_count() / 1e6:.0f}M "
         f"params; {cfg.matmul_flops() / 1e12:.2f} TFLOP of matmuls per step", flush=True)
-  batches = markov_batches(cfg, args.steps)
+  batches = text_batches(cfg, args.steps)
   tx = optax.adamw(args.lr, b1=0.9, b2=0.95, weight_decay=0.1)
   rows = []
   for name in [v.strip() for v in args.variants.split(",") if v.strip()]:

@@ -9,12 +9,14 @@ call on purpose: a sharded caller inserts its `pmax` between the two.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxquant.formats.base import tensor_amax
 from jaxquant.kernels import calls
 from jaxquant.kernels.partitioning import Layout
 from jaxquant.quantizers import (HIGH_PRECISION_DTYPES, Float8BlockQuantizer,
@@ -24,6 +26,19 @@ from jaxquant.state import DelayedScalingState
 from jaxquant.tensors import ScaledTensor
 
 Pair = tuple[Optional[ScaledTensor], Optional[ScaledTensor]]
+
+# Where per-tensor current scaling gets its amax, `JAXQUANT_FFI_AMAX`: "kernel" (the
+# `jaxquant_amax` target, one more pass over x) or "xla" (a max reduction that XLA fuses into
+# the fusion producing x; under a mesh XLA makes it global).
+AMAX_SOURCES = ("kernel", "xla")
+DEFAULT_AMAX_SOURCE = "kernel"
+
+
+def amax_source() -> str:
+  value = os.environ.get("JAXQUANT_FFI_AMAX", DEFAULT_AMAX_SOURCE).strip().lower()
+  if value not in AMAX_SOURCES:
+    raise ValueError(f"JAXQUANT_FFI_AMAX={value!r}; expected one of {AMAX_SOURCES}")
+  return value
 _MAX_DIM = 2**31 - 1
 
 
@@ -114,7 +129,8 @@ def _fp8_tensor(req: Request, quantizer, *, delayed: bool) -> Pair:
     s = req.state.scale.astype(jnp.float32).reshape(())
     pow2_scale, eps = False, 0.0
   else:
-    (s,) = calls.amax(req.x2d, calls.AMAX_TENSOR)
+    (s,) = ((tensor_amax(req.x2d),) if amax_source() == "xla"
+            else calls.amax(req.x2d, calls.AMAX_TENSOR))
     pow2_scale, eps = quantizer.pow2_scale, quantizer.amax_epsilon
   results = _data_results(req, quantizer.dtype) + [_sds((), np.float32)]
   if delayed:

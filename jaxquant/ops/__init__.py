@@ -70,10 +70,18 @@ def _single(x2d, quantizer, *, rowwise, columnwise, orig_dtype, key, state, role
           "xla": _xla.quantize_single}.get(path, reference.quantize_single)
   path_name = {"ffi": ffi.path_name() if ffi is not None else None,
                "xla": _xla.PATH_NAME}.get(path, path)
+  kwargs = dict(orig_dtype=orig_dtype, row_key_words=row_words, col_key_words=col_words,
+                state=state)
+  if path == "xla" and columnwise and _xla.columnwise_mode() == "transpose-op":
+    # XLA fuses the rowwise quantize into the producer; the columnwise copy is the same bytes
+    # transposed by the transpose op (FFI kernel where built), recorded as its own decision.
+    _explain.record(_explain.Decision("quantize", role, f"rowwise: {quantizer}", path_name,
+                                      reason))
+    row, _ = impl(x2d, quantizer, rowwise=True, columnwise=False, **kwargs)
+    return (row if rowwise else None), transpose(row)
   _explain.record(_explain.Decision("quantize", role, f"{directions}: {quantizer}", path_name,
                                     reason))
-  return impl(x2d, quantizer, rowwise=rowwise, columnwise=columnwise, orig_dtype=orig_dtype,
-              row_key_words=row_words, col_key_words=col_words, state=state)
+  return impl(x2d, quantizer, rowwise=rowwise, columnwise=columnwise, **kwargs)
 
 
 def quantize(x: jax.Array, quantizer: Quantizer, *, rowwise: bool = True,

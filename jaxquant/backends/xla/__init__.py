@@ -3,7 +3,8 @@ their producers (amax into the producer's fusion, scale multiply and saturating 
 the consumer's), bit-exact with the reference. It serves the cases `quantize.unsupported`
 accepts; the ops dispatch takes it where `quantize.auto_reason` says it measured faster."""
 
-from jaxquant.backends.xla.quantize import (PATH_NAME, auto_reason, quantize_single,
-                                            unsupported)
+from jaxquant.backends.xla.quantize import (COLUMNWISE_MODES, PATH_NAME, auto_reason,
+                                            columnwise_mode, quantize_single, unsupported)
 
-__all__ = ["PATH_NAME", "auto_reason", "quantize_single", "unsupported"]
+__all__ = ["COLUMNWISE_MODES", "PATH_NAME", "auto_reason", "columnwise_mode", "quantize_single",
+           "unsupported"]

@@ -19,6 +19,7 @@ so `q` equals the reference's `cast_sat`. Under a mesh the amax reduction is par
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import jax
@@ -36,6 +37,21 @@ from jaxquant.state import DelayedScalingState
 from jaxquant.tensors import ScaledTensor
 
 PATH_NAME = "xla-fused"
+
+# How the columnwise (transposed) copy is made, `JAXQUANT_XLA_COLUMNWISE`:
+#   transpose-op:  the rowwise bytes through `jaxquant.ops.transpose` (the FFI byte-transpose
+#                  kernel where built), so XLA fuses only the rowwise quantize into the producer;
+#   transpose-xla: the rowwise bytes materialized, then an XLA transpose of them;
+#   fused:         `q.T` left to XLA, which fuses quantize and transpose into one kernel.
+COLUMNWISE_MODES = ("transpose-op", "transpose-xla", "fused")
+DEFAULT_COLUMNWISE = "transpose-op"
+
+
+def columnwise_mode() -> str:
+  value = os.environ.get("JAXQUANT_XLA_COLUMNWISE", DEFAULT_COLUMNWISE).strip().lower()
+  if value not in COLUMNWISE_MODES:
+    raise ValueError(f"JAXQUANT_XLA_COLUMNWISE={value!r}; expected one of {COLUMNWISE_MODES}")
+  return value
 
 _SERVED = (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer)
 
@@ -109,4 +125,8 @@ def quantize_single(x2d, quantizer: Quantizer, *, rowwise: bool, columnwise: boo
   data = cast_sat(x2d.astype(jnp.float32) * scale, spec_for_dtype(quantizer.dtype))
   scale_inv = ieee_div(jnp.float32(1.0), scale)
   make = lambda d: ScaledTensor(d, scale_inv, amax, quantizer, orig_dtype, False)
-  return (make(data) if rowwise else None, make(data.T) if columnwise else None)
+  col = None
+  if columnwise:
+    col = make((lax.optimization_barrier(data) if columnwise_mode() == "transpose-xla"
+                else data).T)
+  return (make(data) if rowwise else None, col)
