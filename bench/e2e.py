@@ -36,7 +36,7 @@ from flax.linen import fp8_ops
 
 import jaxquant as jq
 import jaxquant.flax as jqf
-from e2e_model import SIZES, Config, ModulesLM, StandardLM, text_batches
+from e2e_model import DATA, SIZES, Config, ModulesLM, StandardLM
 import e2e_trace
 
 RECIPES = {
@@ -73,7 +73,6 @@ PATHS = {
     "ffi_xamax": {"JAXQUANT_BACKEND": "ffi", "JAXQUANT_FFI_AMAX": "xla"},
     "xla": {"JAXQUANT_BACKEND": "xla"},
     "xla_top": {"JAXQUANT_BACKEND": "xla", "JAXQUANT_XLA_COLUMNWISE": "transpose-op"},
-    "xla_txla": {"JAXQUANT_BACKEND": "xla", "JAXQUANT_XLA_COLUMNWISE": "transpose-xla"},
     "xla_fused": {"JAXQUANT_BACKEND": "xla", "JAXQUANT_XLA_COLUMNWISE": "fused"},
 }
 ENV_KEYS = sorted({k for env in PATHS.values() for k in env})
@@ -182,10 +181,10 @@ def run_variant(name, cfg, args, batches, tx):
               loss_last=losses[-1], steps=args.steps, paths=paths, split=split)
 
 
-def print_table(rows, card, cfg, attention):
+def print_table(rows, card, cfg, attention, data):
   base = next((r for r in rows if r["variant"] == "bf16"), None)
   flax = next((r for r in rows if r["variant"] == "flax_fp8_direct"), None)
-  print(f"\n{card}; d_model {cfg.d_model}, {cfg.layers} layers, {cfg.heads} heads, MLP "
+  print(f"\n{card}; data {data}; d_model {cfg.d_model}, {cfg.layers} layers, {cfg.heads} heads, MLP "
         f"{cfg.mlp}, seq {cfg.seq}, batch {cfg.batch}, vocab {cfg.vocab}; attention "
         f"projections quantized: {attention}")
   print("| variant | ms/step | tokens/s | vs bf16 | vs Flax FP8 | loss@1 | loss@25 | "
@@ -216,6 +215,9 @@ def main(argv=None) -> int:
   parser.add_argument("--trace-dir", default=None)
   parser.add_argument("--keep-traces", action="store_true")
   parser.add_argument("--lr", type=float, default=3e-4)
+  parser.add_argument("--data", choices=sorted(DATA), default="pairs",
+                      help="token source (e2e_model.DATA): stdlib text as byte pairs or bytes, "
+                           "or a random Markov chain")
   parser.add_argument("--json", default=None)
   args = parser.parse_args(argv)
   if args.tiny:
@@ -230,7 +232,7 @@ def main(argv=None) -> int:
   card = getattr(device, "device_kind", str(device))
   print(f"device: {card}; jax {jax.__version__}; {cfg}; ~{cfg.params_count() / 1e6:.0f}M "
         f"params; {cfg.matmul_flops() / 1e12:.2f} TFLOP of matmuls per step", flush=True)
-  batches = text_batches(cfg, args.steps)
+  batches = DATA[args.data](cfg, args.steps)
   tx = optax.adamw(args.lr, b1=0.9, b2=0.95, weight_decay=0.1)
   rows = []
   for name in [v.strip() for v in args.variants.split(",") if v.strip()]:
@@ -239,7 +241,7 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001 - one failing variant must not hide the others
       print(f"  {name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
       continue
-    row.update(card=card, size=args.size, attention=args.attention, config=cfg.__dict__ | {
+    row.update(card=card, size=args.size, attention=args.attention, data=args.data, config=cfg.__dict__ | {
         "dtype": "bfloat16"})
     rows.append(row)
     s = row["split"] or {}
@@ -251,7 +253,7 @@ def main(argv=None) -> int:
       with open(args.json, "w") as f:
         json.dump(rows, f, indent=1, default=str)
   if rows:
-    print_table(rows, card, cfg, args.attention)
+    print_table(rows, card, cfg, args.attention, args.data)
   return 0 if rows else 1
 
 

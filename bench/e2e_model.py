@@ -147,11 +147,42 @@ class ModulesLM(nn.Module):
     return jqf.LayerNormDense(cfg.vocab, dtype=cfg.dtype, name="lm_head")(x)
 
 
-def text_batches(cfg: Config, steps: int, seed: int = 0) -> jax.Array:
-  """`[steps, batch, seq + 1]` int32 byte-level tokens of the Python standard library's source
-  (`examples/lm/data.py`, present on every machine), at random offsets: real text whose loss
-  falls steadily over the first hundred steps, the same batches for every variant. The tokens
-  use the first 256 ids of the `cfg.vocab`-wide embedding and `lm_head`."""
+def markov_batches(cfg: Config, steps: int, seed: int = 0, successors: int = 4) -> jax.Array:
+  """Tokens of a random sparse Markov chain over the whole vocabulary (each token has
+  `successors` equally likely successors). Every id is used, but 100 steps learn little of it,
+  so losses differ by training noise more than by precision."""
+  rng = np.random.default_rng(seed)
+  table = rng.integers(0, cfg.vocab, (cfg.vocab, successors))
+  chains = steps * cfg.batch
+  out = np.empty((chains, cfg.seq + 1), np.int32)
+  out[:, 0] = rng.integers(0, cfg.vocab, chains)
+  picks = rng.integers(0, successors, (chains, cfg.seq))
+  for t in range(cfg.seq):
+    out[:, t + 1] = table[out[:, t], picks[:, t]]
+  return jnp.asarray(out.reshape(steps, cfg.batch, cfg.seq + 1))
+
+
+def text_batches(cfg: Config, steps: int, seed: int = 0, pairs: bool = True) -> jax.Array:
+  """Tokens of the Python standard library's source (`examples/lm/data.py`, present on every
+  machine) at random offsets: real text whose loss falls steadily over the first hundred steps.
+
+  `pairs`: token i is the byte pair (b_i, b_i+1) folded into the vocabulary
+  (`(256 * b_i + b_i+1) % vocab`), about 1200 distinct ids in a d2048 batch, like a small BPE
+  vocabulary. With `pairs=False` tokens are single bytes (about 100 distinct ids): the
+  embedding gradient's scatter-add then piles 16k updates onto few rows, an atomic-contention
+  kernel of 11-22 ms per step on an H100 that varies from step to step and blurs the
+  differences between variants (bench/RESULTS.md); pairs spread the updates over more rows.
+  """
   corpus = data.load_corpus(max_bytes=64 << 20)
-  batches = data.random_batches(corpus.train, cfg.batch, cfg.seq, seed)
-  return jnp.asarray(np.stack([next(batches) for _ in range(steps)]).astype(np.int32))
+  raw = data.random_batches(corpus.train, cfg.batch, cfg.seq + int(pairs), seed)
+  tokens = np.stack([next(raw) for _ in range(steps)]).astype(np.int32)
+  if pairs:
+    tokens = (tokens[..., :-1] * 256 + tokens[..., 1:]) % cfg.vocab
+  return jnp.asarray(tokens)
+
+
+DATA = {
+    "pairs": lambda cfg, steps: text_batches(cfg, steps, pairs=True),
+    "bytes": lambda cfg, steps: text_batches(cfg, steps, pairs=False),
+    "markov": markov_batches,
+}

@@ -159,6 +159,8 @@ def test_forced_xla_backend_is_reported(monkeypatch, rng):
   report = jq.explain(lambda x: jq.ops.quantize(x, QUANTIZERS["current_e4m3"]), x)
   assert report.paths("quantize") == {"xla-fused"}
   assert "JAXQUANT_BACKEND=xla" in str(report)
+  if dispatch.ffi_module() is not None:  # the columnwise copy: the FFI byte transpose
+    assert report.paths("transpose") == {dispatch.ffi_module().path_name()}
 
 
 def test_forced_xla_backend_refuses_block_formats(monkeypatch, rng):
@@ -170,18 +172,22 @@ def test_forced_xla_backend_refuses_block_formats(monkeypatch, rng):
     jax.eval_shape(lambda x: jq.ops.quantize(x, jq.MXFP8Quantizer()), x)
 
 
-def test_auto_takes_xla_where_measured_faster_and_says_why(monkeypatch, rng):
+def test_auto_takes_xla_where_the_table_says_and_reports_why(monkeypatch, rng):
   monkeypatch.delenv("JAXQUANT_BACKEND", raising=False)
   monkeypatch.setattr(dispatch, "current_platform", lambda: "cuda")
+  why = "measured faster here"
+  monkeypatch.setitem(xla_quantize._AUTO, "cuda", {jq.Float8CurrentScalingQuantizer: why})
   x = jnp.asarray(_matrix(rng, (32, 64), jnp.bfloat16, False))
-  for name in ("current_e4m3", "delayed_e4m3"):
-    q = QUANTIZERS[name]
-    report = jq.explain(lambda x: jq.ops.quantize(x, q, state=jq.init_state(q)), x)
-    (decision,) = report
-    assert decision.path == "xla-fused"
-    assert decision.reason == xla_backend.auto_reason(q, "cuda") and "measured" in decision.reason
+  q = QUANTIZERS["current_e4m3"]
+  report = jq.explain(lambda x: jq.ops.quantize(x, q, columnwise=False), x)
+  assert [(d.path, d.reason) for d in report] == [("xla-fused", why)]
   report = jq.explain(lambda x: jq.ops.quantize(x, jq.Float8BlockQuantizer()), x)
   assert "xla-fused" not in report.paths("quantize")
+
+
+def test_auto_prefers_the_ffi_kernel_on_cuda_as_measured(monkeypatch):
+  for q in (QUANTIZERS["current_e4m3"], QUANTIZERS["delayed_e4m3"]):
+    assert xla_backend.auto_reason(q, "cuda") is None
 
 
 def test_auto_keeps_the_ffi_kernel_on_cpu(monkeypatch, rng):

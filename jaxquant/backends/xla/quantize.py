@@ -8,9 +8,9 @@ function in the form XLA fuses best:
   scale     = the spec's `scale_from_amax` (current) or the state's scale (delayed): scalars,
               through the spec's exact division;
   q         = convert(clamp(x * scale, -fmax, fmax)) with NaN mapped to the spec's NaN code: an
-              elementwise chain XLA fuses into the producer of x (or its consumer), and the
-              columnwise copy is `q.T` (per-tensor scales commute with the transpose), which
-              XLA emits from the same fusion.
+              elementwise chain XLA fuses into the producer of x (or its consumer); the
+              columnwise copy is the same bytes transposed (per-tensor scales commute with the
+              transpose), by the transpose op or by XLA (`JAXQUANT_XLA_COLUMNWISE`).
 The clamp makes the convert saturating, and XLA's float32 -> FP8 convert rounds to nearest
 even once (tested bit for bit against the reference on CPU and GPU, special values included),
 so `q` equals the reference's `cast_sat`. Under a mesh the amax reduction is partitioned by XLA
@@ -39,11 +39,13 @@ from jaxquant.tensors import ScaledTensor
 PATH_NAME = "xla-fused"
 
 # How the columnwise (transposed) copy is made, `JAXQUANT_XLA_COLUMNWISE`:
-#   transpose-op:  the rowwise bytes through `jaxquant.ops.transpose` (the FFI byte-transpose
-#                  kernel where built), so XLA fuses only the rowwise quantize into the producer;
-#   transpose-xla: the rowwise bytes materialized, then an XLA transpose of them;
-#   fused:         `q.T` left to XLA, which fuses quantize and transpose into one kernel.
-COLUMNWISE_MODES = ("transpose-op", "transpose-xla", "fused")
+#   transpose-op: the rowwise bytes through `jaxquant.ops.transpose` (the FFI byte-transpose
+#                 kernel where built), so XLA fuses only the rowwise quantize into the producer;
+#   fused:        `q.T` left to XLA, which emits quantize and transpose from one fusion.
+# H100, bench/e2e.py d2048 step (bench/RESULTS.md): transpose-op 68.3 ms, fused 63.9 ms against
+# the FFI kernel's 67.4 / 55.2 ms in the same runs; an XLA transpose of the materialized bytes
+# measured worse still (77.9 vs 66.6 ms) and was dropped.
+COLUMNWISE_MODES = ("transpose-op", "fused")
 DEFAULT_COLUMNWISE = "transpose-op"
 
 
@@ -55,20 +57,14 @@ def columnwise_mode() -> str:
 
 _SERVED = (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer)
 
-# Where the automatic choice takes this path over the FFI kernel, and why (per platform and
-# quantizer type). Measured in the training step of bench/e2e.py (bench/RESULTS.md, issue 13).
-_AUTO: dict[str, dict[type, str]] = {
-    "cuda": {
-        Float8CurrentScalingQuantizer: (
-            "per-tensor FP8 fuses into its producer under XLA (amax reduction and scale + "
-            "saturating convert), measured faster in the training step than the FFI kernel "
-            "(bench/RESULTS.md, e2e); JAXQUANT_BACKEND=ffi takes the kernel"),
-        Float8DelayedScalingQuantizer: (
-            "delayed-scaling FP8 fuses into its producer under XLA (amax and quantize in one "
-            "pass), measured faster in the training step than the FFI kernel "
-            "(bench/RESULTS.md, e2e); JAXQUANT_BACKEND=ffi takes the kernel"),
-    },
-}
+# Where the automatic choice takes this path over the FFI kernel, and why: {platform: {quantizer
+# type: reason}}. Empty: measured in the training step of bench/e2e.py on an H100 (d_model 2048
+# LM, bench/RESULTS.md "End-to-end training step"), the XLA-fused quantize was no faster than
+# the FFI kernels (current scaling 68.3 vs 67.4 ms, delayed 68.7 vs 66.6 ms per step): XLA keeps
+# the amax reduction and the scale-and-convert in fusions of their own rather than inside the
+# producers, so it moves as many bytes as the kernels, in more launches. It stays selectable
+# (`JAXQUANT_BACKEND=xla`) for platforms and XLA versions where that changes.
+_AUTO: dict[str, dict[type, str]] = {}
 
 
 def unsupported(x2d, quantizer: Quantizer, *, rowwise: bool, columnwise: bool) -> Optional[str]:
@@ -127,6 +123,5 @@ def quantize_single(x2d, quantizer: Quantizer, *, rowwise: bool, columnwise: boo
   make = lambda d: ScaledTensor(d, scale_inv, amax, quantizer, orig_dtype, False)
   col = None
   if columnwise:
-    col = make((lax.optimization_barrier(data) if columnwise_mode() == "transpose-xla"
-                else data).T)
+    col = make(data.T)
   return (make(data) if rowwise else None, col)
