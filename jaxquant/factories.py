@@ -51,10 +51,12 @@ def float8_current_scaling(role: Optional[QuantizerRole], *, fp8_format: str = "
 
 def delayed_scaling(role: Optional[QuantizerRole], *, fp8_format: str = "HYBRID",
                     margin: int = 0, amax_history_len: int = 1024,
-                    amax_compute_algo: str = "max") -> Quantizer:
-  """Per-tensor FP8 from an amax history; E4M3 forward, E5M2 gradients (HYBRID)."""
+                    amax_compute_algo: str = "max", first_scale: str = "current") -> Quantizer:
+  """Per-tensor FP8 from an amax history; E4M3 forward, E5M2 gradients (HYBRID). The first
+  quantization takes its scale from the current amax (`first_scale="current"`) or is 1
+  (`"one"`, TransformerEngine's start)."""
   return Float8DelayedScalingQuantizer(_fp8_dtype(fp8_format, role), amax_history_len,
-                                       amax_compute_algo, margin)
+                                       amax_compute_algo, margin, first_scale)
 
 
 def mxfp8_block_scaling(role: Optional[QuantizerRole], *, fp8_format: str = "E4M3") -> Quantizer:

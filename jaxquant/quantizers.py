@@ -52,6 +52,17 @@ class Quantizer:
     return self
 
 
+FIRST_SCALES = ("current", "one")
+
+
+def check_first_scale(value: Any, owner: str) -> None:
+  """ValueError unless `value` is a delayed-scaling `first_scale` option."""
+  if value not in FIRST_SCALES:
+    raise ValueError(f"{owner}: first_scale={value!r}; expected 'current' (the first "
+                     "quantization takes its scale from the tensor's own amax) or 'one' "
+                     "(TransformerEngine's scale-1 start)")
+
+
 def _check_direction(direction: str) -> None:
   if direction not in ("rowwise", "columnwise"):
     raise ValueError(f"direction={direction!r}; expected 'rowwise' or 'columnwise'")
@@ -72,12 +83,21 @@ class Float8CurrentScalingQuantizer(Quantizer):
 
 @dataclasses.dataclass(frozen=True)
 class Float8DelayedScalingQuantizer(Quantizer):
-  """Per-tensor FP8 with the scale taken from an amax history of earlier steps."""
+  """Per-tensor FP8 with the scale taken from an amax history of earlier steps.
+
+  Attributes:
+    first_scale: the scale of a quantization made before any usable amax was recorded:
+      "current" (default) takes it just in time from the tensor's own amax, exactly as current
+      scaling would (`fmax / amax / 2^margin`), so the first step is not lost; "one" starts
+      from scale 1 (TransformerEngine's and Flax's convention), which lets gradients underflow
+      E5M2 at step 1.
+  """
 
   dtype: Any = jnp.float8_e4m3fn
   amax_history_len: int = 1024
   amax_compute_algo: Literal["max", "most_recent"] = "max"
   margin: int = 0
+  first_scale: Literal["current", "one"] = "current"
   stateful = True
 
   def __post_init__(self):
@@ -90,6 +110,7 @@ class Float8DelayedScalingQuantizer(Quantizer):
                        "'max' or 'most_recent'")
     if not (isinstance(self.margin, int) and self.margin >= 0):
       raise ValueError(f"{name}: margin={self.margin!r} must be an int >= 0")
+    check_first_scale(self.first_scale, name)
 
 
 @dataclasses.dataclass(frozen=True)

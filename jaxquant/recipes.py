@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Optional
 import jax
 
 from jaxquant import factories
-from jaxquant.quantizers import Quantizer
+from jaxquant.quantizers import Quantizer, check_first_scale
 from jaxquant.roles import QuantizerRole
 
 
@@ -64,15 +64,27 @@ class Float8CurrentScaling(Recipe):
 
 @dataclasses.dataclass(frozen=True)
 class DelayedScaling(Recipe):
+  """Per-tensor FP8 with scales from an amax history (TransformerEngine's `DelayedScaling`).
+
+  `first_scale="current"` (default) quantizes each tensor's first step with the scale of its own
+  amax (as `Float8CurrentScaling` would), so step 1 matches current scaling bit for bit;
+  `first_scale="one"` keeps TransformerEngine's scale-1 start.
+  """
+
   fp8_format: str = "HYBRID"
   margin: int = 0
   amax_history_len: int = 1024
   amax_compute_algo: str = "max"
+  first_scale: str = "current"
+
+  def __post_init__(self):
+    check_first_scale(self.first_scale, type(self).__name__)
 
   def factory(self):
     return functools.partial(factories.delayed_scaling, fp8_format=self.fp8_format,
                              margin=self.margin, amax_history_len=self.amax_history_len,
-                             amax_compute_algo=self.amax_compute_algo)
+                             amax_compute_algo=self.amax_compute_algo,
+                             first_scale=self.first_scale)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,10 +32,11 @@ def _steps(quantizer, amaxes, state=None):
   return out
 
 
-def test_init_state_is_unit_scale_and_zero_history():
+def test_init_state_is_no_scale_yet_and_zero_history():
   state = jq.init_state(DELAYED(amax_history_len=5))
-  assert float(state.scale) == 1.0 and state.scale.dtype == jnp.float32
+  assert float(state.scale) == 0.0 and state.scale.dtype == jnp.float32  # 0: none yet
   assert np.asarray(state.amax_history).tolist() == [0.0] * 5
+  assert float(jq.init_state(DELAYED(first_scale="one")).scale) == 1.0  # TE's start
   assert jq.init_state(DELAYED()).amax_history.shape == (1024,)  # TE's default length
   assert jq.init_state(jq.MXFP8Quantizer()) is None
 
@@ -127,9 +128,11 @@ def test_update_state_feeds_the_quantized_tensors_amax(rng):
   assert float(new.scale) == float(np.float32(448) / np.float32(a))
 
 
-def test_three_training_steps_use_the_previous_steps_scale(rng):
-  """Step t quantizes with the scale computed after step t-1 (never the current amax)."""
-  q = DELAYED(amax_history_len=8)
+@pytest.mark.parametrize("first_scale", ["current", "one"])
+def test_three_training_steps_use_the_previous_steps_scale(rng, first_scale):
+  """Step t > 1 quantizes with the scale computed after step t-1 (never the current amax);
+  step 1 with the scale of its own amax ("current") or with 1 ("one")."""
+  q = DELAYED(amax_history_len=8, first_scale=first_scale)
 
   @jax.jit
   def step(state, x):
@@ -140,7 +143,11 @@ def test_three_training_steps_use_the_previous_steps_scale(rng):
   xs = [jnp.asarray(oracle.random_matrix(rng, (4, 32), spread=False)) * s for s in (1, 10, 3)]
   running_max = 0.0
   for i, x in enumerate(xs):
-    expected_scale = 1.0 if i == 0 else float(np.float32(448) / np.float32(running_max))
+    if i == 0:
+      amax = np.float32(jnp.max(jnp.abs(x)))
+      expected_scale = float(np.float32(448) / amax) if first_scale == "current" else 1.0
+    else:
+      expected_scale = float(np.float32(448) / np.float32(running_max))
     state, t = step(state, x)
     assert float(t.scale_inv) == float(np.float32(1) / np.float32(expected_scale)), i
     want = oracle.cast_codes(oracle.f32(x) * np.float32(expected_scale), oracle.E4M3)

@@ -181,6 +181,27 @@ def test_quantize_input_dtypes_match_reference(platform, dtype, name, rng, prng_
     check(platform, rng, prng_key, name, shape, dtype=dtype)
 
 
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_delayed_first_step_takes_the_current_amax_like_the_reference(platform, dtype, margin,
+                                                                      rng, prng_key):
+  """A fresh state (no scale yet): the scale comes from x's amax, computed before the kernel."""
+  q = jq.Float8DelayedScalingQuantizer(dtype, amax_history_len=4, margin=margin)
+  device = _device(platform)
+  for shape in SHAPES + (GPU_SHAPES if platform == "gpu" else []):
+    x = jax.device_put(_random_matrix(rng, shape, jnp.bfloat16), device)
+    with jax.default_device(device):
+      ref, got = _both(x, None, None, jq.init_state(q), quantizer=q, rowwise=True,
+                       columnwise=True)
+      if margin == 0:  # exactly current scaling's quantization
+        current, _ = _both(x, None, None, None, quantizer=jq.Float8CurrentScalingQuantizer(dtype),
+                           rowwise=True, columnwise=True)
+        assert_bitwise([(t.data, t.scale_inv, t.amax) for t in current],
+                       [(t.data, t.scale_inv, t.amax) for t in got], f"{shape} vs current")
+    assert_bitwise(ref, got, f"fresh delayed {np.dtype(dtype).name} {shape} on {platform}")
+
+
 # Every config with bfloat16 input; float16 / float32 (whose subnormals and overflow differ)
 # for one config of each format.
 SPECIAL_CASES = ([(name, jnp.bfloat16) for name in CONFIGS] +

@@ -123,6 +123,27 @@ def test_expert_weights_fp8_is_bitwise_the_reference(rng, name):
   assert_same_leaves(_on("ffi", fn, w, state), _on("reference", fn, w, state), name)
 
 
+def _half_fresh_state(rng, quantizer, groups):
+  """Random stored scales, except every other group has none yet (scale 0: first step)."""
+  state = _random_state(rng, quantizer, groups)
+  fresh = jnp.arange(groups) % 2 == 0
+  return jq.DelayedScalingState(jnp.where(fresh, 0.0, state.scale), state.amax_history)
+
+
+def test_grouped_delayed_first_step_is_bitwise_the_reference(rng):
+  q = TOKEN_QUANTIZERS["fp8-delayed-e5m2"]
+  x = jnp.asarray(oracle.random_matrix(rng, (150, 72)), jnp.bfloat16)
+  sizes = jnp.asarray(_sizes(rng, 150, 5, (1,), 7))
+  state = _half_fresh_state(rng, q, 5)
+  fn = lambda x, sizes, state: jg.quantize(x, sizes, q, state=state)
+  assert _paths(fn, x, sizes, state).paths() == {"ffi"}
+  assert_same_leaves(_on("ffi", fn, x, sizes, state), _on("reference", fn, x, sizes, state))
+  w = jnp.asarray(oracle.random_matrix(rng, (3, 40, 24)), jnp.bfloat16)
+  state = _half_fresh_state(rng, q, 3)
+  fn = lambda w, state: jg.quantize_experts(w, q, state=state)
+  assert_same_leaves(_on("ffi", fn, w, state), _on("reference", fn, w, state), "experts")
+
+
 EXPERT_QUANTIZERS = {
     "mxfp8": jq.MXFP8Quantizer(),
     "mxfp8-e5m2": jq.MXFP8Quantizer(jnp.float8_e5m2),

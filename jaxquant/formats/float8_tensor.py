@@ -1,7 +1,8 @@
 """Per-tensor FP8: one float32 scale for the whole tensor (current or delayed scaling).
 
 Current scaling computes the scale from this tensor's amax; delayed scaling quantizes with the
-scale kept in its state (updated afterwards by `jaxquant.state.delayed_scaling_update`). The
+scale kept in its state (updated afterwards by `jaxquant.state.delayed_scaling_update`), or,
+while the state has none yet, with the scale of this tensor's amax (`state.quantize_scale`). The
 columnwise copy is the same bytes transposed, so `jaxquant.ops.transpose` can make it.
 """
 
@@ -15,7 +16,7 @@ from jaxquant.numerics import scale_from_amax, spec_for_dtype
 from jaxquant.numerics.division import ieee_div
 from jaxquant.numerics.minifloat import cast_sat, decode
 from jaxquant.quantizers import Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer
-from jaxquant.state import DelayedScalingState
+from jaxquant.state import DelayedScalingState, quantize_scale
 from jaxquant.tensors import ScaledTensor
 
 
@@ -41,8 +42,9 @@ def quantize_delayed(mat: jax.Array, quantizer: Float8DelayedScalingQuantizer,
     raise ValueError("state: Float8DelayedScalingQuantizer needs its DelayedScalingState "
                      "(jaxquant.init_state(quantizer)); got "
                      f"{type(ctx.state).__name__}")
-  scale = ctx.state.scale.astype(jnp.float32)
-  return quantize_with_scale(mat, scale, tensor_amax(mat), quantizer, ctx)
+  amax = tensor_amax(mat)
+  scale = quantize_scale(ctx.state.scale, amax, quantizer)
+  return quantize_with_scale(mat, scale, amax, quantizer, ctx)
 
 
 def dequantize_raw(t: ScaledTensor) -> jax.Array:

@@ -25,7 +25,7 @@ from jaxquant.grouped.tensors import GroupedScaledTensor
 from jaxquant.kernels import calls
 from jaxquant.kernels import quantize as single
 from jaxquant.quantizers import Float8DelayedScalingQuantizer, Quantizer
-from jaxquant.state import DelayedScalingState
+from jaxquant.state import DelayedScalingState, needs_current_amax, quantize_scale
 from jaxquant.tensors import QuantizedTensor, ScaledTensor
 
 
@@ -37,7 +37,9 @@ def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(tuple(int(s) for s in shape), np.dtype(dtype))
 
 
-def _delayed_scale(quantizer, state, groups: int) -> jax.Array:
+def _delayed_scale(quantizer, state, groups: int, x2d: jax.Array, starts: jax.Array) -> jax.Array:
+  """Each group's scale from its state; a group whose state has no scale yet takes it from its
+  own amax over rows `starts[g]:starts[g+1]` of `x2d` (one `jaxquant_grouped_amax` launch)."""
   if not isinstance(state, DelayedScalingState) or state.scale.shape != (groups,):
     got = (f"{type(state).__name__} with scale shape {tuple(state.scale.shape)}"
            if isinstance(state, DelayedScalingState) else type(state).__name__)
@@ -45,14 +47,19 @@ def _delayed_scale(quantizer, state, groups: int) -> jax.Array:
                      f"DelayedScalingState per group (scale [{groups}], amax_history "
                      f"[{groups}, {quantizer.amax_history_len}]; jaxquant.grouped.init_state); "
                      f"got {got}")
-  return state.scale.astype(jnp.float32)
+  scale = state.scale.astype(jnp.float32)
+  if not needs_current_amax(quantizer):
+    return scale
+  amax = calls.call(kernels.AMAX_TARGET, [_sds((groups,), np.float32)], x2d, starts)[0]
+  return quantize_scale(scale, amax, quantizer)
 
 
 def _fp8_call(x2d, starts, pstarts, quantizer, state, groups: int, length: int, rowwise: bool,
               columnwise: bool, expert_rows: int = 0):
   """(row data, col data, scale_inv [G], amax [G]) from `jaxquant_grouped_quantize_fp8`."""
   delayed = isinstance(quantizer, Float8DelayedScalingQuantizer)
-  s = _delayed_scale(quantizer, state, groups) if delayed else jnp.zeros((1,), jnp.float32)
+  s = (_delayed_scale(quantizer, state, groups, x2d, starts) if delayed
+       else jnp.zeros((1,), jnp.float32))
   cols = x2d.shape[1]
   results = []
   if rowwise:

@@ -31,7 +31,7 @@ from jaxquant.ops.reference import uses_rht
 from jaxquant.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer,
                                  Float8DelayedScalingQuantizer, IdentityQuantizer,
                                  MXFP8Quantizer, NVFP4Quantizer, Quantizer)
-from jaxquant.state import DelayedScalingState
+from jaxquant.state import DelayedScalingState, quantize_scale
 from jaxquant.tensors import ScaledTensor
 
 
@@ -103,7 +103,8 @@ def _fp8_delayed(mat, q: Float8DelayedScalingQuantizer, ctx: GroupedContext):
                      f"DelayedScalingState per group (scale [{ctx.groups}], amax_history "
                      f"[{ctx.groups}, {q.amax_history_len}]; jaxquant.grouped.init_state); "
                      f"got {got}")
-  return _fp8_with_scale(mat, q, ctx, state.scale.astype(jnp.float32), ctx.group_amax(mat))
+  amax = ctx.group_amax(mat)
+  return _fp8_with_scale(mat, q, ctx, quantize_scale(state.scale, amax, q), amax)
 
 
 # ------------------------------------ block-local formats -------------------------------------

@@ -22,7 +22,7 @@ from jaxquant.kernels.partitioning import Layout
 from jaxquant.quantizers import (HIGH_PRECISION_DTYPES, Float8BlockQuantizer,
                                  Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer,
                                  MXFP8Quantizer, NVFP4Quantizer, Quantizer)
-from jaxquant.state import DelayedScalingState
+from jaxquant.state import DelayedScalingState, needs_current_amax, quantize_scale
 from jaxquant.tensors import ScaledTensor
 
 Pair = tuple[Optional[ScaledTensor], Optional[ScaledTensor]]
@@ -129,6 +129,9 @@ def _fp8_tensor(req: Request, quantizer, *, delayed: bool) -> Pair:
                        "(jaxquant.init_state(quantizer)); got "
                        f"{type(req.state).__name__}")
     s = req.state.scale.astype(jnp.float32).reshape(())
+    if needs_current_amax(quantizer):  # the state may have no scale yet: take it from x's amax
+      (amax_now,) = calls.amax(req.x2d, calls.AMAX_TENSOR)
+      s = quantize_scale(s, amax_now, quantizer)
     pow2_scale, eps = False, 0.0
   else:
     (s,) = ((tensor_amax(req.x2d),) if amax_source() == "xla"
