@@ -130,7 +130,9 @@ def _fp8_tensor(req: Request, quantizer, *, delayed: bool) -> Pair:
                        f"{type(req.state).__name__}")
     s = req.state.scale.astype(jnp.float32).reshape(())
     if needs_current_amax(quantizer):  # the state may have no scale yet: take it from x's amax
-      (amax_now,) = calls.amax(req.x2d, calls.AMAX_TENSOR)
+      # Gated on the state's scale: the amax pass runs only while the scale is 0 ("none yet");
+      # once a scale is stored its grid exits at once, so later steps keep the one-pass cost.
+      (amax_now,) = calls.amax(req.x2d, calls.AMAX_TENSOR, gate=s)
       s = quantize_scale(s, amax_now, quantizer)
     pow2_scale, eps = False, 0.0
   else:
