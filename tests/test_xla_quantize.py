@@ -223,3 +223,16 @@ def test_dense_step_on_xla_path_matches_reference(monkeypatch, rng):
         results[backend] = jax.jit(step)(x, w, states)
       assert ("xla-fused" in report.paths("quantize")) == (backend == "xla")
     assert_same_leaves(results[peer], results["xla"], type(recipe).__name__)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("first_scale", ["current", "one"])
+def test_fresh_delayed_state_matches_reference(platform, first_scale, rng):
+  """A state with no scale yet (first_scale="current": scale from this tensor's amax) or TE's
+  scale 1 gives the reference's storages on the XLA-fused path too."""
+  q = jq.Float8DelayedScalingQuantizer(amax_history_len=4, first_scale=first_scale)
+  device = _device(platform)
+  x = jax.device_put(_matrix(rng, (80, 96), jnp.bfloat16, False), device)
+  with jax.default_device(device):
+    ref, got = _both(x, jq.init_state(q), quantizer=q, rowwise=True, columnwise=True)
+  assert_same_leaves(ref, got, f"fresh state, first_scale={first_scale}, {platform}")

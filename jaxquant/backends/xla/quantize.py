@@ -33,7 +33,7 @@ from jaxquant.numerics.division import ieee_div
 from jaxquant.numerics.minifloat import MinifloatSpec
 from jaxquant.quantizers import (HIGH_PRECISION_DTYPES, Float8CurrentScalingQuantizer,
                                  Float8DelayedScalingQuantizer, Quantizer)
-from jaxquant.state import DelayedScalingState
+from jaxquant.state import DelayedScalingState, quantize_scale
 from jaxquant.tensors import ScaledTensor
 
 PATH_NAME = "xla-fused"
@@ -102,7 +102,9 @@ def _scale(x2d, quantizer, state) -> tuple[jax.Array, jax.Array]:
     if not isinstance(state, DelayedScalingState):
       raise ValueError("state: Float8DelayedScalingQuantizer needs its DelayedScalingState "
                        f"(jaxquant.init_state(quantizer)); got {type(state).__name__}")
-    return state.scale.astype(jnp.float32).reshape(()), amax
+    # A state with no scale yet takes it from this amax (first_scale="current"); XLA then has
+    # to finish the reduction before the quantize, as for current scaling.
+    return quantize_scale(state.scale.reshape(()), amax, quantizer), amax
   scale = scale_from_amax(amax, spec_for_dtype(quantizer.dtype).fmax,
                           pow2_scale=quantizer.pow2_scale, amax_epsilon=quantizer.amax_epsilon)
   return scale, amax
