@@ -2,7 +2,8 @@
 
 Modules: `Dense`, `DenseGeneral` (same attributes and parameter trees as their `flax.linen`
 namesakes, plus `recipe`), `LayerNormDense`, `LayerNormMLP`, `GroupedDense` (mixture-of-experts
-experts); `quantize_dense(recipe)` swaps the `nn.Dense` layers of an unmodified model.
+experts); `quantize_dense(recipe)` swaps the `nn.Dense`, `nn.DenseGeneral` and `nn.Einsum`
+layers of an unmodified model.
 `apply_gradients` is the optax step that keeps the delayed-scaling state of the
 `"_overwrite_with_gradient"` collection right.
 """

@@ -1,8 +1,13 @@
-"""`jaxquant.flax.DenseGeneral`: `flax.linen.DenseGeneral` with a quantized contraction."""
+"""`jaxquant.flax.DenseGeneral`: `flax.linen.DenseGeneral` with a quantized contraction.
+
+`dense_general_contraction(module, inputs)` is the module's body as a function of any module
+with `flax.linen.DenseGeneral`'s attributes, so `quantize_dense` runs it for an unmodified
+`nn.DenseGeneral` (same parameters, same initialization).
+"""
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import flax.linen as nn
 import jax
@@ -96,51 +101,61 @@ class DenseGeneral(nn.Module):
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
-    features = _as_tuple(self.features, "features")
-    ndim = inputs.ndim
-    axis = _normalize_axes(_as_tuple(self.axis, "axis"), ndim, "axis")
-    batch_dims = _normalize_axes(_as_tuple(self.batch_dims, "batch_dims"), ndim, "batch_dims")
-    if set(batch_dims) != set(range(len(batch_dims))):
-      raise ValueError(f"batch_dims={tuple(self.batch_dims)} must be consecutive leading axes "
-                       "starting from 0")
-    if set(axis) & set(batch_dims):
-      raise ValueError(f"axis={tuple(self.axis)} and batch_dims={tuple(self.batch_dims)} "
-                       "overlap; an axis is either contracted or a batch axis")
-    n_batch, n_axis, n_features = len(batch_dims), len(axis), len(features)
-    batch_shape = tuple(inputs.shape[ax] for ax in batch_dims)
-    kernel = self.param("kernel", _flat_init(self.kernel_init, n_batch, n_axis, n_features),
+    return dense_general_contraction(self, inputs)
+
+
+def dense_general_contraction(module: nn.Module, inputs: jax.Array, *,
+                              recipe: Optional[Recipe] = None,
+                              promote_dtype: Callable = nn.dtypes.promote_dtype) -> jax.Array:
+  """`flax.linen.DenseGeneral.__call__` of `module` (any module with its attributes), with the
+  contraction quantized by `recipe` (default: the module's `recipe` attribute, else the
+  innermost `jaxquant.autocast`; none: Flax's own contraction). Call it inside the module's
+  scope (from its `__call__` or an interceptor): parameters are created there."""
+  features = _as_tuple(module.features, "features")
+  ndim = inputs.ndim
+  axis = _normalize_axes(_as_tuple(module.axis, "axis"), ndim, "axis")
+  batch_dims = _normalize_axes(_as_tuple(module.batch_dims, "batch_dims"), ndim, "batch_dims")
+  if set(batch_dims) != set(range(len(batch_dims))):
+    raise ValueError(f"batch_dims={tuple(module.batch_dims)} must be consecutive leading axes "
+                     "starting from 0")
+  if set(axis) & set(batch_dims):
+    raise ValueError(f"axis={tuple(module.axis)} and batch_dims={tuple(module.batch_dims)} "
+                     "overlap; an axis is either contracted or a batch axis")
+  n_batch, n_axis, n_features = len(batch_dims), len(axis), len(features)
+  batch_shape = tuple(inputs.shape[ax] for ax in batch_dims)
+  kernel = module.param("kernel", _flat_init(module.kernel_init, n_batch, n_axis, n_features),
                         batch_shape + tuple(inputs.shape[ax] for ax in axis) + features,
-                        self.param_dtype)
-    bias = None
-    if self.use_bias:
-      bias = self.param("bias", _flat_init(self.bias_init, n_batch, None, n_features),
-                        batch_shape + features, self.param_dtype)
-    inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+                        module.param_dtype)
+  bias = None
+  if module.use_bias:
+    bias = module.param("bias", _flat_init(module.bias_init, n_batch, None, n_features),
+                        batch_shape + features, module.param_dtype)
+  inputs, kernel, bias = promote_dtype(inputs, kernel, bias, dtype=module.dtype)
 
-    quantizers = module_quantizers(self)
-    if quantizers is None:  # Flax's own contraction, unchanged
-      out = jax.lax.dot_general(inputs, kernel,
-                                ((axis, tuple(range(n_batch, n_batch + n_axis))),
-                                 (batch_dims, tuple(range(n_batch)))), precision=self.precision)
-      if bias is not None:
-        bias_shape = tuple(inputs.shape[ax] if ax in batch_dims else 1
-                           for ax in range(ndim) if ax not in axis)
-        out = out + jnp.reshape(bias, bias_shape + features)
-      return out
+  quantizers = module_quantizers(module, recipe=recipe)
+  if quantizers is None:  # Flax's own contraction, unchanged
+    out = jax.lax.dot_general(inputs, kernel,
+                              ((axis, tuple(range(n_batch, n_batch + n_axis))),
+                               (batch_dims, tuple(range(n_batch)))), precision=module.precision)
+    if bias is not None:
+      bias_shape = tuple(inputs.shape[ax] if ax in batch_dims else 1
+                         for ax in range(ndim) if ax not in axis)
+      out = out + jnp.reshape(bias, bias_shape + features)
+    return out
 
-    # Batch axes first, then the rows of the GEMM, then the contracted axes (sorted):
-    # the output [batch..., rows..., features...] is laid out as dot_general's.
-    free = tuple(ax for ax in range(ndim) if ax not in axis and ax not in batch_dims)
-    inputs = jnp.transpose(inputs, batch_dims + free + axis)
-    key = module_key(self, quantizers)
-    states = module_states(self, quantizers, batch_shape=batch_shape)
+  # Batch axes first, then the rows of the GEMM, then the contracted axes (sorted):
+  # the output [batch..., rows..., features...] is laid out as dot_general's.
+  free = tuple(ax for ax in range(ndim) if ax not in axis and ax not in batch_dims)
+  inputs = jnp.transpose(inputs, batch_dims + free + axis)
+  key = module_key(module, quantizers)
+  states = module_states(module, quantizers, batch_shape=batch_shape)
 
-    def contract(x, w, b, k, s):
-      return dense(x, w, b, quantizers, key=k, states=s, contracting_dims=n_axis,
-                   precision=self.precision)
+  def contract(x, w, b, k, s):
+    return dense(x, w, b, quantizers, key=k, states=s, contracting_dims=n_axis,
+                 precision=module.precision)
 
-    if n_batch:
-      key = None if key is None else jax.random.split(key, batch_shape)
-      for _ in range(n_batch):
-        contract = jax.vmap(contract)
-    return contract(inputs, kernel, bias, key, states)
+  if n_batch:
+    key = None if key is None else jax.random.split(key, batch_shape)
+    for _ in range(n_batch):
+      contract = jax.vmap(contract)
+  return contract(inputs, kernel, bias, key, states)

@@ -1,37 +1,54 @@
-"""`quantize_dense(recipe)`: quantize every `flax.linen.Dense` of an unmodified model.
+"""`quantize_dense(recipe)`: quantize the `Dense`, `DenseGeneral` and `Einsum` layers of an
+unmodified Flax linen model.
 
 Built on `flax.linen.intercept_methods`: while the context is active (around `init`/`apply`, or
-around the first trace of a jitted function), each `nn.Dense.__call__` is replaced by the
-quantized contraction of `jaxquant.flax.Dense`. The replacement creates the same parameters
-(`kernel`, `bias`, same shapes, initializers and rng paths) in the Dense's own scope, so the
-parameter tree and checkpoints are unchanged, and the roles are named after the Dense
-(`"Dense_0"`, or the name it was given). Delayed-scaling state is added to the
-`"_overwrite_with_gradient"` collection, and stochastic rounding uses the `"quantize"` stream, as
-for `jaxquant.flax.Dense`.
+around the first trace of a jitted function), each `nn.Dense`, `nn.DenseGeneral` and `nn.Einsum`
+`__call__` is replaced by the quantized contraction of the matching `jaxquant.flax` body. The
+replacement creates the same parameters (`kernel`, `bias`, same shapes, initializers and rng
+paths) in the layer's own scope, so the parameter tree and checkpoints are unchanged; this
+covers the `query`/`key`/`value`/`out` projections of `nn.MultiHeadDotProductAttention`, which
+are `nn.DenseGeneral`s. Roles are named after the layer: `name` is its short name (`"query"`,
+`"Dense_0"`), `path` its full module path (`"encoder/attention/query"`). Delayed-scaling state
+is added to the `"_overwrite_with_gradient"` collection, and stochastic rounding uses the
+`"quantize"` stream, as for `jaxquant.flax.Dense`. An `nn.Einsum` whose equation is not a plain
+contraction stays Flax's, and `jaxquant.explain` reports it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Iterator, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxquant.flax.dense_general import dense_general_contraction
+from jaxquant.flax.einsum import einsum_contraction
 from jaxquant.flax.quantization import check_recipe, quantized_contraction
 from jaxquant.recipes import Recipe
 
-# The active recipe is part of jax.jit's cache key (as for `jaxquant.autocast`), so a function
-# traced with or without the swap is traced again when that changes.
+
+@dataclasses.dataclass(frozen=True)
+class _Swap:
+  """What the innermost `quantize_dense` swaps, and with which recipe."""
+
+  recipe: Recipe
+  dense: bool
+  dense_general: bool
+  einsum: bool
+
+
+# The swap is part of jax.jit's cache key (as `jaxquant.autocast`'s recipe), so a function
+# traced with or without it (or with other options) is traced again when that changes.
 _SWAP = jax.make_user_context(default_value=None)
 
 
-def _swappable(module: nn.Module, method_name: str) -> bool:
-  """A plain `nn.Dense` call: subclasses (which may override `__call__`) and Dense layers with a
-  custom `dot_general` (already a quantization of their own) are left alone."""
-  return (method_name == "__call__" and type(module) is nn.Dense
-          and module.dot_general is None and module.dot_general_cls is None)
+def _no_custom_dot_general(module: nn.Module) -> bool:
+  """Layers with a custom `dot_general` (already a quantization of their own) are left alone."""
+  return (getattr(module, "dot_general", None) is None
+          and getattr(module, "dot_general_cls", None) is None)
 
 
 def _quantized_dense_call(module: nn.Dense, inputs: jax.Array, recipe: Recipe) -> jax.Array:
@@ -47,32 +64,58 @@ def _quantized_dense_call(module: nn.Dense, inputs: jax.Array, recipe: Recipe) -
 
 
 def _interceptor(next_fun, args, kwargs, context):
-  recipe = _SWAP.value  # read at call time: the innermost quantize_dense wins
-  if recipe is None or not _swappable(context.module, context.method_name):
+  swap = _SWAP.value  # read at call time: the innermost quantize_dense wins
+  module = context.module
+  if swap is None or context.method_name != "__call__" or not _no_custom_dot_general(module):
     return next_fun(*args, **kwargs)
-  return _quantized_dense_call(context.module, *args, recipe=recipe, **kwargs)
+  # Exact types only: a subclass may override `__call__`.
+  if type(module) is nn.Dense and swap.dense:
+    return _quantized_dense_call(module, *args, recipe=swap.recipe, **kwargs)
+  if type(module) is nn.DenseGeneral and swap.dense_general:
+    return dense_general_contraction(module, *args, recipe=swap.recipe,
+                                     promote_dtype=module.promote_dtype, **kwargs)
+  if type(module) is nn.Einsum and swap.einsum:
+    inputs, einsum_str = _einsum_args(*args, **kwargs)
+    return einsum_contraction(module, inputs, einsum_str, swap.recipe, next_fun)
+  return next_fun(*args, **kwargs)
+
+
+def _einsum_args(inputs, einsum_str=None):
+  return inputs, einsum_str
 
 
 @contextlib.contextmanager
-def quantize_dense(recipe: Optional[Recipe]) -> Iterator[Optional[Recipe]]:
-  """Quantize the `flax.linen.Dense` layers of a model traced inside this block with `recipe`.
+def quantize_dense(recipe: Optional[Recipe], *, dense: bool = True, dense_general: bool = True,
+                   einsum: bool = True) -> Iterator[Optional[Recipe]]:
+  """Quantize the Flax linen `Dense`, `DenseGeneral` and `Einsum` layers of a model traced
+  inside this block with `recipe`.
 
   Example::
 
-    model = MyTransformer()  # built from plain nn.Dense
+    model = MyTransformer()  # built from plain nn.Dense and nn.MultiHeadDotProductAttention
     with jaxquant.flax.quantize_dense(jaxquant.Float8CurrentScaling()):
       variables = model.init(key, x)
       loss, grads = jax.jit(jax.value_and_grad(loss_fn))(variables, x)
 
   The swap happens at trace time: a jitted function must be traced inside the block (the
-  recipe is part of jit's cache key, so it is re-traced when the block changes). Only exact
-  `nn.Dense` instances without a custom `dot_general` are swapped; `jaxquant.flax` modules keep
-  their own `recipe` / `jaxquant.autocast`. `recipe=None` swaps nothing.
+  swap is part of jit's cache key, so it is re-traced when the block changes). Only exact
+  `nn.Dense` / `nn.DenseGeneral` / `nn.Einsum` instances without a custom `dot_general` are
+  swapped; `jaxquant.flax` modules keep their own `recipe` / `jaxquant.autocast`. An `nn.Einsum`
+  whose equation is not a plain contraction (a kernel axis kept in the output, a trace, an axis
+  summed within one operand) keeps Flax's einsum, and `jaxquant.explain` names it and why.
+  `recipe=None` swaps nothing.
 
   Args:
     recipe: a `jaxquant.Recipe`; every swapped layer asks it for the roles
-      `("linear", "input" | "weight" | "grad_output", <the Dense's name>)`.
+      `("linear", "input" | "weight" | "grad_output", <the layer's short name>)`, with the
+      layer's full module path in `role.path`.
+    dense, dense_general, einsum: swap that layer type (all by default); pass False to keep a
+      type in high precision (e.g. `dense_general=False` leaves attention projections alone).
   """
   check_recipe(recipe, "quantize_dense(recipe)")
-  with _SWAP(recipe), nn.intercept_methods(_interceptor):
+  for name, value in (("dense", dense), ("dense_general", dense_general), ("einsum", einsum)):
+    if not isinstance(value, bool):
+      raise TypeError(f"quantize_dense: {name}={value!r}; expected True or False")
+  swap = None if recipe is None else _Swap(recipe, dense, dense_general, einsum)
+  with _SWAP(swap), nn.intercept_methods(_interceptor):
     yield recipe
