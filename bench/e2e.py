@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import json
 import os
 import shutil
@@ -54,14 +53,9 @@ DEFAULT_VARIANTS = ("bf16,flax_fp8_direct,flax_fp8_qdq,fp8_current,fp8_delayed,f
 
 
 def quantize_dense_context(recipe, attention: bool):
-  """`quantize_dense(recipe)`, leaving `nn.DenseGeneral` (the attention projections) alone
-  when `attention` is False and the installed jaxquant can tell the types apart."""
-  params = inspect.signature(jqf.quantize_dense).parameters
-  if not attention:
-    for name in ("dense_general", "swap_dense_general"):
-      if name in params:
-        return jqf.quantize_dense(recipe, **{name: False})
-  return jqf.quantize_dense(recipe)
+  """`quantize_dense(recipe)`; `nn.DenseGeneral` (the attention projections) left alone unless
+  `attention`."""
+  return jqf.quantize_dense(recipe, dense_general=attention)
 
 
 # `<variant>@<path>`: the environment the step is traced under. The keys are those that pick
