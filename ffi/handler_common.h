@@ -209,6 +209,16 @@ inline ffi::Error decode_amax(ffi::AnyBuffer x, ffi::RemainingRets rets, int32_t
   return r.done();
 }
 
+// jaxquant_amax_gated(x, gate) -> the same outputs, computed only when the float32 scalar `gate`
+// is 0 (a delayed-scaling state with no scale yet); otherwise every output is 0.
+inline ffi::Error decode_gate(ffi::AnyBuffer gate, const float** g) {
+  if (gate.element_type() != ffi::DataType::F32 || gate.element_count() != 1) {
+    return invalid("jaxquant_amax_gated", "gate must be one float32 value");
+  }
+  *g = static_cast<const float*>(gate.untyped_data());
+  return ffi::Error::Success();
+}
+
 // ---------------------------------------------------------------------------------------------
 // jaxquant_quantize_fp8(x, s) -> [row_data], [col_data], scale_inv, [amax]
 //   current scaling (delayed=false): s is the tensor amax; delayed: s is the stored scale and the

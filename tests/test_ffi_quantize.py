@@ -333,3 +333,21 @@ def test_nvfp4_rht_with_unaligned_rows_is_rejected_by_the_kernel():
     _run(lambda x: calls.call("jaxquant_quantize_nvfp4", results, x, z, z, k, k, rowwise=False,
                               columnwise=True, row_scaled=False, block_2d=False, rht=True,
                               stochastic=False), x)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_gated_amax_runs_only_while_the_gate_is_zero(platform, rng):
+  """`jaxquant_amax_gated` (a delayed-scaling state's just-in-time amax) equals the plain amax
+  when the gate (the state's scale) is 0, and leaves every output 0 otherwise."""
+  device = _device(platform)
+  x = jax.device_put(_random_matrix(rng, (300, 260), jnp.bfloat16), device)
+  outputs = calls.AMAX_TENSOR | calls.AMAX_ROWS | calls.AMAX_COLS
+  with jax.default_device(device):
+    plain = jax.jit(lambda x: calls.amax(x, outputs))(x)
+    gated = jax.jit(lambda x, g: calls.amax(x, outputs, gate=g))
+    opened = gated(x, jnp.float32(0.0))
+    closed = gated(x, jnp.float32(rng.uniform(0.5, 100.0)))
+  for want, got in zip(plain, opened):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  for got in closed:
+    assert not np.asarray(got).any()

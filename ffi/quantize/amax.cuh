@@ -15,10 +15,12 @@ struct AmaxParams {
   int64_t R, C, rows_per_cta;
   bool vec;
   float *tensor, *tensor_rht, *rows, *cols, *cols_rht;
+  const float* gate;  // jaxquant_amax_gated: skip (outputs stay zero) unless *gate == 0
 };
 
 template <typename In>
 __global__ void __launch_bounds__(kThreads) amax_kernel(const AmaxParams p) {
+  if (p.gate != nullptr && __ldg(p.gate) != 0.f) return;  // uniform across the grid
   constexpr int W = 16 / sizeof(In);  // columns per thread (one 16-byte load per row)
   constexpr int STRIP = 32 * W;
   __shared__ uint32_t s_col[kThreads / 32][STRIP];

@@ -80,6 +80,20 @@ ffi::Error AmaxCpu(ffi::AnyBuffer x, ffi::RemainingRets rets, int32_t outputs) {
   return ffi::Error::Success();
 }
 
+ffi::Error AmaxGatedCpu(ffi::AnyBuffer x, ffi::AnyBuffer gate, ffi::RemainingRets rets, int32_t outputs) {
+  const float* g = nullptr;
+  JQ_RETURN_IF_ERROR(decode_gate(gate, &g));
+  if (*g == 0.f) return AmaxCpu(x, rets, outputs);
+  AmaxArgs a;  // skipped: every output is zero, as the CUDA handler leaves it
+  JQ_RETURN_IF_ERROR(decode_amax(x, rets, outputs, &a));
+  if (a.tensor) *a.tensor = 0.f;
+  if (a.tensor_rht) *a.tensor_rht = 0.f;
+  if (a.rows) std::fill(a.rows, a.rows + a.x.rows, 0.f);
+  if (a.cols) std::fill(a.cols, a.cols + a.x.cols, 0.f);
+  if (a.cols_rht) std::fill(a.cols_rht, a.cols_rht + a.x.cols, 0.f);
+  return ffi::Error::Success();
+}
+
 // --------------------------------------- FP8 per tensor --------------------------------------
 
 void fp8_with_scale(const Matrix& m, float scale, jq::Fp8 fmt, uint8_t* out) {
@@ -279,6 +293,13 @@ ffi::Error EncoderMismatchesCpu(ffi::Result<ffi::AnyBuffer> out, int64_t start, 
 XLA_FFI_DEFINE_HANDLER(kAmaxCpu, AmaxCpu,
                        ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().RemainingRets().Attr<int32_t>("outputs"));
 
+XLA_FFI_DEFINE_HANDLER(kAmaxGatedCpu, AmaxGatedCpu,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .RemainingRets()
+                           .Attr<int32_t>("outputs"));
+
 XLA_FFI_DEFINE_HANDLER(kQuantizeFp8Cpu, QuantizeFp8Cpu,
                        ffi::Ffi::Bind()
                            .Arg<ffi::AnyBuffer>()
@@ -338,6 +359,7 @@ XLA_FFI_DEFINE_HANDLER(kEncoderMismatchesCpu, EncoderMismatchesCpu,
 std::vector<Target> cpu_targets() {
   return {
       {"jaxquant_amax", reinterpret_cast<void*>(kAmaxCpu)},
+      {"jaxquant_amax_gated", reinterpret_cast<void*>(kAmaxGatedCpu)},
       {"jaxquant_quantize_fp8", reinterpret_cast<void*>(kQuantizeFp8Cpu)},
       {"jaxquant_quantize_mxfp8", reinterpret_cast<void*>(kQuantizeMxfp8Cpu)},
       {"jaxquant_quantize_fp8_block", reinterpret_cast<void*>(kQuantizeFp8BlockCpu)},

@@ -66,7 +66,8 @@ ffi::Error by_input_type(In type, F&& f) {
 
 bool vec_input(const Input& x) { return aligned(x.data, 16) && x.cols % 8 == 0; }
 
-ffi::Error AmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets rets, int32_t outputs) {
+ffi::Error AmaxLaunch(cudaStream_t stream, ffi::AnyBuffer x, const float* gate, ffi::RemainingRets rets,
+                      int32_t outputs) {
   AmaxArgs a;
   JQ_RETURN_IF_ERROR(decode_amax(x, rets, outputs, &a));
   JQ_RETURN_IF_ERROR(clear(stream, a.tensor, 4));
@@ -82,11 +83,22 @@ ffi::Error AmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets re
     const int64_t groups = std::max<int64_t>(1, std::min<int64_t>(chunks, ceil_div(1056, nstrips)));
     AmaxParams p{a.x.data, a.x.rows, a.x.cols, ceil_div(chunks, groups) * 128,
                  aligned(a.x.data, 16) && a.x.cols % (16 / sizeof(T)) == 0,
-                 a.tensor, a.tensor_rht, a.rows, a.cols, a.cols_rht};
+                 a.tensor, a.tensor_rht, a.rows, a.cols, a.cols_rht, gate};
     const int64_t ngroups = ceil_div(a.x.rows, p.rows_per_cta);
     amax_kernel<T><<<unsigned(nstrips * ngroups), kThreads, 0, stream>>>(p);
   });
-  return launch_status("jaxquant_amax");
+  return launch_status(gate ? "jaxquant_amax_gated" : "jaxquant_amax");
+}
+
+ffi::Error AmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets rets, int32_t outputs) {
+  return AmaxLaunch(stream, x, nullptr, rets, outputs);
+}
+
+ffi::Error AmaxGatedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gate, ffi::RemainingRets rets,
+                         int32_t outputs) {
+  const float* g = nullptr;
+  JQ_RETURN_IF_ERROR(decode_gate(gate, &g));
+  return AmaxLaunch(stream, x, g, rets, outputs);
 }
 
 ffi::Error QuantizeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::RemainingRets rets,
@@ -217,6 +229,15 @@ XLA_FFI_DEFINE_HANDLER(kAmaxCuda, AmaxCuda,
                        ffi::Ffi::Bind().Ctx<Stream>().Arg<ffi::AnyBuffer>().RemainingRets().Attr<int32_t>("outputs"),
                        {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER(kAmaxGatedCuda, AmaxGatedCuda,
+                       ffi::Ffi::Bind()
+                           .Ctx<Stream>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .RemainingRets()
+                           .Attr<int32_t>("outputs"),
+                       {ffi::Traits::kCmdBufferCompatible});
+
 XLA_FFI_DEFINE_HANDLER(kQuantizeFp8Cuda, QuantizeFp8Cuda,
                        ffi::Ffi::Bind()
                            .Ctx<Stream>()
@@ -287,6 +308,7 @@ XLA_FFI_DEFINE_HANDLER(kEncoderMismatchesCuda, EncoderMismatchesCuda,
 std::vector<Target> cuda_targets() {
   return {
       {"jaxquant_amax", reinterpret_cast<void*>(kAmaxCuda)},
+      {"jaxquant_amax_gated", reinterpret_cast<void*>(kAmaxGatedCuda)},
       {"jaxquant_quantize_fp8", reinterpret_cast<void*>(kQuantizeFp8Cuda)},
       {"jaxquant_quantize_mxfp8", reinterpret_cast<void*>(kQuantizeMxfp8Cuda)},
       {"jaxquant_quantize_fp8_block", reinterpret_cast<void*>(kQuantizeFp8BlockCuda)},

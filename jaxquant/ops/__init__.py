@@ -1,7 +1,7 @@
 """Public ops: `quantize`, `dequantize`, `transpose`, `gemm` (DESIGN.md section 4).
 
-Each op validates its arguments, picks the reference or FFI implementation
-(`jaxquant.ops.dispatch`) and records the choice for `jaxquant.explain`.
+Each op validates its arguments, picks the reference, FFI or (quantize only) XLA-fused
+implementation (`jaxquant.ops.dispatch`) and records the choice for `jaxquant.explain`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant import explain as _explain
+from jaxquant.backends import xla as _xla
 from jaxquant.numerics.random_bits import key_words
 from jaxquant.backends.reference import ops as reference
 from jaxquant.ops import dispatch
@@ -63,12 +64,25 @@ def _single(x2d, quantizer, *, rowwise, columnwise, orig_dtype, key, state, role
   if isinstance(quantizer, IdentityQuantizer):
     path, reason = "reference", ""  # nothing to compute
   else:
-    path, reason = dispatch.choose("quantize", reason)
-  impl = ffi.quantize_single if path == "ffi" else reference.quantize_single
-  _explain.record(_explain.Decision("quantize", role, f"{directions}: {quantizer}",
-                                    path if path == "reference" else ffi.path_name(), reason))
-  return impl(x2d, quantizer, rowwise=rowwise, columnwise=columnwise, orig_dtype=orig_dtype,
-              row_key_words=row_words, col_key_words=col_words, state=state)
+    path, reason = dispatch.choose_quantize(
+        reason, _xla.unsupported(x2d, quantizer, rowwise=rowwise, columnwise=columnwise),
+        _xla.auto_reason(quantizer, dispatch.current_platform()))
+  impl = {"ffi": ffi.quantize_single if ffi is not None else None,
+          "xla": _xla.quantize_single}.get(path, reference.quantize_single)
+  path_name = {"ffi": ffi.path_name() if ffi is not None else None,
+               "xla": _xla.PATH_NAME}.get(path, path)
+  kwargs = dict(orig_dtype=orig_dtype, row_key_words=row_words, col_key_words=col_words,
+                state=state)
+  if path == "xla" and columnwise and _xla.columnwise_mode() == "transpose-op":
+    # XLA fuses the rowwise quantize into the producer; the columnwise copy is the same bytes
+    # transposed by the transpose op (FFI kernel where built), recorded as its own decision.
+    _explain.record(_explain.Decision("quantize", role, f"rowwise: {quantizer}", path_name,
+                                      reason))
+    row, _ = impl(x2d, quantizer, rowwise=True, columnwise=False, **kwargs)
+    return (row if rowwise else None), transpose(row)
+  _explain.record(_explain.Decision("quantize", role, f"{directions}: {quantizer}", path_name,
+                                    reason))
+  return impl(x2d, quantizer, rowwise=rowwise, columnwise=columnwise, **kwargs)
 
 
 def quantize(x: jax.Array, quantizer: Quantizer, *, rowwise: bool = True,

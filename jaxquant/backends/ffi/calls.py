@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxquant.backends.ffi import partitioning, targets
@@ -30,20 +31,26 @@ _AMAX_OUTPUTS = {AMAX_TENSOR: ((), ("m", "k"), False), AMAX_TENSOR_RHT: ((), ("m
                  AMAX_COLS_RHT: (("k",), ("m",), True)}
 
 
-def amax(x2d: jax.Array, outputs: int) -> list[jax.Array]:
+def amax(x2d: jax.Array, outputs: int, gate: Optional[jax.Array] = None) -> list[jax.Array]:
   """The `jaxquant_amax` reductions named by the bit set `outputs`, in bit order.
 
   Partitioned: each shard reduces its block, then a `pmax` over the mesh axes that shard the
   reduced axes (all of them for a per-tensor amax; the columns' for a per-row amax) makes the
-  result global before any scale is derived from it."""
+  result global before any scale is derived from it.
+
+  With a float32 scalar `gate` (`jaxquant_amax_gated`) the reductions run only when the gate
+  is 0, else every output is 0: a delayed-scaling state reads the tensor's amax only while it
+  has no scale yet, at the cost of one kernel launch on the other steps."""
   lengths = dict(zip("mk", x2d.shape))
   bits = [bit for bit in _AMAX_OUTPUTS if outputs & bit]
   results = [jax.ShapeDtypeStruct(tuple(lengths[a] for a in _AMAX_OUTPUTS[bit][0]), np.float32)
              for bit in bits]
+  target = "jaxquant_amax" if gate is None else "jaxquant_amax_gated"
+  operands = (x2d,) if gate is None else (x2d, jnp.asarray(gate, jnp.float32).reshape(()))
   layout = Layout(
-      operands=((("m", 1), ("k", 1)),),
+      operands=((("m", 1), ("k", 1)),) + (((),) if gate is not None else ()),
       results=tuple(tuple((a, 1) for a in _AMAX_OUTPUTS[bit][0]) for bit in bits),
       reduce=tuple((i, _AMAX_OUTPUTS[bit][1]) for i, bit in enumerate(bits)),
       blocks=(("m", 16),) if any(_AMAX_OUTPUTS[bit][2] for bit in bits) else (),
-      what="jaxquant_amax")
-  return call("jaxquant_amax", results, x2d, layout=layout, outputs=np.int32(outputs))
+      what=target)
+  return call(target, results, *operands, layout=layout, outputs=np.int32(outputs))

@@ -9,6 +9,7 @@ call on purpose: a sharded caller inserts its `pmax` between the two.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, Optional
 
 import jax
@@ -17,6 +18,7 @@ import numpy as np
 
 from jaxquant.backends.ffi import calls
 from jaxquant.backends.ffi.partitioning import Layout
+from jaxquant.formats.base import tensor_amax
 from jaxquant.quantizers import (HIGH_PRECISION_DTYPES, Float8BlockQuantizer,
                                  Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer,
                                  MXFP8Quantizer, NVFP4Quantizer, Quantizer)
@@ -24,6 +26,21 @@ from jaxquant.state import DelayedScalingState, needs_current_amax, quantize_sca
 from jaxquant.tensors import ScaledTensor
 
 Pair = tuple[Optional[ScaledTensor], Optional[ScaledTensor]]
+
+# Where per-tensor current scaling gets its amax, `JAXQUANT_FFI_AMAX`: "kernel" (the
+# `jaxquant_amax` target, one more pass over x) or "xla" (a max reduction XLA may fuse into the
+# fusion producing x; under a mesh XLA makes it global). Same bytes either way. H100, d2048 LM
+# step of bench/e2e.py: "xla" 68.5 ms vs "kernel" 67.4 ms (XLA's reductions took the 1.7 ms the
+# amax kernel took, bench/RESULTS.md), so "kernel" is the default.
+AMAX_SOURCES = ("kernel", "xla")
+DEFAULT_AMAX_SOURCE = "kernel"
+
+
+def amax_source() -> str:
+  value = os.environ.get("JAXQUANT_FFI_AMAX", DEFAULT_AMAX_SOURCE).strip().lower()
+  if value not in AMAX_SOURCES:
+    raise ValueError(f"JAXQUANT_FFI_AMAX={value!r}; expected one of {AMAX_SOURCES}")
+  return value
 _MAX_DIM = 2**31 - 1
 
 
@@ -113,11 +130,14 @@ def _fp8_tensor(req: Request, quantizer, *, delayed: bool) -> Pair:
                        f"{type(req.state).__name__}")
     s = req.state.scale.astype(jnp.float32).reshape(())
     if needs_current_amax(quantizer):  # the state may have no scale yet: take it from x's amax
-      (amax_now,) = calls.amax(req.x2d, calls.AMAX_TENSOR)
+      # Gated on the state's scale: the amax pass runs only while the scale is 0 ("none yet");
+      # once a scale is stored its grid exits at once, so later steps keep the one-pass cost.
+      (amax_now,) = calls.amax(req.x2d, calls.AMAX_TENSOR, gate=s)
       s = quantize_scale(s, amax_now, quantizer)
     pow2_scale, eps = False, 0.0
   else:
-    (s,) = calls.amax(req.x2d, calls.AMAX_TENSOR)
+    (s,) = ((tensor_amax(req.x2d),) if amax_source() == "xla"
+            else calls.amax(req.x2d, calls.AMAX_TENSOR))
     pow2_scale, eps = quantizer.pow2_scale, quantizer.amax_epsilon
   results = _data_results(req, quantizer.dtype) + [_sds((), np.float32)]
   if delayed:

@@ -1,0 +1,255 @@
+"""End-to-end training step of a standard Flax transformer LM, side by side in one process:
+bf16, Flax's own FP8 (`Fp8DirectDotGeneralOp`, `Fp8DotGeneralOp`) on the same layers, every
+jaxquant built-in recipe through `jaxquant.flax.quantize_dense` (+ `apply_gradients`), and the
+same network written with `jaxquant.flax.LayerNormDense` / `LayerNormMLP`.
+
+    python bench/e2e.py --size d2048 --json out.json --trace-dir /tmp/traces
+    python bench/e2e.py --size d4096 --steps 30 --variants bf16,flax_fp8_direct,fp8_current
+    python bench/e2e.py --tiny                        # CPU smoke run (tiny model, 3 steps)
+
+Per variant: step time (mean over steps `--time-from`..`--steps` of the training run, timed
+end to end with the device synchronized at both ends), tokens/s, the training loss at steps 1,
+25 and the last step (every variant trains on the same batches from the same initial
+parameters), and the GPU kernel time per step split into GEMM / quantize / other from a
+`jax.profiler` trace of `--profile-steps` further steps (`e2e_trace`). A variant name may end
+in `@<path>` (`PATHS`: `@ffi`, `@xla`, `@reference`, ...): the quantize implementation is
+forced to it while the step is traced. `--attention off` leaves the attention projections (`nn.DenseGeneral`) in bf16 in
+every variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax.linen import fp8_ops
+
+import jaxquant as jq
+import jaxquant.flax as jqf
+from e2e_model import DATA, SIZES, Config, ModulesLM, StandardLM
+import e2e_trace
+
+RECIPES = {
+    "fp8_current": jq.Float8CurrentScaling,
+    "fp8_delayed": jq.DelayedScaling,
+    "fp8_block": jq.Float8BlockScaling,
+    "mxfp8": jq.MXFP8BlockScaling,
+    "nvfp4": jq.NVFP4BlockScaling,
+    "identity": lambda: jq.CustomRecipe(lambda role: jq.IdentityQuantizer()),
+}
+FLAX_FP8 = {"flax_fp8_direct": fp8_ops.Fp8DirectDotGeneralOp,
+            "flax_fp8_qdq": fp8_ops.Fp8DotGeneralOp}
+DEFAULT_VARIANTS = ("bf16,flax_fp8_direct,flax_fp8_qdq,fp8_current,fp8_delayed,fp8_block,mxfp8,"
+                    "nvfp4,identity,modules_fp8_current,modules_fp8_delayed")
+
+
+def quantize_dense_context(recipe, attention: bool):
+  """`quantize_dense(recipe)`; `nn.DenseGeneral` (the attention projections) left alone unless
+  `attention`."""
+  return jqf.quantize_dense(recipe, dense_general=attention)
+
+
+# `<variant>@<path>`: the environment the step is traced under. The keys are those that pick
+# a quantize implementation (jaxquant.ops.dispatch, jaxquant.backends.xla, jaxquant.backends.ffi).
+PATHS = {
+    "auto": {},
+    "reference": {"JAXQUANT_BACKEND": "reference"},
+    "ffi": {"JAXQUANT_BACKEND": "ffi", "JAXQUANT_FFI_AMAX": "kernel"},
+    "ffi_xamax": {"JAXQUANT_BACKEND": "ffi", "JAXQUANT_FFI_AMAX": "xla"},
+    "xla": {"JAXQUANT_BACKEND": "xla"},
+    "xla_top": {"JAXQUANT_BACKEND": "xla", "JAXQUANT_XLA_COLUMNWISE": "transpose-op"},
+    "xla_fused": {"JAXQUANT_BACKEND": "xla", "JAXQUANT_XLA_COLUMNWISE": "fused"},
+}
+ENV_KEYS = sorted({k for env in PATHS.values() for k in env})
+
+
+def build_variant(name: str, cfg: Config, attention: bool):
+  """(model, context factory for init/trace, environment) of a variant name."""
+  base, _, path = name.partition("@")
+  if path and path not in PATHS:
+    raise ValueError(f"variant {name!r}: unknown path {path!r}; expected one of {sorted(PATHS)}")
+  env = PATHS[path or "auto"]
+  if base == "bf16":
+    return StandardLM(cfg), contextlib.nullcontext, env
+  if base in FLAX_FP8:
+    return StandardLM(cfg, FLAX_FP8[base], attention), contextlib.nullcontext, env
+  if base.startswith("modules_"):
+    recipe = RECIPES[base[len("modules_"):]]()
+    return ModulesLM(cfg), lambda: jq.autocast(recipe), env
+  if base in RECIPES:
+    recipe = RECIPES[base]()
+    return StandardLM(cfg), lambda: quantize_dense_context(recipe, attention), env
+  raise ValueError(f"variant {name!r}: expected one of bf16, {sorted(FLAX_FP8)}, "
+                   f"{sorted(RECIPES)}, modules_<recipe>, optionally with @<path>")
+
+
+@contextlib.contextmanager
+def path_env(env: dict):
+  """`env` set (and every other path-selecting variable unset) while the step is traced."""
+  old = {k: os.environ.get(k) for k in ENV_KEYS}
+  for k in ENV_KEYS:
+    os.environ.pop(k, None)
+  os.environ.update(env)
+  try:
+    yield
+  finally:
+    for k, v in old.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
+
+
+def make_step(model, tx):
+  def loss_fn(variables, tokens, key):
+    logits = model.apply(variables, tokens[:, :-1], rngs={"quantize": key})
+    labels = tokens[:, 1:]
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), labels).mean()
+
+  def step(state, batches, i):
+    variables, opt_state = state
+    tokens = jax.lax.dynamic_index_in_dim(batches, i, keepdims=False)
+    key = jax.random.fold_in(jax.random.key(7), i)
+    loss, grads = jax.value_and_grad(loss_fn)(variables, tokens, key)
+    variables, opt_state = jqf.apply_gradients(tx, variables, grads, opt_state)
+    return (variables, opt_state), loss
+
+  return jax.jit(step, donate_argnums=(0,))
+
+
+def run_variant(name, cfg, args, batches, tx):
+  model, context, env = build_variant(name, cfg, args.attention == "on")
+  with path_env(env), context():
+    variables = jax.jit(model.init)(jax.random.key(0), batches[0, :, :-1])
+    variables = dict(variables)
+    opt_state = jqf.init_optimizer(tx, variables)
+    step = make_step(model, tx)
+    paths = ""
+    if name != "bf16" and not name.startswith("flax"):
+      report = jq.explain(step, (variables, opt_state), batches, 0)
+      paths = ";".join(f"{op}:{','.join(sorted(report.paths(op)))}"
+                       for op in ("quantize", "gemm") if report.paths(op))
+    t_compile = time.perf_counter()
+    state = (variables, opt_state)
+    state, loss = step(state, batches, 0)
+    jax.block_until_ready(loss)
+    compile_s = time.perf_counter() - t_compile
+    losses = [loss]
+    t0 = None
+    for i in range(1, args.steps):
+      if i == args.time_from:
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+      state, loss = step(state, batches, i)
+      losses.append(loss)
+    jax.block_until_ready(state)
+    seconds = (time.perf_counter() - t0) / (args.steps - args.time_from)
+    losses = [float(l) for l in losses]
+    split = None
+    if args.trace_dir and args.profile_steps:
+      logdir = os.path.join(args.trace_dir, name.replace("@", "_"))
+      shutil.rmtree(logdir, ignore_errors=True)
+      with jax.profiler.trace(logdir):
+        for i in range(args.profile_steps):
+          state, loss = step(state, batches, i % args.steps)
+        jax.block_until_ready(state)
+      times, streams = e2e_trace.kernel_times(e2e_trace.latest_trace(logdir))
+      split = e2e_trace.split(times, args.profile_steps) if times else None
+      if split is not None:
+        split["streams"] = streams
+      if not args.keep_traces:
+        shutil.rmtree(logdir, ignore_errors=True)
+  del state
+  return dict(variant=name, step_ms=seconds * 1e3, tokens_per_s=cfg.tokens / seconds,
+              compile_s=compile_s, loss_1=losses[0], loss_25=losses[min(24, len(losses) - 1)],
+              loss_last=losses[-1], steps=args.steps, paths=paths, split=split)
+
+
+def print_table(rows, card, cfg, attention, data):
+  base = next((r for r in rows if r["variant"] == "bf16"), None)
+  flax = next((r for r in rows if r["variant"] == "flax_fp8_direct"), None)
+  print(f"\n{card}; data {data}; d_model {cfg.d_model}, {cfg.layers} layers, {cfg.heads} heads, MLP "
+        f"{cfg.mlp}, seq {cfg.seq}, batch {cfg.batch}, vocab {cfg.vocab}; attention "
+        f"projections quantized: {attention}")
+  print("| variant | ms/step | tokens/s | vs bf16 | vs Flax FP8 | loss@1 | loss@25 | "
+        f"loss@{rows[0]['steps']} | vs bf16 loss | GEMM ms | quantize ms | other ms |")
+  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+  for r in rows:
+    s = r["split"] or {}
+    ratio = lambda ref: f"{ref['step_ms'] / r['step_ms']:.3f}x" if ref else "-"
+    dloss = f"{(r['loss_last'] / base['loss_last'] - 1) * 100:+.2f}%" if base else "-"
+    fmt = lambda k: f"{s[k]:.2f}" if k in s else "-"
+    print(f"| {r['variant']} | {r['step_ms']:.2f} | {r['tokens_per_s']:,.0f} | {ratio(base)} | "
+          f"{ratio(flax)} | {r['loss_1']:.4f} | {r['loss_25']:.4f} | {r['loss_last']:.4f} | "
+          f"{dloss} | {fmt('gemm_ms')} | {fmt('quantize_ms')} | {fmt('other_ms')} |")
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--size", choices=sorted(SIZES), default="d2048")
+  parser.add_argument("--tiny", action="store_true", help="CPU smoke run: --size tiny, 3 steps")
+  parser.add_argument("--batch", type=int, default=None)
+  parser.add_argument("--seq", type=int, default=None)
+  parser.add_argument("--variants", default=DEFAULT_VARIANTS)
+  parser.add_argument("--attention", choices=("on", "off"), default="on",
+                      help="quantize the attention projections (nn.DenseGeneral) too")
+  parser.add_argument("--steps", type=int, default=100)
+  parser.add_argument("--time-from", type=int, default=10)
+  parser.add_argument("--profile-steps", type=int, default=3)
+  parser.add_argument("--trace-dir", default=None)
+  parser.add_argument("--keep-traces", action="store_true")
+  parser.add_argument("--lr", type=float, default=3e-4)
+  parser.add_argument("--data", choices=sorted(DATA), default="pairs",
+                      help="token source (e2e_model.DATA): stdlib text as byte pairs or bytes, "
+                           "or a random Markov chain")
+  parser.add_argument("--json", default=None)
+  args = parser.parse_args(argv)
+  if args.tiny:
+    args.size, args.steps, args.time_from = "tiny", 3, 1
+  cfg = SIZES[args.size]
+  overrides = {k: v for k, v in (("batch", args.batch), ("seq", args.seq)) if v}
+  if overrides:
+    cfg = Config(**{**cfg.__dict__, **overrides})
+  if not 0 < args.time_from < args.steps:
+    parser.error(f"--time-from {args.time_from} must be in [1, --steps={args.steps})")
+  device = jax.devices()[0]
+  card = getattr(device, "device_kind", str(device))
+  print(f"device: {card}; jax {jax.__version__}; {cfg}; ~{cfg.params_count() / 1e6:.0f}M "
+        f"params; {cfg.matmul_flops() / 1e12:.2f} TFLOP of matmuls per step", flush=True)
+  batches = DATA[args.data](cfg, args.steps)
+  tx = optax.adamw(args.lr, b1=0.9, b2=0.95, weight_decay=0.1)
+  rows = []
+  for name in [v.strip() for v in args.variants.split(",") if v.strip()]:
+    try:
+      row = run_variant(name, cfg, args, batches, tx)
+    except Exception as e:  # noqa: BLE001 - one failing variant must not hide the others
+      print(f"  {name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+      continue
+    row.update(card=card, size=args.size, attention=args.attention, data=args.data, config=cfg.__dict__ | {
+        "dtype": "bfloat16"})
+    rows.append(row)
+    s = row["split"] or {}
+    print(f"  {name:24s} {row['step_ms']:8.2f} ms  {row['tokens_per_s']:10,.0f} tok/s  loss "
+          f"{row['loss_1']:.4f} -> {row['loss_last']:.4f}  compile {row['compile_s']:.0f}s  "
+          f"gemm {s.get('gemm_ms', 0):.2f} quant {s.get('quantize_ms', 0):.2f} other "
+          f"{s.get('other_ms', 0):.2f}  {row['paths']}", flush=True)
+    if args.json:  # written after every variant, so a run cut short keeps what it measured
+      with open(args.json, "w") as f:
+        json.dump(rows, f, indent=1, default=str)
+  if rows:
+    print_table(rows, card, cfg, args.attention, args.data)
+  return 0 if rows else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

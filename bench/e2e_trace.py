@@ -1,0 +1,77 @@
+"""GPU kernel time of a `jax.profiler` trace, summed by kernel name and split into GEMM /
+quantize / other.
+
+Reads the `*.trace.json.gz` that `jax.profiler.trace(logdir)` writes: the GPU's processes
+(process name containing "GPU") hold one thread per CUDA stream ("Stream #N ...") whose complete
+events ("ph": "X") are the kernels and copies; the "XLA Ops" / "XLA Modules" threads of the same
+process repeat that time per HLO op and are skipped.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+
+GEMM = re.compile(r"gemm|nvjet|cutlass|xmma|matmul|cublas|wgmma|sm90_|triton_dot", re.I)
+# jaxquant's FFI quantize / amax / transpose kernels (ffi/cuda_kernels.cu, ffi/grouped).
+QUANTIZE = re.compile(r"amax_kernel|fp8_tensor_kernel|mxfp8_kernel|fp8_block_kernel|nvfp4_|"
+                      r"transpose_kernel|grouped_quantize|jaxquant", re.I)
+
+
+def classify(name: str) -> str:
+  if QUANTIZE.search(name) and "gemm" not in name.lower():
+    return "quantize"
+  if GEMM.search(name):
+    return "gemm"
+  return "other"
+
+
+def latest_trace(logdir: str) -> str:
+  paths = glob.glob(os.path.join(logdir, "**", "*.trace.json.gz"), recursive=True)
+  if not paths:
+    raise FileNotFoundError(f"no *.trace.json.gz under {logdir}")
+  return max(paths, key=os.path.getmtime)
+
+
+def kernel_times(path: str) -> tuple[dict[str, float], list[str]]:
+  """({kernel name: total microseconds}, the stream thread names read) of one trace file."""
+  with gzip.open(path, "rt") as f:
+    trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  gpu_pids, threads = set(), {}
+  for e in events:
+    if e.get("ph") != "M":
+      continue
+    if e.get("name") == "process_name" and "gpu" in str(e.get("args", {}).get("name", "")).lower():
+      gpu_pids.add(e["pid"])
+    if e.get("name") == "thread_name":
+      threads[(e.get("pid"), e.get("tid"))] = str(e.get("args", {}).get("name", ""))
+  gpu_threads = {k: v for k, v in threads.items() if k[0] in gpu_pids}
+  streams = {k for k, v in gpu_threads.items() if "stream" in v.lower()}
+  if not streams:  # another naming: every GPU thread but the per-op / per-module summaries
+    streams = {k for k, v in gpu_threads.items()
+               if not any(s in v for s in ("XLA Ops", "XLA Modules", "Steps", "TraceMe"))}
+  totals: dict[str, float] = collections.defaultdict(float)
+  for e in events:
+    if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams:
+      totals[e.get("name", "?")] += float(e.get("dur", 0.0))
+  return dict(totals), sorted({threads[k] for k in streams})
+
+
+def split(times: dict[str, float], steps: int) -> dict:
+  """Milliseconds per step by class, kernel launches per step, and the top kernels."""
+  by_class = collections.Counter()
+  for name, us in times.items():
+    by_class[classify(name)] += us
+  top = sorted(times.items(), key=lambda kv: -kv[1])[:25]
+  return {
+      "gemm_ms": by_class["gemm"] / 1e3 / steps,
+      "quantize_ms": by_class["quantize"] / 1e3 / steps,
+      "other_ms": by_class["other"] / 1e3 / steps,
+      "total_ms": sum(by_class.values()) / 1e3 / steps,
+      "top": [(name[:120], round(us / 1e3 / steps, 3), classify(name)) for name, us in top],
+  }
