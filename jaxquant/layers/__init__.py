@@ -1,0 +1,1 @@
+"""Quantized layers as functions (custom-vjp contractions built on `jaxquant.ops`)."""
