@@ -1,15 +1,9 @@
 """Flax NNX: `jaxquant.nnx.Linear`, `flax.nnx.Linear` with a quantized contraction.
 
 Same constructor, parameters (`kernel [in, out]`, `bias [out]`) and initialization as
-`flax.nnx.Linear` (the same `rngs` give the same parameters), plus:
-- `recipe`: the quantization recipe (None: the innermost `jaxquant.autocast` at call time);
-- `name`: the roles' name, `("linear", "input" | "weight" | "grad_output", name)`;
-- stochastic rounding keys from the `nnx.Rngs` stream `"quantize"`: forked at construction
-  when the `rngs` passed there have that stream, or passed to the call (`rngs=`);
-- delayed-scaling state in `OverwriteWithGradient` variables. Their gradient is their updated
-  value (the convention of linen's `"_overwrite_with_gradient"` collection): differentiate with
-  respect to `GRAD_WRT` (params and state) and step with `apply_gradients`, which gives the
-  params to the optimizer and writes the state back.
+`flax.nnx.Linear` (the same `rngs` give the same parameters), plus `recipe`, `name` and `path`
+(the roles, see `jaxquant.nnx.module`); `Linear.from_flax` wraps an existing `nnx.Linear`'s
+variables (what `quantize_model` does).
 
 Example::
 
@@ -24,85 +18,47 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from types import MappingProxyType
+from typing import Any, Mapping, Optional
 
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 
-from jaxquant.flax.quantization import QUANTIZE_RNG, check_recipe, stochastic_roles
-from jaxquant.quantized_dense import TENSOR_TYPES, DenseQuantizers, dense
-from jaxquant.recipes import Recipe, current_recipe
-from jaxquant.state import DelayedScalingState
+from jaxquant.layers.einsum import plan_linear_general
+from jaxquant.nnx.module import QuantizedContraction, RngsArg, quantize_stream
+from jaxquant.quantized_dense import dense
+from jaxquant.recipes import Recipe
 
 default_kernel_init = nnx.initializers.lecun_normal()
 default_bias_init = nnx.initializers.zeros_init()
 
 
-class OverwriteWithGradient(nnx.Variable):
-  """A variable whose gradient is its new value (delayed-scaling `scale` / `amax_history`)."""
+def existing_value(variable: Optional[nnx.Variable]):
+  """An initializer that returns `variable`'s value (to construct around existing params)."""
+  return lambda key, shape, dtype=None: None if variable is None else variable.get_value()
 
 
-#: What to differentiate: parameters and delayed-scaling state.
-GRAD_WRT = nnx.Any(nnx.Param, OverwriteWithGradient)
+def finish_output(y: jax.Array, out_sharding: Any, preferred_element_type: Any) -> jax.Array:
+  """The quantized path's output in the caller's requested sharding and dtype (the GEMM
+  accumulates in float32 and rounds to the input dtype; `preferred_element_type` casts that)."""
+  if preferred_element_type is not None:
+    y = y.astype(preferred_element_type)
+  if out_sharding is not None:
+    y = jax.lax.with_sharding_constraint(y, out_sharding)
+  return y
 
 
-def diff_state(argnum: int = 0) -> nnx.DiffState:
-  """`nnx.grad(..., argnums=diff_state(i))`: gradients of params and delayed-scaling state."""
-  return nnx.DiffState(argnum, GRAD_WRT)
-
-
-def apply_gradients(optimizer: nnx.Optimizer, model: nnx.Module, grads: nnx.State,
-                    **kwargs) -> Any:
-  """`optimizer.update(model, grads)` on the parameters, then overwrite every
-  `OverwriteWithGradient` variable of `model` with its gradient (its new value).
-
-  `grads` must come from differentiating with respect to `GRAD_WRT` (see `diff_state`).
-  Returns the optimizer's updates.
-  """
-  updates = optimizer.update(model, grads, **kwargs)
-  nnx.update(model, nnx.state(grads, OverwriteWithGradient))
-  return updates
-
-
-def _state_leaves(prefix: str, state: Any):
-  """`(name, value)` of every array of an init state pytree, named as in linen."""
-  if state is None:
-    return []
-  if isinstance(state, tuple):  # Hybrid: (rowwise, columnwise)
-    return [leaf for d, s in zip(("rowwise", "columnwise"), state)
-            for leaf in _state_leaves(f"{prefix}_{d}", s)]
-  return [(f"{prefix}_scale", state.scale), (f"{prefix}_amax_history", state.amax_history)]
-
-
-def _read_state(module: nnx.Module, prefix: str, state: Any):
-  if state is None:
-    return None
-  if isinstance(state, tuple):
-    return tuple(_read_state(module, f"{prefix}_{d}", s)
-                 for d, s in zip(("rowwise", "columnwise"), state))
-  values = []
-  for field, init in (("scale", state.scale), ("amax_history", state.amax_history)):
-    variable = getattr(module, f"{prefix}_{field}", None)
-    if not isinstance(variable, OverwriteWithGradient) or variable.shape != init.shape:
-      raise ValueError(
-          f"{type(module).__name__} '{module.name}': the recipe uses delayed scaling for "
-          f"'{prefix}', whose state ({prefix}_{field}, shape {init.shape}) was not created at "
-          "construction; pass the recipe to the constructor (recipe=...) or construct the "
-          "module under the same jaxquant.autocast")
-    values.append(variable[...])
-  return DelayedScalingState(*values)
-
-
-class Linear(nnx.Module):
+class Linear(QuantizedContraction):
   """A linear transformation over the last axis, quantized by a recipe (see the module doc).
 
   Args:
     in_features, out_features, use_bias, dtype, param_dtype, precision, kernel_init,
-      bias_init: as `flax.nnx.Linear`.
+      bias_init, promote_dtype, preferred_element_type, kernel_metadata, bias_metadata: as
+      `flax.nnx.Linear`.
     recipe: quantization recipe; None: the innermost `jaxquant.autocast` at call time. Delayed
       scaling needs its state created here: pass the recipe, or construct under `autocast`.
-    name: the roles' name.
+    name: the roles' name; path: the roles' path (informational, for factories and explain).
     rngs: `nnx.Rngs` for the parameters (`params` stream); its `"quantize"` stream, if any,
       is forked for stochastic rounding.
   """
@@ -110,13 +66,18 @@ class Linear(nnx.Module):
   def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True,
                dtype: Optional[Any] = None, param_dtype: Any = jnp.float32,
                precision: Any = None, kernel_init: Any = default_kernel_init,
-               bias_init: Any = default_bias_init, recipe: Optional[Recipe] = None,
-               name: str = "Linear", rngs: nnx.Rngs):
+               bias_init: Any = default_bias_init,
+               promote_dtype: Any = nnx.nn.dtypes.promote_dtype,
+               preferred_element_type: Any = None, recipe: Optional[Recipe] = None,
+               name: str = "Linear", path: str = "", rngs: nnx.Rngs,
+               kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+               bias_metadata: Mapping[str, Any] = MappingProxyType({})):
     self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features),
-                                        param_dtype))
+                                        param_dtype), **kernel_metadata)
     self.bias: Optional[nnx.Param]
     if use_bias:
-      self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype))
+      self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype),
+                            **bias_metadata)
     else:
       self.bias = nnx.data(None)
     self.in_features = in_features
@@ -125,53 +86,43 @@ class Linear(nnx.Module):
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.precision = precision
-    self.recipe = check_recipe(recipe, "Linear(recipe)")
-    self.name = name
-    # Only an explicit "quantize" stream: forking a fallback ("default") stream would shift
-    # the keys of every module created after this one.
-    self.rngs = rngs[QUANTIZE_RNG].fork() if QUANTIZE_RNG in rngs else nnx.data(None)
-    quantizers = self._quantizers(self.recipe or current_recipe())
-    if quantizers is not None and quantizers.stateful:
-      for t, s in zip(TENSOR_TYPES, quantizers.init_states()):
-        for leaf_name, value in _state_leaves(t, s):
-          setattr(self, leaf_name, OverwriteWithGradient(value))
+    self.promote_dtype = promote_dtype
+    self.preferred_element_type = preferred_element_type
+    self._init_quantization(recipe, name, path, rngs)
 
-  def _quantizers(self, recipe: Optional[Recipe]) -> Optional[DenseQuantizers]:
-    if recipe is None:
-      return None
-    return DenseQuantizers.from_recipe(recipe, "linear", self.name, self.name)
+  @classmethod
+  def from_flax(cls, module: nnx.Linear, *, recipe: Optional[Recipe] = None,
+                name: str = "Linear", path: str = "",
+                rngs: Optional[nnx.Rngs] = None) -> "Linear":
+    """A `Linear` that holds `module`'s own `kernel` / `bias` variables (not copies)."""
+    new = cls(module.in_features, module.out_features, use_bias=module.use_bias,
+              dtype=module.dtype, param_dtype=module.param_dtype, precision=module.precision,
+              kernel_init=existing_value(module.kernel), bias_init=existing_value(module.bias),
+              promote_dtype=module.promote_dtype,
+              preferred_element_type=module.preferred_element_type, recipe=recipe, name=name,
+              path=path, rngs=nnx.Rngs(0))
+    new.kernel, new.bias = module.kernel, module.bias
+    new.rngs = quantize_stream(rngs)
+    return new
 
-  def _key(self, quantizers: DenseQuantizers, rngs) -> Optional[jax.Array]:
-    roles = stochastic_roles(quantizers)
-    if not roles:
-      return None
-    rngs = rngs if rngs is not None else self.rngs
-    if isinstance(rngs, nnx.Rngs):
-      if QUANTIZE_RNG not in rngs:
-        rngs = None
-      else:
-        rngs = rngs[QUANTIZE_RNG]
-    if isinstance(rngs, nnx.RngStream):
-      return rngs()
-    if isinstance(rngs, jax.Array):
-      return rngs
-    raise ValueError(
-        f"Linear '{self.name}': the recipe rounds {', '.join(str(r) for r in roles)} "
-        f"stochastically and needs the nnx.Rngs stream '{QUANTIZE_RNG}': construct with "
-        f"rngs=nnx.Rngs(params=..., {QUANTIZE_RNG}=...) or call with rngs=")
-
-  def __call__(self, inputs: jax.Array, *,
-               rngs: Union[nnx.Rngs, nnx.RngStream, jax.Array, None] = None) -> jax.Array:
+  def __call__(self, inputs: jax.Array, out_sharding: Any = None, *,
+               rngs: RngsArg = None) -> jax.Array:
     """Apply the layer; `rngs` overrides the constructor's `"quantize"` stream."""
     kernel = self.kernel[...]
     bias = self.bias[...] if self.bias is not None else None
-    inputs, kernel, bias = nnx.nn.dtypes.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
-    quantizers = self._quantizers(self.recipe if self.recipe is not None else current_recipe())
-    if quantizers is None:
-      return dense(inputs, kernel, bias, precision=self.precision)
-    states = None
-    if quantizers.stateful:
-      states = tuple(_read_state(self, t, s)
-                     for t, s in zip(TENSOR_TYPES, quantizers.init_states()))
-    return dense(inputs, kernel, bias, quantizers, key=self._key(quantizers, rngs),
-                 states=states, precision=self.precision)
+    inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+    quantizers = self._quantizers(self.recipe)
+    if quantizers is None:  # flax.nnx.Linear's own contraction
+      kwargs = {"out_sharding": out_sharding}
+      if self.preferred_element_type is not None:
+        kwargs["preferred_element_type"] = self.preferred_element_type
+      y = jax.lax.dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())),
+                              precision=self.precision, **kwargs)
+      if bias is not None:
+        y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+      return y
+    plan = plan_linear_general(inputs.ndim, (-1,), 0, 1)
+    y = dense(inputs, kernel, bias, quantizers, key=self._key(quantizers, rngs),
+              states=self._states(quantizers), precision=self.precision,
+              sharding=self._sharding(plan))
+    return finish_output(y, out_sharding, self.preferred_element_type)
