@@ -24,9 +24,9 @@ import opt_einsum
 
 from jaxquant.explain import Decision, record
 from jaxquant.layers.einsum import UnsupportedEinsum, contract, plan_einsum
-from jaxquant.nnx.linear import (default_bias_init, default_kernel_init, existing_value,
-                                 finish_output)
-from jaxquant.nnx.module import QuantizedContraction, RngsArg, quantize_stream
+from jaxquant.nnx.linear import default_bias_init, default_kernel_init
+from jaxquant.nnx.module import (QuantizedContraction, RngsArg, existing_value, finish_output,
+                                 quantize_stream)
 from jaxquant.recipes import Recipe
 from jaxquant.roles import QuantizerRole
 

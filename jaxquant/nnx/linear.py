@@ -26,27 +26,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant.layers.einsum import plan_linear_general
-from jaxquant.nnx.module import QuantizedContraction, RngsArg, quantize_stream
+from jaxquant.nnx.module import (QuantizedContraction, RngsArg, existing_value, finish_output,
+                                 quantize_stream)
 from jaxquant.quantized_dense import dense
 from jaxquant.recipes import Recipe
 
 default_kernel_init = nnx.initializers.lecun_normal()
 default_bias_init = nnx.initializers.zeros_init()
-
-
-def existing_value(variable: Optional[nnx.Variable]):
-  """An initializer that returns `variable`'s value (to construct around existing params)."""
-  return lambda key, shape, dtype=None: None if variable is None else variable.get_value()
-
-
-def finish_output(y: jax.Array, out_sharding: Any, preferred_element_type: Any) -> jax.Array:
-  """The quantized path's output in the caller's requested sharding and dtype (the GEMM
-  accumulates in float32 and rounds to the input dtype; `preferred_element_type` casts that)."""
-  if preferred_element_type is not None:
-    y = y.astype(preferred_element_type)
-  if out_sharding is not None:
-    y = jax.lax.with_sharding_constraint(y, out_sharding)
-  return y
 
 
 class Linear(QuantizedContraction):

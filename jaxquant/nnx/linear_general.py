@@ -19,9 +19,9 @@ import numpy as np
 from flax.core.frozen_dict import FrozenDict
 
 from jaxquant.layers.einsum import contract, plan_linear_general
-from jaxquant.nnx.linear import (default_bias_init, default_kernel_init, existing_value,
-                                 finish_output)
-from jaxquant.nnx.module import QuantizedContraction, RngsArg, quantize_stream
+from jaxquant.nnx.linear import default_bias_init, default_kernel_init
+from jaxquant.nnx.module import (QuantizedContraction, RngsArg, existing_value, finish_output,
+                                 quantize_stream)
 from jaxquant.recipes import Recipe
 
 

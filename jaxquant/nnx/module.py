@@ -53,6 +53,21 @@ def _state_leaves(prefix: str, state: Any):
   return [(f"{prefix}_scale", state.scale), (f"{prefix}_amax_history", state.amax_history)]
 
 
+def existing_value(variable: Optional[nnx.Variable]):
+  """An initializer that returns `variable`'s value (to construct around existing params)."""
+  return lambda key, shape, dtype=None: None if variable is None else variable.get_value()
+
+
+def finish_output(y: jax.Array, out_sharding: Any, preferred_element_type: Any) -> jax.Array:
+  """The quantized path's output in the caller's requested sharding and dtype (the GEMM
+  accumulates in float32 and rounds to the input dtype; `preferred_element_type` casts that)."""
+  if preferred_element_type is not None:
+    y = y.astype(preferred_element_type)
+  if out_sharding is not None:
+    y = jax.lax.with_sharding_constraint(y, out_sharding)
+  return y
+
+
 class QuantizedContraction(nnx.Module):
   """Base of `Linear`, `LinearGeneral` and `Einsum`: see the module doc.
 
