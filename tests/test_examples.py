@@ -163,3 +163,18 @@ def test_lm_scan_layers_and_remat_compute_the_unrolled_models_loss_and_gradients
                    got_blocks, want_grads["params"][f"block_{i}"])
     np.testing.assert_allclose(grads["params"]["lm_head"]["kernel"],
                                want_grads["params"]["lm_head"]["kernel"], rtol=1e-4, atol=1e-6)
+
+
+def test_nnx_quantize_trains_bf16_and_the_swapped_fp8_model_alike(capsys):
+  nnx_quantize = _example("nnx_quantize")
+  result = nnx_quantize.main(["--steps", "60", "--d-model", "32", "--layers", "1", "--heads",
+                              "2", "--seq", "32", "--batch", "8", "--data-mb", "0.3",
+                              "--warmup", "5", "--log-every", "20", "--lr", "1e-2"])
+  out = capsys.readouterr().out
+  assert "fp8_current: swapped 5 modules (Einsum, Linear)" in out
+  for name, curve in result["curves"].items():  # [train at 20, 40, 60, validation]
+    assert len(curve) == 4 and max(curve) < 0.6 * np.log(256), (name, curve)  # learned bytes
+  # the full default run (300 steps) lands within 2%; 60 tiny steps within 5%
+  assert result["relative_difference"] < 0.05, result["summary"]
+  with pytest.raises(ValueError, match="expected one quantized recipe"):
+    nnx_quantize.main(["--recipe", "bf16"])

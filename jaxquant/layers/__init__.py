@@ -1,6 +1,8 @@
-"""The quantized layers as `jax.custom_vjp` functions: `dense` and `grouped_dense`.
+"""The quantized layers as functions built on `jaxquant.ops`.
 
-Forward quantizes the directions it needs and saves only the quantized columnwise operands;
-backward quantizes `dy` and runs dgrad and wgrad (DESIGN.md section 5). The Flax and NNX modules
-are thin wrappers around these.
+`dense` and `grouped_dense` are `jax.custom_vjp`s: the forward quantizes the directions it needs
+and saves only the quantized columnwise operands; the backward quantizes `dy` and runs dgrad and
+wgrad (DESIGN.md section 5). `einsum` maps an activation-weight einsum onto `dense`;
+`collective_gemm` reduces K-sharded GEMMs under a mesh. The Flax and NNX modules are thin
+wrappers around these.
 """
