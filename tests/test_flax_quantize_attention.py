@@ -15,7 +15,7 @@ import pytest
 import jaxquant as jq
 import jaxquant.flax as jf
 from helpers import assert_same_leaves
-from jaxquant.flax.einsum import parse_einsum
+from jaxquant.flax.einsum import plan_module_einsum
 
 pytestmark = pytest.mark.usefixtures("core_backend")
 
@@ -132,14 +132,15 @@ def test_options_are_checked():
 
 
 class _Einsums(nn.Module):
-  """A supported equation whose output order differs from the kernel's (bias permuted), and an
-  ellipsis; then a batched equation the TN contraction cannot express."""
+  """A supported equation whose output order differs from the kernel's (bias permuted), an
+  ellipsis, a per-head (batched) kernel; then an equation one GEMM cannot express."""
 
   @nn.compact
   def __call__(self, x):
     h = nn.Einsum((D, 8, HEADS), "bsd,dkh->bhsk", name="heads")(x)  # [B, HEADS, L, 8]
     y = nn.Einsum((8, D), "...k,kd->...d", name="merge")(h)  # [B, HEADS, L, D]
-    return nn.Einsum((HEADS, D, D), "bhsd,hde->bhse", name="per_head")(y)
+    z = nn.Einsum((HEADS, D, D), "bhsd,hde->bhse", name="per_head")(y)  # one GEMM per head
+    return nn.Einsum((D, D), "bhsd,de->bhe", name="pool")(z)  # sums s: not one GEMM
 
 
 def test_einsum_equals_hand_built_jaxquant_dense(rng):
@@ -160,7 +161,10 @@ def test_einsum_equals_hand_built_jaxquant_dense(rng):
     h = jnp.transpose(h, (0, 3, 1, 2))  # -> bhsk
     y = jq.dense(h, p["merge"]["kernel"], p["merge"]["bias"], q("merge"))
     per_head = p["per_head"]
-    return jnp.einsum("bhsd,hde->bhse", y, per_head["kernel"]) + per_head["bias"][None, :, None]
+    z = jax.vmap(lambda yh, kh, bh: jq.dense(yh, kh, bh, q("per_head")))(
+        jnp.transpose(y, (1, 0, 2, 3)), per_head["kernel"], per_head["bias"])  # [h, b, s, e]
+    z = jnp.transpose(z, (1, 0, 2, 3))
+    return jnp.einsum("bhsd,de->bhe", z, p["pool"]["kernel"]) + p["pool"]["bias"]
 
   assert_same_leaves(got, jax.jit(hand)(x), "einsum outputs")
 
@@ -172,19 +176,21 @@ def test_einsum_it_cannot_express_is_reported_and_left_to_flax(rng):
     variables = model.init(jax.random.key(0), x)
     report = jq.explain(model.apply, variables, x)
   skipped = [d for d in report if d.path == "not-quantized"]
-  assert [d.role.name for d in skipped] == ["per_head"], str(report)
-  assert "batched contraction" in skipped[0].reason and "'h'" in skipped[0].reason
-  assert {d.role.name for d in report if d.op == "quantize"} == {"heads", "merge"}
+  assert [d.role.name for d in skipped] == ["pool"], str(report)
+  assert "input axis 's' is summed without the weight" in skipped[0].reason
+  assert {d.role.name for d in report if d.op == "quantize"} == {"heads", "merge", "per_head"}
 
 
 @pytest.mark.parametrize("equation, why", [
-    ("bi,ii->bi", "repeats within the kernel"),
-    ("bij,jk->bk", "input axes 'i' are summed without the kernel"),
-    ("bj,jk->b", "kernel axes 'k' are summed without the input"),
-    ("bi,k->bik", "outer product"),
+    ("bi,ii->bi", "axis 'i' repeats in the weight"),
+    ("bij,jk->bk", "input axis 'i' is summed without the weight"),
+    ("bj,jk->b", "weight axis 'k' is summed without the input"),
+    ("bi,k->bik", "outer or elementwise product"),
+    ("bi,...->bi", "ellipsis in the weight"),
 ])
 def test_einsum_equations_that_stay_unquantized(equation, why):
-  plan, reason = parse_einsum(equation, len(equation.split(",")[0]))
+  lhs, rhs = equation.split("->")[0].split(",")
+  plan, reason = plan_module_einsum(equation, len(lhs), len(rhs))
   assert plan is None and why in reason
 
 
