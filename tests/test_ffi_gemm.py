@@ -205,7 +205,7 @@ def test_a_cuda_build_without_gemm_kernels_names_the_build_option(rng, monkeypat
   # CUDA platform has no GEMM targets, and the reason says which option left them out.
   a, b = _operand(rng, (M, K), "fp8"), _operand(rng, (N, K), "fp8")
   monkeypatch.setattr(ffi_gemm, "_platform", lambda: "cuda")
-  monkeypatch.setattr(ffi_gemm, "_compute_capability", lambda: (9, 0))  # an H100
+  monkeypatch.setattr(ffi_gemm, "compute_capability", lambda: (9, 0))  # an H100
   monkeypatch.setattr(ffi_gemm, "_targets", lambda platform: frozenset())
   monkeypatch.setattr(ffi_gemm, "_built_without_gemm", lambda: False)
   assert ffi_gemm.gemm_unsupported(a, b) == (
@@ -237,7 +237,7 @@ def test_cpu_handlers_leave_large_problems_to_the_reference_visibly(rng):
 
 def test_mxfp8_nvfp4_default_on_cuda_is_the_measured_faster_path(rng, monkeypatch):
   _platform_or_skip("cpu")
-  monkeypatch.setattr(ffi_gemm, "_compute_capability", lambda: (9, 0))
+  monkeypatch.setattr(ffi_gemm, "compute_capability", lambda: (9, 0))
   a, b = _operand(rng, (M, K), "mxfp8"), _operand(rng, (N, K), "nvfp4-row")
   monkeypatch.setenv("JAXQUANT_MX_GEMM", "auto")
   assert ffi_gemm._kernel_path(a, b, "cuda") == ("dequant-bf16", ffi_gemm.MX_GEMM_AUTO_REASON)

@@ -138,7 +138,7 @@ def test_grouped_delayed_first_step_is_bitwise_the_reference(rng):
   sizes = jnp.asarray(_sizes(rng, 150, 5, (1,), 7))
   state = _half_fresh_state(rng, q, 5)
   fn = lambda x, sizes, state: jg.quantize(x, sizes, q, state=state)
-  assert _paths(fn, x, sizes, state).paths() == {"ffi"}
+  assert _paths(fn, x, sizes, state).paths() == {FFI_PATH}
   assert_same_leaves(_on("ffi", fn, x, sizes, state), _on("reference", fn, x, sizes, state))
   w = jnp.asarray(oracle.random_matrix(rng, (3, 40, 24)), jnp.bfloat16)
   state = _half_fresh_state(rng, q, 3)

@@ -121,9 +121,12 @@ def test_fp8_reduces_no_more_bytes_than_bf16(mesh_name, devices, rng, ffi_backen
   # The model computes in bf16, so its gradients are bf16 values: a sum taken in another order
   # (over shards) may round to the neighbouring bf16 value (2^-8 relative), on one device too,
   # whatever the reduce dtype. Bounds: the float32 mode within 1e-2 (relative norm; loss 1e-5),
-  # the default bf16 partial sums (one more bf16 rounding per shard) within 3e-2 (loss 2e-2).
+  # the default bf16 partial sums (one more bf16 rounding per shard) within 6e-2 (loss 2e-2): a
+  # value that moves by one bf16 step (2^-8) flips the E4M3 rounding of an element near a rounding
+  # boundary by a whole E4M3 step (2^-3), and the next quantized GEMMs carry that on (measured
+  # 3.0-4.0% over 8 seeds on 8 CPU devices; float32 partial sums give the same flips far less often).
   single = jax.jit(jax.value_and_grad(_loss(MLP(jq.Float8CurrentScaling()))))(unboxed, x)
-  for name, loss_rtol, grad_rtol in (("fp8_f32", 1e-5, 1e-2), ("fp8", 2e-2, 3e-2)):
+  for name, loss_rtol, grad_rtol in (("fp8_f32", 1e-5, 1e-2), ("fp8", 2e-2, 6e-2)):
     loss, grads = runs[name][2]
     np.testing.assert_allclose(loss, single[0], rtol=loss_rtol, err_msg=name)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(single[1])):
