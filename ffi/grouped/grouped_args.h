@@ -294,20 +294,24 @@ auto BindGroupedAmax(Binding binding) {
       .template Ret<ffi::AnyBuffer>();
 }
 
-// jaxquant_grouped_gemm: a, b, their scales and factors, offsets, bias -> out.
+// The nine operands of the grouped GEMM targets: a, b, their scales and factors, offsets, bias.
 template <typename Binding>
-auto BindGroupedGemm(Binding binding) {
-  auto args = std::move(binding).template Arg<ffi::AnyBuffer>()
-                  .template Arg<ffi::AnyBuffer>()
-                  .template Arg<ffi::AnyBuffer>()
-                  .template Arg<ffi::AnyBuffer>()
-                  .template Arg<ffi::AnyBuffer>()
-                  .template Arg<ffi::AnyBuffer>()
-                  .template Arg<ffi::AnyBuffer>()
-                  .template Arg<ffi::AnyBuffer>()
-                  .template Arg<ffi::AnyBuffer>();
-  return std::move(args).template Ret<ffi::AnyBuffer>()
-      .template Attr<int32_t>("mode")
+auto BindGroupedGemmOperands(Binding&& binding) {  // a reference: Binding is not movable
+  return std::move(binding).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>();
+}
+
+// Their attributes (after the results).
+template <typename Binding>
+auto BindGroupedGemmAttrs(Binding&& binding) {  // a reference: Binding is not movable
+  return std::move(binding).template Attr<int32_t>("mode")
       .template Attr<int32_t>("a_scaling")
       .template Attr<int32_t>("b_scaling")
       .template Attr<bool>("has_row_factor")
@@ -316,28 +320,20 @@ auto BindGroupedGemm(Binding binding) {
       .template Attr<bool>("has_bias");
 }
 
-// jaxquant_grouped_gemm_sm90 (CUDA only, built with CUTLASS): the arguments and attributes of
-// jaxquant_grouped_gemm, results out and a u8 workspace (grouped/sm90/sm90_gemm.h).
+// jaxquant_grouped_gemm: the operands -> out.
+template <typename Binding>
+auto BindGroupedGemm(Binding binding) {
+  return BindGroupedGemmAttrs(
+      BindGroupedGemmOperands(std::move(binding)).template Ret<ffi::AnyBuffer>());
+}
+
+// jaxquant_grouped_gemm_sm90 (CUDA only, built with CUTLASS): the same operands and attributes,
+// results out and a u8 workspace (grouped/sm90/sm90_gemm.h).
 template <typename Binding>
 auto BindGroupedGemmSm90(Binding binding) {
-  auto args = std::move(binding).template Arg<ffi::AnyBuffer>()
-                  .template Arg<ffi::AnyBuffer>()
-                  .template Arg<ffi::AnyBuffer>()
-                  .template Arg<ffi::AnyBuffer>()
-                  .template Arg<ffi::AnyBuffer>()
-                  .template Arg<ffi::AnyBuffer>()
-                  .template Arg<ffi::AnyBuffer>()
-                  .template Arg<ffi::AnyBuffer>()
-                  .template Arg<ffi::AnyBuffer>();
-  return std::move(args).template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Attr<int32_t>("mode")
-      .template Attr<int32_t>("a_scaling")
-      .template Attr<int32_t>("b_scaling")
-      .template Attr<bool>("has_row_factor")
-      .template Attr<bool>("has_col_factor")
-      .template Attr<bool>("has_group_factor")
-      .template Attr<bool>("has_bias");
+  return BindGroupedGemmAttrs(BindGroupedGemmOperands(std::move(binding))
+                                  .template Ret<ffi::AnyBuffer>()
+                                  .template Ret<ffi::AnyBuffer>());
 }
 
 }  // namespace jqgrouped
