@@ -22,7 +22,13 @@ QUANTIZE = re.compile(r"amax_kernel|fp8_tensor_kernel|mxfp8_kernel|fp8_block_ker
                       r"transpose_kernel|grouped_quantize|jaxquant", re.I)
 
 
+# NCCL's collective kernels (all-reduce, reduce-scatter, all-gather, all-to-all) of a mesh step.
+COLLECTIVE = re.compile(r"nccl", re.I)
+
+
 def classify(name: str) -> str:
+  if COLLECTIVE.search(name):
+    return "collective"
   if QUANTIZE.search(name) and "gemm" not in name.lower():
     return "quantize"
   if GEMM.search(name):
@@ -63,7 +69,8 @@ def kernel_times(path: str) -> tuple[dict[str, float], list[str]]:
 
 
 def split(times: dict[str, float], steps: int) -> dict:
-  """Milliseconds per step by class, kernel launches per step, and the top kernels."""
+  """Milliseconds per step by class and the top kernels (summed over every GPU in the trace:
+  divide by the device count for a mesh step)."""
   by_class = collections.Counter()
   for name, us in times.items():
     by_class[classify(name)] += us
@@ -72,6 +79,7 @@ def split(times: dict[str, float], steps: int) -> dict:
       "gemm_ms": by_class["gemm"] / 1e3 / steps,
       "quantize_ms": by_class["quantize"] / 1e3 / steps,
       "other_ms": by_class["other"] / 1e3 / steps,
+      "collective_ms": by_class["collective"] / 1e3 / steps,
       "total_ms": sum(by_class.values()) / 1e3 / steps,
       "top": [(name[:120], round(us / 1e3 / steps, 3), classify(name)) for name, us in top],
   }

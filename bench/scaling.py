@@ -45,6 +45,7 @@ from lm import data, recipes, sharding, training, xla_flags  # noqa: E402
 from lm.model import GPT, LMConfig  # noqa: E402
 import train_lm  # noqa: E402
 
+import e2e_trace  # noqa: E402
 from jaxquant import hlo  # noqa: E402
 
 
@@ -73,9 +74,27 @@ def collective_report(hlo_text: str, activation_elements: int) -> dict:
   }
 
 
+def profile_steps(compiled, state, tokens, key, logdir: pathlib.Path, steps: int,
+                  devices: int) -> dict:
+  """GPU kernel time per step and per device of `steps` more steps under `jax.profiler`, split
+  into GEMM / quantize / collective (NCCL) / other; `wall_ms` is the traced steps' own time."""
+  t0 = time.perf_counter()
+  with jax.profiler.trace(str(logdir), create_perfetto_trace=True):
+    for step in range(steps):
+      state, loss = compiled(state, tokens, jax.random.fold_in(key, 1000 + step))
+    float(loss)
+  wall_ms = 1e3 * (time.perf_counter() - t0) / steps
+  times, _ = e2e_trace.kernel_times(e2e_trace.latest_trace(str(logdir)))
+  split = e2e_trace.split(times, steps * devices)
+  split["wall_ms"] = wall_ms
+  return split
+
+
 def run_mesh(model, config: LMConfig, batches: np.ndarray, cfg: training.TrainConfig,
-             axes: Optional[dict[str, int]], warmup: int) -> dict:
-  """Compile and run `len(batches)` steps on one mesh; losses, times and collectives."""
+             axes: Optional[dict[str, int]], warmup: int,
+             profile_dir: Optional[pathlib.Path] = None, label: str = "") -> dict:
+  """Compile and run `len(batches)` steps on one mesh; losses, times and collectives (and, with
+  `profile_dir`, the kernel-time split of 2 more steps)."""
   mesh = None if axes is None else sharding.make_mesh(axes)
   devices = 1 if mesh is None else mesh.size
   if mesh is not None:
@@ -96,6 +115,9 @@ def run_mesh(model, config: LMConfig, batches: np.ndarray, cfg: training.TrainCo
       state, loss = compiled(state, tokens, jax.random.fold_in(key, step))
       losses.append(float(loss))  # waits for the step
       times.append(time.perf_counter() - t0)
+    profile = None
+    if profile_dir is not None:
+      profile = profile_steps(compiled, state, tokens, key, profile_dir / label, 2, devices)
   del state, compiled
   gc.collect()
   timed = times[warmup:] or times
@@ -104,7 +126,7 @@ def run_mesh(model, config: LMConfig, batches: np.ndarray, cfg: training.TrainCo
   return {"mesh": mesh_name(axes), "axes": axes or {}, "devices": devices,
           "compile_s": compile_s, "step_ms": 1e3 * step_s, "min_step_ms": 1e3 * min(timed),
           "tokens_per_s_per_device": tokens_per_step / step_s / devices,
-          "losses": losses, "collectives": report}
+          "losses": losses, "collectives": report, "profile": profile}
 
 
 def compare_losses(runs: list[dict]) -> None:
@@ -148,6 +170,8 @@ def main() -> None:
   p.add_argument("--data-mb", type=float, default=8.0)
   p.add_argument("--backend", choices=training.BACKENDS, default=None)
   p.add_argument("--json", type=pathlib.Path, default=None)
+  p.add_argument("--profile-dir", type=pathlib.Path, default=None,
+                 help="trace 2 more steps per run there and report the per-device kernel split")
   args = p.parse_args()
   flags = xla_flags.apply_overlap_flags(not args.no_xla_overlap)  # before the backend starts
   names = recipes.parse(args.recipe)
@@ -170,12 +194,14 @@ def main() -> None:
                "fp8_accumulation": os.environ.get("JAXQUANT_FP8_ACCUMULATION", "default"),
                "xla_flags": flags,
                "config": {k: v for k, v in vars(args).items()
-                          if k not in ("meshes", "json", "backend")},
+                          if k not in ("meshes", "json", "backend", "profile_dir")},
                "runs": []}
     for axes, name in ((a, n) for a in args.meshes for n in names):
       print(f"[{name}] {mesh_name(axes)} ...", flush=True)
       try:
-        run = run_mesh(models[name], config, batches, cfg, axes, args.warmup)
+        label = f"{name}_{mesh_name(axes).replace(' ', '').replace('=', '')}"
+        run = run_mesh(models[name], config, batches, cfg, axes, args.warmup,
+                       args.profile_dir, label)
       except Exception as err:  # a mesh that fails (e.g. out of memory) is reported, not fatal
         run = {"mesh": mesh_name(axes), "axes": axes or {}, "error": f"{type(err).__name__}: "
                f"{str(err)[:2000]}"}
@@ -195,6 +221,13 @@ def main() -> None:
           f"{r['tokens_per_s_per_device']:9.0f} tok/s/dev  compile {r['compile_s']:5.1f}s  "
           f"max rel loss diff {r['max_rel_loss_diff']:.2e}  "
           f"act gathers {len(r['collectives']['activation_gathers'])}")
+    if r.get("profile"):
+      prof = r["profile"]
+      print(f"  per device: wall {prof['wall_ms']:.1f} ms | kernels: gemm {prof['gemm_ms']:.1f} "
+            f"quantize {prof['quantize_ms']:.1f} collective {prof['collective_ms']:.1f} "
+            f"other {prof['other_ms']:.1f} ms")
+      for name, ms, kind in prof["top"][:14]:
+        print(f"    {ms:8.3f} ms  {kind:10s} {name[:100]}")
   if args.json:
     args.json.write_text(json.dumps(results, indent=1))
 

@@ -450,7 +450,7 @@ def test_gpu_sm90_grouped_dense_fp8_runs_every_gemm_on_the_cutlass_kernel(on_sm9
 
   os.environ.pop("JAXQUANT_BACKEND", None)
   gemms = [d for d in jq.explain(step, variables, x, dy, sizes) if d.op == "grouped_gemm"]
-  assert len(gemms) == 3 and all(d.path == "ffi" and SM90 in d.detail for d in gemms), \
+  assert len(gemms) == 3 and all(d.path == "ffi-cuda" and SM90 in d.detail for d in gemms), \
       "\n".join(map(str, gemms))
   ffi, ref = _on("auto", step, variables, x, dy, sizes), _on("reference", step, variables, x,
                                                            dy, sizes)
