@@ -90,9 +90,11 @@ __global__ void __launch_bounds__(256) grouped_amax_kernel(const QuantizeParams 
 // Per group, the max |.| of the Hadamard-transformed 16-position chunks of the token layout
 // whose group starts are `pstarts` (multiples of 16): chunk k holds positions 16k .. 16k+15, the
 // rows starts[g] + (16k - pstarts[g]) .. of x while inside group g, zeros after. One CTA a chunk;
-// each thread transforms 8 features at a time.
+// a thread holds W features x 16 rows as raw inputs (one 16-byte load a row, as amax.cuh's
+// amax_kernel) and transforms one feature at a time.
 template <int TYPE>
 __global__ void __launch_bounds__(256) grouped_rht_amax_kernel(const QuantizeParams p) {
+  constexpr int W = TYPE == 2 ? 4 : 8;  // features per thread: 16 bytes of a row
   __shared__ uint32_t red[8];
   const int64_t pos0 = int64_t(blockIdx.x) * 16;
   const int G = int(p.G);
@@ -102,18 +104,44 @@ __global__ void __launch_bounds__(256) grouped_rht_amax_kernel(const QuantizePar
   const int64_t n = min(int64_t(16), int64_t(__ldg(p.starts + g + 1)) - __ldg(p.starts + g) - local);
   if (n <= 0) return;  // padding only: zeros change no amax
   const int64_t src0 = __ldg(p.starts + g) + local;
-  const bool vec = (TYPE == 2 ? p.C % 4 == 0 : p.C % 8 == 0) && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0;
+  const bool vec = p.C % W == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0;
   uint32_t m = 0;
-  for (int64_t c = int64_t(threadIdx.x) * 8; c < p.C; c += 256 * 8) {
-    const int n_valid = int(min(int64_t(8), p.C - c));
-    float v[16][8];
+  for (int64_t c = int64_t(threadIdx.x) * W; c < p.C; c += 256 * W) {
+    uint4 raw[16];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) load8<TYPE>(p.x, (src0 + i) * p.C + c, i < n ? n_valid : 0, vec, v[i]);
+    for (int i = 0; i < 16; ++i) {
+      const int64_t offset = (src0 + i) * p.C + c;
+      if (vec && i < n) {
+        raw[i] = __ldg(reinterpret_cast<const uint4*>(static_cast<const char*>(p.x) + offset * (TYPE == 2 ? 4 : 2)));
+      } else {
+        uint32_t w[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
-    for (int f = 0; f < 8; ++f) {
+        for (int j = 0; j < W; ++j) {
+          if (i >= n || c + j >= p.C) continue;
+          const float v = load_in<TYPE>(p.x, offset + j);
+          if constexpr (TYPE == 2) {
+            w[j] = __float_as_uint(v);
+          } else {  // re-pack the 16-bit input
+            const uint32_t h = TYPE == 0 ? (__float_as_uint(v) >> 16) : uint32_t(__half_as_ushort(__float2half_rn(v)));
+            w[j / 2] |= h << (16 * (j % 2));
+          }
+        }
+        raw[i] = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+    }
+#pragma unroll
+    for (int f = 0; f < W; ++f) {
       float w[16];
 #pragma unroll
-      for (int i = 0; i < 16; ++i) w[i] = v[i][f];
+      for (int i = 0; i < 16; ++i) {
+        const uint32_t word = f / (W / 4) == 0 ? raw[i].x : f / (W / 4) == 1 ? raw[i].y : f / (W / 4) == 2 ? raw[i].z : raw[i].w;
+        if constexpr (TYPE == 2) {
+          w[i] = __uint_as_float(word);
+        } else {
+          const uint16_t h = uint16_t(word >> (16 * (f % 2)));
+          w[i] = TYPE == 0 ? __uint_as_float(uint32_t(h) << 16) : __half2float(__ushort_as_half(h));
+        }
+      }
       jq::rht16(w);
 #pragma unroll
       for (int i = 0; i < 16; ++i) m = max(m, jq::abs_bits(w[i]));

@@ -21,6 +21,8 @@ struct Nvfp4Groups {
   const int32_t* pstarts = nullptr;  // [G + 1] group starts in the layout
   int64_t G = 0, T = 0;              // groups; rows of x
   int64_t expert_rows = 0;           // > 0: the columnwise copy is [G, C, expert_rows]
+  bool speculate = false;            // load row `pos` of x before the group lookup (a packed
+                                     // layout: the source row is the position or none)
 };
 
 // Single tensor: row_amax / col_amax are the tensor amax (or per row / column when row_scaled)
@@ -35,17 +37,6 @@ struct Nvfp4Params {
   Nvfp4Groups groups = {};
 };
 
-// Largest g in [0, G] with starts[g] <= pos (G: at or past the end of the last group), i.e.
-// the group whose extent holds `pos` (empty groups share their start with the next group).
-__device__ __forceinline__ int group_of(const int32_t* starts, int G, int64_t pos) {
-  int lo = 0, hi = G;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (int64_t(__ldg(starts + mid)) <= pos) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
-
 // Per tile row of a grouped quantize: source row of x (-1: zeros), group (G: none), index in
 // the group, and the group's second-level encode scale of each direction (1 for no group, as
 // the reference's per-position fill). Empty for the single-tensor kernel.
@@ -54,30 +45,55 @@ struct Nvfp4TileRows {};
 
 template <int TR>
 struct Nvfp4TileRows<true, TR> {
+  static constexpr int kStagedGroups = 256;  // offsets and scales of up to this many groups
+                                             // are staged in shared memory (one round trip)
   int64_t src[TR];
   int32_t group[TR], local[TR];
   float s_row[TR], s_col[TR];
+  int32_t starts[kStagedGroups + 1], pstarts[kStagedGroups + 1];
+  float s_row_g[kStagedGroups], s_col_g[kStagedGroups];
 
   __device__ __forceinline__ void fill(const Nvfp4Params& p, int64_t r0) {
+    const Nvfp4Groups& q = p.groups;
+    const int G = int(q.G);
+    const bool staged = G <= kStagedGroups;
+    if (staged) {  // every group's offsets and second-level scales, loaded in parallel
+      for (int g = threadIdx.x; g <= G; g += kThreads) {
+        starts[g] = __ldg(q.starts + g);
+        pstarts[g] = __ldg(q.pstarts + g);
+        if (g < G) {
+          s_row_g[g] = p.do_row ? jq::nvfp4_global_encode_scale(p.row_amax[g]) : 1.0f;
+          s_col_g[g] = p.do_col ? jq::nvfp4_global_encode_scale(p.col_amax[g]) : 1.0f;
+        }
+      }
+      __syncthreads();
+    }
     const int i = threadIdx.x;
     if (i < TR) {
-      const Nvfp4Groups& q = p.groups;
       const int64_t pos = r0 + i;
-      const int G = int(q.G);
       int g = G;
       int64_t source = -1, index = 0;
       if (pos < p.R) {
-        g = group_of(q.pstarts, G, pos);
-        index = pos - __ldg(q.pstarts + g);  // past the last group: pos - pstarts[G]
-        if (g < G && index < int64_t(__ldg(q.starts + g + 1)) - __ldg(q.starts + g)) {
-          source = __ldg(q.starts + g) + index;
+        const int32_t* ps = staged ? pstarts : q.pstarts;
+        const int32_t* st = staged ? starts : q.starts;
+        int lo = 0, hi = G;  // the group whose extent holds pos (G: none; see group_of)
+        while (lo < hi) {
+          const int mid = (lo + hi + 1) >> 1;
+          if (int64_t(staged ? ps[mid] : __ldg(ps + mid)) <= pos) lo = mid; else hi = mid - 1;
+        }
+        g = lo;
+        index = pos - (staged ? ps[g] : __ldg(ps + g));  // past the last group: pos - pstarts[G]
+        const int64_t begin = staged ? st[g] : (g < G ? __ldg(st + g) : 0);
+        if (g < G && index < int64_t(staged ? st[g + 1] : __ldg(st + g + 1)) - begin) {
+          source = begin + index;
         }
       }
       src[i] = source;
       group[i] = g;
       local[i] = int32_t(index);
-      s_row[i] = p.do_row && g < G ? jq::nvfp4_global_encode_scale(p.row_amax[g]) : 1.0f;
-      s_col[i] = p.do_col && g < G ? jq::nvfp4_global_encode_scale(p.col_amax[g]) : 1.0f;
+      const bool own = g < G;
+      s_row[i] = p.do_row && own ? (staged ? s_row_g[g] : jq::nvfp4_global_encode_scale(p.row_amax[g])) : 1.0f;
+      s_col[i] = p.do_col && own ? (staged ? s_col_g[g] : jq::nvfp4_global_encode_scale(p.col_amax[g])) : 1.0f;
     }
     __syncthreads();
   }
@@ -132,16 +148,26 @@ __global__ void __launch_bounds__(kThreads, 3) nvfp4_kernel(const Nvfp4Params p)
   const int64_t row_nb = (p.C + 15) / 16, col_nb = (p.R + 15) / 16;
   const int lr = tid / G::TPR, lc = (tid % G::TPR) * 8;
   __shared__ Nvfp4TileRows<GROUPED, G::TR> rows;
-  if constexpr (GROUPED) rows.fill(p, t.r0);
   alignas(16) In raw[G::NP][8];
+  if constexpr (GROUPED) {
+    // Rows are read from their source row of x, found first (or, in a packed layout, read at
+    // the position while the lookup runs and replaced when the source differs).
+    const int64_t T = p.groups.T;
+    if (p.groups.speculate) {
 #pragma unroll
-  for (int pp = 0; pp < G::NP; ++pp) {
-    if constexpr (GROUPED) {
-      const int64_t src = rows.src[pp * G::RPP + lr];
-      load8(x, p.groups.T, p.C, src >= 0 ? src : p.groups.T, t.c0 + lc, p.vec_in, raw[pp]);
-    } else {
-      load8(x, p.R, p.C, t.r0 + pp * G::RPP + lr, t.c0 + lc, p.vec_in, raw[pp]);
+      for (int pp = 0; pp < G::NP; ++pp) load8(x, T, p.C, t.r0 + pp * G::RPP + lr, t.c0 + lc, p.vec_in, raw[pp]);
     }
+    rows.fill(p, t.r0);
+#pragma unroll
+    for (int pp = 0; pp < G::NP; ++pp) {
+      const int64_t src = rows.src[pp * G::RPP + lr];
+      if (!p.groups.speculate || src != t.r0 + pp * G::RPP + lr) {
+        load8(x, T, p.C, src >= 0 ? src : T, t.c0 + lc, p.vec_in, raw[pp]);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int pp = 0; pp < G::NP; ++pp) load8(x, p.R, p.C, t.r0 + pp * G::RPP + lr, t.c0 + lc, p.vec_in, raw[pp]);
   }
   uint32_t blk[G::NP];
 #pragma unroll
