@@ -116,12 +116,9 @@ def _nvfp4_call(x2d, starts, pstarts, quantizer: NVFP4Quantizer, groups: int, le
                     rowwise=rowwise, columnwise=columnwise, block_2d=quantizer.block_2d,
                     rht=uses_rht(quantizer, "columnwise") and columnwise, stochastic=sr,
                     length=np.int64(length), expert_rows=np.int64(expert_rows))
-  copies = {}
-  data = {d: (outs.pop(0), outs.pop(0)) for d, on in (("rowwise", rowwise),
-                                                       ("columnwise", columnwise)) if on}
-  for direction in data:
-    copies[direction] = data[direction] + (outs.pop(0),)
-  return copies
+  directions = [d for d, on in (("rowwise", rowwise), ("columnwise", columnwise)) if on]
+  data = {d: (outs.pop(0), outs.pop(0)) for d in directions}  # (data, scale_inv) per copy,
+  return {d: data[d] + (outs.pop(0),) for d in directions}   # then the amaxes in that order
 
 
 def group_amax(x: jax.Array, sizes: jax.Array) -> jax.Array:
