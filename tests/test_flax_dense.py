@@ -95,7 +95,8 @@ def test_dense_general_identity_equals_flax_dense_general_bitwise(rng, config, d
   _assert_bitwise_equal(_value_and_grads(ours, variables, x, c),
                         _value_and_grads(ref, variables, x, c))
   report = jq.explain(ours.apply, variables, x)
-  assert [(d.op, d.path) for d in report] == [("gemm", "high-precision")]
+  assert [(d.op, d.path) for d in report] == [("quantize", "high-precision")] * 3 + [
+      ("gemm", "high-precision")]
 
 
 @pytest.mark.parametrize("config", DENSE_GENERAL_CONFIGS, ids=_config_id)

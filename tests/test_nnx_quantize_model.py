@@ -251,7 +251,9 @@ def test_identity_recipe_equals_the_unswapped_layer(rng, core_backend, layer):
   for path in want:
     _assert_bitwise_equal(got[path].get_value(), want[path].get_value())
   report = jq.explain(lambda: swapped(x))
-  assert [(d.op, d.path) for d in report] == [("gemm", "high-precision")]
+  assert [(d.op, d.path) for d in report] == [("quantize", "high-precision")] * 3 + [
+      ("gemm", "high-precision")]
+  assert [d.role.tensor_type for d in report[:3]] == ["input", "weight", "grad_output"]
 
 
 def test_identity_recipe_equals_the_unswapped_model(rng, core_backend):

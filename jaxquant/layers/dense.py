@@ -99,19 +99,23 @@ def runs_unquantized(quantizers: Optional[DenseQuantizers],
   custom backward would only re-derive JAX's transposes, in the TN operand order, which XLA:CPU
   sums in another order than the autodiff of a multi-axis or batched `dot_general` / operand-
   swapped `jnp.einsum`; the plain contraction makes an all-Identity recipe the unquantized model
-  bit for bit, values and gradients. `jaxquant.explain` records that case (`what` names the
-  contraction). Under a sharding plan the Identity contraction keeps the plan's collectives
-  (`reduce_dtype`, FSDP gathers) and runs through `dense`'s custom backward.
+  bit for bit, values and gradients. `jaxquant.explain` records that case: the quantizer that
+  served each role and the contraction (`what`), all on the "high-precision" path. Under a
+  sharding plan the Identity contraction keeps the plan's collectives (`reduce_dtype`, FSDP
+  gathers) and runs through `dense`'s custom backward.
   """
   if quantizers is None:
     return True
   if not quantizers.unquantized or sharding is not None:
     return False
+  why = "all-Identity: JAX's own contraction and autodiff"
+  for tensor_type, role in zip(TENSOR_TYPES, quantizers.roles):
+    _explain.record(_explain.Decision(
+        "quantize", role, f"rowwise+columnwise: {quantizers.quantizer(tensor_type)}",
+        "high-precision", why))
   role = quantizers.roles[0]
   label = what if role is None else f"{role.module_type}/{role.path or role.name}"
-  _explain.record(_explain.Decision(
-      "gemm", label, f"{what}: IdentityQuantizer x3", "high-precision",
-      "no tensor is quantized: JAX's own contraction and autodiff"))
+  _explain.record(_explain.Decision("gemm", label, what, "high-precision", why))
   return True
 
 
