@@ -328,6 +328,52 @@ def test_swapped_layer_equals_hand_built_dense(rng, core_backend, recipe_name, l
   assert not np.array_equal(np.asarray(y), np.asarray(make(nnx.Rngs(0))(x)))  # quantized
 
 
+def _hand_built_model(model, recipe, x, key):
+  """`Model`'s forward written out with `jaxquant.dense`, one contraction per module, each with
+  its module's roles (name and path) and fresh delayed-scaling states."""
+
+  def dense(module, path, x, kernel, bias=None, contracting_dims=1):
+    quantizers = DenseQuantizers.from_recipe(recipe, "linear", path.rsplit("/", 1)[-1], path)
+    states = quantizers.init_states() if quantizers.stateful else None
+    return jq.dense(x, kernel, bias, quantizers, key=key, states=states,
+                    contracting_dims=contracting_dims)
+
+  for i, block in enumerate(model.layers):
+    p, attn = f"layers/{i}", block.attn
+    q, k, v = dense(attn.qkv_einsum, f"{p}/attn/qkv_einsum", x,
+                    attn.qkv_einsum.kernel[...].transpose(2, 0, 1, 3)).transpose(2, 0, 1, 3, 4)
+    logits = jnp.einsum("BTNH,BSNH->BNTS", q, k) / np.sqrt(HEAD_DIM)
+    mixed = jnp.einsum("BNTS,BSNH->BTNH", jax.nn.softmax(logits), v)
+    out = attn.attn_vec_einsum
+    x = x + (dense(out, f"{p}/attn/attn_vec_einsum", mixed.transpose(0, 1, 3, 2),
+                   out.kernel[...].transpose(1, 0, 2), contracting_dims=2) + out.bias[...])
+    fc1, fc2 = block.mlp
+    h = jax.nn.gelu(dense(fc1, f"{p}/mlp/0", x, fc1.kernel[...], fc1.bias[...]))
+    x = x + dense(fc2, f"{p}/mlp/1", h, fc2.kernel[...], fc2.bias[...])
+    x = x + dense(block.heads, f"{p}/heads", x, block.heads.kernel[...],
+                  block.heads.bias[...]).reshape(x.shape)
+    x = dense(block.shared, "layers/0/shared", x, block.shared.kernel[...],
+              block.shared.bias[...])
+  return x
+
+
+@pytest.mark.parametrize("recipe_name", sorted(jq.BUILTIN_RECIPES))
+def test_swapped_model_equals_hand_built_dense(rng, core_backend, recipe_name):
+  """The whole swapped model (lists, a shared module, einsum / Linear / LinearGeneral layouts,
+  roles named by path) computes its hand-built `jaxquant.dense` contractions bit for bit."""
+  recipe = jq.BUILTIN_RECIPES[recipe_name]()
+  seen = []
+  recording = jq.CustomRecipe(lambda role: seen.append(role) or recipe.quantizer(role))
+  model = Model(nnx.Rngs(0))
+  jnnx.quantize_model(model, recording, rngs=nnx.Rngs(quantize=0))
+  x, key = _x(rng), jax.random.key(int(rng.integers(1 << 30)))
+  y = nnx.jit(lambda m, x: m(x))(model, x)
+  y_ref = jax.jit(lambda x: _hand_built_model(model, recipe, x, key))(x)
+  _assert_bitwise_equal(y, y_ref)
+  assert not np.array_equal(np.asarray(y), np.asarray(Model(nnx.Rngs(0))(x)))  # quantized
+  assert {r.path for r in seen} == PATHS - {"layers/1/shared"}
+
+
 def test_delayed_scaling_advances_under_nnx_jit(rng):
   history, steps = 3, 4
   holder = nnx.List([nnx.Einsum("BNTH,NHD->BNTD", (2, 16, D), rngs=nnx.Rngs(0))])
