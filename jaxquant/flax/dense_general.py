@@ -143,9 +143,10 @@ def dense_general_contraction(module: nn.Module, inputs: jax.Array, *,
   """`flax.linen.DenseGeneral.__call__` of `module` (any module with its attributes), with the
   contraction quantized by `recipe` (default: the module's `recipe` attribute, else the
   innermost `jaxquant.autocast`; none, or an all-Identity recipe without a sharding plan:
-  Flax's own contraction, see `jaxquant.layers.dense.runs_unquantized`). Call it inside the module's
-  scope (from its `__call__` or an interceptor): parameters are created there. The sharding
-  attributes (`kernel_axes`, `input_axes`, `reduce_dtype`) are read where the module has them."""
+  Flax's own contraction, see `jaxquant.layers.dense.runs_unquantized`). Call it inside the
+  module's scope (from its `__call__` or an interceptor): parameters are created there. The
+  sharding attributes (`kernel_axes`, `input_axes`, `reduce_dtype`) are read where the module
+  has them."""
   features = _as_tuple(module.features, "features")
   ndim = inputs.ndim
   axis = _normalize_axes(_as_tuple(module.axis, "axis"), ndim, "axis")

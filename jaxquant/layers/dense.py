@@ -95,15 +95,18 @@ def runs_unquantized(quantizers: Optional[DenseQuantizers],
   """Whether a contraction runs as the plain high-precision one: JAX's own `dot_general` /
   `einsum` (the unswapped module's code), differentiated by JAX.
 
-  True without quantizers, and for `quantizers.unquantized` without a sharding plan: then the
-  custom backward would only re-derive JAX's transposes, in the TN operand order, which XLA:CPU
-  sums in another order than the autodiff of a multi-axis or batched `dot_general` / operand-
-  swapped `jnp.einsum`; the plain contraction makes an all-Identity recipe the unquantized model
-  bit for bit, values and gradients. `jaxquant.explain` records that case: the quantizer that
-  served each role and the contraction (`what`), all on the "high-precision" path. Under a
-  sharding plan the Identity contraction keeps the plan's collectives (`reduce_dtype`, FSDP
-  gathers) and runs through `dense`'s custom backward.
-  """
+  True without quantizers, and for `quantizers.unquantized` without a sharding plan: nothing
+  is quantized, and the TN layout (operands transposed and flattened, `x . W^T`, a custom
+  backward) would be another program than the original's, for which XLA:CPU picks kernels that
+  sum the same products in another order (an operand-swapped `jnp.einsum`'s forward, the input
+  and weight gradients of multi-axis or batched contractions). Running the original's own
+  contraction makes an all-Identity recipe the unquantized model bit for bit, values and
+  gradients; callers with a Flax original (the linen and NNX modules) run its code when this
+  returns True, `dense` its plain `dot_general`. `jaxquant.explain` records that case: the
+  quantizer that served each role and the contraction (`what`), on the "high-precision" path.
+  Under a sharding plan the Identity contraction keeps the plan's collectives (`reduce_dtype`,
+  FSDP gathers) and runs through `dense`'s custom backward, as does a cast
+  (`IdentityQuantizer(dtype)`)."""
   if quantizers is None:
     return True
   if not quantizers.unquantized or sharding is not None:
