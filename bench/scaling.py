@@ -163,6 +163,9 @@ def main() -> None:
   p.add_argument("--moe", type=train_lm.parse_moe, default=None)
   p.add_argument("--moe-capacity", type=float, default=None,
                  help="capacity factor of the expert all-to-all buffers (default dropless)")
+  p.add_argument("--moe-exchange", choices=train_lm.MOE_EXCHANGES, default="auto",
+                 help="expert exchange under ep (auto: ragged_all_to_all when dropless on "
+                 "GPU, else fixed-size all_to_all buffers)")
   p.add_argument("--no-xla-overlap", action="store_true",
                  help="do not add lm/xla_flags.py's collective-overlap flags to XLA_FLAGS")
   p.add_argument("--remat", action="store_true")
@@ -179,7 +182,8 @@ def main() -> None:
   with training.jaxquant_backend(args.backend or training.default_backend()) as backend:
     config = LMConfig(seq=args.seq, d_model=args.d_model, layers=args.layers, heads=args.heads,
                       mlp_ratio=args.mlp_ratio, dtype=jnp.bfloat16, moe=args.moe,
-                      moe_capacity=args.moe_capacity, remat=args.remat,
+                      moe_capacity=args.moe_capacity, moe_exchange=args.moe_exchange,
+                      remat=args.remat,
                       scan_layers=args.scan_layers)
     models = {name: GPT(config, recipes.make(name)) for name in names}
     corpus = data.load_corpus(int(args.data_mb * 1e6))
