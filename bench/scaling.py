@@ -47,6 +47,7 @@ import train_lm  # noqa: E402
 
 import e2e_trace  # noqa: E402
 from jaxquant import hlo  # noqa: E402
+from jaxquant.explain import explain_recording  # noqa: E402
 
 
 def parse_meshes(spec: str) -> list[Optional[dict[str, int]]]:
@@ -105,7 +106,9 @@ def run_mesh(model, config: LMConfig, batches: np.ndarray, cfg: training.TrainCo
     key = jax.random.key(cfg.seed + 3)
     first = sharding.put_batches(mesh, batches[0])
     t0 = time.perf_counter()
-    compiled = train_step.lower(state, first, key).compile()
+    with explain_recording() as decisions:  # which expert exchange the MoE took, and why
+      lowered = train_step.lower(state, first, key)
+    compiled = lowered.compile()
     compile_s = time.perf_counter() - t0
     report = collective_report(compiled.as_text(), config.seq * config.d_model)
     losses, times = [], []
@@ -126,7 +129,9 @@ def run_mesh(model, config: LMConfig, batches: np.ndarray, cfg: training.TrainCo
   return {"mesh": mesh_name(axes), "axes": axes or {}, "devices": devices,
           "compile_s": compile_s, "step_ms": 1e3 * step_s, "min_step_ms": 1e3 * min(timed),
           "tokens_per_s_per_device": tokens_per_step / step_s / devices,
-          "losses": losses, "collectives": report, "profile": profile}
+          "losses": losses, "collectives": report, "profile": profile,
+          "ep_exchange": sorted({f"{d.path}{f' ({d.reason})' if d.reason else ''}"
+                                 for d in decisions if d.op == "ep-exchange"})}
 
 
 def compare_losses(runs: list[dict]) -> None:
@@ -224,7 +229,8 @@ def main() -> None:
     print(f"{r['recipe']:24s} {r['mesh']:12s} {r['step_ms']:9.1f} ms/step "
           f"{r['tokens_per_s_per_device']:9.0f} tok/s/dev  compile {r['compile_s']:5.1f}s  "
           f"max rel loss diff {r['max_rel_loss_diff']:.2e}  "
-          f"act gathers {len(r['collectives']['activation_gathers'])}")
+          f"act gathers {len(r['collectives']['activation_gathers'])}"
+          + (f"  ep exchange {', '.join(r['ep_exchange'])}" if r.get("ep_exchange") else ""))
     if r.get("profile"):
       prof = r["profile"]
       print(f"  per device: wall {prof['wall_ms']:.1f} ms | kernels: gemm {prof['gemm_ms']:.1f} "
