@@ -65,7 +65,7 @@ def mesh_name(axes: Optional[dict[str, int]]) -> str:
 
 def collective_report(hlo_text: str, activation_elements: int) -> dict:
   found = hlo.collectives(hlo_text)
-  gathers = [c for c in found if c.op in ("all-gather", "all-to-all")]
+  gathers = [c for c in found if c.op in ("all-gather", "all-to-all", "ragged-all-to-all")]
   return {
       "summary": hlo.summarize(found),
       "gathers": [str(c) for c in gathers],

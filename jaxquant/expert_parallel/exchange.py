@@ -55,9 +55,11 @@ def choose(layout: ExpertSharding, platform: str) -> tuple[str, str]:
     return "all-to-all", (f"capacity_factor={layout.capacity_factor}: fixed-size buffers that "
                           "drop assignments past the capacity (the ragged exchange is dropless)")
   if platform not in RAGGED_PLATFORMS:
-    return "all-to-all", (f"XLA on {platform} has no ragged_all_to_all here (used on "
-                          f"{', '.join(RAGGED_PLATFORMS)}): dropless fixed-size buffers move "
-                          f"and compute {layout.ep}x the real rows")
+    why = ("XLA:CPU does not compile ragged_all_to_all" if platform == "cpu" else
+           f"the ragged exchange runs on {', '.join(RAGGED_PLATFORMS)} only (not tried on "
+           f"{platform})")
+    return "all-to-all", (f"{why}: dropless fixed-size buffers move and compute {layout.ep}x "
+                          "the real rows")
   return "ragged-all-to-all", ""
 
 
