@@ -30,7 +30,7 @@ fi
 
 say "GPU tests"
 JAXQUANT_MULTIDEVICE=1 timeout 110 python3 -m pytest -q -s -p no:cacheprovider -m gpu \
-  tests/multidevice/test_expert_parallel_ragged.py 2>&1 | grep -v "^\[jaxquant tests\]" \
+  tests/multidevice/test_expert_parallel_ragged.py 2>&1 | sed -E "s/\[jaxquant tests\].*$//" \
   | tail -40 | tee -a "$LOG"
 
 bench() {  # name args...: bench/scaling.py within the time left
