@@ -39,9 +39,9 @@ bench() {  # name args...: bench/scaling.py within the time left
   if [ "$left" -lt 40 ]; then say "$name: skipped (${left}s left)"; return; fi
   say "$name: start"
   timeout "$left" python3 bench/scaling.py --recipe bf16 "$@" $MOE --json "$OUT/$name.json" \
-    > "$OUT/$name.log" 2>&1
+    > "/tmp/$name.log" 2>&1
   say "$name: exit $?"
-  grep -E "ms/step|ep exchange|rror|Traceback" "$OUT/$name.log" | cut -c1-400 | tee -a "$LOG"
+  grep -E "ms/step|ep exchange|rror|Traceback" "/tmp/$name.log" | cut -c1-400 | tee -a "$LOG"
   python3 bench/mesh_report.py "$OUT/$name.json" >> "$LOG" 2>&1
 }
 
