@@ -484,15 +484,17 @@ def test_gpu_sm90_explain_says_why_the_mma_sync_kernel_serves(on_sm90, rng):
 
 # ------------------------------ CUTLASS Hopper blockwise (Float8Block) ------------------------
 # jaxquant_grouped_gemm_sm90 with Float8Block operands (a: 1x128 blocks; b: 128x128 expert tiles
-# or 1x128 blocks): per 128-deep k-block the FP8 wgmma partial sums (Hopper's tensor cores keep
-# ~14 bits while adding, truncating: <= 2^-13 of the running magnitude per k32 step, 4 steps a
-# block) are multiplied by the two float32 block scales (powers of two: exact) and added in
-# float32 (<= KB 2^-24 of sum |a||b| over KB blocks). The stated bound against float64 math on
-# the exactly decoded operands, per output element:
-#     |out - exact| <= 2^-9 sum_k |a_k b_k| + r |exact|,  r = 2^-8 (bfloat16 out) or 2^-23 (f32),
-# 4x the tensor-core term above; a block scale applied to the wrong rows, columns or k-block
-# (random_matrix spreads magnitudes over 2^-8..2^8, so neighbouring blocks' scales differ)
-# breaks it by orders of magnitude.
+# or 1x128 blocks): per 128-deep k-block the FP8 wgmma partial sums are multiplied by the two
+# float32 block scales (powers of two: exact) and added in float32. Hopper's FP8 tensor cores
+# add the 32 products of a k32 step aligned to the largest and keep ~13 fraction bits
+# (truncating), so a step loses <= 31 x 2^-13 max|p| <= 2^-8 sum|p|, plus <= 2^-13 of the running
+# sum per step (4 steps a block); float32 promotion over K/128 blocks adds <= (K/128) 2^-24 of
+# sum |a||b|. The stated bound against float64 math on the exactly decoded operands, per output
+# element:
+#     |out - exact| <= 2^-7 sum_k |a_k b_k| + r |exact|,  r = 2^-8 (bfloat16 out) or 2^-23 (f32).
+# A block scale applied to the wrong rows, columns or k-block breaks it by orders of magnitude:
+# random_matrix spreads magnitudes over 2^-8..2^8, so neighbouring blocks' scales differ and one
+# block's largest product is a sizeable part of sum |a||b|.
 
 BLOCK_1x128 = jq.Float8BlockQuantizer((1, 128))
 BLOCK_128x128 = jq.Float8BlockQuantizer((128, 128))
@@ -509,12 +511,11 @@ def _decode_block64(data, scale_inv, block) -> np.ndarray:
 def _assert_block_bound(out, exact, magnitude, out_dtype, msg):
   out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
   r = 2.0**-8 if np.dtype(out_dtype) == np.dtype(jnp.bfloat16) else 2.0**-23
-  bound = 2.0**-9 * magnitude + r * np.abs(exact)
+  bound = 2.0**-7 * magnitude + r * np.abs(exact)
   err = np.abs(out - exact)
   worst = np.unravel_index(np.argmax(err - bound), err.shape)
   assert np.all(err <= bound), (f"{msg}: |out - exact| {err[worst]:.3g} > bound "
                                 f"{bound[worst]:.3g} at {worst}")
-  assert np.abs(exact).max() > 0, msg  # the check compared something
 
 
 def check_block_ragged(rng, w_quantizer, tokens, k, n, groups, empty, spare, out_dtype):
