@@ -207,18 +207,19 @@ __global__ void block_setup_kernel(const Problem p, BlockSetup<K> s) {
       const int64_t rows = clamp_start(p.pstarts, g + 1, p.L) - lo;
       s.sfa[lo * KB + kb * rows + (r - lo)] = p.a_scale[i];
     }
-    const int64_t per_expert = SR * KB;
-    for (int64_t i = tid; i < p.G * per_expert; i += threads) {
-      const int64_t g = i / per_expert, rem = i % per_expert;
-      s.sfb[g * per_expert + (rem % KB) * SR + rem / KB] = p.b_scale[i];
+    const int64_t per_expert = SR * KB;  // sfb[g SR KB + kb SR + r] = b_scale[g SR KB + r KB + kb]
+    for (int64_t j = tid; j < p.G * per_expert; j += threads) {
+      const int64_t g = j / per_expert, rem = j % per_expert;
+      s.sfb[j] = p.b_scale[g * per_expert + (rem % SR) * KB + rem / SR];
     }
     for (int64_t i = tail * p.N + tid; i < p.L * p.N; i += threads) out[i] = ElementD(0);
   } else {
-    for (int64_t i = tid; i < p.M * KB; i += threads) {
-      s.sfa[(i % KB) * p.M + i / KB] = p.a_scale[i];
+    // Indexed by destination (coalesced writes): sfa[kb M + m] = a_scale[m KB + kb].
+    for (int64_t j = tid; j < p.M * KB; j += threads) {
+      s.sfa[j] = p.a_scale[(j % p.M) * KB + j / p.M];
     }
-    for (int64_t i = tid; i < p.N * KB; i += threads) {
-      s.sfb[(i % KB) * p.N + i / KB] = p.b_scale[i];
+    for (int64_t j = tid; j < p.N * KB; j += threads) {
+      s.sfb[j] = p.b_scale[(j % p.N) * KB + j / p.N];
     }
     for (int64_t g = 0; g < p.G; ++g) {
       if (clamp_start(p.pstarts, g + 1, p.L) > clamp_start(p.pstarts, g, p.L)) continue;
