@@ -5,6 +5,7 @@
     python bench/grouped.py                    # 8 and 64 experts at LLM sizes (a GPU)
     python bench/grouped.py --tiny             # smoke check at tiny sizes (runs on CPU)
     python bench/grouped.py --experts 64 --json out.json
+    python bench/grouped.py --experts 8 --gemms --no-steps --formats "Float8Block 1x128 x 128x128 w"
 
 Cases (rows T are routed token-expert assignments, i.e. tokens x top-k, sorted by expert):
   8 experts:  T = 16384 (8192 tokens, top-2), K = 4096 -> N = 14336 (Mixtral-8x7B's fc1)
@@ -226,6 +227,8 @@ def main(argv=None) -> int:
                       help="also time the grouped GEMMs alone (fprop, dgrad, wgrad) per format")
   parser.add_argument("--formats", nargs="*", default=None, choices=sorted(GEMM_FORMATS),
                       help="with --gemms: only these formats (default: all)")
+  parser.add_argument("--no-steps", action="store_true",
+                      help="with --gemms: skip the GroupedDense steps (time the GEMMs only)")
   args = parser.parse_args(argv)
   args.repeats, args.calls, args.warmup = (1, 1, 1) if args.tiny else (5, 5, 2)
   device = jax.devices()[0]
@@ -235,7 +238,8 @@ def main(argv=None) -> int:
   results = []
   gemm_rows = []
   for experts in args.experts:
-    results += run_case(experts, cases[experts], args, card)
+    if not (args.gemms and args.no_steps):
+      results += run_case(experts, cases[experts], args, card)
     if args.gemms:
       gemm_rows += run_gemms(experts, cases[experts], args, card)
   print("\n| experts | case | ms | effective TFLOP/s | speedup vs bf16 ragged_dot | grouped GEMM "
