@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxquant as jq
+import grouped_quantize  # bench/grouped_quantize.py
 from timing import bench  # bench/timing.py (this folder is on sys.path when run)
 import jaxquant.flax  # noqa: F401
 from jaxquant.backends.ffi import gemm as ffi_gemm
@@ -227,8 +228,10 @@ def main(argv=None) -> int:
                       help="also time the grouped GEMMs alone (fprop, dgrad, wgrad) per format")
   parser.add_argument("--formats", nargs="*", default=None, choices=sorted(GEMM_FORMATS),
                       help="with --gemms: only these formats (default: all)")
+  parser.add_argument("--quantize", action="store_true",
+                      help="also time the grouped NVFP4 quantize next to the single-tensor one")
   parser.add_argument("--no-steps", action="store_true",
-                      help="with --gemms: skip the GroupedDense steps (time the GEMMs only)")
+                      help="skip the GroupedDense step table (with --gemms / --quantize)")
   args = parser.parse_args(argv)
   args.repeats, args.calls, args.warmup = (1, 1, 1) if args.tiny else (5, 5, 2)
   device = jax.devices()[0]
@@ -237,17 +240,24 @@ def main(argv=None) -> int:
   cases = TINY if args.tiny else CASES
   results = []
   gemm_rows = []
+  quantize_rows = []
   for experts in args.experts:
-    if not (args.gemms and args.no_steps):
+    if not args.no_steps:
       results += run_case(experts, cases[experts], args, card)
     if args.gemms:
       gemm_rows += run_gemms(experts, cases[experts], args, card)
-  print("\n| experts | case | ms | effective TFLOP/s | speedup vs bf16 ragged_dot | grouped GEMM "
-        "path | grouped quantize path |")
-  print("|---|---|---|---|---|---|---|")
-  for r in results:
-    print(f"| {r['experts']} | {r['case']} | {r['ms']:.2f} | {r['tflops']:.0f} | "
-          f"{r['speedup_vs_bf16']:.2f}x | {r['gemm_paths']} | {r['quantize_paths']} |")
+    if args.quantize:
+      quantize_cases = grouped_quantize.TINY if args.tiny else grouped_quantize.CASES
+      quantize_rows += grouped_quantize.run(
+          experts, quantize_cases[experts],
+          dict(repeats=args.repeats, calls=2 * args.calls, warmup=args.warmup), args.seed)
+  if results:
+    print("\n| experts | case | ms | effective TFLOP/s | speedup vs bf16 ragged_dot | grouped GEMM "
+          "path | grouped quantize path |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+      print(f"| {r['experts']} | {r['case']} | {r['ms']:.2f} | {r['tflops']:.0f} | "
+            f"{r['speedup_vs_bf16']:.2f}x | {r['gemm_paths']} | {r['quantize_paths']} |")
   reasons = sorted({r["why"] for r in results if r["why"]})
   if reasons:
     print("\nwhy a slower path (reference, or the mma.sync kernel): " + " | ".join(reasons))
@@ -259,9 +269,11 @@ def main(argv=None) -> int:
       print(f"| {r['experts']} | {r['gemm']} | {r['format']} | {r['ms']:.3f} | "
             f"{r['tflops']:.0f} | {r['speedup_vs_bf16']:.2f}x | {r['vs_dense_bf16']:.2f} | "
             f"{r['vs_dense_fp8']:.2f} | {r['path']} |")
+  if quantize_rows:
+    grouped_quantize.print_table(quantize_rows)
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"steps": results, "gemms": gemm_rows}, f, indent=1)
+      json.dump({"steps": results, "gemms": gemm_rows, "quantize": quantize_rows}, f, indent=1)
   return 0
 
 

@@ -12,6 +12,8 @@ import json
 import sys
 
 
+_TO_ALL = ("all-to-all", "ragged-all-to-all")
+
 def _mb(summary: dict, *ops: str) -> float:
   return sum(summary.get(op, {}).get("bytes", 0.0) for op in ops) / 1e6
 
@@ -23,7 +25,8 @@ def table(results: dict) -> str:
   lines = [f"{results['device']} x{results['device_count']}, jax {results['jax']}, backend "
            f"{results['backend']}, config {json.dumps(results['config'])}", "",
            "| mesh | recipe | ms/step | vs 1 GPU | vs " + names[0] + " same mesh | "
-           "all-reduce + reduce-scatter MB | all-to-alls | all-gathers | max rel loss diff |",
+           "all-reduce + reduce-scatter MB | all-to-alls (ragged too) | all-gathers | "
+           "max rel loss diff |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
   for r in results["runs"]:
     if "step_ms" not in r:
@@ -38,7 +41,7 @@ def table(results: dict) -> str:
     lines.append(
         f"| {r['mesh']} | {r['recipe']} | {r['step_ms']:.1f} | {scale} | {ratio} | "
         f"{_mb(summary, 'all-reduce', 'reduce-scatter'):.1f} | "
-        f"{int(summary.get('all-to-all', {}).get('count', 0))} | "
+        f"{sum(int(summary.get(op, {}).get('count', 0)) for op in _TO_ALL)} | "
         f"{len(r['collectives']['gathers'])} | {r.get('max_rel_loss_diff', float('nan')):.1e} |")
   return "\n".join(lines)
 

@@ -47,6 +47,7 @@ import train_lm  # noqa: E402
 
 import e2e_trace  # noqa: E402
 from jaxquant import hlo  # noqa: E402
+from jaxquant.explain import explain_recording  # noqa: E402
 
 
 def parse_meshes(spec: str) -> list[Optional[dict[str, int]]]:
@@ -64,7 +65,7 @@ def mesh_name(axes: Optional[dict[str, int]]) -> str:
 
 def collective_report(hlo_text: str, activation_elements: int) -> dict:
   found = hlo.collectives(hlo_text)
-  gathers = [c for c in found if c.op in ("all-gather", "all-to-all")]
+  gathers = [c for c in found if c.op in ("all-gather", "all-to-all", "ragged-all-to-all")]
   return {
       "summary": hlo.summarize(found),
       "gathers": [str(c) for c in gathers],
@@ -105,7 +106,9 @@ def run_mesh(model, config: LMConfig, batches: np.ndarray, cfg: training.TrainCo
     key = jax.random.key(cfg.seed + 3)
     first = sharding.put_batches(mesh, batches[0])
     t0 = time.perf_counter()
-    compiled = train_step.lower(state, first, key).compile()
+    with explain_recording() as decisions:  # which expert exchange the MoE took, and why
+      lowered = train_step.lower(state, first, key)
+    compiled = lowered.compile()
     compile_s = time.perf_counter() - t0
     report = collective_report(compiled.as_text(), config.seq * config.d_model)
     losses, times = [], []
@@ -126,7 +129,9 @@ def run_mesh(model, config: LMConfig, batches: np.ndarray, cfg: training.TrainCo
   return {"mesh": mesh_name(axes), "axes": axes or {}, "devices": devices,
           "compile_s": compile_s, "step_ms": 1e3 * step_s, "min_step_ms": 1e3 * min(timed),
           "tokens_per_s_per_device": tokens_per_step / step_s / devices,
-          "losses": losses, "collectives": report, "profile": profile}
+          "losses": losses, "collectives": report, "profile": profile,
+          "ep_exchange": sorted({f"{d.path}{f' ({d.reason})' if d.reason else ''}"
+                                 for d in decisions if d.op == "ep-exchange"})}
 
 
 def compare_losses(runs: list[dict]) -> None:
@@ -163,6 +168,9 @@ def main() -> None:
   p.add_argument("--moe", type=train_lm.parse_moe, default=None)
   p.add_argument("--moe-capacity", type=float, default=None,
                  help="capacity factor of the expert all-to-all buffers (default dropless)")
+  p.add_argument("--moe-exchange", choices=train_lm.MOE_EXCHANGES, default="auto",
+                 help="expert exchange under ep (auto: ragged_all_to_all when dropless on "
+                 "GPU, else fixed-size all_to_all buffers)")
   p.add_argument("--no-xla-overlap", action="store_true",
                  help="do not add lm/xla_flags.py's collective-overlap flags to XLA_FLAGS")
   p.add_argument("--remat", action="store_true")
@@ -179,7 +187,8 @@ def main() -> None:
   with training.jaxquant_backend(args.backend or training.default_backend()) as backend:
     config = LMConfig(seq=args.seq, d_model=args.d_model, layers=args.layers, heads=args.heads,
                       mlp_ratio=args.mlp_ratio, dtype=jnp.bfloat16, moe=args.moe,
-                      moe_capacity=args.moe_capacity, remat=args.remat,
+                      moe_capacity=args.moe_capacity, moe_exchange=args.moe_exchange,
+                      remat=args.remat,
                       scan_layers=args.scan_layers)
     models = {name: GPT(config, recipes.make(name)) for name in names}
     corpus = data.load_corpus(int(args.data_mb * 1e6))
@@ -220,7 +229,8 @@ def main() -> None:
     print(f"{r['recipe']:24s} {r['mesh']:12s} {r['step_ms']:9.1f} ms/step "
           f"{r['tokens_per_s_per_device']:9.0f} tok/s/dev  compile {r['compile_s']:5.1f}s  "
           f"max rel loss diff {r['max_rel_loss_diff']:.2e}  "
-          f"act gathers {len(r['collectives']['activation_gathers'])}")
+          f"act gathers {len(r['collectives']['activation_gathers'])}"
+          + (f"  ep exchange {', '.join(r['ep_exchange'])}" if r.get("ep_exchange") else ""))
     if r.get("profile"):
       prof = r["profile"]
       print(f"  per device: wall {prof['wall_ms']:.1f} ms | kernels: gemm {prof['gemm_ms']:.1f} "

@@ -44,6 +44,8 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxquant.expert_parallel import EXCHANGES as MOE_EXCHANGES
+
 _EXAMPLES = str(pathlib.Path(__file__).resolve().parent)
 if _EXAMPLES not in sys.path:  # make `lm` importable however this file was loaded
   sys.path.insert(0, _EXAMPLES)
@@ -125,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--moe-capacity", type=float, default=None,
                  help="with --mesh ep=N: capacity factor of the expert all-to-all buffers "
                  "(assignments past it are dropped); default: dropless")
+  p.add_argument("--moe-exchange", choices=MOE_EXCHANGES, default="auto",
+                 help="with --mesh ep=N: how rows reach their experts: ragged_all_to_all of the "
+                 "real rows (dropless, GPU), fixed-size all_to_all buffers, or auto (ragged "
+                 "where it applies; jaxquant.explain says which ran)")
   p.add_argument("--remat", action="store_true",
                  help="recompute each block's activations in the backward pass (large models)")
   p.add_argument("--scan-layers", action="store_true",
@@ -173,7 +179,8 @@ def run(args: argparse.Namespace, names: Sequence[str]) -> dict:
                     mlp_ratio=args.mlp_ratio, positions=args.positions,
                     tie_embeddings=args.tie_embeddings, dtype=jnp.bfloat16, moe=args.moe,
                     moe_aux_weight=args.moe_aux_weight,
-                    moe_capacity=args.moe_capacity, remat=args.remat,
+                    moe_capacity=args.moe_capacity, moe_exchange=args.moe_exchange,
+                    remat=args.remat,
                     scan_layers=args.scan_layers)
   train_cfg = training.TrainConfig(steps=args.steps, lr=args.lr, warmup=args.warmup,
                                    weight_decay=args.weight_decay, eval_every=args.eval_every,

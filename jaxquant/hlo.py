@@ -1,8 +1,9 @@
 """What a compiled program communicates: the collectives in its HLO text, with their bytes.
 
 `collectives(jax.jit(f).lower(...).compile().as_text())` lists every all-gather, all-reduce,
-reduce-scatter, all-to-all and collective-permute (an async `-start`/`-done` pair counted once,
-by its results). Used to check that a sharded step moves what the sharding promises (no
+reduce-scatter, all-to-all, ragged-all-to-all and collective-permute (an async `-start`/`-done`
+pair counted once, by its results; a ragged-all-to-all's result is its whole receive buffer,
+an upper bound on the rows it moves). Used to check that a sharded step moves what the sharding promises (no
 all-gather of a sharded activation, one all-reduce for a K-sharded GEMM, FP8 bytes for an FSDP
 weight gather) in the tests and in `bench/scaling.py`.
 """
@@ -16,7 +17,8 @@ import re
 
 _COLLECTIVE = re.compile(
     r"=\s*(?P<type>\((?:/\*index=\d+\*/|[^=])*?\)|[\w]+\[[\d,]*\](?:\{[^}]*\})?)\s+"
-    r"(?P<op>all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
+    r"(?P<op>all-gather|all-reduce|reduce-scatter|ragged-all-to-all|all-to-all|"
+    r"collective-permute)"
     r"(?:-start)?\(")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _BYTES = {"f8e4m3fn": 1, "f8e5m2": 1, "f8e8m0fnu": 1, "f4e2m1fn": 0.5, "u8": 1, "s8": 1,

@@ -61,24 +61,19 @@ def test_dense_equals_flax_dense_bitwise(rng, recipe, dtype):
                         _value_and_grads(ref, variables, x, c))
 
 
-# Configurations where XLA:CPU lowers Flax's multi-axis dot_general and our flattened GEMMs to
-# the same kernels, so even the gradients agree bit for bit.
-DENSE_GENERAL_EXACT = [
+DENSE_GENERAL_CONFIGS = [
     ((4, 6, 8), dict(features=5)),
     ((3, 4, 8), dict(features=5, axis=0)),
     ((2, 6, 8), dict(features=5, batch_dims=(0,))),
     ((2, 3, 6, 8), dict(features=5, axis=-1, batch_dims=(0, 1))),
-]
-# Here XLA:CPU gives Flax's batched multi-axis dot another kernel (e.g. YNNPACK with a transposed
-# operand; the choice even depends on the LLVM optimization level), which sums the same products
-# in another order. The non-adjacent axes (1, -1): the input gradient of float32 inputs came out
-# reordered for some draws (seed 1748597177), so it is held to the summation-order bound too.
-DENSE_GENERAL_REORDERED = [
     ((4, 6, 8), dict(features=(3, 5), axis=(1, -1))),
     ((2, 6, 8), dict(features=(2, 4), batch_dims=(0,))),
     ((2, 3, 6, 8), dict(features=5, axis=(2, 3), batch_dims=(0,))),
     ((2, 6, 3, 8), dict(features=5, axis=(-2, -1), batch_dims=(0,))),
 ]
+# A float32 cast of float32 operands quantizes nothing, but is not the all-Identity recipe: the
+# contraction runs through `jaxquant.dense`'s TN layout and custom backward.
+CAST_F32 = jq.CustomRecipe(lambda role: jq.IdentityQuantizer(jnp.float32))
 
 
 def _config_id(config):
@@ -87,8 +82,10 @@ def _config_id(config):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("config", DENSE_GENERAL_EXACT, ids=_config_id)
+@pytest.mark.parametrize("config", DENSE_GENERAL_CONFIGS, ids=_config_id)
 def test_dense_general_identity_equals_flax_dense_general_bitwise(rng, config, dtype):
+  """An all-Identity recipe runs Flax's own `dot_general`, differentiated by JAX: values and
+  gradients bit for bit, whatever kernel XLA:CPU picks for a batched multi-axis dot."""
   shape, kwargs = config
   x = _array(rng, shape, dtype)
   ref = nn.DenseGeneral(**kwargs, dtype=dtype)
@@ -97,20 +94,27 @@ def test_dense_general_identity_equals_flax_dense_general_bitwise(rng, config, d
   c = _array(rng, jax.eval_shape(ref.apply, variables, x).shape, dtype)
   _assert_bitwise_equal(_value_and_grads(ours, variables, x, c),
                         _value_and_grads(ref, variables, x, c))
+  report = jq.explain(ours.apply, variables, x)
+  assert [(d.op, d.path) for d in report] == [("quantize", "high-precision")] * 3 + [
+      ("gemm", "high-precision")]
 
 
-@pytest.mark.parametrize("config", DENSE_GENERAL_REORDERED, ids=_config_id)
-def test_dense_general_identity_matches_flax_up_to_summation_order(rng, config):
-  """Values bitwise; gradients within the float32 bound of two summation orders: each sum of n
-  products is within gamma_n * sum|a*b| of the exact one (Higham, gamma_n = n*eps/(1-n*eps)),
-  so two of them differ by at most 2 * gamma_n * sum|a*b|, n being the contraction length."""
+@pytest.mark.parametrize("config", DENSE_GENERAL_CONFIGS, ids=_config_id)
+def test_dense_general_tn_contraction_matches_flax_up_to_summation_order(rng, config):
+  """The TN layout and custom backward of `jaxquant.dense` (here with operands that a float32
+  cast leaves unchanged) against Flax: values bitwise; gradients within the float32 bound of
+  two summation orders (XLA:CPU gives Flax's batched multi-axis dot and its autodiff other
+  kernels than our flattened GEMMs for some configs): each sum of n products is within
+  gamma_n * sum|a*b| of the exact one (Higham, gamma_n = n*eps/(1-n*eps)), so two of them differ
+  by at most 2 * gamma_n * sum|a*b|, n being the contraction length."""
   shape, kwargs = config
   x = _array(rng, shape)
-  ref, ours = nn.DenseGeneral(**kwargs), jf.DenseGeneral(**kwargs, recipe=IDENTITY)
+  ref, ours = nn.DenseGeneral(**kwargs), jf.DenseGeneral(**kwargs, recipe=CAST_F32)
   variables = jax.jit(ref.init)(jax.random.key(1), x)
   c = _array(rng, jax.eval_shape(ref.apply, variables, x).shape)
   (y_ours, (gv_ours, gx_ours)) = _value_and_grads(ours, variables, x, c)
   (y_ref, (gv_ref, gx_ref)) = _value_and_grads(ref, variables, x, c)
+  assert {d.op for d in jq.explain(ours.apply, variables, x)} == {"quantize", "gemm"}
   _assert_bitwise_equal(y_ours, y_ref)
   _assert_bitwise_equal(gv_ours["params"]["bias"], gv_ref["params"]["bias"])
   # the same gradients from |c| and |x|, |W|: sum|a*b| of every output element
@@ -127,7 +131,7 @@ def test_dense_general_identity_matches_flax_up_to_summation_order(rng, config):
 
 
 @pytest.mark.parametrize("config", [((3, 24), ("Dense", dict(features=16)))]
-                         + [(s, ("DenseGeneral", k)) for s, k in DENSE_GENERAL_EXACT[1:4]],
+                         + [(s, ("DenseGeneral", k)) for s, k in DENSE_GENERAL_CONFIGS[1:4]],
                          ids=lambda c: f"{c[1][0]}-{c[0]}-{c[1][1]}")
 def test_checkpoint_loads_into_either_module(rng, config):
   shape, (kind, kwargs) = config

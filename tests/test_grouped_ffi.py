@@ -39,7 +39,15 @@ TOKEN_QUANTIZERS = {
     "fp8-block-1x128": jq.Float8BlockQuantizer((1, 128)),
     "fp8-block-128x128": jq.Float8BlockQuantizer((128, 128)),
     "nvfp4-row-scaled-rowwise": jq.NVFP4Quantizer(row_scaled=True),
+    # one second-level scale per group (jaxquant_grouped_quantize_nvfp4): NVFP4BlockScaling's
+    # input (RHT columnwise) and grad_output (SR, RHT columnwise), plain and 16x16 blocks
+    "nvfp4": jq.NVFP4Quantizer(),
+    "nvfp4-rht": jq.NVFP4Quantizer(rht=True),
+    "nvfp4-sr": jq.NVFP4Quantizer(stochastic_rounding=True),
+    "nvfp4-rht-sr": jq.NVFP4Quantizer(rht=True, stochastic_rounding=True),
+    "nvfp4-2d": jq.NVFP4Quantizer(block_2d=True),
 }
+NVFP4_TOKENS = ["nvfp4", "nvfp4-rht", "nvfp4-sr", "nvfp4-rht-sr", "nvfp4-2d"]
 
 
 def _sizes(rng, tokens, groups, empty=(), spare=0):
@@ -85,18 +93,28 @@ def _random_state(rng, quantizer, groups):
       lambda a: jnp.asarray(rng.uniform(0.5, 40.0, a.shape), jnp.float32), state)
 
 
+def _group_keys(rng, quantizer, groups):
+  """One fresh PRNG key per group when `quantizer` rounds stochastically, else None."""
+  if not any(getattr(q, "stochastic_rounding", False) for q in quantizer.leaves()):
+    return None
+  return jax.random.split(jax.random.key(int(rng.integers(2**31))), groups)
+
+
 def _check_quantize(rng, name, tokens, features, groups, dtype, empty, spare, row_block=None,
                     col_block=None):
   q = TOKEN_QUANTIZERS[name]
   x = jnp.asarray(oracle.random_matrix(rng, (tokens, features)), dtype)
   sizes = jnp.asarray(_sizes(rng, tokens, groups, empty, spare))
   state = _random_state(rng, q, groups)
+  keys = _group_keys(rng, q, groups)
   columnwise = name != "nvfp4-row-scaled-rowwise"
-  fn = lambda x, sizes, state: jg.quantize(x, sizes, q, columnwise=columnwise, state=state,
-                                           row_block=row_block, col_block=col_block)
-  report = _paths(fn, x, sizes, state)
+  fn = lambda x, sizes, state, keys: jg.quantize(x, sizes, q, columnwise=columnwise,
+                                                 state=state, row_block=row_block,
+                                                 col_block=col_block, keys=keys)
+  report = _paths(fn, x, sizes, state, keys)
   assert report.paths() == {FFI_PATH}, str(report)
-  assert_same_leaves(_on("ffi", fn, x, sizes, state), _on("reference", fn, x, sizes, state), name)
+  assert_same_leaves(_on("ffi", fn, x, sizes, state, keys),
+                     _on("reference", fn, x, sizes, state, keys), name)
 
 
 @pytest.mark.parametrize("name", list(TOKEN_QUANTIZERS))
@@ -111,8 +129,47 @@ def test_grouped_fp8_quantize_in_padded_layouts(rng, blocks):
                   row_block=blocks[0], col_block=blocks[1])
 
 
-def test_grouped_quantize_of_all_empty_groups(rng):
-  _check_quantize(rng, "fp8-current", 32, 16, 3, jnp.float32, empty=(0, 1, 2), spare=0)
+@pytest.mark.parametrize("name", ["fp8-current", "nvfp4-rht-sr", "nvfp4-2d"])
+def test_grouped_quantize_of_all_empty_groups(rng, name):
+  _check_quantize(rng, name, 32, 16, 3, jnp.float32, empty=(0, 1, 2), spare=0)
+
+
+@pytest.mark.parametrize("blocks", [(1, 32), (16, 16), (32, 64)])
+@pytest.mark.parametrize("name", ["nvfp4-rht-sr", "nvfp4-2d"])
+def test_grouped_nvfp4_quantize_in_padded_layouts(rng, name, blocks):
+  """Token blocks wider than the format needs (a wgrad layout shared with another operand)."""
+  row_block = max(blocks[0], 16) if name == "nvfp4-2d" else blocks[0]
+  _check_quantize(rng, name, 133, 40, 4, jnp.bfloat16, empty=(0,), spare=3,
+                  row_block=row_block, col_block=blocks[1])
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_grouped_nvfp4_one_group_and_one_token_groups(rng, groups):
+  """Groups of a single token (a 16-position chunk of one token and 15 zeros), one group."""
+  q = TOKEN_QUANTIZERS["nvfp4-rht-sr"]
+  x = jnp.asarray(oracle.random_matrix(rng, (5, 32)), jnp.bfloat16)
+  sizes = jnp.asarray(np.array([1, 1, 3][:groups] if groups > 1 else [4], np.int32))
+  keys = _group_keys(rng, q, groups)
+  fn = lambda x, sizes, keys: jg.quantize(x, sizes, q, keys=keys)
+  assert _paths(fn, x, sizes, keys).paths() == {FFI_PATH}
+  assert_same_leaves(_on("ffi", fn, x, sizes, keys), _on("reference", fn, x, sizes, keys))
+
+
+def test_grouped_nvfp4_groups_of_different_ranges_keep_their_own_scales(rng):
+  """Each group's second-level scale comes from its own amax: scaling one group's tokens by
+  2^10 changes only that group's amax, and the other groups' payloads stay put."""
+  q = jq.NVFP4Quantizer()
+  x = jnp.asarray(oracle.random_matrix(rng, (96, 32)), jnp.float32)
+  sizes = jnp.asarray(np.array([30, 0, 40, 26], np.int32))
+  fn = lambda x: jg.quantize(x, sizes, q, columnwise=False).rowwise
+  base = _on("ffi", fn, x)
+  scaled = _on("ffi", fn, x.at[30:70].multiply(1024.0))
+  np.testing.assert_array_equal(np.asarray(scaled.amax)[[0, 1, 3]], np.asarray(base.amax)[[0, 1, 3]])
+  assert float(scaled.amax[2]) == 1024.0 * float(base.amax[2])
+  keep = np.r_[0:30, 70:96]  # the tokens of groups 0 and 3
+  np.testing.assert_array_equal(np.asarray(scaled.data, np.float32)[keep],
+                                np.asarray(base.data, np.float32)[keep])
+  assert_same_leaves(scaled, _on("reference", fn, x.at[30:70].multiply(1024.0)))
 
 
 @pytest.mark.parametrize("name", ["fp8-current", "fp8-delayed-e5m2"])
@@ -155,6 +212,18 @@ EXPERT_QUANTIZERS = {
     "hybrid-nvfp4-row-mxfp8": jq.HybridQuantizer(jq.NVFP4Quantizer(row_scaled=True),
                                                  jq.MXFP8Quantizer()),
     "hybrid-fp8-mxfp8": jq.HybridQuantizer(FP8, jq.MXFP8Quantizer()),
+    # one amax per expert (jaxquant_grouped_quantize_nvfp4): NVFP4BlockScaling's weights (16x16),
+    # the MoE recipe's NVFP4 forward weights, mxfp8_fwd_nvfp4_bwd's and
+    # nvfp4_fwd_mxfp8_bwd_from_fwd's experts
+    "nvfp4": jq.NVFP4Quantizer(),
+    "nvfp4-2d": jq.NVFP4Quantizer(block_2d=True),
+    "nvfp4-rht": jq.NVFP4Quantizer(rht=True),
+    "hybrid-nvfp4-mxfp8": jq.HybridQuantizer(jq.NVFP4Quantizer(), jq.MXFP8Quantizer()),
+    "hybrid-mxfp8-nvfp4-2d": jq.HybridQuantizer(jq.MXFP8Quantizer(),
+                                                jq.NVFP4Quantizer(block_2d=True)),
+    "hybrid-nvfp4-2d-mxfp8-from-rowwise": jq.HybridQuantizer(
+        jq.NVFP4Quantizer(block_2d=True), jq.MXFP8Quantizer(),
+        columnwise_source="rowwise_dequantized"),
 }
 
 
@@ -171,6 +240,28 @@ def test_expert_weights_block_formats_are_bitwise_the_reference(rng, name, rows=
   got, want = _on("ffi", fn, w), _on("reference", fn, w)
   assert_same_leaves(got, want, name)
   assert got.columnwise.data.shape == (3, 200, rows)
+
+
+def test_expert_weights_nvfp4_stochastic_rounding_is_bitwise_the_reference(rng):
+  """NVFP4 expert weights with stochastic rounding: each expert rounds with its own key."""
+  q = jq.NVFP4Quantizer(stochastic_rounding=True)
+  w = jnp.asarray(oracle.random_matrix(rng, (4, 48, 64)), jnp.bfloat16)
+  keys = _group_keys(rng, q, 4)
+  fn = lambda w, keys: jg.quantize_experts(w, q, keys=keys)
+  assert _paths(fn, w, keys).paths() == {FFI_PATH}
+  assert_same_leaves(_on("ffi", fn, w, keys), _on("reference", fn, w, keys))
+
+
+def test_expert_weights_nvfp4_rows_not_a_multiple_of_16_take_the_reference(rng):
+  """A columnwise / 16x16 NVFP4 block would span two experts: the reference, visibly."""
+  q = jq.NVFP4Quantizer(block_2d=True)
+  w = jnp.asarray(oracle.random_matrix(rng, (2, 40, 32)), jnp.bfloat16)
+  os.environ.pop("JAXQUANT_BACKEND", None)
+  report = jq.explain(lambda w: jg.quantize_experts(w, q), w)
+  assert report.paths() == {"reference"}, str(report)
+  assert all("multiple of 16" in d.reason for d in report)
+  assert_same_leaves(_on("auto", lambda w: jg.quantize_experts(w, q), w),
+                     _on("reference", lambda w: jg.quantize_experts(w, q), w))
 
 
 @pytest.mark.parametrize("name,rows", [("mxfp8", 48), ("fp8-block-1x128", 64),
@@ -293,7 +384,7 @@ def test_explain_reports_the_grouped_kernels_and_the_reference_visibly(monkeypat
   def f(x, sizes):
     a = jg.quantize(x, sizes, FP8, columnwise=False, role=role).rowwise
     b = jg.quantize_experts(jnp.ones((2, 8, 32)), FP8, columnwise=False)
-    n = jg.quantize(x, sizes, jq.NVFP4Quantizer(), columnwise=False).rowwise
+    n = jg.quantize(x, sizes, jq.NVFP4Quantizer(row_scaled=True), rowwise=False).columnwise
     return jg.gemm(a, b.rowwise), n
 
   report = jq.explain(f, jax.ShapeDtypeStruct((64, 32), jnp.float32),
@@ -301,13 +392,13 @@ def test_explain_reports_the_grouped_kernels_and_the_reference_visibly(monkeypat
   by_path = {d.path for d in report}
   assert by_path == {FFI_PATH, "reference"}, str(report)
   nvfp4 = [d for d in report if "NVFP4" in d.detail]
-  assert nvfp4 and all(d.path == "reference" and "second-level" in d.reason for d in nvfp4)
+  assert nvfp4 and all(d.path == "reference" and "(group, feature)" in d.reason for d in nvfp4)
 
 
 def test_forcing_the_ffi_on_an_unserved_case_is_an_error(monkeypatch):
   monkeypatch.setenv("JAXQUANT_BACKEND", "ffi")
   with pytest.raises(RuntimeError, match="grouped quantize"):
-    jax.eval_shape(lambda x: jg.quantize(x, np.array([30, 34]), jq.NVFP4Quantizer()),
+    jax.eval_shape(lambda x: jg.quantize(x, np.array([30, 34]), jq.NVFP4Quantizer(row_scaled=True)),
                    jax.ShapeDtypeStruct((64, 32), jnp.float32))
 
 
@@ -335,6 +426,41 @@ def test_grouped_dense_on_the_kernels_matches_the_reference(rng, recipe):
     _assert_close(np.asarray(u, np.float32), np.asarray(v, np.float32), 2.0**-7)
 
 
+ZOO_RECIPES = {"NVFP4BlockScaling": jq.recipes.NVFP4BlockScaling,
+               **{name: (lambda f=f: jq.CustomRecipe(f)) for name, f in jq.factories.ZOO.items()}}
+
+
+def _grouped_step(recipe, groups, tokens, k, n, rng):
+  model = jq.flax.GroupedDense(features=n, num_groups=groups, recipe=recipe, dtype=jnp.bfloat16,
+                               param_dtype=jnp.bfloat16)
+  x = jnp.asarray(oracle.random_matrix(rng, (tokens, k)), jnp.bfloat16)
+  dy = jnp.asarray(oracle.random_matrix(rng, (tokens, n)), jnp.bfloat16)
+  sizes = jnp.asarray(_sizes(rng, tokens, groups, (1,), 5))
+  variables = _on("reference", model.init, jax.random.PRNGKey(0), x, sizes)
+
+  def step(variables, x, dy, sizes, key):
+    apply = lambda v, x: model.apply(v, x, sizes, rngs={"quantize": key})
+    y, vjp = jax.vjp(apply, variables, x)
+    return y, vjp(dy)
+
+  return step, (variables, x, dy, sizes, jax.random.key(int(rng.integers(2**31))))
+
+
+@pytest.mark.parametrize("recipe", sorted(ZOO_RECIPES))
+def test_no_recipe_of_the_zoo_quantizes_experts_on_the_reference(rng, recipe):
+  """Every grouped quantize of a GroupedDense step (tokens, expert weights, gradients) under
+  NVFP4BlockScaling and each zoo recipe runs on a grouped kernel, and the step matches the
+  reference (float32 accumulation order apart)."""
+  step, args = _grouped_step(ZOO_RECIPES[recipe](), 4, 96, 64, 64, rng)
+  os.environ.pop("JAXQUANT_BACKEND", None)
+  report = jq.explain(step, *args)
+  quantizes = [d for d in report if d.op == "grouped_quantize" and "Identity" not in d.detail]
+  assert quantizes and all(d.path == FFI_PATH for d in quantizes), str(report)
+  ffi, ref = _on("auto", step, *args), _on("reference", step, *args)
+  for u, v in zip(jax.tree_util.tree_leaves(ffi), jax.tree_util.tree_leaves(ref)):
+    _assert_close(np.asarray(u, np.float32), np.asarray(v, np.float32), 2.0**-7)
+
+
 # --------------------------------------------- GPU --------------------------------------------
 
 @pytest.fixture
@@ -345,10 +471,47 @@ def on_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("groups", [1, 8, 64])
 @pytest.mark.parametrize("name", ["fp8-current", "fp8-delayed-e5m2", "mxfp8",
-                                  "nvfp4-row-scaled-rowwise"])
+                                  "nvfp4-row-scaled-rowwise"] + NVFP4_TOKENS)
 def test_gpu_grouped_quantize_is_bitwise_the_reference(on_gpu, rng, groups, name):
   _check_quantize(rng, name, 1000 + groups, 192, groups, jnp.bfloat16,
                   empty=tuple(range(0, groups, 3)) if groups > 1 else (), spare=13)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", [1, 8, 64])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_gpu_grouped_nvfp4_other_input_dtypes_and_ragged_features(on_gpu, rng, groups, dtype):
+  """float32 / float16 tokens, 200 features (a partial 16-block and tile per row, unaligned
+  rows: the kernel's scalar loads), empty groups and rows of no group."""
+  for name in ("nvfp4-rht-sr", "nvfp4-2d"):
+    _check_quantize(rng, name, 700 + 3 * groups, 200, groups, dtype,
+                    empty=tuple(range(1, groups, 4)), spare=9)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["nvfp4-rht-sr", "nvfp4-2d"])
+def test_gpu_grouped_nvfp4_layouts_and_empty_groups(on_gpu, rng, name):
+  for blocks in [(1, 32), (16, 16), (32, 64)]:
+    test_grouped_nvfp4_quantize_in_padded_layouts(rng, name, blocks)
+  test_grouped_quantize_of_all_empty_groups(rng, name)
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_nvfp4_tiny_groups_and_own_scales(on_gpu, rng):
+  for groups in (1, 3):
+    test_grouped_nvfp4_one_group_and_one_token_groups(rng, groups)
+  test_grouped_nvfp4_groups_of_different_ranges_keep_their_own_scales(rng)
+
+
+@pytest.mark.gpu
+def test_gpu_expert_weights_nvfp4_stochastic_rounding(on_gpu, rng):
+  test_expert_weights_nvfp4_stochastic_rounding_is_bitwise_the_reference(rng)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", sorted(ZOO_RECIPES))
+def test_gpu_no_recipe_of_the_zoo_quantizes_experts_on_the_reference(on_gpu, rng, recipe):
+  test_no_recipe_of_the_zoo_quantizes_experts_on_the_reference(rng, recipe)
 
 
 @pytest.mark.gpu

@@ -413,4 +413,4 @@ def test_explain_says_the_reference_path_was_taken_and_why(monkeypatch):
 def test_forcing_the_ffi_backend_on_a_case_without_a_grouped_kernel_is_an_error(monkeypatch):
   monkeypatch.setenv("JAXQUANT_BACKEND", "ffi")
   _raises(RuntimeError, "grouped quantize", lambda x: jg.quantize(
-      x, np.array([30, 34]), jq.NVFP4Quantizer()), X_SPEC)
+      x, np.array([30, 34]), jq.NVFP4Quantizer(row_scaled=True)), X_SPEC)

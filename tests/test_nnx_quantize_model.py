@@ -197,26 +197,21 @@ def test_an_existing_optimizer_keeps_working(rng):
 
 # --------------------------------------------------------------- numerics --------------------
 
-# (module factory, input shape, are the gradients bit-identical with Flax's on XLA:CPU)
-# name -> (module factory, input shape, (outputs, gradients) bit-identical with Flax's on
-# XLA:CPU). GEMM rows are a multiple of 32 (NVFP4's RHT wants 16 along the wgrad contraction).
-# Where Flax's `jnp.einsum` multiplies `W^T x^T` (its operand order for 'BTD,SNDH->SBTNH') or
-# its autodiff transposes the other way round, XLA:CPU orders the sums differently from the TN
-# contraction `x W^T`: float32 accumulation-order differences, compared with a tolerance.
+# name -> (module factory, input shape). GEMM rows are a multiple of 32 (NVFP4's RHT wants 16
+# along the wgrad contraction).
 LAYERS = {
-    "linear": (lambda r: nnx.Linear(D, 24, rngs=r), (4, 8, D), (True, True)),
+    "linear": (lambda r: nnx.Linear(D, 24, rngs=r), (4, 8, D)),
     "linear_general": (lambda r: nnx.LinearGeneral((2, D), (4, 8), axis=(-2, -1), rngs=r),
-                       (32, 2, D), (True, True)),
+                       (32, 2, D)),
     "linear_general_batch": (lambda r: nnx.LinearGeneral(D, (4, 8), batch_axis={0: 4},
-                                                         rngs=r), (4, 32, D), (True, False)),
-    "einsum_qkv": (lambda r: nnx.Einsum("BTD,SNDH->SBTNH", (3, 2, D, 16), rngs=r), (4, 8, D),
-                   (False, False)),
+                                                         rngs=r), (4, 32, D)),
+    "einsum_qkv": (lambda r: nnx.Einsum("BTD,SNDH->SBTNH", (3, 2, D, 16), rngs=r), (4, 8, D)),
     "einsum_out": (lambda r: nnx.Einsum("BTNH,NHD->BTD", (2, 16, D), (D,), rngs=r),
-                   (4, 8, 2, 16), (True, False)),
+                   (4, 8, 2, 16)),
     "einsum_head_batch": (lambda r: nnx.Einsum("BNTH,NHD->BNTD", (2, 32, D), rngs=r),
-                          (4, 2, 8, 32), (True, True)),
+                          (4, 2, 8, 32)),
     "einsum_ellipsis": (lambda r: nnx.Einsum("...D,DF->...F", (D, 16), (16,), rngs=r),
-                        (4, 8, D), (True, True)),
+                        (4, 8, D)),
 }
 
 
@@ -233,41 +228,48 @@ def _forward_and_grads(module, x, c, **call):
   return forward(module, x), gx, g["kernel"][...]
 
 
+def _param_grads(g):
+  return {path: value for path, value in nnx.to_flat_state(nnx.state(g, nnx.Param))}
+
+
 @pytest.mark.parametrize("layer", LAYERS)
 def test_identity_recipe_equals_the_unswapped_layer(rng, core_backend, layer):
-  make, shape, (outputs_bitwise, grads_bitwise) = LAYERS[layer]
+  """Bit for bit, outputs and every gradient (input, kernel, bias): an all-Identity contraction
+  runs the original module's own `dot_general` / `jnp.einsum`, differentiated by JAX."""
+  make, shape = LAYERS[layer]
   x = _x(rng, shape)
   flax_layer, swapped = make(nnx.Rngs(0)), _swapped(make, IDENTITY)
   c = _x(rng, flax_layer(x).shape)
-  y_ref, gx_ref, gk_ref = _forward_and_grads(flax_layer, x, c)
-  y, gx, gk = _forward_and_grads(swapped, x, c)
-  for got, want, bitwise in ((y, y_ref, outputs_bitwise), (gx, gx_ref, grads_bitwise),
-                             (gk, gk_ref, grads_bitwise)):
-    if bitwise:
-      _assert_bitwise_equal(got, want)
-    else:
-      np.testing.assert_allclose(got, want, rtol=0, atol=4e-6 * float(jnp.abs(want).max()))
+  loss = lambda m, x: jnp.sum(m(x) * c)
+  forward = nnx.jit(lambda m, x: m(x))
+  grads = nnx.jit(nnx.grad(loss, argnums=(0, 1)))
+  (g, gx), (g_ref, gx_ref) = grads(swapped, x), grads(flax_layer, x)
+  _assert_bitwise_equal(forward(swapped, x), forward(flax_layer, x))
+  _assert_bitwise_equal(gx, gx_ref)
+  got, want = _param_grads(g), _param_grads(g_ref)
+  assert list(got) == list(want) and len(got) == 1 + (flax_layer.bias is not None)
+  for path in want:
+    _assert_bitwise_equal(got[path].get_value(), want[path].get_value())
+  report = jq.explain(lambda: swapped(x))
+  assert [(d.op, d.path) for d in report] == [("quantize", "high-precision")] * 3 + [
+      ("gemm", "high-precision")]
+  assert [d.role.tensor_type for d in report[:3]] == ["input", "weight", "grad_output"]
 
 
-def test_identity_recipe_matches_the_unswapped_model(rng, core_backend):
-  # Each layer is bit-identical (above); in the whole program XLA:CPU fuses the einsums'
-  # transposes into their neighbours differently (jnp.einsum multiplies W^T x^T for
-  # 'BTD,SNDH->SBTNH', the TN contraction x W^T), so sums are ordered differently: float32
-  # accumulation-order differences only.
+def test_identity_recipe_equals_the_unswapped_model(rng, core_backend):
   x = _x(rng)
   flax_model, model = Model(nnx.Rngs(0)), Model(nnx.Rngs(0))
   jnnx.quantize_model(model, IDENTITY)
   loss = lambda m, x: jnp.mean(jnp.square(m(x)))
   grads = nnx.jit(nnx.grad(loss, argnums=(0, 1)))
   forward = nnx.jit(lambda m, x: m(x))
-  y, y_ref = forward(model, x), forward(flax_model, x)
-  np.testing.assert_allclose(y, y_ref, rtol=0, atol=1e-5 * float(jnp.abs(y_ref).max()))
+  _assert_bitwise_equal(forward(model, x), forward(flax_model, x))
   (g, gx), (g_ref, gx_ref) = grads(model, x), grads(flax_model, x)
-  want = jax.tree.leaves(nnx.state(g_ref, nnx.Param)) + [gx_ref]
-  got = jax.tree.leaves(nnx.state(g, nnx.Param)) + [gx]
-  assert len(got) == len(want)
-  for a, b in zip(got, want):
-    np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * float(jnp.abs(b).max()))
+  _assert_bitwise_equal(gx, gx_ref)
+  got, want = _param_grads(g), _param_grads(g_ref)
+  assert list(got) == list(want) and len(got) == 2 * 9 + 2  # 9 per block, 2 of the shared Linear
+  for path in want:
+    _assert_bitwise_equal(got[path].get_value(), want[path].get_value())
 
 
 def _hand_built(layer, module, recipe, x, kernel, key):
@@ -309,7 +311,7 @@ def _hand_built(layer, module, recipe, x, kernel, key):
 @pytest.mark.parametrize("recipe_name", sorted(jq.BUILTIN_RECIPES))
 def test_swapped_layer_equals_hand_built_dense(rng, core_backend, recipe_name, layer):
   recipe = jq.BUILTIN_RECIPES[recipe_name]()
-  make, shape, _ = LAYERS[layer]
+  make, shape = LAYERS[layer]
   module = _swapped(make, recipe, rngs=nnx.Rngs(quantize=0))
   x, key = _x(rng, shape), jax.random.key(int(rng.integers(1 << 30)))
   c = _x(rng, nnx.eval_shape(lambda: module(x, rngs=key)).shape)
@@ -324,6 +326,52 @@ def test_swapped_layer_equals_hand_built_dense(rng, core_backend, recipe_name, l
   _assert_bitwise_equal(gx, gx_ref)
   _assert_bitwise_equal(gk, gk_ref)
   assert not np.array_equal(np.asarray(y), np.asarray(make(nnx.Rngs(0))(x)))  # quantized
+
+
+def _hand_built_model(model, recipe, x, key):
+  """`Model`'s forward written out with `jaxquant.dense`, one contraction per module, each with
+  its module's roles (name and path) and fresh delayed-scaling states."""
+
+  def dense(module, path, x, kernel, bias=None, contracting_dims=1):
+    quantizers = DenseQuantizers.from_recipe(recipe, "linear", path.rsplit("/", 1)[-1], path)
+    states = quantizers.init_states() if quantizers.stateful else None
+    return jq.dense(x, kernel, bias, quantizers, key=key, states=states,
+                    contracting_dims=contracting_dims)
+
+  for i, block in enumerate(model.layers):
+    p, attn = f"layers/{i}", block.attn
+    q, k, v = dense(attn.qkv_einsum, f"{p}/attn/qkv_einsum", x,
+                    attn.qkv_einsum.kernel[...].transpose(2, 0, 1, 3)).transpose(2, 0, 1, 3, 4)
+    logits = jnp.einsum("BTNH,BSNH->BNTS", q, k) / np.sqrt(HEAD_DIM)
+    mixed = jnp.einsum("BNTS,BSNH->BTNH", jax.nn.softmax(logits), v)
+    out = attn.attn_vec_einsum
+    x = x + (dense(out, f"{p}/attn/attn_vec_einsum", mixed.transpose(0, 1, 3, 2),
+                   out.kernel[...].transpose(1, 0, 2), contracting_dims=2) + out.bias[...])
+    fc1, fc2 = block.mlp
+    h = jax.nn.gelu(dense(fc1, f"{p}/mlp/0", x, fc1.kernel[...], fc1.bias[...]))
+    x = x + dense(fc2, f"{p}/mlp/1", h, fc2.kernel[...], fc2.bias[...])
+    x = x + dense(block.heads, f"{p}/heads", x, block.heads.kernel[...],
+                  block.heads.bias[...]).reshape(x.shape)
+    x = dense(block.shared, "layers/0/shared", x, block.shared.kernel[...],
+              block.shared.bias[...])
+  return x
+
+
+@pytest.mark.parametrize("recipe_name", sorted(jq.BUILTIN_RECIPES))
+def test_swapped_model_equals_hand_built_dense(rng, core_backend, recipe_name):
+  """The whole swapped model (lists, a shared module, einsum / Linear / LinearGeneral layouts,
+  roles named by path) computes its hand-built `jaxquant.dense` contractions bit for bit."""
+  recipe = jq.BUILTIN_RECIPES[recipe_name]()
+  seen = []
+  recording = jq.CustomRecipe(lambda role: seen.append(role) or recipe.quantizer(role))
+  model = Model(nnx.Rngs(0))
+  jnnx.quantize_model(model, recording, rngs=nnx.Rngs(quantize=0))
+  x, key = _x(rng), jax.random.key(int(rng.integers(1 << 30)))
+  y = nnx.jit(lambda m, x: m(x))(model, x)
+  y_ref = jax.jit(lambda x: _hand_built_model(model, recipe, x, key))(x)
+  _assert_bitwise_equal(y, y_ref)
+  assert not np.array_equal(np.asarray(y), np.asarray(Model(nnx.Rngs(0))(x)))  # quantized
+  assert {r.path for r in seen} == PATHS - {"layers/1/shared"}
 
 
 def test_delayed_scaling_advances_under_nnx_jit(rng):

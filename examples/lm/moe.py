@@ -16,7 +16,9 @@ so the training loop and the reported cross-entropy are unchanged; its value is 
 Under `--mesh` (`lm.sharding`) every token shard routes its own tokens: the experts are sharded
 over the `ep` axis (logical name `expert`) and `jaxquant.expert_parallel` sends each token to
 its experts' device with one all-to-all and back with another (the tokens are sharded over `ep`
-as over `dp`); without `ep` each data shard runs every (replicated) expert on its own tokens.
+as over `dp`): `jax.lax.ragged_all_to_all` of the real rows when dropless on GPU, fixed-size
+buffers otherwise (`moe_exchange`; `jaxquant.explain` records which); without `ep` each data
+shard runs every (replicated) expert on its own tokens.
 The experts then run as a sharded `GroupedDense` (`input_axes`): each device its own experts
 on the rows it received. Buffers are dropless unless `moe_capacity` is set; the number of
 dropped assignments is sown as `"dropped"`.
@@ -92,7 +94,7 @@ class MoEMLP(nn.Module):
     logits = nn.Dense(experts, use_bias=False, dtype=jnp.float32, name="router")(
         tokens.astype(jnp.float32))
     probs = jax.nn.softmax(logits, axis=-1)
-    layout = expert_layout(experts, cfg.moe_capacity)
+    layout = expert_layout(experts, cfg.moe_capacity, cfg.moe_exchange)
     if layout is not None:
       return self._sharded(x, tokens, probs, layout)
     order, group_sizes, weights, expert_ids = route(probs, top_k)
@@ -136,8 +138,8 @@ EXPERT_KERNEL_AXES = ("expert", None, None)
 EXPERT_INPUT_AXES = ("act_batch", None)
 
 
-def expert_layout(experts: int, capacity_factor: Optional[float] = None
-                  ) -> Optional[expert_parallel.ExpertSharding]:
+def expert_layout(experts: int, capacity_factor: Optional[float] = None,
+                  exchange: str = "auto") -> Optional[expert_parallel.ExpertSharding]:
   """The `ExpertSharding` under the context mesh and logical rules (`lm.sharding`): tokens over
   the `act_batch` axes, experts over `expert`'s; None without a mesh or when neither is
   sharded."""
@@ -152,4 +154,4 @@ def expert_layout(experts: int, capacity_factor: Optional[float] = None
   if len(expert_axes) > 1:
     raise ValueError(f"experts sharded over several mesh axes {expert_axes}; use one (ep)")
   return expert_parallel.ExpertSharding(mesh, token_axes, expert_axes[0] if expert_axes else None,
-                                        experts, capacity_factor)
+                                        experts, capacity_factor, exchange)

@@ -12,6 +12,7 @@ struct CudaTarget {
   void* handler;  // XLA_FFI_Handler*
 };
 std::vector<CudaTarget> GroupedCudaTargets();
+std::vector<CudaTarget> GroupedNvfp4CudaTargets();  // nvfp4_cuda.cu
 #ifdef JAXQUANT_GROUPED_SM90
 std::vector<CudaTarget> GroupedSm90Targets();  // grouped_sm90.cu (CUTLASS)
 #endif

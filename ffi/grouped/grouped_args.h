@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "grouped/grouped_params.h"
@@ -115,6 +116,104 @@ inline ffi::Error decode_amax(const char* t, ffi::AnyBuffer x, ffi::AnyBuffer st
   p->G = G;
   p->amax = static_cast<float*>(amax->untyped_data());
   return ffi::Error::Success();
+}
+
+// jaxquant_grouped_quantize_nvfp4(x[T, C], starts[G+1], pstarts[G+1], row_key, col_key)
+//   -> [row f4 [L, C], row_scale e4m3], [col f4 [C, L] or [G, C, E], col_scale e4m3],
+//      [row_amax f32[G]], [col_amax f32[G]]
+// A key is u32[G, 2] when `stochastic` and its direction is requested, else a u32[1, 2]
+// placeholder. Contract the device data must keep (not checked on the host, it never reads
+// the offsets): with `columnwise` or `block_2d`, every pstarts[g] is a multiple of 16.
+inline ffi::Error decode_quantize_nvfp4(const char* t, ffi::AnyBuffer x, ffi::AnyBuffer starts,
+                                        ffi::AnyBuffer pstarts, ffi::AnyBuffer row_key,
+                                        ffi::AnyBuffer col_key, ffi::RemainingRets rets,
+                                        bool rowwise, bool columnwise, bool block_2d, bool rht,
+                                        bool stochastic, int64_t length, int64_t expert_rows,
+                                        Nvfp4QuantizeParams* p) {
+  jqffi::Input in;
+  JQ_RETURN_IF_ERROR(jqffi::decode_input(t, x, &in));
+  JQ_RETURN_IF_ERROR(jqffi::need_direction(t, rowwise, columnwise));
+  if (rht && block_2d) return invalid(t, "rht and block_2d cannot be combined");
+  if (rht && !columnwise) return invalid(t, "rht transforms the columnwise copy; columnwise is false");
+  const auto sdims = starts.dimensions();
+  if (sdims.size() != 1 || sdims[0] < 2) {
+    return invalid(t, "starts must be int32[G + 1] with G >= 1; got shape " +
+                          jqffi::dims_str(sdims));
+  }
+  const int64_t G = sdims[0] - 1;
+  JQ_RETURN_IF_ERROR(decode_int_vector(t, "starts", starts, G + 1, &p->starts));
+  JQ_RETURN_IF_ERROR(decode_int_vector(t, "pstarts", pstarts, G + 1, &p->pstarts));
+  if (length < 1 || length >= (int64_t{1} << 31)) {
+    return invalid(t, "length=" + std::to_string(length) + " must be in [1, 2^31)");
+  }
+  const bool chunked = columnwise || block_2d;  // blocks of 16 positions
+  if (chunked && length % 16) {
+    return invalid(t, "length=" + std::to_string(length) + " must be a multiple of 16 for a "
+                      "columnwise or 2-D copy (16-position blocks)");
+  }
+  if (expert_rows < 0 || (expert_rows > 0 && expert_rows * G != length) ||
+      (expert_rows > 0 && chunked && expert_rows % 16)) {
+    return invalid(t, "expert_rows=" + std::to_string(expert_rows) + " must be 0 (tokens) or "
+                      "length / G = " + std::to_string(length) + " / " + std::to_string(G) +
+                      (chunked ? ", a multiple of 16" : ""));
+  }
+  if (rowwise && in.cols % 2) {
+    return invalid(t, "the rowwise copy needs an even row length (rows own whole bytes); got " +
+                          std::to_string(in.cols) + " columns");
+  }
+  for (auto [key, on, what] : {std::tuple{&row_key, rowwise, "row_key"},
+                               std::tuple{&col_key, columnwise, "col_key"}}) {
+    JQ_RETURN_IF_ERROR(expect(t, what, *key, {ffi::DataType::U32},
+                              {stochastic && on ? G : int64_t{1}, 2}));
+  }
+  p->x = in.data;
+  p->in_type = static_cast<int>(in.type);
+  p->T = in.rows;
+  p->C = in.cols;
+  p->G = G;
+  p->L = length;
+  p->expert_rows = expert_rows;
+  p->rowwise = rowwise;
+  p->columnwise = columnwise;
+  p->block_2d = block_2d;
+  p->rht = rht;
+  p->stochastic = stochastic;
+  p->row_key = static_cast<const uint32_t*>(row_key.untyped_data());
+  p->col_key = static_cast<const uint32_t*>(col_key.untyped_data());
+  const auto f4 = {ffi::DataType::F4E2M1FN};
+  const auto e4m3 = {ffi::DataType::F8E4M3FN};
+  const int64_t br = block_2d ? 16 : 1, C = in.cols;
+  jqffi::RetReader r(t, rets);
+  void* q;
+  if (rowwise) {
+    JQ_RETURN_IF_ERROR(r.next("rowwise data", f4, {length, C}, &q));
+    p->row = static_cast<uint8_t*>(q);
+    JQ_RETURN_IF_ERROR(r.next("rowwise scale_inv", e4m3,
+                              {jqffi::ceil_div(length, br), jqffi::ceil_div(C, 16)}, &q));
+    p->row_scale = static_cast<uint8_t*>(q);
+  }
+  if (columnwise) {
+    const int64_t srows = jqffi::ceil_div(C, br);
+    if (expert_rows > 0) {
+      JQ_RETURN_IF_ERROR(r.next("columnwise data", f4, {G, C, expert_rows}, &q));
+      p->col = static_cast<uint8_t*>(q);
+      JQ_RETURN_IF_ERROR(r.next("columnwise scale_inv", e4m3, {G, srows, expert_rows / 16}, &q));
+    } else {
+      JQ_RETURN_IF_ERROR(r.next("columnwise data", f4, {C, length}, &q));
+      p->col = static_cast<uint8_t*>(q);
+      JQ_RETURN_IF_ERROR(r.next("columnwise scale_inv", e4m3, {srows, length / 16}, &q));
+    }
+    p->col_scale = static_cast<uint8_t*>(q);
+  }
+  if (rowwise) {
+    JQ_RETURN_IF_ERROR(r.next("row_amax", {ffi::DataType::F32}, {G}, &q));
+    p->row_amax = static_cast<float*>(q);
+  }
+  if (columnwise) {
+    JQ_RETURN_IF_ERROR(r.next("col_amax", {ffi::DataType::F32}, {G}, &q));
+    p->col_amax = static_cast<float*>(q);
+  }
+  return r.done();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -282,6 +381,24 @@ auto BindGroupedQuantizeFp8(Binding binding) {
       .template Attr<bool>("delayed")
       .template Attr<bool>("pow2_scale")
       .template Attr<float>("amax_epsilon")
+      .template Attr<int64_t>("length")
+      .template Attr<int64_t>("expert_rows");
+}
+
+// jaxquant_grouped_quantize_nvfp4: x, starts, padded starts, row key, col key -> outputs.
+template <typename Binding>
+auto BindGroupedQuantizeNvfp4(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .RemainingRets()
+      .template Attr<bool>("rowwise")
+      .template Attr<bool>("columnwise")
+      .template Attr<bool>("block_2d")
+      .template Attr<bool>("rht")
+      .template Attr<bool>("stochastic")
       .template Attr<int64_t>("length")
       .template Attr<int64_t>("expert_rows");
 }

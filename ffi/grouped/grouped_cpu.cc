@@ -6,6 +6,7 @@
 
 #include "grouped/grouped_args.h"
 #include "grouped/registrations.h"
+#include "quantize/nvfp4_cpu.h"
 
 namespace jqgrouped {
 namespace {
@@ -89,6 +90,89 @@ ffi::Error GroupedAmaxCpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::Result<f
   std::vector<uint32_t> bits;
   group_amax(p, &bits);
   for (int64_t g = 0; g < p.G; ++g) p.amax[g] = float_of(bits[g]);
+  return ffi::Error::Success();
+}
+
+// Grouped NVFP4: each group's extent of the layout is quantized as its own matrix (its rows of
+// x, zero-padded to the extent; transposed and RHT'd for the columnwise copy) with the
+// single-tensor host code, then placed at the group's positions; positions of no group stay 0.
+float load_nvfp4_x(const Nvfp4QuantizeParams& p, int64_t i) {
+  QuantizeParams q;
+  q.x = p.x;
+  q.in_type = p.in_type;
+  return load_x(q, i);
+}
+
+void nvfp4_group_copy(const Nvfp4QuantizeParams& p, int64_t g, bool columnwise) {
+  const int64_t ps = p.pstarts[g], extent = p.pstarts[g + 1] - ps, C = p.C;
+  const int64_t n = std::min<int64_t>(p.starts[g + 1] - p.starts[g], extent), s0 = p.starts[g];
+  const int64_t br = p.block_2d ? 16 : 1;
+  jqffi::Matrix m{std::vector<float>(static_cast<size_t>(extent * C), 0.0f),
+                  columnwise ? C : extent, columnwise ? extent : C};
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t c = 0; c < C; ++c) {
+      const float v = load_nvfp4_x(p, (s0 + i) * C + c);
+      if (columnwise) m.v[c * extent + i] = v; else m.v[i * C + c] = v;
+    }
+  }
+  if (columnwise && p.rht) {
+    for (int64_t r = 0; r < m.rows; ++r) {
+      for (int64_t c = 0; c < m.cols; c += 16) jq::rht16(&m.v[r * m.cols + c]);
+    }
+  }
+  const float amax = float_of(jqffi::amax_bits_of_range(m, 0, m.rows, 0, m.cols));
+  (columnwise ? p.col_amax : p.row_amax)[g] = amax;
+  const int64_t nbr = jqffi::ceil_div(m.rows, br), nbc = jqffi::ceil_div(m.cols, 16);
+  std::vector<uint8_t> data(static_cast<size_t>((m.rows * m.cols + 1) / 2)), scale(static_cast<size_t>(nbr * nbc));
+  const uint32_t* key = p.stochastic ? (columnwise ? p.col_key : p.row_key) + 2 * g : nullptr;
+  jqffi::nvfp4_matrix(m, br, false, &amax, key, data.data(), scale.data());
+  // Where the group's matrix goes: rows of the rowwise copy from position ps; columns ps.. of
+  // the columnwise copy [C, L] (or expert g's own [C, E] matrix).
+  const bool expert = p.expert_rows > 0;
+  const int64_t out_cols = columnwise ? (expert ? p.expert_rows : p.L) : C;
+  const int64_t col0 = columnwise && !expert ? ps : 0;
+  const int64_t row0 = columnwise ? 0 : ps;
+  uint8_t* out = columnwise ? p.col + (expert ? g * C * p.expert_rows / 2 : 0) : p.row;
+  const int64_t out_nbc = jqffi::ceil_div(out_cols, 16);
+  uint8_t* out_scale = columnwise ? p.col_scale + (expert ? g * nbr * out_nbc : 0) : p.row_scale;
+  for (int64_t r = 0; r < m.rows; ++r) {
+    for (int64_t c = 0; c < m.cols; ++c) {
+      const int64_t i = r * m.cols + c;
+      jqffi::put_nibble(out, (row0 + r) * out_cols + col0 + c, (data[i >> 1] >> (4 * (i & 1))) & 0xFu);
+    }
+  }
+  for (int64_t r = 0; r < nbr; ++r) {
+    for (int64_t c = 0; c < nbc; ++c) out_scale[(row0 / br + r) * out_nbc + col0 / 16 + c] = scale[r * nbc + c];
+  }
+}
+
+ffi::Error GroupedQuantizeNvfp4Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::AnyBuffer pstarts,
+                                   ffi::AnyBuffer row_key, ffi::AnyBuffer col_key, ffi::RemainingRets rets,
+                                   bool rowwise, bool columnwise, bool block_2d, bool rht, bool stochastic,
+                                   int64_t length, int64_t expert_rows) {
+  Nvfp4QuantizeParams p;
+  JQ_RETURN_IF_ERROR(decode_quantize_nvfp4("jaxquant_grouped_quantize_nvfp4", x, starts, pstarts, row_key,
+                                           col_key, rets, rowwise, columnwise, block_2d, rht, stochastic,
+                                           length, expert_rows, &p));
+  const int64_t br = block_2d ? 16 : 1, nbc = jqffi::ceil_div(p.C, 16);
+  if (rowwise) {
+    std::memset(p.row, 0, static_cast<size_t>(p.L * p.C / 2));
+    std::memset(p.row_scale, 0, static_cast<size_t>(jqffi::ceil_div(p.L, br) * nbc));
+  }
+  if (columnwise) {
+    std::memset(p.col, 0, static_cast<size_t>(p.C * p.L / 2));
+    std::memset(p.col_scale, 0, static_cast<size_t>(jqffi::ceil_div(p.C, br) * (p.L / 16)));
+  }
+  for (int64_t g = 0; g < p.G; ++g) {
+    for (bool col : {false, true}) {
+      if (!(col ? columnwise : rowwise)) continue;
+      if (p.pstarts[g + 1] > p.pstarts[g]) {
+        nvfp4_group_copy(p, g, col);
+      } else {
+        (col ? p.col_amax : p.row_amax)[g] = 0.0f;
+      }
+    }
+  }
   return ffi::Error::Success();
 }
 
@@ -200,11 +284,14 @@ ffi::Error GroupedGemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer a_scale, ffi::AnyBuff
 
 XLA_FFI_DEFINE_HANDLER(kGroupedQuantizeFp8Cpu, GroupedQuantizeFp8Cpu,
                        BindGroupedQuantizeFp8(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kGroupedQuantizeNvfp4Cpu, GroupedQuantizeNvfp4Cpu,
+                       BindGroupedQuantizeNvfp4(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kGroupedAmaxCpu, GroupedAmaxCpu, BindGroupedAmax(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kGroupedGemmCpu, GroupedGemmCpu, BindGroupedGemm(ffi::Ffi::Bind()));
 
 void RegisterGroupedTargets(nanobind::dict& cpu, nanobind::dict& cuda) {
   cpu["jaxquant_grouped_quantize_fp8"] = nanobind::capsule(reinterpret_cast<void*>(kGroupedQuantizeFp8Cpu));
+  cpu["jaxquant_grouped_quantize_nvfp4"] = nanobind::capsule(reinterpret_cast<void*>(kGroupedQuantizeNvfp4Cpu));
   cpu["jaxquant_grouped_amax"] = nanobind::capsule(reinterpret_cast<void*>(kGroupedAmaxCpu));
   cpu["jaxquant_grouped_gemm"] = nanobind::capsule(reinterpret_cast<void*>(kGroupedGemmCpu));
 #ifdef JAXQUANT_WITH_CUDA

@@ -32,6 +32,7 @@
 
 #include "gemm/bf16_decode.cuh"
 #include "grouped/cuda_targets.h"
+#include "grouped/grouped_amax.cuh"
 #include "grouped/grouped_args.h"
 
 namespace jqgrouped {
@@ -50,75 +51,6 @@ ffi::Error status(const char* target, cudaError_t e = cudaSuccess) {
 // ============================================================================================
 // Grouped FP8 quantize
 // ============================================================================================
-
-template <int TYPE>
-__device__ __forceinline__ float load_in(const void* x, int64_t i) {
-  if constexpr (TYPE == 0) return __uint_as_float(uint32_t(static_cast<const uint16_t*>(x)[i]) << 16);
-  if constexpr (TYPE == 1) return __half2float(static_cast<const __half*>(x)[i]);
-  return static_cast<const float*>(x)[i];
-}
-
-// 8 consecutive inputs of one row, as float (zeros past `n_valid`).
-template <int TYPE>
-__device__ __forceinline__ void load8(const void* x, int64_t offset, int n_valid, bool vec, float* v) {
-  if (vec && n_valid >= 8) {
-    if constexpr (TYPE == 2) {
-      const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(x) + offset);
-      const float4 a = __ldg(p), b = __ldg(p + 1);
-      v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-    } else {
-      const uint4 u = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(x) + offset));
-      const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        if constexpr (TYPE == 0) {
-          v[2 * i] = __uint_as_float(w[i] << 16);
-          v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-        } else {
-          v[2 * i] = __half2float(__ushort_as_half(uint16_t(w[i] & 0xFFFFu)));
-          v[2 * i + 1] = __half2float(__ushort_as_half(uint16_t(w[i] >> 16)));
-        }
-      }
-    }
-    return;
-  }
-#pragma unroll
-  for (int i = 0; i < 8; ++i) v[i] = i < n_valid ? load_in<TYPE>(x, offset + i) : 0.0f;
-}
-
-__device__ __forceinline__ int upper_group(const int32_t* starts, int G, int64_t pos) {
-  // Largest g in [0, G] with starts[g] <= pos (G: at or past the end of the last group).
-  int lo = 0, hi = G;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (int64_t(__ldg(starts + mid)) <= pos) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
-
-template <int TYPE>
-__global__ void __launch_bounds__(256) grouped_amax_kernel(const QuantizeParams p) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t valid_rows = min(int64_t(__ldg(p.starts + p.G)), p.T);
-  const bool vec = (TYPE == 2 ? p.C % 4 == 0 : p.C % 8 == 0) &&
-                   (reinterpret_cast<uintptr_t>(p.x) & 15) == 0;
-  uint32_t* amax = reinterpret_cast<uint32_t*>(p.amax);
-  for (int64_t r = int64_t(blockIdx.x) * 8 + warp; r < valid_rows; r += int64_t(gridDim.x) * 8) {
-    uint32_t m = 0;
-    for (int64_t c = int64_t(lane) * 8; c < p.C; c += 256) {
-      float v[8];
-      load8<TYPE>(p.x, r * p.C + c, int(min(int64_t(8), p.C - c)), vec, v);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) m = max(m, jq::abs_bits(v[i]));
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-    if (lane == 0) {
-      const int g = upper_group(p.starts, int(p.G), r);
-      if (g < p.G) atomicMax(amax + g, m);
-    }
-  }
-}
 
 constexpr int kQP = 64, kQC = 64;  // positions x features per quantize CTA
 
@@ -211,19 +143,6 @@ __global__ void __launch_bounds__(256) grouped_quantize_kernel(const QuantizePar
       }
     }
   }
-}
-
-template <typename F>
-void by_type(int type, F&& f) {
-  switch (type) {
-    case 0: f(std::integral_constant<int, 0>{}); break;
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    default: f(std::integral_constant<int, 2>{}); break;
-  }
-}
-
-unsigned amax_grid(int64_t T) {
-  return unsigned(std::max<int64_t>(1, std::min<int64_t>((T + 7) / 8, 132 * 16)));
 }
 
 ffi::Error GroupedQuantizeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer starts,
@@ -717,6 +636,7 @@ std::vector<CudaTarget> GroupedCudaTargets() {
       {"jaxquant_grouped_quantize_fp8", reinterpret_cast<void*>(kGroupedQuantizeFp8Cuda)},
       {"jaxquant_grouped_amax", reinterpret_cast<void*>(kGroupedAmaxCuda)},
       {"jaxquant_grouped_gemm", reinterpret_cast<void*>(kGroupedGemmCuda)}};
+  for (const CudaTarget& t : GroupedNvfp4CudaTargets()) targets.push_back(t);
 #ifdef JAXQUANT_GROUPED_SM90
   for (const CudaTarget& t : GroupedSm90Targets()) targets.push_back(t);
 #endif

@@ -27,6 +27,28 @@ struct QuantizeParams {
   float* amax = nullptr;     // [G]
 };
 
+// Grouped NVFP4 quantize (jaxquant_grouped_quantize_nvfp4): one second-level scale per group
+// (the group's amax, after the RHT for an rht columnwise copy), 1x16 or 16x16 blocks, optional
+// RHT (columnwise) and stochastic rounding with each group's words at the index within the group.
+struct Nvfp4QuantizeParams {
+  const void* x = nullptr;  // [T, C] bf16 / f16 / f32 (jqffi::In)
+  int in_type = 0;
+  int64_t T = 0, C = 0, G = 0;
+  int64_t L = 0;            // token positions of the output layout
+  int64_t expert_rows = 0;  // > 0: columnwise output is [G, C, expert_rows] (expert weights)
+  const int32_t* starts = nullptr;   // [G + 1] packed group starts
+  const int32_t* pstarts = nullptr;  // [G + 1] layout group starts
+  bool rowwise = false, columnwise = false, block_2d = false, rht = false, stochastic = false;
+  const uint32_t* row_key = nullptr;  // [G, 2] stochastic-rounding words per group
+  const uint32_t* col_key = nullptr;
+  uint8_t* row = nullptr;        // f4 [L, C]
+  uint8_t* row_scale = nullptr;  // e4m3 [L, ceil(C/16)] or [L/16, ceil(C/16)] (2-D)
+  uint8_t* col = nullptr;        // f4 [C, L] or [G, C, E]
+  uint8_t* col_scale = nullptr;  // e4m3 [C or ceil(C/16), L/16], or [G, ..., E/16]
+  float* row_amax = nullptr;     // [G]
+  float* col_amax = nullptr;     // [G]
+};
+
 enum : int { kModeRagged = 0, kModeWgrad = 1 };
 enum : int { kElemE4M3 = 0, kElemE5M2 = 1, kElemE2M1 = 2 };
 // Block scales: E8M0 per 1x32 (MXFP8), E4M3 per 1x16 / 16x16 (NVFP4), float32 per 1x128 /

@@ -11,6 +11,22 @@ namespace {
 // Tile 64x128; a column-phase thread owns one 16-row chunk = one NVFP4 block (= one RHT chunk).
 // ============================================================================================
 
+// The groups of a grouped quantize (`nvfp4_kernel<In, true>`): the R x C matrix is a token
+// layout of R positions over the T rows of x (ffi/grouped/grouped_args.h): position `pos` of
+// group g holds row starts[g] + (pos - pstarts[g]) of x while that is inside the group, else
+// zeros (padding, or no group). Every 16-position chunk and 16x16 tile of a columnwise or 2-D
+// copy lies inside one group (the layout's block is a multiple of 16 there).
+struct Nvfp4Groups {
+  const int32_t* starts = nullptr;   // [G + 1] packed group starts in x
+  const int32_t* pstarts = nullptr;  // [G + 1] group starts in the layout
+  int64_t G = 0, T = 0;              // groups; rows of x
+  int64_t expert_rows = 0;           // > 0: the columnwise copy is [G, C, expert_rows]
+  bool speculate = false;            // load row `pos` of x before the group lookup (a packed
+                                     // layout: the source row is the position or none)
+};
+
+// Single tensor: row_amax / col_amax are the tensor amax (or per row / column when row_scaled)
+// and the keys two words each. Grouped: both amaxes and the keys are per group ([G], [G, 2]).
 struct Nvfp4Params {
   const void* x;
   int64_t R, C;
@@ -18,6 +34,74 @@ struct Nvfp4Params {
   const float *row_amax, *col_amax;
   const uint32_t *row_key, *col_key;
   uint8_t *row, *row_scale, *col, *col_scale;
+  Nvfp4Groups groups = {};
+};
+
+// Per tile row of a grouped quantize: source row of x (-1: zeros), group (G: none), index in
+// the group, and the group's second-level encode scale of each direction (1 for no group, as
+// the reference's per-position fill). Empty for the single-tensor kernel.
+template <bool GROUPED, int TR>
+struct Nvfp4TileRows {};
+
+template <int TR>
+struct Nvfp4TileRows<true, TR> {
+  static constexpr int kStagedGroups = 256;  // offsets and scales of up to this many groups
+                                             // are staged in shared memory (one round trip)
+  int64_t src[TR];
+  int32_t group[TR], local[TR];
+  float s_row[TR], s_col[TR];
+  int32_t starts[kStagedGroups + 1], pstarts[kStagedGroups + 1];
+  float s_row_g[kStagedGroups], s_col_g[kStagedGroups];
+
+  __device__ __forceinline__ void fill(const Nvfp4Params& p, int64_t r0) {
+    const Nvfp4Groups& q = p.groups;
+    const int G = int(q.G);
+    const bool staged = G <= kStagedGroups;
+    if (staged) {  // every group's offsets and second-level scales, loaded in parallel
+      for (int g = threadIdx.x; g <= G; g += kThreads) {
+        starts[g] = __ldg(q.starts + g);
+        pstarts[g] = __ldg(q.pstarts + g);
+        if (g < G) {
+          s_row_g[g] = p.do_row ? jq::nvfp4_global_encode_scale(p.row_amax[g]) : 1.0f;
+          s_col_g[g] = p.do_col ? jq::nvfp4_global_encode_scale(p.col_amax[g]) : 1.0f;
+        }
+      }
+      __syncthreads();
+    }
+    const int i = threadIdx.x;
+    if (i < TR) {
+      const int64_t pos = r0 + i;
+      int g = G;
+      int64_t source = -1, index = 0;
+      if (pos < p.R) {
+        const int32_t* ps = staged ? pstarts : q.pstarts;
+        const int32_t* st = staged ? starts : q.starts;
+        int lo = 0, hi = G;  // the group whose extent holds pos (G: none; see group_of)
+        while (lo < hi) {
+          const int mid = (lo + hi + 1) >> 1;
+          if (int64_t(staged ? ps[mid] : __ldg(ps + mid)) <= pos) lo = mid; else hi = mid - 1;
+        }
+        g = lo;
+        index = pos - (staged ? ps[g] : __ldg(ps + g));  // past the last group: pos - pstarts[G]
+        const int64_t begin = staged ? st[g] : (g < G ? __ldg(st + g) : 0);
+        if (g < G && index < int64_t(staged ? st[g + 1] : __ldg(st + g + 1)) - begin) {
+          source = begin + index;
+        }
+      }
+      src[i] = source;
+      group[i] = g;
+      local[i] = int32_t(index);
+      const bool own = g < G;
+      s_row[i] = p.do_row && own ? (staged ? s_row_g[g] : jq::nvfp4_global_encode_scale(p.row_amax[g])) : 1.0f;
+      s_col[i] = p.do_col && own ? (staged ? s_col_g[g] : jq::nvfp4_global_encode_scale(p.col_amax[g])) : 1.0f;
+    }
+    __syncthreads();
+  }
+
+  // The stochastic-rounding words of row i's group (zeros for no group, as the reference).
+  __device__ __forceinline__ uint2 key(const uint32_t* keys, int i, int64_t G) const {
+    return group[i] < G ? make_uint2(keys[2 * group[i]], keys[2 * group[i] + 1]) : make_uint2(0u, 0u);
+  }
 };
 
 struct Nvfp4Block {
@@ -47,7 +131,10 @@ __device__ __forceinline__ uint32_t e2m1x8(const float* v, float s, bool sr, uin
 template <typename In>
 using NVFP4Tile = Geometry<In, 64, 128>;
 
-template <typename In>
+// GROUPED: the rows are token-layout positions (`Nvfp4Groups`), each with its group's
+// second-level scales and stochastic-rounding words and its index within the group (the SR
+// coordinate), and the columnwise copy of expert weights is written as [G, C, expert_rows].
+template <typename In, bool GROUPED = false>
 __global__ void __launch_bounds__(kThreads, 3) nvfp4_kernel(const Nvfp4Params p) {  // 3 CTAs an SM
   using G = NVFP4Tile<In>;
   static_assert(G::RPP == 16, "a load pass is one row of 16x16 tiles");
@@ -60,9 +147,28 @@ __global__ void __launch_bounds__(kThreads, 3) nvfp4_kernel(const Nvfp4Params p)
   const TileIndex t = tile_index(p.C, G::TR, G::TC);
   const int64_t row_nb = (p.C + 15) / 16, col_nb = (p.R + 15) / 16;
   const int lr = tid / G::TPR, lc = (tid % G::TPR) * 8;
+  __shared__ Nvfp4TileRows<GROUPED, G::TR> rows;
   alignas(16) In raw[G::NP][8];
+  if constexpr (GROUPED) {
+    // Rows are read from their source row of x, found first (or, in a packed layout, read at
+    // the position while the lookup runs and replaced when the source differs).
+    const int64_t T = p.groups.T;
+    if (p.groups.speculate) {
 #pragma unroll
-  for (int pp = 0; pp < G::NP; ++pp) load8(x, p.R, p.C, t.r0 + pp * G::RPP + lr, t.c0 + lc, p.vec_in, raw[pp]);
+      for (int pp = 0; pp < G::NP; ++pp) load8(x, T, p.C, t.r0 + pp * G::RPP + lr, t.c0 + lc, p.vec_in, raw[pp]);
+    }
+    rows.fill(p, t.r0);
+#pragma unroll
+    for (int pp = 0; pp < G::NP; ++pp) {
+      const int64_t src = rows.src[pp * G::RPP + lr];
+      if (!p.groups.speculate || src != t.r0 + pp * G::RPP + lr) {
+        load8(x, T, p.C, src >= 0 ? src : T, t.c0 + lc, p.vec_in, raw[pp]);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int pp = 0; pp < G::NP; ++pp) load8(x, p.R, p.C, t.r0 + pp * G::RPP + lr, t.c0 + lc, p.vec_in, raw[pp]);
+  }
   uint32_t blk[G::NP];
 #pragma unroll
   for (int pp = 0; pp < G::NP; ++pp) {
@@ -88,19 +194,30 @@ __global__ void __launch_bounds__(kThreads, 3) nvfp4_kernel(const Nvfp4Params p)
     for (int pp = 0; pp < G::NP; ++pp) blk[pp] = tile2d[pp][lc / 16];
   }
   if (p.do_row) {
-    const float tensor_s_enc = p.row_scaled ? 0.0f : jq::nvfp4_global_encode_scale(*p.row_amax);
-    const uint32_t k0 = p.sr ? p.row_key[0] : 0u, k1 = p.sr ? p.row_key[1] : 0u;
+    const float tensor_s_enc = GROUPED || p.row_scaled ? 0.0f : jq::nvfp4_global_encode_scale(*p.row_amax);
+    const uint32_t k0 = !GROUPED && p.sr ? p.row_key[0] : 0u, k1 = !GROUPED && p.sr ? p.row_key[1] : 0u;
 #pragma unroll
     for (int pp = 0; pp < G::NP; ++pp) {
       const int64_t r = t.r0 + pp * G::RPP + lr, c = t.c0 + lc;
       if (r >= p.R || c >= p.C) continue;
-      const float s_enc = p.row_scaled ? jq::nvfp4_global_encode_scale(p.row_amax[r]) : tensor_s_enc;
+      float s_enc = p.row_scaled ? jq::nvfp4_global_encode_scale(p.row_amax[r]) : tensor_s_enc;
+      uint32_t sr_row = uint32_t(r), sr_k0 = k0, sr_k1 = k1;
+      if constexpr (GROUPED) {  // the group's scale and words, the row's index in its group
+        const int i = pp * G::RPP + lr;
+        s_enc = rows.s_row[i];
+        sr_row = uint32_t(rows.local[i]);
+        if (p.sr) {
+          const uint2 k = rows.key(p.row_key, i, p.groups.G);
+          sr_k0 = k.x;
+          sr_k1 = k.y;
+        }
+      }
       const Nvfp4Block b = nvfp4_block(blk[pp], s_enc);
       float v[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) v[i] = to_float(raw[pp][i]);
-      const uint32_t row_hash = p.sr ? jq::sr_row_hash(k0, uint32_t(r)) : 0u;
-      const uint32_t packed = e2m1x8(v, b.s_enc_b, p.sr, row_hash, k1, uint32_t(c));
+      const uint32_t row_hash = p.sr ? jq::sr_row_hash(sr_k0, sr_row) : 0u;
+      const uint32_t packed = e2m1x8(v, b.s_enc_b, p.sr, row_hash, sr_k1, uint32_t(c));
       store_bytes4(p.row + (r * p.C + c) / 2, packed, int(min64(8, p.C - c)) / 2, p.vec_row);
       if ((tid & 1) == 0) {
         if (!p.block_2d) {
@@ -113,8 +230,8 @@ __global__ void __launch_bounds__(kThreads, 3) nvfp4_kernel(const Nvfp4Params p)
   }
   if (!p.do_col) return;
   __syncthreads();
-  const float tensor_s_enc = p.row_scaled ? 0.0f : jq::nvfp4_global_encode_scale(*p.col_amax);
-  const uint32_t k0 = p.sr ? p.col_key[0] : 0u, k1 = p.sr ? p.col_key[1] : 0u;
+  const float tensor_s_enc = GROUPED || p.row_scaled ? 0.0f : jq::nvfp4_global_encode_scale(*p.col_amax);
+  const uint32_t k0 = !GROUPED && p.sr ? p.col_key[0] : 0u, k1 = !GROUPED && p.sr ? p.col_key[1] : 0u;
 #pragma unroll
   for (int it = 0; it < G::ITERS; ++it) {
     const ColumnSlot<G> slot(it);
@@ -131,16 +248,42 @@ __global__ void __launch_bounds__(kThreads, 3) nvfp4_kernel(const Nvfp4Params p)
 #pragma unroll
       for (int i = 0; i < 16; ++i) m = max(m, jq::abs_bits(w[i]));
     }
-    const float s_enc = p.row_scaled ? jq::nvfp4_global_encode_scale(p.col_amax[c]) : tensor_s_enc;
+    float s_enc = p.row_scaled ? jq::nvfp4_global_encode_scale(p.col_amax[c]) : tensor_s_enc;
+    uint32_t sr_col = uint32_t(rr), sr_k0 = k0, sr_k1 = k1;
+    if constexpr (GROUPED) {  // the chunk's 16 positions are one group's
+      const int i = 16 * slot.j;
+      s_enc = rows.s_col[i];
+      sr_col = uint32_t(rows.local[i]);
+      if (p.sr) {
+        const uint2 k = rows.key(p.col_key, i, p.groups.G);
+        sr_k0 = k.x;
+        sr_k1 = k.y;
+      }
+    }
     const Nvfp4Block b = nvfp4_block(m, s_enc);
-    const uint32_t row_hash = p.sr ? jq::sr_row_hash(k0, uint32_t(c)) : 0u;
-    const uint32_t lo = e2m1x8(w, b.s_enc_b, p.sr, row_hash, k1, uint32_t(rr));
-    const uint32_t hi = e2m1x8(w + 8, b.s_enc_b, p.sr, row_hash, k1, uint32_t(rr + 8));
-    store_bytes8(p.col + (c * p.R + rr) / 2, lo, hi, int(min64(16, p.R - rr)) / 2, p.vec_col);
+    const uint32_t row_hash = p.sr ? jq::sr_row_hash(sr_k0, uint32_t(c)) : 0u;
+    const uint32_t lo = e2m1x8(w, b.s_enc_b, p.sr, row_hash, sr_k1, sr_col);
+    const uint32_t hi = e2m1x8(w + 8, b.s_enc_b, p.sr, row_hash, sr_k1, sr_col + 8u);
+    // Output row (c, or c / 16 for 2-D scales) and column (position) of the transposed copy;
+    // expert weights: expert e's [C, E] matrix at e * C * E (scales likewise).
+    int64_t base = 0, out_len = p.R, out_pos = rr, scale_len = col_nb;
+    int64_t scale_rows = p.block_2d ? (p.C + 15) / 16 : p.C;
+    if constexpr (GROUPED) {
+      if (p.groups.expert_rows > 0) {
+        const int64_t E = p.groups.expert_rows, e = rr / E;
+        out_len = E;
+        out_pos = rr - e * E;
+        scale_len = E / 16;
+        base = e;
+      }
+    }
+    uint8_t* col = p.col + (base * p.C * out_len) / 2;
+    uint8_t* col_scale = p.col_scale + base * scale_rows * scale_len;
+    store_bytes8(col + (c * out_len + out_pos) / 2, lo, hi, int(min64(16, out_len - out_pos)) / 2, p.vec_col);
     if (!p.block_2d) {
-      p.col_scale[c * col_nb + rr / 16] = uint8_t(b.code);
+      col_scale[c * scale_len + out_pos / 16] = uint8_t(b.code);
     } else if (slot.cl % 16 == 0) {
-      p.col_scale[(c / 16) * col_nb + rr / 16] = uint8_t(b.code);
+      col_scale[(c / 16) * scale_len + out_pos / 16] = uint8_t(b.code);
     }
   }
 }

@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxquant.flax.quantization import (logical_init, module_key, module_quantizers,
                                         module_sharding, module_states)
-from jaxquant.layers.dense import dense
+from jaxquant.layers.dense import dense, runs_unquantized
 from jaxquant.recipes import Recipe
 
 default_kernel_init = nn.initializers.lecun_normal()
@@ -142,9 +142,11 @@ def dense_general_contraction(module: nn.Module, inputs: jax.Array, *,
                               promote_dtype: Callable = nn.dtypes.promote_dtype) -> jax.Array:
   """`flax.linen.DenseGeneral.__call__` of `module` (any module with its attributes), with the
   contraction quantized by `recipe` (default: the module's `recipe` attribute, else the
-  innermost `jaxquant.autocast`; none: Flax's own contraction). Call it inside the module's
-  scope (from its `__call__` or an interceptor): parameters are created there. The sharding
-  attributes (`kernel_axes`, `input_axes`, `reduce_dtype`) are read where the module has them."""
+  innermost `jaxquant.autocast`; none, or an all-Identity recipe without a sharding plan:
+  Flax's own contraction, see `jaxquant.layers.dense.runs_unquantized`). Call it inside the
+  module's scope (from its `__call__` or an interceptor): parameters are created there. The
+  sharding attributes (`kernel_axes`, `input_axes`, `reduce_dtype`) are read where the module
+  has them."""
   features = _as_tuple(module.features, "features")
   ndim = inputs.ndim
   axis = _normalize_axes(_as_tuple(module.axis, "axis"), ndim, "axis")
@@ -177,7 +179,16 @@ def dense_general_contraction(module: nn.Module, inputs: jax.Array, *,
   inputs, kernel, bias = promote_dtype(inputs, kernel, bias, dtype=module.dtype)
 
   quantizers = module_quantizers(module, recipe=recipe)
-  if quantizers is None:  # Flax's own contraction, unchanged
+  # Batch axes first, then the rows of the GEMM, then the contracted axes (sorted):
+  # the output [batch..., rows..., features...] is laid out as dot_general's.
+  free = tuple(ax for ax in range(ndim) if ax not in axis and ax not in batch_dims)
+  order = batch_dims + free + axis
+  sharding = None
+  if quantizers is not None:
+    input_names = tuple(input_axes[ax] for ax in order) if input_axes else None
+    sharding = _strip_batch(module_sharding(module, kernel.shape, kernel.dtype, input_names),
+                            n_batch)
+  if runs_unquantized(quantizers, sharding, what="DenseGeneral"):  # Flax's own contraction
     out = jax.lax.dot_general(inputs, kernel,
                               ((axis, tuple(range(n_batch, n_batch + n_axis))),
                                (batch_dims, tuple(range(n_batch)))), precision=module.precision)
@@ -187,16 +198,9 @@ def dense_general_contraction(module: nn.Module, inputs: jax.Array, *,
       out = out + jnp.reshape(bias, bias_shape + features)
     return out
 
-  # Batch axes first, then the rows of the GEMM, then the contracted axes (sorted):
-  # the output [batch..., rows..., features...] is laid out as dot_general's.
-  free = tuple(ax for ax in range(ndim) if ax not in axis and ax not in batch_dims)
-  order = batch_dims + free + axis
   inputs = jnp.transpose(inputs, order)
   key = module_key(module, quantizers)
   states = module_states(module, quantizers, batch_shape=batch_shape)
-  input_names = tuple(input_axes[ax] for ax in order) if input_axes else None
-  sharding = _strip_batch(module_sharding(module, kernel.shape, kernel.dtype, input_names),
-                          n_batch)
 
   def contract(x, w, b, k, s):
     return dense(x, w, b, quantizers, key=k, states=s, contracting_dims=n_axis,

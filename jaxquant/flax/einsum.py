@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jaxquant.explain import Decision, record
 from jaxquant.flax.quantization import (module_key, module_name, module_path,
                                         module_quantizers, module_states)
+from jaxquant.layers.dense import runs_unquantized
 from jaxquant.layers.einsum import ContractionPlan, UnsupportedEinsum, contract, plan_einsum
 from jaxquant.recipes import Recipe
 from jaxquant.roles import QuantizerRole
@@ -50,7 +51,8 @@ def einsum_contraction(module: nn.Module, inputs: jax.Array, einsum_str: Optiona
                        recipe: Recipe, next_fun: Callable) -> jax.Array:
   """`flax.linen.Einsum.__call__` of `module` with the contraction quantized by `recipe`; an
   equation the quantized contraction cannot express runs Flax's own `__call__` (`next_fun`),
-  recorded by `jaxquant.explain` with the reason."""
+  recorded by `jaxquant.explain` with the reason; so does an all-Identity recipe (see
+  `jaxquant.layers.dense.runs_unquantized`)."""
   if module.einsum_str is not None and einsum_str is not None:
     return next_fun(inputs, einsum_str)  # Flax raises its own error for the double equation
   equation = module.einsum_str if einsum_str is None else einsum_str
@@ -61,6 +63,7 @@ def einsum_contraction(module: nn.Module, inputs: jax.Array, einsum_str: Optiona
     record(Decision(
         "gemm", QuantizerRole("linear", "", module_name(module), module_path(module)),
         f"nn.Einsum {equation!r}", "not-quantized", reason or "no recipe"))
+  if runs_unquantized(quantizers, what=f"nn.Einsum {equation!r}"):  # Flax's own einsum
     return next_fun(inputs) if einsum_str is None else next_fun(inputs, einsum_str)
 
   x_term, k_term, out = _kernel_terms(equation)

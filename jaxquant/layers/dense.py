@@ -82,6 +82,45 @@ class DenseQuantizers:
   def stateful(self) -> bool:
     return any(self.quantizer(t).stateful for t in TENSOR_TYPES)
 
+  @property
+  def unquantized(self) -> bool:
+    """Every tensor passes through unchanged: three `IdentityQuantizer()`s without a cast."""
+    return all(isinstance(q, IdentityQuantizer) and q.dtype is None
+               for q in (self.input, self.weight, self.grad_output))
+
+
+def runs_unquantized(quantizers: Optional[DenseQuantizers],
+                     sharding: Optional[_sharding.DenseSharding] = None, *,
+                     what: str = "dot_general") -> bool:
+  """Whether a contraction runs as the plain high-precision one: JAX's own `dot_general` /
+  `einsum` (the unswapped module's code), differentiated by JAX.
+
+  True without quantizers, and for `quantizers.unquantized` without a sharding plan: nothing
+  is quantized, and the TN layout (operands transposed and flattened, `x . W^T`, a custom
+  backward) would be another program than the original's, for which XLA:CPU picks kernels that
+  sum the same products in another order (an operand-swapped `jnp.einsum`'s forward, the input
+  and weight gradients of multi-axis or batched contractions). Running the original's own
+  contraction makes an all-Identity recipe the unquantized model bit for bit, values and
+  gradients; callers with a Flax original (the linen and NNX modules) run its code when this
+  returns True, `dense` its plain `dot_general`. `jaxquant.explain` records that case: the
+  quantizer that served each role and the contraction (`what`), on the "high-precision" path.
+  Under a sharding plan the Identity contraction keeps the plan's collectives (`reduce_dtype`,
+  FSDP gathers) and runs through `dense`'s custom backward, as does a cast
+  (`IdentityQuantizer(dtype)`)."""
+  if quantizers is None:
+    return True
+  if not quantizers.unquantized or sharding is not None:
+    return False
+  why = "all-Identity: JAX's own contraction and autodiff"
+  for tensor_type, role in zip(TENSOR_TYPES, quantizers.roles):
+    _explain.record(_explain.Decision(
+        "quantize", role, f"rowwise+columnwise: {quantizers.quantizer(tensor_type)}",
+        "high-precision", why))
+  role = quantizers.roles[0]
+  label = what if role is None else f"{role.module_type}/{role.path or role.name}"
+  _explain.record(_explain.Decision("gemm", label, what, "high-precision", why))
+  return True
+
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
@@ -299,8 +338,9 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
     x: `[..., K1..Kc]` activations (bfloat16/float16/float32).
     kernel: `[K1..Kc, N1..Nn]` weights in the same dtype as `x` (promote first).
     bias: optional `[N1..Nn]`.
-    quantizers: the `DenseQuantizers` for input, weight and grad_output (None: no quantization,
-      a plain `dot_general` exactly like `flax.linen.Dense`).
+    quantizers: the `DenseQuantizers` for input, weight and grad_output (None, or three
+      `IdentityQuantizer()`s without `sharding`: no quantization, a plain `dot_general` exactly
+      like `flax.linen.Dense`, differentiated by JAX; see `runs_unquantized`).
     key: PRNG key, required when a quantizer uses stochastic rounding; the input, weight and
       grad_output quantizers get `jax.random.fold_in(key, 0 | 1 | 2)`.
     states: `(input, weight, grad_output)` delayed-scaling states from
@@ -329,16 +369,16 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
   if sharding is not None and not isinstance(sharding, _sharding.DenseSharding):
     raise TypeError(f"sharding: expected a jaxquant.sharding.DenseSharding or None, got "
                     f"{type(sharding).__name__}")
-  if quantizers is None:
+  if quantizers is not None and not isinstance(quantizers, DenseQuantizers):
+    raise TypeError(f"quantizers: expected DenseQuantizers or None, got "
+                    f"{type(quantizers).__name__}")
+  if runs_unquantized(quantizers, sharding):
     y = jax.lax.dot_general(x, kernel, ((tuple(range(x.ndim - contracting_dims, x.ndim)),
                                          tuple(range(contracting_dims))), ((), ())),
                             precision=precision)
     if bias is not None:
       y = y + bias.reshape((1,) * len(batch_shape) + tuple(out_features))
     return y
-  if not isinstance(quantizers, DenseQuantizers):
-    raise TypeError(f"quantizers: expected DenseQuantizers or None, got "
-                    f"{type(quantizers).__name__}")
   if states is None:
     if quantizers.stateful:
       raise ValueError("states: the quantizers are stateful (delayed scaling); pass "

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import opt_einsum
 
 from jaxquant.explain import Decision, record
+from jaxquant.layers.dense import runs_unquantized
 from jaxquant.layers.einsum import UnsupportedEinsum, contract, plan_einsum
 from jaxquant.nnx.linear import default_bias_init, default_kernel_init
 from jaxquant.nnx.module import (QuantizedContraction, RngsArg, existing_value, finish_output,
@@ -146,15 +147,16 @@ class Einsum(QuantizedContraction):
         record(Decision(
             "einsum", QuantizerRole("linear", "", self.name, self.path), einsum_str,
             "high-precision", err.reason))
-    if plan is None:  # flax.nnx.Einsum's own contraction
-      kwargs = {"out_sharding": out_sharding}
+    sharding = None if plan is None else self._sharding(plan)
+    if plan is None or runs_unquantized(quantizers, sharding, what=f"nnx.Einsum {einsum_str!r}"):
+      kwargs = {"out_sharding": out_sharding}  # flax.nnx.Einsum's own contraction
       if self.preferred_element_type is not None:
         kwargs["preferred_element_type"] = self.preferred_element_type
       y = jnp.einsum(einsum_str, inputs, kernel, precision=self.precision, **kwargs)
     else:
       y = contract(plan, inputs, kernel, None, quantizers, key=self._key(quantizers, rngs),
                    states=self._states(quantizers, plan.batch_shape(kernel.shape)),
-                   precision=self.precision, sharding=self._sharding(plan))
+                   precision=self.precision, sharding=sharding)
       y = finish_output(y, out_sharding, self.preferred_element_type)
     if bias is not None:
       y += jnp.reshape(bias, self._bias_shape(einsum_str, inputs, kernel))

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jaxquant.layers.einsum import plan_linear_general
 from jaxquant.nnx.module import (QuantizedContraction, RngsArg, existing_value, finish_output,
                                  quantize_stream)
-from jaxquant.layers.dense import dense
+from jaxquant.layers.dense import dense, runs_unquantized
 from jaxquant.recipes import Recipe
 
 default_kernel_init = nnx.initializers.lecun_normal()
@@ -98,7 +98,9 @@ class Linear(QuantizedContraction):
     bias = self.bias[...] if self.bias is not None else None
     inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
     quantizers = self._quantizers(self.recipe)
-    if quantizers is None:  # flax.nnx.Linear's own contraction
+    plan = plan_linear_general(inputs.ndim, (-1,), 0, 1)
+    sharding = None if quantizers is None else self._sharding(plan)
+    if runs_unquantized(quantizers, sharding, what="nnx.Linear"):  # flax.nnx.Linear's own
       kwargs = {"out_sharding": out_sharding}
       if self.preferred_element_type is not None:
         kwargs["preferred_element_type"] = self.preferred_element_type
@@ -107,8 +109,6 @@ class Linear(QuantizedContraction):
       if bias is not None:
         y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
       return y
-    plan = plan_linear_general(inputs.ndim, (-1,), 0, 1)
     y = dense(inputs, kernel, bias, quantizers, key=self._key(quantizers, rngs),
-              states=self._states(quantizers), precision=self.precision,
-              sharding=self._sharding(plan))
+              states=self._states(quantizers), precision=self.precision, sharding=sharding)
     return finish_output(y, out_sharding, self.preferred_element_type)

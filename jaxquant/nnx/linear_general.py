@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core.frozen_dict import FrozenDict
 
+from jaxquant.layers.dense import runs_unquantized
 from jaxquant.layers.einsum import contract, plan_linear_general
 from jaxquant.nnx.linear import default_bias_init, default_kernel_init
 from jaxquant.nnx.module import (QuantizedContraction, RngsArg, existing_value, finish_output,
@@ -128,7 +129,9 @@ class LinearGeneral(QuantizedContraction):
     bias = self.bias[...] if self.bias is not None else None
     inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
     quantizers = self._quantizers(self.recipe)
-    if quantizers is None:  # flax.nnx.LinearGeneral's own contraction
+    plan = plan_linear_general(ndim, self.axis, n_batch, len(self.out_features))
+    sharding = None if quantizers is None else self._sharding(plan)
+    if runs_unquantized(quantizers, sharding, what="nnx.LinearGeneral"):  # Flax's own
       kwargs = {"out_sharding": out_sharding}
       if self.preferred_element_type is not None:
         kwargs["preferred_element_type"] = self.preferred_element_type
@@ -140,9 +143,8 @@ class LinearGeneral(QuantizedContraction):
                          for a in range(ndim) if a not in axis)
         out += jnp.reshape(bias, (*expanded, *self.out_features))
       return out
-    plan = plan_linear_general(ndim, self.axis, n_batch, len(self.out_features))
     batch_shape = tuple(self.batch_axis.values())
     y = contract(plan, inputs, kernel, bias, quantizers, key=self._key(quantizers, rngs),
                  states=self._states(quantizers, batch_shape), precision=self.precision,
-                 sharding=self._sharding(plan))
+                 sharding=sharding)
     return finish_output(y, out_sharding, self.preferred_element_type)

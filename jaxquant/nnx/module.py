@@ -2,7 +2,9 @@
 sharding of one quantized contraction.
 
 - recipe: the module's `recipe` attribute if set, else the innermost `jaxquant.autocast` at call
-  time; none means no quantization.
+  time; none means no quantization. With none, or an all-Identity recipe outside a sharding
+  plan, the module runs the Flax original's own contraction, differentiated by JAX, so it is
+  the unswapped module bit for bit (`jaxquant.layers.dense.runs_unquantized`).
 - roles: `("linear", "input" | "weight" | "grad_output", name)` with the module's full path in
   `role.path` (set by `quantize_model`, e.g. `"layers/0/attn/qkv_einsum"`).
 - state: delayed-scaling `scale` / `amax_history` as `OverwriteWithGradient` attributes next to

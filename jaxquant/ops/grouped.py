@@ -166,7 +166,7 @@ def _tokens(x, sizes, leaf: Quantizer, direction: str, layout: TokenLayout, word
   detail = (f"{direction}: {leaf} [{layout.groups} groups, "
             f"{'packed' if not layout.padded else f'token block {layout.block}'}]")
   path = _record("grouped_quantize", role, detail, leaf,
-                 lambda: kernels.quantize_unsupported(leaf, direction))
+                 lambda: kernels.quantize_unsupported(leaf, direction, tuple(x.shape)))
   if path == "ffi":
     return kernels.quantize_tokens(x, sizes, leaf, direction, layout, words, state, orig_dtype)
   return _tokens_reference(x, sizes, leaf, direction, layout, words, state, orig_dtype)
@@ -324,10 +324,10 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool = True
                            leaf, lambda d=direction: kernels.quantize_experts_unsupported(
                                quantizer, tuple(w.shape), d)))
   orig_dtype = np.dtype(w.dtype)
+  words = _direction_words(keys, quantizer)
   if all(p == "ffi" for p in paths):
     return kernels.quantize_experts(w, quantizer, rowwise=rowwise, columnwise=columnwise,
-                                    state=state, orig_dtype=orig_dtype)
-  words = _direction_words(keys, quantizer)
+                                    state=state, orig_dtype=orig_dtype, words=words)
   return jax.vmap(lambda m, wd, s: _expert(m, quantizer, rowwise, columnwise, wd, s,
                                            orig_dtype))(w, words, state)
 

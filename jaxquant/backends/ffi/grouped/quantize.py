@@ -3,6 +3,10 @@
 - per-tensor FP8 (current / delayed scaling): `jaxquant_grouped_quantize_fp8`, one amax launch
   and one quantize launch for all groups, both copies from one read of `x` when they share a
   token layout;
+- NVFP4 with one second-level scale per group (tokens) or expert (weights):
+  `jaxquant_grouped_quantize_nvfp4`, the per-group amax launch(es) and one quantize launch
+  that reads x through the group offsets (no gathered layout), RHT and stochastic rounding
+  included;
 - MXFP8, Float8Block and the rowwise copy of row-scaled NVFP4: XLA gathers the token layout,
   the single-tensor kernel (`jaxquant.backends.ffi.quantize`) quantizes it in one launch (blocks never
   straddle groups in that layout, so this *is* the grouped quantize), and
@@ -24,7 +28,8 @@ from jaxquant.backends.ffi.grouped import support
 from jaxquant.formats.base import tensor_amax
 from jaxquant.grouping.layout import TokenLayout
 from jaxquant.grouping.tensors import GroupedScaledTensor
-from jaxquant.quantizers import Float8DelayedScalingQuantizer, Quantizer
+from jaxquant.quantizers import (Float8DelayedScalingQuantizer, HybridQuantizer, NVFP4Quantizer,
+                                 Quantizer, uses_rht)
 from jaxquant.state import DelayedScalingState, needs_current_amax, quantize_scale
 from jaxquant.tensors import QuantizedTensor, ScaledTensor
 
@@ -78,6 +83,44 @@ def _fp8_call(x2d, starts, pstarts, quantizer, state, groups: int, length: int, 
   return row, col, outs[0], outs[1]
 
 
+def _nvfp4_key(words: Optional[jax.Array], on: bool) -> jax.Array:
+  """u32 `[G, 2]` stochastic-rounding words of a direction, or the `[1, 2]` placeholder."""
+  if not on:
+    return jnp.zeros((1, 2), jnp.uint32)
+  if words is None:
+    raise ValueError("keys: NVFP4Quantizer(stochastic_rounding=True) needs one PRNG key per "
+                     "group")
+  return jnp.asarray(words, jnp.uint32)
+
+
+def _nvfp4_call(x2d, starts, pstarts, quantizer: NVFP4Quantizer, groups: int, length: int,
+                rowwise: bool, columnwise: bool, row_words=None, col_words=None,
+                expert_rows: int = 0):
+  """{direction: (data, scale_inv, amax [G])} from `jaxquant_grouped_quantize_nvfp4`."""
+  cols = x2d.shape[1]
+  br = 16 if quantizer.block_2d else 1
+  e4m3, f4 = jnp.float8_e4m3fn, jnp.float4_e2m1fn
+  sr = quantizer.stochastic_rounding
+  results = []
+  if rowwise:
+    results += [_sds((length, cols), f4), _sds((-(-length // br), -(-cols // 16)), e4m3)]
+  if columnwise:
+    if expert_rows:
+      results += [_sds((groups, cols, expert_rows), f4),
+                  _sds((groups, -(-cols // br), expert_rows // 16), e4m3)]
+    else:
+      results += [_sds((cols, length), f4), _sds((-(-cols // br), length // 16), e4m3)]
+  results += [_sds((groups,), np.float32)] * (int(rowwise) + int(columnwise))
+  outs = calls.call(support.QUANTIZE_NVFP4_TARGET, results, x2d, starts, pstarts,
+                    _nvfp4_key(row_words, sr and rowwise), _nvfp4_key(col_words, sr and columnwise),
+                    rowwise=rowwise, columnwise=columnwise, block_2d=quantizer.block_2d,
+                    rht=uses_rht(quantizer, "columnwise") and columnwise, stochastic=sr,
+                    length=np.int64(length), expert_rows=np.int64(expert_rows))
+  directions = [d for d, on in (("rowwise", rowwise), ("columnwise", columnwise)) if on]
+  data = {d: (outs.pop(0), outs.pop(0)) for d in directions}  # (data, scale_inv) per copy,
+  return {d: data[d] + (outs.pop(0),) for d in directions}   # then the amaxes in that order
+
+
 def group_amax(x: jax.Array, sizes: jax.Array) -> jax.Array:
   """float32 `[G]`: each group's max |x| over its rows (`jaxquant_grouped_amax`)."""
   return calls.call(support.AMAX_TARGET, [_sds(sizes.shape, np.float32)], x, _offsets(sizes))[0]
@@ -101,10 +144,17 @@ def quantize_tokens(x: jax.Array, sizes: jax.Array, leaf: Quantizer, direction: 
                     layout: TokenLayout, words: Optional[jax.Array], state: Any,
                     orig_dtype) -> GroupedScaledTensor:
   """One copy of tokens `x[T, C]` (see `jaxquant.ops.grouped.quantize`) through the FFI."""
-  route, reason = support.quantize_route(leaf, direction)
+  route, reason = support.quantize_route(leaf, direction, tuple(x.shape))
   if reason is not None:
     raise ValueError(f"grouped FFI quantize cannot serve {leaf} ({direction}): {reason}")
   rowwise = direction == "rowwise"
+  if route == "nvfp4":
+    (data, scale_inv, amax), = _nvfp4_call(
+        x, _offsets(sizes), _offsets(layout.extents(sizes)), leaf, layout.groups, layout.length,
+        rowwise, not rowwise, row_words=words if rowwise else None,
+        col_words=None if rowwise else words).values()
+    return _make(data, scale_inv, amax, sizes, leaf, orig_dtype, direction, layout,
+                 uses_rht(leaf, direction))
   if route == "fp8":
     row, col, scale_inv, amax = _fp8_call(x, _offsets(sizes), _offsets(layout.extents(sizes)),
                                           leaf, state, layout.groups, layout.length, rowwise,
@@ -120,16 +170,27 @@ def quantize_tokens(x: jax.Array, sizes: jax.Array, leaf: Quantizer, direction: 
 
 
 def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool, columnwise: bool,
-                     state: Any, orig_dtype) -> QuantizedTensor:
+                     state: Any, orig_dtype, words=None) -> QuantizedTensor:
   """Expert weights `w[G, rows, cols]`, each expert bit-for-bit its own quantize (columnwise
   copies `[G, cols, rows]`): per-tensor FP8 both copies in one grouped call (every expert its
-  own amax and scale); block formats one single-tensor launch per copy (`_experts_single`)."""
+  own amax and scale); NVFP4 (one amax per expert) through the grouped NVFP4 kernel, both copies
+  of one quantizer in one call; block formats one single-tensor launch per copy
+  (`_experts_single`). A Hybrid whose columnwise copy comes from the `rowwise_dequantized`
+  source quantizes each expert's decoded rowwise copy. `words`: per direction, the
+  stochastic-rounding words of each expert (`[G, 2]`) or None."""
   if isinstance(quantizer, support._PER_TENSOR_FP8):
     return _experts_fp8(w, quantizer, rowwise, columnwise, state, orig_dtype)
+  words = words or {}
+  if (isinstance(quantizer, NVFP4Quantizer) and rowwise and columnwise
+      and support.expert_route(quantizer, "rowwise", tuple(w.shape))[0] == "nvfp4"):
+    pair = _experts_nvfp4(w, quantizer, True, True, orig_dtype, words)
+    return QuantizedTensor(pair["rowwise"], pair["columnwise"], quantizer)
   states = state if isinstance(state, tuple) else (state, state)
+  from_rowwise = (columnwise and isinstance(quantizer, HybridQuantizer)
+                  and quantizer.columnwise_source == "rowwise_dequantized")
   expert_amax = None  # each expert's tensor amax, one pass over w shared by both copies
   copies = {}
-  for index, (direction, wanted) in enumerate((("rowwise", rowwise),
+  for index, (direction, wanted) in enumerate((("rowwise", rowwise or from_rowwise),
                                                ("columnwise", columnwise))):
     if not wanted:
       continue
@@ -137,15 +198,49 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool, colum
     route, reason = support.expert_route(quantizer, direction, tuple(w.shape))
     if reason is not None:
       raise ValueError(f"FFI expert quantize cannot serve {leaf} ({direction}): {reason}")
+    source = w
+    if direction == "columnwise" and from_rowwise:  # each expert's decoded rowwise copy
+      source = jax.vmap(lambda t: t.dequantize(jnp.float32))(copies["rowwise"])
     if route == "fp8":
-      pair = _experts_fp8(w, leaf, direction == "rowwise", direction == "columnwise",
+      pair = _experts_fp8(source, leaf, direction == "rowwise", direction == "columnwise",
                           states[index], orig_dtype)
       copies[direction] = pair.rowwise if direction == "rowwise" else pair.columnwise
+    elif route == "nvfp4":
+      copies[direction] = _experts_nvfp4(source, leaf, direction == "rowwise",
+                                         direction == "columnwise", orig_dtype,
+                                         words)[direction]
     else:
-      if expert_amax is None and not getattr(leaf, "row_scaled", False):
-        expert_amax = jax.vmap(tensor_amax)(w)
-      copies[direction] = _experts_single(w, leaf, direction, orig_dtype, expert_amax)
-  return QuantizedTensor(copies.get("rowwise"), copies.get("columnwise"), quantizer)
+      if source is not w:
+        amax = jax.vmap(tensor_amax)(source)
+      else:
+        if expert_amax is None and not getattr(leaf, "row_scaled", False):
+          expert_amax = jax.vmap(tensor_amax)(w)
+        amax = expert_amax
+      copies[direction] = _experts_single(source, leaf, direction, orig_dtype, amax)
+  return QuantizedTensor(copies.get("rowwise") if rowwise else None, copies.get("columnwise"),
+                         quantizer)
+
+
+def _experts_nvfp4(w, leaf: NVFP4Quantizer, rowwise: bool, columnwise: bool, orig_dtype,
+                   words) -> dict:
+  """NVFP4 expert weights (one amax per expert) from one `jaxquant_grouped_quantize_nvfp4`
+  call: every expert a group of `rows` rows; the columnwise copy written as `[G, cols, rows]`."""
+  groups, rows, cols = w.shape
+  starts = jnp.arange(groups + 1, dtype=jnp.int32) * rows
+  copies = _nvfp4_call(w.reshape(groups * rows, cols), starts, starts, leaf, groups,
+                       groups * rows, rowwise, columnwise, words.get("rowwise"),
+                       words.get("columnwise"), expert_rows=rows)
+  out = {}
+  if rowwise:
+    data, scale_inv, amax = copies["rowwise"]
+    out["rowwise"] = ScaledTensor(data.reshape(groups, rows, cols),
+                                  scale_inv.reshape(groups, -1, scale_inv.shape[1]), amax, leaf,
+                                  orig_dtype, False)
+  if columnwise:
+    data, scale_inv, amax = copies["columnwise"]
+    out["columnwise"] = ScaledTensor(data, scale_inv, amax, leaf, orig_dtype,
+                                     uses_rht(leaf, "columnwise"))
+  return out
 
 
 def _experts_fp8(w, quantizer, rowwise: bool, columnwise: bool, state, orig_dtype):

@@ -7,6 +7,13 @@ Targets (ffi/grouped, CPU and CUDA handlers with the same numerics):
       any token layout (`jaxquant.grouping.layout`), in one amax launch + one quantize launch for
       all groups; also the expert weights `[G, rows, cols]` (equal groups, columnwise
       `[G, cols, rows]`). Bit-for-bit `jaxquant.grouping.formats`.
+  jaxquant_grouped_quantize_nvfp4  NVFP4 with one second-level scale per group (each group's
+      amax; after the RHT for an rht columnwise copy): tokens in any token layout (block >= 16
+      for the columnwise copy and 16x16 blocks), the rowwise and / or transposed columnwise
+      copy, 1x16 or 16x16 blocks, RHT, stochastic rounding with each group's words at the index
+      within the group; also the expert weights `[G, rows, cols]` (each expert its own amax,
+      columnwise `[G, cols, rows]`). Amax launches + one launch of the single-tensor NVFP4 tile
+      kernel instantiated over the token layout. Bit-for-bit `jaxquant.grouping.formats`.
   jaxquant_grouped_amax  the per-group amax of tokens (one launch).
   jaxquant_grouped_gemm  the ragged GEMMs of `jaxquant.grouped.gemm` in one launch (forward /
       dgrad: rows in groups x one matrix per group; wgrad: a contraction over each group's
@@ -64,6 +71,7 @@ SM90_WGRAD_BLOCK = 16
 SM90_BLOCK_K = 128
 _E4M3 = np.dtype(jnp.float8_e4m3fn)
 QUANTIZE_FP8_TARGET = "jaxquant_grouped_quantize_fp8"
+QUANTIZE_NVFP4_TARGET = "jaxquant_grouped_quantize_nvfp4"
 AMAX_TARGET = "jaxquant_grouped_amax"
 GEMM_TARGET = "jaxquant_grouped_gemm"
 CPU_MAX_MACS = 1 << 24  # the CPU handler is a plain loop: small problems only
@@ -96,31 +104,52 @@ def _single_kernel_reason(leaf, direction: str) -> Optional[str]:
   return None
 
 
-def quantize_route(quantizer, direction: str) -> tuple[Optional[str], Optional[str]]:
-  """(route, reason): route "fp8" (the grouped FP8 kernel) or "single" (XLA gathers the padded
-  layout, the single-tensor kernel quantizes it, `jaxquant_grouped_amax` gives the per-group
-  amax); reason is None when a route serves the case."""
+def _nvfp4_shape_reason(leaf: NVFP4Quantizer, direction: str, shape) -> Optional[str]:
+  """Why `jaxquant_grouped_quantize_nvfp4` cannot take tokens / weights of `shape` (None: it can)."""
+  if shape is None:
+    return None
+  if 0 in tuple(shape):
+    return f"an empty operand (shape {tuple(shape)}): nothing for the kernel to read"
+  if max(shape) > _MAX_DIM:
+    return f"shape {tuple(shape)} has a dimension >= 2^31"
+  if direction == "rowwise" and shape[-1] % 2:
+    return (f"the rowwise NVFP4 copy of {shape[-1]} features: an odd row length shares bytes "
+            "between rows, which the grouped kernel does not write")
+  return None
+
+
+def quantize_route(quantizer, direction: str,
+                   shape=None) -> tuple[Optional[str], Optional[str]]:
+  """(route, reason): route "fp8" (the grouped FP8 kernel), "nvfp4" (the grouped NVFP4 kernel)
+  or "single" (XLA gathers the padded layout, the single-tensor kernel quantizes it,
+  `jaxquant_grouped_amax` gives the per-group amax); reason is None when a route serves the
+  case. `shape` (tokens `[T, C]`), when given, is checked against the kernel's limits."""
   if isinstance(quantizer, _PER_TENSOR_FP8):
     return "fp8", _missing(QUANTIZE_FP8_TARGET)
   if isinstance(quantizer, (MXFP8Quantizer, Float8BlockQuantizer)):
     return "single", _missing(AMAX_TARGET) or _single_kernel_reason(quantizer, direction)
   if isinstance(quantizer, NVFP4Quantizer):
-    if not (quantizer.row_scaled and direction == "rowwise"):
-      return None, ("NVFP4 with one second-level scale per group (per-tensor or per-(group, "
-                    "feature) amax) has no grouped kernel yet; the reference quantizes all "
-                    "groups in one program")
+    if not quantizer.row_scaled:
+      return "nvfp4", (_missing(QUANTIZE_NVFP4_TARGET)
+                       or _nvfp4_shape_reason(quantizer, direction, shape))
+    if direction == "columnwise":
+      return None, ("row-scaled NVFP4's columnwise copy has one second-level scale per (group, "
+                    "feature); no grouped kernel computes those amaxes yet, the reference "
+                    "quantizes all groups in one program")
     if quantizer.stochastic_rounding:
-      return None, ("grouped NVFP4 stochastic rounding draws each group's bits from its own key "
-                    "at the token's index within the group; no grouped kernel does that yet")
+      return None, ("row-scaled NVFP4 with stochastic rounding draws each group's bits from "
+                    "its own key; the row-scaled route runs the single-tensor kernel with one "
+                    "key, so the reference quantizes all groups in one program")
     if quantizer.block_2d:
       return None, "row-scaled NVFP4 with 16x16 blocks has no grouped kernel path"
     return "single", _missing(AMAX_TARGET) or _single_kernel_reason(quantizer, direction)
   return None, f"no grouped quantize kernel for {type(quantizer).__name__}"
 
 
-def quantize_unsupported(quantizer, direction: str) -> Optional[str]:
-  """Why grouped quantize of tokens with `quantizer` in `direction` cannot run on the FFI."""
-  return quantize_route(quantizer, direction)[1]
+def quantize_unsupported(quantizer, direction: str, shape=None) -> Optional[str]:
+  """Why grouped quantize of tokens (`shape` `[T, C]`, when given) with `quantizer` in
+  `direction` cannot run on the FFI."""
+  return quantize_route(quantizer, direction, shape)[1]
 
 
 def expert_rows_multiple(leaf, direction: str) -> Optional[int]:
@@ -141,17 +170,32 @@ def expert_rows_multiple(leaf, direction: str) -> Optional[int]:
 
 def expert_route(quantizer, direction: str, w_shape=None) -> tuple[Optional[str], Optional[str]]:
   """(route, reason) for one copy of expert weights `[G, rows, cols]`: "fp8" (the grouped FP8
-  kernel, one amax and scale per expert) or "single" (one single-tensor kernel launch on
-  `[G * rows, cols]`, blocks never spanning experts; the columnwise copy regrouped by XLA)."""
+  kernel, one amax and scale per expert), "nvfp4" (the grouped NVFP4 kernel, one amax per
+  expert) or "single" (one single-tensor kernel launch on `[G * rows, cols]`, blocks never
+  spanning experts; the columnwise copy regrouped by XLA). A Hybrid's columnwise copy from
+  `rowwise_dequantized` needs the rowwise copy served too (it is decoded by XLA in between)."""
   if w_shape is not None and w_shape[0] * w_shape[1] > _MAX_DIM:
     return None, f"expert weights: {w_shape[0]} x {w_shape[1]} rows is >= 2^31"
   if (isinstance(quantizer, HybridQuantizer) and direction == "columnwise"
       and quantizer.columnwise_source == "rowwise_dequantized"):
-    return None, ("expert weights: columnwise_source='rowwise_dequantized' quantizes each "
-                  "expert's decoded rowwise copy; the reference does that in one program")
+    # the columnwise copy quantizes each expert's decoded rowwise copy: both must be served
+    reason = expert_route(quantizer, "rowwise", w_shape)[1]
+    if reason is not None:
+      return None, ("expert weights: columnwise_source='rowwise_dequantized' decodes the "
+                    f"rowwise copy, which takes the reference: {reason}")
   leaf = quantizer.for_direction(direction)
   if isinstance(leaf, _PER_TENSOR_FP8):
     return "fp8", _missing(QUANTIZE_FP8_TARGET)
+  if isinstance(leaf, NVFP4Quantizer) and not leaf.row_scaled:
+    # one amax per expert: the grouped NVFP4 kernel with every expert a group of `rows` rows
+    reason = _missing(QUANTIZE_NVFP4_TARGET)
+    if reason is None and w_shape is not None:
+      reason = _nvfp4_shape_reason(leaf, direction, w_shape)
+      if reason is None and (direction == "columnwise" or leaf.block_2d) and w_shape[1] % 16:
+        reason = (f"expert weights: {w_shape[1]} rows per expert is not a multiple of 16, so "
+                  f"a 16-row block of {leaf}'s {direction} copy would span two experts in the "
+                  "grouped NVFP4 kernel; the reference quantizes each expert")
+    return "nvfp4", reason
   multiple = expert_rows_multiple(leaf, direction)
   if multiple is None:
     return None, (f"expert weights: no kernel gives every expert its own {direction} "

@@ -1,0 +1,118 @@
+"""Grouped NVFP4 quantize bandwidth next to the single-tensor NVFP4 kernel's, in one run.
+
+    python bench/grouped_quantize.py                 # 8 and 64 experts at LLM sizes (a GPU)
+    python bench/grouped_quantize.py --tiny          # smoke check (runs on CPU)
+    python bench/grouped.py --quantize               # the same table after the step table
+
+Each row quantizes the same bf16 matrix twice: `jaxquant.grouped.quantize` (tokens `x[T, K]`
+sorted by group, one second-level scale per group: `jaxquant_grouped_quantize_nvfp4`) or
+`jaxquant.grouped.quantize_experts` (`w[G, N, K]`, one amax per expert), and
+`jaxquant.ops.quantize` of the same elements as one tensor (the single-tensor NVFP4 kernel,
+`jaxquant_quantize_nvfp4`). The options are the NVFP4BlockScaling recipe's for that operand
+(input: rowwise 1x16 and columnwise RHT; grad_output: stochastic rounding on both, RHT
+columnwise; weights: 16x16 blocks, both copies). GB/s counts the bytes each must move at
+least (bench/quantize.py's model): x read once (2 B/elem), each copy written once (0.5 B/elem
+of E2M1 plus its E4M3 scales); both sides also run their amax pass, which is not counted.
+"grouped/single" is the ratio of the two bandwidths (issue 15's bar: >= 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxquant as jq
+import jaxquant.grouped as jg
+from timing import bench  # bench/timing.py (this folder is on sys.path when run)
+
+# (experts, routed rows T, K, N): the fc1 cases of bench/grouped.py
+CASES = {8: (8, 16384, 4096, 14336), 64: (64, 16384, 2048, 1408)}
+TINY = {8: (8, 256, 128, 64), 64: (64, 512, 64, 32)}
+
+INPUT = jq.NVFP4Quantizer(rht=True)
+GRAD = jq.NVFP4Quantizer(rht=True, stochastic_rounding=True)
+WEIGHT = jq.NVFP4Quantizer(block_2d=True)
+
+
+def _bytes(elements: int, copies: int, scale_block: int) -> int:
+  return 2 * elements + copies * (elements // 2 + elements // scale_block)
+
+
+def _rows():
+  """(name, grouped fn, single-tensor fn, copies, scale block elements, operand) per row."""
+  tok = lambda q, r, c: (lambda x, s, keys, key: jg.quantize(
+      x, s, q, rowwise=r, columnwise=c, keys=keys))
+  one = lambda q, r, c: (lambda x, s, keys, key: jq.ops.quantize(
+      x, q, rowwise=r, columnwise=c, key=key))
+  yield "x rowwise 1x16", tok(INPUT, True, False), one(INPUT, True, False), 1, 16, "tokens"
+  yield "x columnwise RHT", tok(INPUT, False, True), one(INPUT, False, True), 1, 16, "tokens"
+  yield "dy rowwise SR", tok(GRAD, True, False), one(GRAD, True, False), 1, 16, "tokens"
+  yield "dy columnwise RHT+SR", tok(GRAD, False, True), one(GRAD, False, True), 1, 16, "tokens"
+  experts = lambda w, keys, key: jg.quantize_experts(w, WEIGHT)
+  single = lambda w, keys, key: jq.ops.quantize(w.reshape(-1, w.shape[-1]), WEIGHT)
+  yield "w 16x16 both copies", experts, single, 2, 256, "experts"
+
+
+def run(experts: int, spec, timing: dict, seed: int = 0) -> list[dict]:
+  groups, t, k, n = spec
+  rng = np.random.default_rng(seed)
+  sizes = jnp.asarray(rng.multinomial(t, np.full(groups, 1.0 / groups)).astype(np.int32))
+  x = jax.random.normal(jax.random.key(seed), (t, k), jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(seed + 1), (groups, n, k), jnp.bfloat16)
+  keys = jax.random.split(jax.random.key(1), groups)
+  key = jax.random.key(2)
+  print(f"\ngrouped NVFP4 quantize, {groups} experts: tokens [{t}, {k}], experts "
+        f"[{groups}, {n}, {k}], bfloat16", flush=True)
+  rows = []
+  for name, grouped_fn, single_fn, copies, block, operand in _rows():
+    args = (x, sizes, keys, key) if operand == "tokens" else (w, keys, key)
+    paths = {d.path for d in jq.explain(grouped_fn, *args) if d.op == "grouped_quantize"}
+    nbytes = _bytes(int(np.prod(args[0].shape)), copies, block)
+    grouped_s = bench(jax.jit(grouped_fn), *args, **timing)
+    single_s = bench(jax.jit(single_fn), *args, **timing)
+    row = dict(experts=groups, operand=name, mbytes=nbytes / 1e6, grouped_us=grouped_s * 1e6,
+               grouped_gbs=nbytes / grouped_s / 1e9, single_us=single_s * 1e6,
+               single_gbs=nbytes / single_s / 1e9, ratio=single_s / grouped_s,
+               grouped_path=",".join(sorted(paths)))
+    rows.append(row)
+    print(f"  {name:24s} grouped {row['grouped_us']:8.1f} us {row['grouped_gbs']:6.0f} GB/s "
+          f"({row['grouped_path']})  single {row['single_us']:8.1f} us "
+          f"{row['single_gbs']:6.0f} GB/s  grouped/single {row['ratio']:.2f}", flush=True)
+  return rows
+
+
+def print_table(rows: list[dict]) -> None:
+  print("\n| experts | operand | MB | grouped us | grouped GB/s | single-tensor us | "
+        "single-tensor GB/s | grouped/single | grouped path |")
+  print("|---|---|---|---|---|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['experts']} | {r['operand']} | {r['mbytes']:.0f} | {r['grouped_us']:.1f} | "
+          f"{r['grouped_gbs']:.0f} | {r['single_us']:.1f} | {r['single_gbs']:.0f} | "
+          f"{r['ratio']:.2f} | {r['grouped_path']} |")
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--experts", type=int, nargs="+", choices=sorted(CASES),
+                      default=sorted(CASES))
+  parser.add_argument("--tiny", action="store_true", help="tiny sizes (a CPU smoke check)")
+  parser.add_argument("--seed", type=int, default=0)
+  args = parser.parse_args(argv)
+  timing = dict(repeats=1, calls=1, warmup=1) if args.tiny else dict(repeats=5, calls=10,
+                                                                      warmup=2)
+  device = jax.devices()[0]
+  print(f"device: {getattr(device, 'device_kind', str(device))}; jax {jax.__version__}")
+  cases = TINY if args.tiny else CASES
+  rows = []
+  for experts in args.experts:
+    rows += run(experts, cases[experts], timing, args.seed)
+  print_table(rows)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

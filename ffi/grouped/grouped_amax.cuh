@@ -1,0 +1,175 @@
+// The grouped amax kernels and the loads they share with the grouped quantize kernels (CUDA):
+//   grouped_amax_kernel      per-group max |x| over each group's rows of x (one warp a row)
+//   grouped_rht_amax_kernel  per-group max |RHT(chunk)| over the 16-position chunks of a token
+//                            layout (NVFP4 rht: the amax of the Hadamard-transformed columnwise
+//                            copy), one CTA a chunk
+// Both reduce |x| as float32 bit patterns with atomicMax (NaN above inf: NaN-propagating, as
+// the reference's segment max), into an amax[G] the handler cleared.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "grouped/grouped_params.h"
+
+namespace jqgrouped {
+namespace {
+
+template <int TYPE>
+__device__ __forceinline__ float load_in(const void* x, int64_t i) {
+  if constexpr (TYPE == 0) return __uint_as_float(uint32_t(static_cast<const uint16_t*>(x)[i]) << 16);
+  if constexpr (TYPE == 1) return __half2float(static_cast<const __half*>(x)[i]);
+  return static_cast<const float*>(x)[i];
+}
+
+// 8 consecutive inputs of one row, as float (zeros past `n_valid`).
+template <int TYPE>
+__device__ __forceinline__ void load8(const void* x, int64_t offset, int n_valid, bool vec, float* v) {
+  if (vec && n_valid >= 8) {
+    if constexpr (TYPE == 2) {
+      const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(x) + offset);
+      const float4 a = __ldg(p), b = __ldg(p + 1);
+      v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    } else {
+      const uint4 u = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(x) + offset));
+      const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if constexpr (TYPE == 0) {
+          v[2 * i] = __uint_as_float(w[i] << 16);
+          v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+        } else {
+          v[2 * i] = __half2float(__ushort_as_half(uint16_t(w[i] & 0xFFFFu)));
+          v[2 * i + 1] = __half2float(__ushort_as_half(uint16_t(w[i] >> 16)));
+        }
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = i < n_valid ? load_in<TYPE>(x, offset + i) : 0.0f;
+}
+
+__device__ __forceinline__ int upper_group(const int32_t* starts, int G, int64_t pos) {
+  // Largest g in [0, G] with starts[g] <= pos (G: at or past the end of the last group).
+  int lo = 0, hi = G;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (int64_t(__ldg(starts + mid)) <= pos) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+template <int TYPE>
+__global__ void __launch_bounds__(256) grouped_amax_kernel(const QuantizeParams p) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t valid_rows = min(int64_t(__ldg(p.starts + p.G)), p.T);
+  const bool vec = (TYPE == 2 ? p.C % 4 == 0 : p.C % 8 == 0) &&
+                   (reinterpret_cast<uintptr_t>(p.x) & 15) == 0;
+  uint32_t* amax = reinterpret_cast<uint32_t*>(p.amax);
+  for (int64_t r = int64_t(blockIdx.x) * 8 + warp; r < valid_rows; r += int64_t(gridDim.x) * 8) {
+    uint32_t m = 0;
+    for (int64_t c = int64_t(lane) * 8; c < p.C; c += 256) {
+      float v[8];
+      load8<TYPE>(p.x, r * p.C + c, int(min(int64_t(8), p.C - c)), vec, v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) m = max(m, jq::abs_bits(v[i]));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+    if (lane == 0) {
+      const int g = upper_group(p.starts, int(p.G), r);
+      if (g < p.G) atomicMax(amax + g, m);
+    }
+  }
+}
+
+// Per group, the max |.| of the Hadamard-transformed 16-position chunks of the token layout
+// whose group starts are `pstarts` (multiples of 16): chunk k holds positions 16k .. 16k+15, the
+// rows starts[g] + (16k - pstarts[g]) .. of x while inside group g, zeros after. One CTA a chunk;
+// a thread holds W features x 16 rows as raw inputs (one 16-byte load a row, as amax.cuh's
+// amax_kernel) and transforms one feature at a time.
+template <int TYPE>
+__global__ void __launch_bounds__(256) grouped_rht_amax_kernel(const QuantizeParams p) {
+  constexpr int W = TYPE == 2 ? 4 : 8;  // features per thread: 16 bytes of a row
+  __shared__ uint32_t red[8];
+  const int64_t pos0 = int64_t(blockIdx.x) * 16;
+  const int G = int(p.G);
+  const int g = upper_group(p.pstarts, G, pos0);
+  if (g >= G) return;  // the whole CTA: a chunk of no group
+  const int64_t local = pos0 - __ldg(p.pstarts + g);
+  const int64_t n = min(int64_t(16), int64_t(__ldg(p.starts + g + 1)) - __ldg(p.starts + g) - local);
+  if (n <= 0) return;  // padding only: zeros change no amax
+  const int64_t src0 = __ldg(p.starts + g) + local;
+  const bool vec = p.C % W == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0;
+  uint32_t m = 0;
+  for (int64_t c = int64_t(threadIdx.x) * W; c < p.C; c += 256 * W) {
+    uint4 raw[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int64_t offset = (src0 + i) * p.C + c;
+      if (vec && i < n) {
+        raw[i] = __ldg(reinterpret_cast<const uint4*>(static_cast<const char*>(p.x) + offset * (TYPE == 2 ? 4 : 2)));
+      } else {
+        uint32_t w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+        for (int j = 0; j < W; ++j) {
+          if (i >= n || c + j >= p.C) continue;
+          const float v = load_in<TYPE>(p.x, offset + j);
+          if constexpr (TYPE == 2) {
+            w[j] = __float_as_uint(v);
+          } else {  // re-pack the 16-bit input
+            const uint32_t h = TYPE == 0 ? (__float_as_uint(v) >> 16) : uint32_t(__half_as_ushort(__float2half_rn(v)));
+            w[j / 2] |= h << (16 * (j % 2));
+          }
+        }
+        raw[i] = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+    }
+#pragma unroll
+    for (int f = 0; f < W; ++f) {
+      float w[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const uint32_t word = f / (W / 4) == 0 ? raw[i].x : f / (W / 4) == 1 ? raw[i].y : f / (W / 4) == 2 ? raw[i].z : raw[i].w;
+        if constexpr (TYPE == 2) {
+          w[i] = __uint_as_float(word);
+        } else {
+          const uint16_t h = uint16_t(word >> (16 * (f % 2)));
+          w[i] = TYPE == 0 ? __uint_as_float(uint32_t(h) << 16) : __half2float(__ushort_as_half(h));
+        }
+      }
+      jq::rht16(w);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) m = max(m, jq::abs_bits(w[i]));
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) red[warp] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < 8; ++w) m = max(m, red[w]);
+    atomicMax(reinterpret_cast<uint32_t*>(p.amax) + g, m);
+  }
+}
+
+template <typename F>
+void by_type(int type, F&& f) {
+  switch (type) {
+    case 0: f(std::integral_constant<int, 0>{}); break;
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    default: f(std::integral_constant<int, 2>{}); break;
+  }
+}
+
+unsigned amax_grid(int64_t T) {
+  return unsigned(std::max<int64_t>(1, std::min<int64_t>((T + 7) / 8, 132 * 16)));
+}
+
+}  // namespace
+}  // namespace jqgrouped
