@@ -5,6 +5,7 @@
     python bench/grouped.py                    # 8 and 64 experts at LLM sizes (a GPU)
     python bench/grouped.py --tiny             # smoke check at tiny sizes (runs on CPU)
     python bench/grouped.py --experts 64 --json out.json
+    python bench/grouped.py --experts 8 --gemms --no-steps --formats "Float8Block 1x128 x 128x128 w"
 
 Cases (rows T are routed token-expert assignments, i.e. tokens x top-k, sorted by expert):
   8 experts:  T = 16384 (8192 tokens, top-2), K = 4096 -> N = 14336 (Mixtral-8x7B's fc1)
@@ -112,11 +113,15 @@ def run_case(experts: int, spec, args, card: str) -> list[dict]:
   return rows
 
 
+# name -> (quantizer of x and dy, quantizer of the expert weights)
 GEMM_FORMATS = {
-    "Float8CurrentScaling": lambda: jq.Float8CurrentScalingQuantizer(),
-    "MXFP8": lambda: jq.MXFP8Quantizer(),
-    "NVFP4 (row-scaled x)": lambda: jq.NVFP4Quantizer(row_scaled=True),
-    "Float8Block 1x128": lambda: jq.Float8BlockQuantizer((1, 128)),
+    "Float8CurrentScaling": lambda: (jq.Float8CurrentScalingQuantizer(),) * 2,
+    "MXFP8": lambda: (jq.MXFP8Quantizer(),) * 2,
+    "NVFP4 (row-scaled x)": lambda: (jq.NVFP4Quantizer(row_scaled=True), jq.NVFP4Quantizer()),
+    "Float8Block 1x128": lambda: (jq.Float8BlockQuantizer((1, 128)),) * 2,
+    # Float8BlockScaling's own layout: x / dy 1x128 blocks, expert weights 128x128 tiles
+    "Float8Block 1x128 x 128x128 w": lambda: (jq.Float8BlockQuantizer((1, 128)),
+                                             jq.Float8BlockQuantizer((128, 128))),
 }
 
 
@@ -179,10 +184,12 @@ def run_gemms(experts: int, spec, args, card: str) -> list[dict]:
                      peers["dense bf16"] / sec, vs_dense_fp8=float("nan"), path="", card=card))
   fp8_peer = peers.get("dense fp8 (split acc)")
   for name, make in GEMM_FORMATS.items():
-    q = make()
+    if args.formats and name not in args.formats:
+      continue
+    q, qw = make()
     plain = q if not getattr(q, "row_scaled", False) else jq.NVFP4Quantizer()
     a = jax.jit(lambda x, s: jg.quantize(x, s, q, columnwise=True, col_block=128))(x, sizes)
-    b = jax.jit(lambda w: jg.quantize_experts(w, plain))(w)
+    b = jax.jit(lambda w: jg.quantize_experts(w, qw))(w)
     c = jax.jit(lambda d, s: jg.quantize(d, s, plain, col_block=128))(dy, sizes)
     gemm = jax.jit(lambda a, b: jg.gemm(a, b))
     for kind, ops in (("fprop", (a.rowwise, b.rowwise)), ("dgrad", (c.rowwise, b.columnwise)),
@@ -218,7 +225,9 @@ def main(argv=None) -> int:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--json", default=None)
   parser.add_argument("--gemms", action="store_true",
-                      help="also time the grouped GEMMs alone (fprop, wgrad) per format")
+                      help="also time the grouped GEMMs alone (fprop, dgrad, wgrad) per format")
+  parser.add_argument("--formats", nargs="*", default=None, choices=sorted(GEMM_FORMATS),
+                      help="with --gemms: only these formats (default: all)")
   parser.add_argument("--quantize", action="store_true",
                       help="also time the grouped NVFP4 quantize next to the single-tensor one")
   parser.add_argument("--no-steps", action="store_true",

@@ -640,9 +640,195 @@ def test_gpu_sm90_explain_says_why_the_mma_sync_kernel_serves(on_sm90, rng):
 
   gemms = [d for d in jq.explain(f, x, w, sizes) if d.op == "grouped_gemm"]
   assert [d.detail.rsplit("kernel: ", 1)[-1] for d in gemms] == ["mma.sync"] * 3
-  assert "per-tensor FP8" in gemms[0].reason
+  assert "per-tensor FP8" in gemms[0].reason and "Float8Block" in gemms[0].reason
   assert "bias" in gemms[1].reason
   assert "multiples of 16" in gemms[2].reason
+
+
+# ------------------------------ CUTLASS Hopper blockwise (Float8Block) ------------------------
+# jaxquant_grouped_gemm_sm90 with Float8Block operands (a: 1x128 blocks; b: 128x128 expert tiles
+# or 1x128 blocks): per 128-deep k-block the FP8 wgmma partial sums are multiplied by the two
+# float32 block scales (powers of two: exact) and added in float32. Hopper's FP8 tensor cores
+# add the 32 products of a k32 step aligned to the largest and keep ~13 fraction bits
+# (truncating), so a step loses <= 31 x 2^-13 max|p| <= 2^-8 sum|p|, plus <= 2^-13 of the running
+# sum per step (4 steps a block); float32 promotion over K/128 blocks adds <= (K/128) 2^-24 of
+# sum |a||b|. The stated bound against float64 math on the exactly decoded operands, per output
+# element:
+#     |out - exact| <= 2^-7 sum_k |a_k b_k| + r |exact|,  r = 2^-8 (bfloat16 out) or 2^-23 (f32).
+# A block scale applied to the wrong rows, columns or k-block breaks it by orders of magnitude:
+# random_matrix spreads magnitudes over 2^-8..2^8, so neighbouring blocks' scales differ and one
+# block's largest product is a sizeable part of sum |a||b|.
+
+BLOCK_1x128 = jq.Float8BlockQuantizer((1, 128))
+BLOCK_128x128 = jq.Float8BlockQuantizer((128, 128))
+
+
+def _decode_block64(data, scale_inv, block) -> np.ndarray:
+  """Float8Block storage decoded exactly in float64 (payload x its block's scale)."""
+  values = np.asarray(jnp.asarray(data, jnp.float32), np.float64)
+  scale = np.asarray(scale_inv, np.float64)
+  scale = np.repeat(np.repeat(scale, block[0], axis=-2), block[1], axis=-1)
+  return values * scale[..., :values.shape[-2], :values.shape[-1]]
+
+
+def _assert_block_bound(out, exact, magnitude, out_dtype, msg):
+  out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+  r = 2.0**-8 if np.dtype(out_dtype) == np.dtype(jnp.bfloat16) else 2.0**-23
+  bound = 2.0**-7 * magnitude + r * np.abs(exact)
+  err = np.abs(out - exact)
+  worst = np.unravel_index(np.argmax(err - bound), err.shape)
+  assert np.all(err <= bound), (f"{msg}: |out - exact| {err[worst]:.3g} > bound "
+                                f"{bound[worst]:.3g} at {worst}")
+
+
+def check_block_ragged(rng, w_quantizer, tokens, k, n, groups, empty, spare, out_dtype):
+  """Ragged rows x experts with Float8Block operands on the CUTLASS kernel vs float64."""
+  x = jnp.asarray(oracle.random_matrix(rng, (tokens, k)), jnp.bfloat16)
+  w = jnp.asarray(oracle.random_matrix(rng, (groups, n, k)), jnp.bfloat16)
+  sizes = jnp.asarray(_sizes(rng, tokens, groups, empty, spare))
+
+  def fn(x, w, sizes):
+    os.environ["JAXQUANT_BACKEND"] = "reference"
+    a = jg.quantize(x, sizes, BLOCK_1x128, columnwise=False).rowwise
+    e = jg.quantize_experts(w, w_quantizer, columnwise=False).rowwise
+    os.environ["JAXQUANT_BACKEND"] = "ffi"
+    return jg.gemm(a, e, out_dtype=out_dtype), (a.data, a.scale_inv, e.data, e.scale_inv)
+
+  assert _gemm_kernels(lambda *v: fn(*v)[0], x, w, sizes) == {SM90}
+  out, (ad, asc, ed, esc) = _on("ffi", fn, x, w, sizes)
+  a64 = _decode_block64(ad, asc, BLOCK_1x128.block)
+  e64 = _decode_block64(ed, esc, w_quantizer.block)
+  starts = np.concatenate([[0], np.cumsum(np.asarray(sizes))])  # 1x128 rowwise: packed rows
+  exact, magnitude = np.zeros((tokens, n)), np.zeros((tokens, n))
+  for g in range(groups):
+    rows = slice(starts[g], starts[g + 1])
+    exact[rows] = a64[rows] @ e64[g].T
+    magnitude[rows] = np.abs(a64[rows]) @ np.abs(e64[g]).T
+  _assert_block_bound(out, exact, magnitude, out_dtype, f"ragged x {w_quantizer.block}")
+  assert np.all(np.asarray(out)[starts[-1]:] == 0), "rows of no group must be zero"
+
+
+def check_block_wgrad(rng, tokens, m, n, groups, empty, spare, out_dtype):
+  """Per-group wgrad (contraction over each group's tokens, 1x128 blocks along the tokens) on
+  the CUTLASS kernel vs float64; the token layout pads every group to 128 positions."""
+  x = jnp.asarray(oracle.random_matrix(rng, (tokens, m)), jnp.bfloat16)
+  dy = jnp.asarray(oracle.random_matrix(rng, (tokens, n)), jnp.bfloat16)
+  sizes = jnp.asarray(_sizes(rng, tokens, groups, empty, spare))
+
+  def fn(x, dy, sizes):
+    os.environ["JAXQUANT_BACKEND"] = "reference"
+    a = jg.quantize(x, sizes, BLOCK_1x128, rowwise=False).columnwise
+    b = jg.quantize(dy, sizes, BLOCK_1x128, rowwise=False).columnwise
+    assert a.layout.block == 128, a.layout
+    os.environ["JAXQUANT_BACKEND"] = "ffi"
+    return jg.gemm(a, b, out_dtype=out_dtype), (a.data, a.scale_inv, b.data, b.scale_inv)
+
+  assert _gemm_kernels(lambda *v: fn(*v)[0], x, dy, sizes) == {SM90}
+  out, (ad, asc, bd, bsc) = _on("ffi", fn, x, dy, sizes)
+  a64 = _decode_block64(ad, asc, BLOCK_1x128.block)
+  b64 = _decode_block64(bd, bsc, BLOCK_1x128.block)
+  layout = jg.TokenLayout(tokens, groups, 128)
+  starts = np.asarray(layout.starts(sizes))
+  extents = np.asarray(layout.extents(sizes))
+  exact, magnitude = np.zeros((groups, m, n)), np.zeros((groups, m, n))
+  for g in range(groups):
+    cols = slice(starts[g], starts[g] + extents[g])
+    exact[g] = a64[:, cols] @ b64[:, cols].T
+    magnitude[g] = np.abs(a64[:, cols]) @ np.abs(b64[:, cols]).T
+  _assert_block_bound(out, exact, magnitude, out_dtype, "wgrad 1x128")
+  for g in np.flatnonzero(np.asarray(sizes) == 0):
+    assert np.all(np.asarray(out)[g] == 0), f"empty group {g} must give zeros"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", [1, 8, 64])
+@pytest.mark.parametrize("w_block", [(128, 128), (1, 128)])
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_sm90_block_ragged_gemm_is_within_the_bound(on_sm90, rng, groups, w_block,
+                                                        out_dtype):
+  """fprop / dgrad layout: uneven and empty groups, rows of no group, N = 200 (a partial
+  128-row weight tile)."""
+  check_block_ragged(rng, jq.Float8BlockQuantizer(w_block), 1500 + 7 * groups, 384, 200,
+                     groups, empty=tuple(range(1, groups, 4)), spare=11, out_dtype=out_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", [1, 8, 64])
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_sm90_block_wgrad_gemm_is_within_the_bound(on_sm90, rng, groups, out_dtype):
+  """wgrad: groups of ~20..1500 tokens (one to twelve k-tiles), empty groups give zeros."""
+  check_block_wgrad(rng, 1500 + 5 * groups, 136, 200, groups,
+                    empty=tuple(range(2, groups, 5)) if groups > 1 else (), spare=7,
+                    out_dtype=out_dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_sm90_block_all_groups_empty_gives_zeros(on_sm90, rng):
+  check_block_ragged(rng, BLOCK_128x128, 64, 128, 32, 3, empty=(0, 1, 2), spare=0,
+                     out_dtype=jnp.float32)
+  check_block_wgrad(rng, 64, 32, 24, 3, empty=(0, 1, 2), spare=0, out_dtype=jnp.float32)
+
+
+@pytest.mark.gpu
+def test_gpu_sm90_grouped_dense_fp8_block_runs_every_gemm_on_the_cutlass_kernel(on_sm90, rng):
+  """GroupedDense under Float8BlockScaling (x / dy 1x128, weights 128x128): fprop, dgrad and
+  wgrad all on the CUTLASS blockwise kernel, and the step matches the reference."""
+  groups, tokens, k, n = 8, 512, 256, 128
+  model = jq.flax.GroupedDense(features=n, num_groups=groups, use_bias=False,
+                               recipe=jq.recipes.Float8BlockScaling(), dtype=jnp.bfloat16,
+                               param_dtype=jnp.bfloat16)
+  x = jnp.asarray(oracle.random_matrix(rng, (tokens, k)), jnp.bfloat16)
+  dy = jnp.asarray(oracle.random_matrix(rng, (tokens, n)), jnp.bfloat16)
+  sizes = jnp.asarray(_sizes(rng, tokens, groups, (3,), 9))
+  variables = _on("reference", model.init, jax.random.PRNGKey(0), x, sizes)
+
+  def step(variables, x, dy, sizes):
+    y, vjp = jax.vjp(lambda v, x: model.apply(v, x, sizes), variables, x)
+    return y, vjp(dy)
+
+  os.environ.pop("JAXQUANT_BACKEND", None)
+  gemms = [d for d in jq.explain(step, variables, x, dy, sizes) if d.op == "grouped_gemm"]
+  assert len(gemms) == 3 and all(d.path == "ffi-cuda" and SM90 in d.detail for d in gemms), \
+      "\n".join(map(str, gemms))
+  ffi, ref = _on("auto", step, variables, x, dy, sizes), _on("reference", step, variables, x,
+                                                           dy, sizes)
+  for u, v in zip(jax.tree_util.tree_leaves(ffi), jax.tree_util.tree_leaves(ref)):
+    _assert_close(np.asarray(u, np.float32), np.asarray(v, np.float32), 2.0**-7)
+
+
+def _block_operands(x, w, sizes, qa, qw):
+  """Quantized operands (under the caller's backend): tokens (both copies), expert rowwise."""
+  return jg.quantize(x, sizes, qa), jg.quantize_experts(w, qw, columnwise=False).rowwise
+
+
+def test_sm90_routing_of_float8_block_pairs(monkeypatch, rng):
+  """Which Float8Block pairs the CUTLASS kernel takes and why not (`sm90_unsupported`, with the
+  device check passed so this runs anywhere): 1x128 x 128x128 / 1x128 with K a multiple of 128
+  and a 128-token wgrad layout; else the mma.sync kernel with the reason."""
+  monkeypatch.setattr(kernels, "_sm90_device_reason", lambda: None)
+  monkeypatch.setenv("JAXQUANT_BACKEND", "reference")
+  sizes = jnp.asarray([100, 0, 60], jnp.int32)
+  x = jnp.asarray(oracle.random_matrix(rng, (192, 256)), jnp.bfloat16)
+  w = jnp.asarray(oracle.random_matrix(rng, (3, 64, 256)), jnp.bfloat16)
+  a, e = _block_operands(x, w, sizes, BLOCK_1x128, BLOCK_128x128)
+  assert kernels.sm90_unsupported(a.rowwise, e, jnp.bfloat16) is None
+  assert kernels.sm90_unsupported(a.columnwise, a.columnwise, jnp.float32) is None
+  assert kernels.sm90_block_scale_floats(a.rowwise, e) == 192 * 2 + 3 * 1 * 2
+  assert kernels.sm90_block_scale_floats(a.columnwise, a.columnwise) == \
+      (256 + 256) * a.columnwise.shape[1] // 128
+  assert "bias" in kernels.sm90_unsupported(a.rowwise, e, jnp.bfloat16, jnp.ones((3, 64)))
+  _, e1 = _block_operands(x, w, sizes, BLOCK_1x128, BLOCK_1x128)
+  assert kernels.sm90_unsupported(a.rowwise, e1, jnp.float32) is None
+  a2, _ = _block_operands(x, w, sizes, BLOCK_128x128, BLOCK_128x128)
+  assert "1, 128" in kernels.sm90_unsupported(a2.rowwise, e, jnp.float32)
+  a_short, e_short = _block_operands(x[:, :192], w[:, :, :192], sizes, BLOCK_1x128,
+                                     BLOCK_128x128)
+  assert "not a multiple of 128" in kernels.sm90_unsupported(a_short.rowwise, e_short)
+  e5m2 = jq.Float8BlockQuantizer((1, 128), dtype=jnp.float8_e5m2)
+  a5, _ = _block_operands(x, w, sizes, e5m2, BLOCK_128x128)
+  assert "E4M3 x E4M3" in kernels.sm90_unsupported(a5.rowwise, e)
+  fp8_w = _block_operands(x, w, sizes, BLOCK_1x128, FP8)[1]
+  assert "Float8Block" in kernels.sm90_unsupported(a.rowwise, fp8_w)
 
 
 def test_explain_names_the_grouped_gemm_kernel(monkeypatch):

@@ -1,11 +1,14 @@
 // The CUTLASS Hopper grouped FP8 GEMM (jaxquant_grouped_gemm_sm90): the plain-data problem the
-// FFI handler (grouped_sm90.cu, no CUTLASS) hands to the kernel instances (sm90_kernel.cuh,
-// one generated translation unit per (A, B, output) type triple), and the workspace contract.
+// FFI handler (grouped_sm90.cu, no CUTLASS) hands to the kernel instances (sm90_kernel.cuh for
+// per-tensor FP8, one generated translation unit per (A, B, output) type triple;
+// sm90_block_kernel.cuh for Float8Block, one per (B scale granularity, output)), and the
+// workspace contract.
 //
-// Workspace (an FFI result the caller allocates, `workspace_bytes(G)`): per-group problem
-// shapes, operand pointers and strides written on the device by a setup kernel from `pstarts`
-// (group offsets never leave the device), followed by CUTLASS's own workspace (the per-SM TMA
-// descriptors of the pointer-array kernel).
+// Workspace (an FFI result the caller allocates, `workspace_bytes(G, block_scale_floats(...))`):
+// per-group problem shapes, operand pointers and strides written on the device by a setup
+// kernel from `pstarts` (group offsets never leave the device), for Float8Block the block scales
+// repacked into the per-group layout CUTLASS reads, then CUTLASS's own workspace (the per-SM
+// TMA descriptors of the pointer-array kernel).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -19,6 +22,9 @@ namespace sm90 {
 
 enum : int { kE4M3 = 0, kE5M2 = 1 };     // operand element (jqgrouped::kElemE4M3 / kElemE5M2)
 enum : int { kOutBF16 = 0, kOutF32 = 2 };  // output (jqgrouped::kOutBF16 / kOutF32)
+// Float8Block B operand: one float32 scale per 1 x 128 (row, K) block or per 128 x 128 tile.
+enum : int { kBlockRows1 = 1, kBlockRows128 = 128 };
+constexpr int64_t kBlockK = 128;  // Float8Block scale block along the contraction
 
 struct Problem {
   int mode = 0;              // 0: ragged rows x experts (fprop / dgrad); 1: wgrad
@@ -29,23 +35,51 @@ struct Problem {
   const float* alpha = nullptr;  // [G] per-group scale product, or nullptr (1)
   void* out = nullptr;           // mode 0: [L, N]; mode 1: [G, M, N]
   int a_elem = kE4M3, b_elem = kE4M3, out_kind = kOutBF16;
+  // Float8Block operands (block_scaled): float32 scales as jaxquant stores them, row-major.
+  // a: 1 x 128 blocks, mode 0 [L, ceil(K/128)], mode 1 [M, L/128] (blocks along the tokens);
+  // b: mode 0 [G, N / b_block_rows (ceil), ceil(K/128)], mode 1 [N, L/128] (b_block_rows 1).
+  bool block_scaled = false;
+  const float* a_scale = nullptr;
+  const float* b_scale = nullptr;
+  int b_block_rows = kBlockRows1;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };
 
-// Bytes of the setup arrays per group (problem shape, 3 pointers, 3 strides, padded) and the
-// bound on CUTLASS's workspace (per-SM TMA descriptors: 4 x 128 B per SM, far below 1 MiB).
+// Bytes of the setup arrays per group (problem shape, 3 pointers, 3 strides; for Float8Block
+// also 2 scale pointers and 2 scale layouts; padded), the slack for aligning each array to 256
+// bytes, and the bound on CUTLASS's workspace (per-SM TMA descriptors: 4 x 128 B per SM, far
+// below 1 MiB).
 constexpr size_t kPerGroupBytes = 128;
 constexpr size_t kFixedBytes = 4096;
 constexpr size_t kCutlassBytes = size_t(1) << 20;
-inline size_t workspace_bytes(int64_t G) {
-  return size_t(G) * kPerGroupBytes + kFixedBytes + kCutlassBytes;
+__host__ __device__ inline int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Floats of the repacked Float8Block scales in the workspace (0 for per-tensor FP8): every
+// scale of A and B once, in CUTLASS's per-group M/N-major order.
+inline size_t block_scale_floats(int mode, bool block_scaled, int64_t G, int64_t L, int64_t M,
+                                 int64_t N, int64_t K, int b_block_rows) {
+  if (!block_scaled) return 0;
+  if (mode == 0) {
+    const int64_t kb = div_up(K, kBlockK);
+    return size_t(L * kb + G * div_up(N, b_block_rows) * kb);
+  }
+  return size_t((M + N) * div_up(L, kBlockK));
+}
+
+inline size_t workspace_bytes(int64_t G, size_t scale_floats = 0) {
+  return size_t(G) * kPerGroupBytes + kFixedBytes + scale_floats * sizeof(float) + kCutlassBytes;
 }
 
 // One kernel instance (explicitly instantiated in the generated sm90_inst_*.cu files): returns
 // "" on success, else what went wrong (CUTLASS status or CUDA error).
 template <int A, int B, int OUT>
 std::string run_instance(const Problem& p, cudaStream_t stream);
+
+// One Float8Block instance (sm90_block_kernel.cuh; E4M3 x E4M3, A 1 x 128 blocks, B
+// `B_ROWS` x 128), explicitly instantiated in the generated sm90_block_inst_*.cu files.
+template <int B_ROWS, int OUT>
+std::string run_block_instance(const Problem& p, cudaStream_t stream);
 
 }  // namespace sm90
 }  // namespace jqgrouped

@@ -1,5 +1,6 @@
-"""The grouped GEMMs through `jaxquant_grouped_gemm` or, for per-tensor FP8 on Hopper, its
-CUTLASS twin `jaxquant_grouped_gemm_sm90` (`support.gemm_kernel` picks; one call per GEMM).
+"""The grouped GEMMs through `jaxquant_grouped_gemm` or, for per-tensor FP8 and Float8Block on
+Hopper, its CUTLASS twin `jaxquant_grouped_gemm_sm90` (`support.gemm_kernel` picks; one call per
+GEMM).
 
 Same contract as `jaxquant.backends.reference.grouped` (`ragged_gemm` for a rowwise `a`, `per_group_gemm`
 for a columnwise one): the kernel decodes each operand exactly (payload times block scale), sums
@@ -89,7 +90,8 @@ def gemm(a: GroupedScaledTensor, b, *, out_dtype, bias: Optional[jax.Array] = No
   target, _ = support.gemm_kernel(a, b, out_dtype, bias)
   results = [jax.ShapeDtypeStruct(out_shape, np.dtype(out_dtype))]
   if target == support.GEMM_SM90_TARGET:  # + its workspace (per-group arguments, TMA descriptors)
-    results.append(jax.ShapeDtypeStruct((support.sm90_workspace_bytes(groups),), np.uint8))
+    workspace = support.sm90_workspace_bytes(groups, support.sm90_block_scale_floats(a, b))
+    results.append(jax.ShapeDtypeStruct((workspace,), np.uint8))
   out, *_ = calls.call(
       target, results,
       a.data, _scale_bytes(a), b.data, _scale_bytes(b), pstarts, as_f32(row_factor),

@@ -21,10 +21,12 @@ Targets (ffi/grouped, CPU and CUDA handlers with the same numerics):
       with power-of-two scales, in any mix,
       decoded exactly in the kernel, per-group / per-row / per-(group, column) factors and the
       bias in the float32 epilogue (mma.sync, bf16/f16 tensor-core inputs).
-  jaxquant_grouped_gemm_sm90  the same GEMMs for per-tensor FP8 operands on Hopper (CUDA only,
-      built when CUTLASS is found): CUTLASS's persistent warp-specialized pointer-array grouped
-      GEMM (TMA + FP8 wgmma with float32 promotion, per-group scale product in the epilogue),
-      group offsets read on the device. `gemm_kernel` picks it where it serves, else the
+  jaxquant_grouped_gemm_sm90  the same GEMMs for per-tensor FP8 and Float8Block operands on
+      Hopper (CUDA only, built when CUTLASS is found): CUTLASS's persistent warp-specialized
+      pointer-array grouped GEMM (TMA + FP8 wgmma with float32 promotion, per-group scale product
+      in the epilogue; for Float8Block the blockwise-scaled mainloop, which multiplies each
+      128-deep k-block's partial sums by the row and column block scales before adding them in
+      float32), group offsets read on the device. `gemm_kernel` picks it where it serves, else the
       mma.sync kernel with the reason (`jaxquant.explain` shows it).
 
 Block formats whose scales are block-local (MXFP8, Float8Block; the rowwise copy of row-scaled
@@ -64,6 +66,10 @@ SM90_WORKSPACE_PER_GROUP = 128
 SM90_WORKSPACE_FIXED = 4096 + (1 << 20)
 # Token-layout block the sm90 wgrad needs: every group's first token 16-byte aligned for TMA.
 SM90_WGRAD_BLOCK = 16
+# Float8Block on the CUTLASS kernel: the scale block along the contraction, which is the k-tile
+# (one float32 scale per row per 128-deep k-block; a wgrad group must start a block).
+SM90_BLOCK_K = 128
+_E4M3 = np.dtype(jnp.float8_e4m3fn)
 QUANTIZE_FP8_TARGET = "jaxquant_grouped_quantize_fp8"
 QUANTIZE_NVFP4_TARGET = "jaxquant_grouped_quantize_nvfp4"
 AMAX_TARGET = "jaxquant_grouped_amax"
@@ -268,9 +274,25 @@ def gemm_unsupported(a, b, out_dtype=None) -> Optional[str]:
   return None
 
 
-def sm90_workspace_bytes(groups: int) -> int:
-  """Bytes of the u8 workspace jaxquant_grouped_gemm_sm90 takes for `groups` groups."""
-  return groups * SM90_WORKSPACE_PER_GROUP + SM90_WORKSPACE_FIXED
+def sm90_workspace_bytes(groups: int, scale_floats: int = 0) -> int:
+  """Bytes of the u8 workspace jaxquant_grouped_gemm_sm90 takes for `groups` groups and
+  `scale_floats` repacked Float8Block scales (`sm90_block_scale_floats`)."""
+  return groups * SM90_WORKSPACE_PER_GROUP + SM90_WORKSPACE_FIXED + 4 * scale_floats
+
+
+def sm90_block_scale_floats(a, b) -> int:
+  """Float8Block scales the CUTLASS kernel's setup repacks into its workspace (0 for
+  per-tensor FP8): every scale of both operands once (ffi/grouped/sm90/sm90_gemm.h,
+  block_scale_floats)."""
+  if gemm_scaling(a) not in (4, 5):
+    return 0
+  if a.token_axis == 0:
+    (rows, k), n = a.shape, b.shape[1]
+    b_rows = 128 if gemm_scaling(b) == 5 else 1
+    k_blocks = -(-k // SM90_BLOCK_K)
+    return rows * k_blocks + a.groups * -(-n // b_rows) * k_blocks
+  (m, length), n = a.shape, b.shape[0]
+  return (m + n) * -(-length // SM90_BLOCK_K)
 
 
 def _sm90_build_status() -> str:
@@ -291,17 +313,55 @@ def _sm90_device_reason() -> Optional[str]:
   return None
 
 
+def _sm90_block_reason(a, b) -> Optional[str]:
+  """Why the CUTLASS blockwise-scaled instances cannot take a Float8Block pair (None: they
+  can): a with 1x128 blocks, b with 128x128 tiles (expert weights) or 1x128 blocks, E4M3."""
+  scalings = (gemm_scaling(a), gemm_scaling(b))
+  names = tuple(type(getattr(o, "quantizer", None)).__name__ for o in (a, b))
+  if scalings[0] != 4 or scalings[1] not in (4, 5):
+    return (f"a is {names[0]} ({_block_of(a)}) and b is {names[1]} ({_block_of(b)}): the CUTLASS "
+            "blockwise kernel takes a Float8Block (1, 128) a and a Float8Block b")
+  if a.token_axis == 1 and scalings[1] != 4:
+    return "the Float8Block wgrad on the CUTLASS kernel needs (1, 128) blocks on both operands"
+  for name, operand in (("a", a), ("b", b)):
+    if np.dtype(operand.data.dtype) != _E4M3:
+      return (f"{name} is Float8Block {np.dtype(operand.data.dtype).name}: the CUTLASS "
+              "blockwise instances are E4M3 x E4M3")
+  if a.token_axis == 0:
+    if a.shape[1] % SM90_BLOCK_K:
+      return (f"K = {a.shape[1]} is not a multiple of {SM90_BLOCK_K} (the CUTLASS blockwise "
+              "kernel's k-tile is one Float8Block scale block)")
+  elif a.layout.block % SM90_BLOCK_K or a.shape[1] % SM90_BLOCK_K:
+    return (f"wgrad token layout block {a.layout.block} / length {a.shape[1]}: the CUTLASS "
+            f"blockwise kernel needs both multiples of {SM90_BLOCK_K} (every group's tokens "
+            "start a Float8Block scale block)")
+  return None
+
+
+def _block_of(operand) -> str:
+  q = getattr(operand, "quantizer", None)
+  return f"block {q.block}" if isinstance(q, Float8BlockQuantizer) else "not Float8Block"
+
+
 def sm90_unsupported(a, b, out_dtype=None, bias=None) -> Optional[str]:
   """Why `jaxquant_grouped_gemm_sm90` cannot serve a grouped GEMM of `a` and `b` (None: it
-  can). Mirrors the handler's check in ffi/grouped/grouped_sm90.cu."""
+  can). Per-tensor FP8 pairs run on the FP8 instances, Float8Block pairs on the blockwise-scaled
+  ones. Mirrors the handler's check in ffi/grouped/grouped_sm90.cu."""
   reason = _sm90_device_reason()
   if reason is not None:
     return reason
-  for name, operand in (("a", a), ("b", b)):
-    if gemm_scaling(operand) != 0:
-      q = getattr(operand, "quantizer", None)
-      return (f"{name} is {type(q).__name__}: the CUTLASS Hopper kernel takes per-tensor FP8 "
-              "operands (block-scaled and FP4 operands are decoded by the mma.sync kernel)")
+  block = gemm_scaling(a) in (4, 5) or gemm_scaling(b) in (4, 5)
+  if block:
+    reason = _sm90_block_reason(a, b)
+    if reason is not None:
+      return reason
+  else:
+    for name, operand in (("a", a), ("b", b)):
+      if gemm_scaling(operand) != 0:
+        q = getattr(operand, "quantizer", None)
+        return (f"{name} is {type(q).__name__}: the CUTLASS Hopper kernel takes per-tensor FP8 "
+                "and Float8Block operands (MXFP8 and FP4 operands are decoded by the mma.sync "
+                "kernel)")
   e5m2 = np.dtype(jnp.float8_e5m2)
   if np.dtype(a.data.dtype) == e5m2 and np.dtype(b.data.dtype) == e5m2:
     return "E5M2 x E5M2 has no CUTLASS instance"
