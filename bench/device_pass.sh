@@ -5,8 +5,9 @@
 #      were installed from carried wheels first), then `python examples/train_lm.py`;
 #   2. in parallel, one GPU each: the GPU tests of GPU_TESTS (GPU 0, after train_lm), the
 #      end-to-end step at d2048 (GPU 1) and d4096 (GPU 2), EXTRA_ONE (GPU 3);
+# $OUT keeps 8 logs (the device tool returns 8 files): JSONs stay in /tmp, tables are in the logs.
 #   3. on all 4 GPUs: MULTI_TESTS (pytest), then MESH_JOBS (one command per line, each given
-#      `--json $OUT/meshN.json`), until DEADLINE seconds.
+#      `--json /tmp/meshN.json`), until DEADLINE seconds.
 set -o pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -27,13 +28,13 @@ gpu() { CUDA_VISIBLE_DEVICES=$1 bash -c "$2" > "$OUT/$3.log" 2>&1; say "$3 exit 
 ( T0=$SECONDS; gpu 0 "python3 examples/train_lm.py --no-progress" train_lm
   say "train_lm wall $((SECONDS - T0)) s"
   [ -n "${GPU_TESTS:-}" ] && gpu 0 "timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider $GPU_TESTS" gpu_tests ) &
-( gpu 1 "timeout ${E2E_TIMEOUT:-330} python3 bench/e2e.py --size d2048 --variants ${E2E_VARIANTS:-bf16,flax_fp8_direct,fp8_current,fp8_delayed,fp8_block} --steps 100 --json $OUT/e2e_d2048.json --trace-dir /tmp/e2e2048" e2e_d2048 ) &
-( gpu 2 "timeout ${E2E_TIMEOUT:-330} python3 bench/e2e.py --size d4096 --variants ${E2E4_VARIANTS:-bf16,flax_fp8_direct,fp8_current,fp8_delayed} --steps 40 --json $OUT/e2e_d4096.json --trace-dir /tmp/e2e4096" e2e_d4096 ) &
+( gpu 1 "timeout ${E2E_TIMEOUT:-330} python3 bench/e2e.py --size d2048 --variants ${E2E_VARIANTS:-bf16,flax_fp8_direct,fp8_current,fp8_delayed,fp8_block} --steps 100 --json /tmp/e2e_d2048.json --trace-dir /tmp/e2e2048" e2e_d2048 ) &
+( gpu 2 "timeout ${E2E_TIMEOUT:-330} python3 bench/e2e.py --size d4096 --variants ${E2E4_VARIANTS:-bf16,fp8_current,fp8_delayed} --steps 40 --json /tmp/e2e_d4096.json --trace-dir /tmp/e2e4096" e2e_d4096 ) &
 ( [ -n "${EXTRA_ONE:-}" ] && gpu 3 "$EXTRA_ONE" extra_one ) &
 wait
 say "single-GPU phase done"
 if [ -n "${MULTI_TESTS:-}" ]; then
-  timeout "${MULTI_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider $MULTI_TESTS > "$OUT/multi_tests.log" 2>&1
+  JAXQUANT_MULTIDEVICE=1 timeout "${MULTI_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider $MULTI_TESTS > "$OUT/multi_tests.log" 2>&1
   say "multi tests exit $?"; tail -3 "$OUT/multi_tests.log" | tee -a "$LOG"
 fi
 i=0
@@ -42,7 +43,7 @@ while IFS= read -r line; do
   i=$((i + 1)); left=$(( ${DEADLINE:-560} - SECONDS ))
   [ "$left" -lt 40 ] && { say "mesh job $i skipped: ${left}s left"; continue; }
   say "mesh job $i: $line"
-  timeout "$left" bash -c "$line --json $OUT/mesh$i.json" 2>&1 \
-    | grep -E "ms/step|rror|per device" | cut -c1-300 | tee -a "$LOG"
+  timeout "$left" bash -c "$line --json /tmp/mesh$i.json" 2>&1 \
+    | grep -E "ms/step|rror|per device|exchange" | cut -c1-300 | tee -a "$LOG"
 done <<< "${MESH_JOBS:-}"
 say "done"
