@@ -147,7 +147,9 @@ def _bwd(config, residuals, dy):
   dbias = None
   if config.bias_dtype is not None:
     group, _, _ = TokenLayout(config.tokens, config.groups).positions(sizes)
-    dbias = jax.ops.segment_sum(dy, group, num_segments=config.groups + 1,
+    # float32 sums: a bfloat16 scatter-add (atomic on GPUs, in no fixed order) loses several
+    # ulps over a group's tokens.
+    dbias = jax.ops.segment_sum(dy.astype(jnp.float32), group, num_segments=config.groups + 1,
                                 indices_are_sorted=True)[:config.groups]
     dbias = dbias.astype(config.bias_dtype)
   new_states = (states[0], states[1], update_state(q.grad_output, states[2], dqy))
