@@ -102,7 +102,7 @@ def run_mesh(model, config: LMConfig, batches: np.ndarray, cfg: training.TrainCo
     sharding.check_batch(mesh, batches.shape[1])
   with sharding.active(mesh):
     state = training.create_state(model, batches[0], cfg, mesh)
-    train_step, _ = training.make_steps(model)
+    train_step, _ = training.make_steps(model, state if mesh is not None else None)
     key = jax.random.key(cfg.seed + 3)
     first = sharding.put_batches(mesh, batches[0])
     t0 = time.perf_counter()

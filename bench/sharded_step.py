@@ -31,7 +31,7 @@ import train_lm  # noqa: E402
 def time_steps(model, tokens, cfg, mesh, steps: int, warmup: int) -> dict:
   with sharding.active(mesh):
     state = training.create_state(model, tokens, cfg, mesh)
-    train_step, _ = training.make_steps(model)
+    train_step, _ = training.make_steps(model, state if mesh is not None else None)
     batch = sharding.put_batches(mesh, tokens)
     key = jax.random.key(0)
     t0 = time.perf_counter()

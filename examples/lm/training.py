@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import time
 from typing import Any, Callable, Iterator, Optional
@@ -139,15 +140,21 @@ def create_state(model: nn.Module, tokens: np.ndarray, cfg: TrainConfig,
   return nn.meta.unbox(jax.jit(init, out_shardings=shardings)(tokens))
 
 
-def make_steps(model: nn.Module) -> tuple[Callable, Callable]:
+def make_steps(model: nn.Module, state: Optional[TrainState] = None) -> tuple[Callable, Callable]:
   """`(train_step, eval_loss)`, both jitted.
 
   train_step(state, tokens, key) -> (state, loss); eval_loss(variables, batches, key) -> loss
-  averaged over `batches[num, batch, seq + 1]`.
+  averaged over `batches[num, batch, seq + 1]`. Given the (sharded) initial `state`, the new
+  state keeps its shardings: otherwise XLA may pick others for the outputs (a replicated
+  LayerNorm scale comes back sharded over `fsdp`, say), and the next call, compiled for the
+  first state's, rejects them.
   """
   loss_fn = lambda variables, tokens, key: next_token_loss(model, variables, tokens, key)
+  out_shardings = None
+  if state is not None:
+    out_shardings = (jax.tree_util.tree_map(lambda a: a.sharding, state), None)
 
-  @jax.jit
+  @functools.partial(jax.jit, out_shardings=out_shardings)
   def train_step(state: TrainState, tokens: jax.Array, key: jax.Array):
     loss, grads = jax.value_and_grad(loss_fn)(state.params, tokens, key)
     return state.apply_gradients(grads=grads), loss
@@ -198,7 +205,7 @@ def train(recipe_name: str, model: nn.Module, cfg: TrainConfig, batches: Iterato
       `batches` must then start at the checkpoint's data position (batch `state.step + 1`).
   """
   from lm.sharding import put_batches  # noqa: PLC0415
-  train_step, eval_loss = make_steps(model)
+  train_step, eval_loss = make_steps(model, state if mesh is not None else None)
   eval_key = jax.random.key(cfg.seed + 2)
   eval_arrays = {split: put_batches(mesh, b, leading=1) for split, b in eval_sets.items()}
   first_step = int(state.step)

@@ -89,6 +89,39 @@ def test_train_lm_trains_on_a_mesh(devices, tmp_path, monkeypatch):
   assert np.isfinite(history.step_losses).all()
 
 
+def test_train_step_keeps_the_state_shardings_on_an_fsdp_mesh(devices, monkeypatch):
+  """bf16 on fsdp=4 with scanned, rematerialized blocks: left to itself, XLA returns the updated
+  LayerNorm parameters sharded over `fsdp` although they came in replicated, so an ahead-of-time
+  compiled step (`bench/scaling.py`) rejected the second call ("compiled for input shardings
+  that disagree") and a plain jitted one compiled a second program. `make_steps(model, state)`
+  pins the new state to the first state's shardings."""
+  examples = pathlib.Path(__file__).resolve().parents[2] / "examples"
+  monkeypatch.syspath_prepend(str(examples))
+  lm_sharding = importlib.import_module("lm.sharding")
+  training = importlib.import_module("lm.training")
+  model_lib = importlib.import_module("lm.model")
+  config = model_lib.LMConfig(seq=32, d_model=64, layers=2, heads=2, mlp_ratio=4,
+                              dtype=jnp.bfloat16, remat=True, scan_layers=True)
+  model = model_lib.GPT(config, None)
+  tokens = np.random.default_rng(0).integers(0, 256, (8, config.seq + 1)).astype(np.int32)
+  mesh = lm_sharding.make_mesh({"fsdp": 4})
+  with lm_sharding.active(mesh):
+    state = training.create_state(model, tokens, training.TrainConfig(steps=2), mesh)
+    before = [(jax.tree_util.keystr(path), a.sharding, a.ndim)
+              for path, a in jax.tree_util.tree_leaves_with_path(state)]
+    train_step, _ = training.make_steps(model, state)
+    batch = lm_sharding.put_batches(mesh, tokens)
+    compiled = train_step.lower(state, batch, jax.random.key(0)).compile()
+    for step in range(2):  # the second call takes the first call's output state
+      state, loss = compiled(state, batch, jax.random.key(step))
+      assert np.isfinite(float(loss))
+  after = [a.sharding for a in jax.tree_util.tree_leaves(state)]
+  assert len(after) == len(before)
+  mismatched = [(path, str(x), str(y)) for (path, x, ndim), y in zip(before, after)
+                if not x.is_equivalent_to(y, ndim)]
+  assert not mismatched, mismatched
+
+
 class LNBlock(nn.Module):
   """`LayerNormMLP` (fc1 column-, fc2 row-parallel) and a `LayerNormDense` and `DenseGeneral`
   head, all sharded through `input_axes` / `kernel_axes`."""
