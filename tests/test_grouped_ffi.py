@@ -594,14 +594,16 @@ def test_gpu_sm90_all_groups_empty_gives_zeros(on_sm90, rng):
 
 
 @pytest.mark.gpu
-def test_gpu_sm90_grouped_dense_fp8_runs_every_gemm_on_the_cutlass_kernel(on_sm90, rng):
-  """GroupedDense under Float8CurrentScaling (E4M3 forward, E5M2 gradients): fprop, dgrad and
-  wgrad all on the CUTLASS kernel (the wgrad layout block is raised to 16 for it), and the
-  step matches the reference."""
+@pytest.mark.parametrize("recipe", [jq.recipes.Float8CurrentScaling,
+                                    jq.recipes.Float8BlockScaling])
+def test_gpu_sm90_grouped_dense_runs_every_gemm_on_the_cutlass_kernel(on_sm90, rng, recipe):
+  """GroupedDense fprop, dgrad and wgrad all on the CUTLASS kernel, and the step matches the
+  reference: under Float8CurrentScaling (E4M3 forward, E5M2 gradients; the wgrad layout block
+  is raised to 16 for it) and under Float8BlockScaling (x / dy 1x128, weights 128x128: the
+  blockwise-scaled mainloop)."""
   groups, tokens, k, n = 8, 512, 256, 128
   model = jq.flax.GroupedDense(features=n, num_groups=groups, use_bias=False,
-                               recipe=jq.recipes.Float8CurrentScaling(), dtype=jnp.bfloat16,
-                               param_dtype=jnp.bfloat16)
+                               recipe=recipe(), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
   x = jnp.asarray(oracle.random_matrix(rng, (tokens, k)), jnp.bfloat16)
   dy = jnp.asarray(oracle.random_matrix(rng, (tokens, n)), jnp.bfloat16)
   sizes = jnp.asarray(_sizes(rng, tokens, groups, (3,), 9))
@@ -767,33 +769,6 @@ def test_gpu_sm90_block_all_groups_empty_gives_zeros(on_sm90, rng):
   check_block_ragged(rng, BLOCK_128x128, 64, 128, 32, 3, empty=(0, 1, 2), spare=0,
                      out_dtype=jnp.float32)
   check_block_wgrad(rng, 64, 32, 24, 3, empty=(0, 1, 2), spare=0, out_dtype=jnp.float32)
-
-
-@pytest.mark.gpu
-def test_gpu_sm90_grouped_dense_fp8_block_runs_every_gemm_on_the_cutlass_kernel(on_sm90, rng):
-  """GroupedDense under Float8BlockScaling (x / dy 1x128, weights 128x128): fprop, dgrad and
-  wgrad all on the CUTLASS blockwise kernel, and the step matches the reference."""
-  groups, tokens, k, n = 8, 512, 256, 128
-  model = jq.flax.GroupedDense(features=n, num_groups=groups, use_bias=False,
-                               recipe=jq.recipes.Float8BlockScaling(), dtype=jnp.bfloat16,
-                               param_dtype=jnp.bfloat16)
-  x = jnp.asarray(oracle.random_matrix(rng, (tokens, k)), jnp.bfloat16)
-  dy = jnp.asarray(oracle.random_matrix(rng, (tokens, n)), jnp.bfloat16)
-  sizes = jnp.asarray(_sizes(rng, tokens, groups, (3,), 9))
-  variables = _on("reference", model.init, jax.random.PRNGKey(0), x, sizes)
-
-  def step(variables, x, dy, sizes):
-    y, vjp = jax.vjp(lambda v, x: model.apply(v, x, sizes), variables, x)
-    return y, vjp(dy)
-
-  os.environ.pop("JAXQUANT_BACKEND", None)
-  gemms = [d for d in jq.explain(step, variables, x, dy, sizes) if d.op == "grouped_gemm"]
-  assert len(gemms) == 3 and all(d.path == "ffi-cuda" and SM90 in d.detail for d in gemms), \
-      "\n".join(map(str, gemms))
-  ffi, ref = _on("auto", step, variables, x, dy, sizes), _on("reference", step, variables, x,
-                                                           dy, sizes)
-  for u, v in zip(jax.tree_util.tree_leaves(ffi), jax.tree_util.tree_leaves(ref)):
-    _assert_close(np.asarray(u, np.float32), np.asarray(v, np.float32), 2.0**-7)
 
 
 def _block_operands(x, w, sizes, qa, qw):
