@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import json
 import os
 import shutil
@@ -41,6 +42,7 @@ import e2e_trace
 RECIPES = {
     "fp8_current": jq.Float8CurrentScaling,
     "fp8_delayed": jq.DelayedScaling,
+    "fp8_delayed_one": lambda: jq.DelayedScaling(first_scale="one"),  # TE's scale-1 start
     "fp8_block": jq.Float8BlockScaling,
     "mxfp8": jq.MXFP8BlockScaling,
     "nvfp4": jq.NVFP4BlockScaling,
@@ -68,6 +70,9 @@ PATHS = {
     "xla": {"JAXQUANT_BACKEND": "xla"},
     "xla_top": {"JAXQUANT_BACKEND": "xla", "JAXQUANT_XLA_COLUMNWISE": "transpose-op"},
     "xla_fused": {"JAXQUANT_BACKEND": "xla", "JAXQUANT_XLA_COLUMNWISE": "fused"},
+    # FP8 GEMMs with fast accumulation in every direction (the default is fast fprop and split
+    # dgrad/wgrad, as TransformerEngine): what XLA's own FP8 GEMMs use.
+    "fastacc": {"JAXQUANT_FP8_ACCUMULATION": "fast"},
 }
 ENV_KEYS = sorted({k for env in PATHS.values() for k in env})
 
@@ -141,6 +146,11 @@ def run_variant(name, cfg, args, batches, tx):
                        for op in ("quantize", "gemm") if report.paths(op))
     t_compile = time.perf_counter()
     state = (variables, opt_state)
+    if args.hlo_dir:  # the optimized HLO of the step: which ops XLA fused with which
+      os.makedirs(args.hlo_dir, exist_ok=True)
+      text = step.lower(state, batches, 0).compile().as_text()
+      with gzip.open(os.path.join(args.hlo_dir, name.replace("@", "_") + ".hlo.txt.gz"), "wt") as f:
+        f.write(text)
     state, loss = step(state, batches, 0)
     jax.block_until_ready(loss)
     compile_s = time.perf_counter() - t_compile
@@ -213,6 +223,8 @@ def main(argv=None) -> int:
                       help="token source (e2e_model.DATA): stdlib text as byte pairs or bytes, "
                            "or a random Markov chain")
   parser.add_argument("--json", default=None)
+  parser.add_argument("--hlo-dir", default=None,
+                      help="write each variant's compiled (optimized) HLO text, gzipped, here")
   args = parser.parse_args(argv)
   if args.tiny:
     args.size, args.steps, args.time_from = "tiny", 3, 1

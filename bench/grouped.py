@@ -86,6 +86,9 @@ def run_case(experts: int, spec, args, card: str) -> list[dict]:
   flops = 3 * 2 * t * k * n
   rows, base = [], None
   timing = dict(repeats=args.repeats, calls=args.calls, warmup=args.warmup)
+  dense_row = dense_step_peer(t, k, n, x, dy, timing, flops, groups, card)
+  if dense_row is not None:
+    rows.append(dense_row)
   for name, model in models.items():
     variables = jax.jit(model.init)(jax.random.key(0), x, sizes)
     step = step_fn(model)
@@ -106,11 +109,37 @@ def run_case(experts: int, spec, args, card: str) -> list[dict]:
     row = dict(experts=groups, case=name, tokens=t, k=k, n=n, ms=sec * 1e3,
                tflops=flops / sec / 1e12, speedup_vs_bf16=base / sec, gemm_paths=paths,
                quantize_paths=qpaths, why=why, card=card)
+    if dense_row is not None:
+      row["speedup_vs_dense_step"] = dense_row["ms"] / row["ms"]
     rows.append(row)
     print(f"  {name:38s} {sec * 1e3:9.3f} ms  {row['tflops']:7.1f} TFLOP/s  "
           f"{row['speedup_vs_bf16']:5.2f}x  gemm {paths or '-'} / quantize {qpaths or '-'}",
           flush=True)
   return rows
+
+
+def dense_step_peer(t, k, n, x, dy, timing, flops, groups, card) -> dict | None:
+  """The step of a bf16 `flax.linen.Dense` of the same FLOPs (all T rows through one K -> N
+  matrix: forward, dgrad and wgrad), the peer a grouped step is judged against."""
+  import flax.linen as nn
+  model = nn.Dense(n, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
+
+  @jax.jit
+  def step(variables, x, dy):
+    y, vjp = jax.vjp(model.apply, variables, x)
+    return y, vjp(dy)
+
+  try:
+    sec = bench(step, variables, x, dy, **timing)
+  except Exception as e:  # noqa: BLE001 - report and go on with the grouped rows
+    print(f"  bf16 nn.Dense step: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return None
+  print(f"  {'bf16 nn.Dense step (same FLOPs)':38s} {sec * 1e3:9.3f} ms  "
+        f"{flops / sec / 1e12:7.1f} TFLOP/s", flush=True)
+  return dict(experts=groups, case="bf16 nn.Dense step (same FLOPs)", tokens=t, k=k, n=n,
+              ms=sec * 1e3, tflops=flops / sec / 1e12, speedup_vs_bf16=float("nan"),
+              gemm_paths="", quantize_paths="", why="", card=card)
 
 
 # name -> (quantizer of x and dy, quantizer of the expert weights)
@@ -252,12 +281,14 @@ def main(argv=None) -> int:
           experts, quantize_cases[experts],
           dict(repeats=args.repeats, calls=2 * args.calls, warmup=args.warmup), args.seed)
   if results:
-    print("\n| experts | case | ms | effective TFLOP/s | speedup vs bf16 ragged_dot | grouped GEMM "
-          "path | grouped quantize path |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| experts | case | ms | effective TFLOP/s | speedup vs bf16 ragged_dot | vs bf16 "
+          "nn.Dense step | grouped GEMM path | grouped quantize path |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
+      vs_dense = f"{r['speedup_vs_dense_step']:.2f}x" if "speedup_vs_dense_step" in r else "-"
       print(f"| {r['experts']} | {r['case']} | {r['ms']:.2f} | {r['tflops']:.0f} | "
-            f"{r['speedup_vs_bf16']:.2f}x | {r['gemm_paths']} | {r['quantize_paths']} |")
+            f"{r['speedup_vs_bf16']:.2f}x | {vs_dense} | {r['gemm_paths']} | "
+            f"{r['quantize_paths']} |")
   reasons = sorted({r["why"] for r in results if r["why"]})
   if reasons:
     print("\nwhy a slower path (reference, or the mma.sync kernel): " + " | ".join(reasons))
