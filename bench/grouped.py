@@ -105,6 +105,8 @@ def run_case(experts: int, spec, args, card: str) -> list[dict]:
     except Exception as e:  # noqa: BLE001 - report and go on with the other rows
       print(f"  {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
       continue
+    if args.profile_dir and name.startswith("jaxquant"):
+      print_profile(step, (variables, x, sizes, dy, key), args.profile_dir, name)
     base = sec if base is None else base
     row = dict(experts=groups, case=name, tokens=t, k=k, n=n, ms=sec * 1e3,
                tflops=flops / sec / 1e12, speedup_vs_bf16=base / sec, gemm_paths=paths,
@@ -116,6 +118,25 @@ def run_case(experts: int, spec, args, card: str) -> list[dict]:
           f"{row['speedup_vs_bf16']:5.2f}x  gemm {paths or '-'} / quantize {qpaths or '-'}",
           flush=True)
   return rows
+
+
+def print_profile(step, step_args, profile_dir: str, name: str, steps: int = 3) -> None:
+  """GPU kernel time per step of `steps` more steps under `jax.profiler`, by kernel name
+  (bench/e2e_trace.py's split): where a grouped step's time goes."""
+  import os
+  import shutil
+  import e2e_trace  # bench/e2e_trace.py
+  logdir = os.path.join(profile_dir, name.replace(" ", "_"))
+  shutil.rmtree(logdir, ignore_errors=True)
+  with jax.profiler.trace(logdir):
+    for _ in range(steps):
+      out = step(*step_args)
+    jax.block_until_ready(out)
+  split = e2e_trace.split(e2e_trace.kernel_times(e2e_trace.latest_trace(logdir))[0], steps)
+  print(f"    profile {name}: gemm {split['gemm_ms']:.3f} ms, quantize {split['quantize_ms']:.3f} "
+        f"ms, other {split['other_ms']:.3f} ms per step; top kernels:", flush=True)
+  for kernel, ms, kind in split["top"][:14]:
+    print(f"      {ms:8.3f} ms  {kind:9s} {kernel[:110]}", flush=True)
 
 
 def dense_step_peer(t, k, n, x, dy, timing, flops, groups, card) -> dict | None:
@@ -259,6 +280,8 @@ def main(argv=None) -> int:
                       help="with --gemms: only these formats (default: all)")
   parser.add_argument("--quantize", action="store_true",
                       help="also time the grouped NVFP4 quantize next to the single-tensor one")
+  parser.add_argument("--profile-dir", default=None,
+                      help="also print each jaxquant step's GPU kernel split (jax.profiler)")
   parser.add_argument("--no-steps", action="store_true",
                       help="skip the GroupedDense step table (with --gemms / --quantize)")
   args = parser.parse_args(argv)
