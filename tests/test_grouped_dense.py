@@ -253,3 +253,45 @@ def test_bad_arguments_are_rejected(args, error, match):
   quantizers = DenseQuantizers.from_recipe(jq.MXFP8BlockScaling(), "grouped_linear", "e")
   with pytest.raises(error, match=match):
     jax.eval_shape(lambda x, w, b: jq.grouped_dense(x, w, sizes, b, quantizers), x, w, b)
+
+
+@pytest.mark.parametrize("name", ["fp8_current", "fp8_delayed"])
+def test_per_tensor_fp8_experts_are_the_transposed_kernels_quantize(rng, prng_key, name):
+  """Per-tensor FP8 quantizes the `[G, K, N]` kernel as it is and swaps its copies (no
+  transpose of the weights first): the step is bit for bit the one built from
+  `quantize_experts` of the transposed kernel `[G, N, K]`, forward and both gradients."""
+  quantizers = DenseQuantizers.from_recipe(RECIPES[name], "grouped_linear", "experts")
+  sizes = jnp.asarray(_sizes(rng))
+  x = jnp.asarray(rng.standard_normal((T, K)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((G, K, N)) * 0.1, jnp.bfloat16)
+  dy = jnp.asarray(rng.standard_normal((T, N)), jnp.bfloat16)
+  states = None
+  if quantizers.stateful:
+    states = jax.tree_util.tree_map(
+        lambda a: jnp.asarray(rng.uniform(0.1, 50.0, a.shape), jnp.float32),
+        jq.grouped_dense_states(quantizers, G))
+  y, (dx, dw, _, new_states) = _grouped_step(x, w, None, sizes, prng_key, states, dy, quantizers)
+
+  @jax.jit
+  def transposed_step(x, w, sizes, states, dy):
+    blocks = token_blocks(quantizers)
+    s = (None, None, None) if states is None else states
+    qx = jq.grouped.quantize(x, sizes, quantizers.input, columnwise=True, row_block=blocks[0],
+                             col_block=blocks[2], state=s[0])
+    qw = jq.grouped.quantize_experts(jnp.swapaxes(w, 1, 2), quantizers.weight, state=s[1])
+    qdy = jq.grouped.quantize(dy, sizes, quantizers.grad_output, columnwise=True,
+                              row_block=blocks[1], col_block=blocks[2], state=s[2])
+    y = jq.grouped.to_tokens(jq.grouped.gemm(qx.rowwise, qw.rowwise, out_dtype=x.dtype),
+                             qx.rowwise)
+    dx = jq.grouped.to_tokens(jq.grouped.gemm(qdy.rowwise, qw.columnwise, out_dtype=x.dtype),
+                              qdy.rowwise)
+    dw = jq.grouped.gemm(qx.columnwise, qdy.columnwise, out_dtype=w.dtype)
+    return y, dx, dw, qw.rowwise.amax
+
+  y_t, dx_t, dw_t, w_amax = transposed_step(x, w, sizes, states, dy)
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_t, np.float32))
+  np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(dx_t, np.float32))
+  np.testing.assert_array_equal(np.asarray(dw, np.float32), np.asarray(dw_t, np.float32))
+  if states is not None:  # the weight state recorded the same per-expert amax
+    np.testing.assert_array_equal(np.asarray(new_states[1].amax_history[:, -1]),
+                                  np.asarray(w_amax, np.float32))

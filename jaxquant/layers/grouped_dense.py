@@ -41,6 +41,8 @@ from jaxquant.grouping.layout import TokenLayout, clip_sizes
 from jaxquant.grouping.state import init_state as init_group_state
 from jaxquant.grouping.state import update_state
 from jaxquant.layers.dense import RESIDUAL_NAMES, TENSOR_TYPES, DenseQuantizers
+from jaxquant.quantizers import Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer
+from jaxquant.tensors import QuantizedTensor
 
 MODULE_TYPE = "grouped_linear"
 
@@ -99,12 +101,28 @@ def _forward(config: _Config, x, kernel, bias, sizes, key, states, *, need_dgrad
   qx = grouped_ops.quantize(x, sizes, q.input, rowwise=True, columnwise=need_wgrad,
                             row_block=config.x_row_block, col_block=config.wgrad_block,
                             keys=key_x, state=states[0], role=q.roles[0])
-  qw = grouped_ops.quantize_experts(jnp.swapaxes(kernel, 1, 2), q.weight, rowwise=True,
-                                    columnwise=need_dgrad, keys=key_w, state=states[1],
-                                    role=q.roles[1])
+  qw = _quantize_weights(kernel, q, need_dgrad, key_w, states[1])
   y = grouped_ops.gemm(qx.rowwise, qw.rowwise, out_dtype=x.dtype, bias=bias,
                        precision=config.precision, role=config.gemm_label("fprop"))
   return grouped_ops.to_tokens(y, qx.rowwise), qx, qw
+
+
+def _quantize_weights(kernel, q: DenseQuantizers, need_dgrad: bool, keys, state):
+  """The experts' weights with the forward's copy `[G, N, K]` as `rowwise` (and dgrad's
+  `[G, K, N]` as `columnwise`).
+
+  Per-tensor FP8 (one scale per expert, nothing that depends on the direction) quantizes the
+  `[G, K, N]` kernel as it is and swaps the two copies: the same bytes as quantizing its
+  transpose, without XLA materializing that transpose first (a full read and write of the
+  weights each step). Other formats block or transform along a direction, so they quantize
+  the transposed kernel."""
+  if isinstance(q.weight, (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer)):
+    kn = grouped_ops.quantize_experts(kernel, q.weight, rowwise=need_dgrad, columnwise=True,
+                                      keys=keys, state=state, role=q.roles[1])
+    return QuantizedTensor(kn.columnwise, kn.rowwise, q.weight)
+  return grouped_ops.quantize_experts(jnp.swapaxes(kernel, 1, 2), q.weight, rowwise=True,
+                                      columnwise=need_dgrad, keys=keys, state=state,
+                                      role=q.roles[1])
 
 
 def _primal(config, x, kernel, bias, sizes, key, states):
