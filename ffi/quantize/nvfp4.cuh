@@ -133,8 +133,9 @@ using NVFP4Tile = Geometry<In, 64, 128>;
 // GROUPED: the rows are token-layout positions (`Nvfp4Groups`), each with its group's
 // second-level scales and stochastic-rounding words and its index within the group (the SR
 // coordinate), and the columnwise copy of expert weights is written as [G, C, expert_rows].
-// Occupancy: the single-tensor kernel fits 64 registers (4 CTAs an SM, 3 at least); the grouped
-// one is held to the same 4 CTAs (at 3 it ran at ~0.85 of the single-tensor bandwidth).
+// Occupancy: the single-tensor kernel fits 64 registers (4 CTAs an SM; 3 at least); the grouped
+// one is held to the same 4 (at 69 registers, 3 CTAs an SM, it measured 0.81-0.87 of the
+// single-tensor bandwidth, bench/RESULTS.md).
 template <typename In, bool GROUPED = false>
 __global__ void __launch_bounds__(kThreads, GROUPED ? 4 : 3) nvfp4_kernel(const Nvfp4Params p) {
   using G = NVFP4Tile<In>;
