@@ -550,6 +550,16 @@ def test_gpu_grouped_nvfp4_many_small_groups_per_tile(on_gpu, rng, name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("name", ["fp8-current", "nvfp4", "nvfp4-2d"])
+def test_gpu_grouped_amax_of_wide_rows(on_gpu, rng, name, dtype):
+  """Rows of 2056 features: the grouped amax kernel's lanes read four 16-byte chunks at a time
+  (1024 features a warp) and the rest one at a time; the group amaxes (and the scales they
+  give) are the reference's."""
+  _check_quantize(rng, name, 300, 2056, 8, dtype, empty=(2,), spare=5)
+
+
+@pytest.mark.gpu
 def test_gpu_expert_weights_nvfp4_stochastic_rounding(on_gpu, rng):
   test_expert_weights_nvfp4_stochastic_rounding_is_bitwise_the_reference(rng)
 
