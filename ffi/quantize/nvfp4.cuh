@@ -20,7 +20,9 @@ struct Nvfp4Groups {
   const int32_t* starts = nullptr;   // [G + 1] packed group starts in x
   const int32_t* pstarts = nullptr;  // [G + 1] group starts in the layout
   int64_t G = 0, T = 0;              // groups; rows of x
-  int64_t expert_rows = 0;           // > 0: the columnwise copy is [G, C, expert_rows]
+  int64_t expert_rows = 0;           // > 0: expert weights, group g = rows g E .. g E + E - 1
+                                     // (E = expert_rows; the offsets are not read) and the
+                                     // columnwise copy is [G, C, E]
   bool speculate = false;            // load row `pos` of x before the group lookup (a packed
                                      // layout: the source row is the position or none)
 };
