@@ -13,7 +13,11 @@ sorted by group, one second-level scale per group: `jaxquant_grouped_quantize_nv
 columnwise; weights: 16x16 blocks, both copies). GB/s counts the bytes each must move at
 least (bench/quantize.py's model): x read once (2 B/elem), each copy written once (0.5 B/elem
 of E2M1 plus its E4M3 scales); both sides also run their amax pass, which is not counted.
-"grouped/single" is the ratio of the two bandwidths (issue 15's bar: >= 1).
+"grouped/single" is the ratio of the two bandwidths (issue 15's bar: >= 1). "positions/rows"
+is the grouped copy's token-layout length over the rows of x: a columnwise copy pads each
+group to 16 positions and its static length is 16 floor((T + 15 G) / 16), so the grouped
+kernel quantizes that many more rows than the single-tensor one (its ratio's ceiling at equal
+per-row speed is rows/positions).
 """
 
 from __future__ import annotations
@@ -57,6 +61,16 @@ def _rows():
   yield "w 16x16 both copies", experts, single, 2, 256, "experts"
 
 
+def _positions(fn, args) -> int:
+  """Rows (token-layout positions) of the grouped output: the columnwise copy's last axis when
+  it is a token layout, else the rowwise copy's rows (expert weights: G N)."""
+  out = jax.eval_shape(fn, *args)
+  if out.rowwise is not None:
+    return int(np.prod(out.rowwise.data.shape[:-1]))
+  col = out.columnwise.data.shape
+  return int(col[0] * col[2]) if len(col) == 3 else int(col[-1])
+
+
 def run(experts: int, spec, timing: dict, seed: int = 0) -> list[dict]:
   groups, t, k, n = spec
   rng = np.random.default_rng(seed)
@@ -74,25 +88,27 @@ def run(experts: int, spec, timing: dict, seed: int = 0) -> list[dict]:
     nbytes = _bytes(int(np.prod(args[0].shape)), copies, block)
     grouped_s = bench(jax.jit(grouped_fn), *args, **timing)
     single_s = bench(jax.jit(single_fn), *args, **timing)
+    positions = _positions(grouped_fn, args) / int(np.prod(args[0].shape[:-1]))
     row = dict(experts=groups, operand=name, mbytes=nbytes / 1e6, grouped_us=grouped_s * 1e6,
                grouped_gbs=nbytes / grouped_s / 1e9, single_us=single_s * 1e6,
-               single_gbs=nbytes / single_s / 1e9, ratio=single_s / grouped_s,
+               single_gbs=nbytes / single_s / 1e9, ratio=single_s / grouped_s, positions=positions,
                grouped_path=",".join(sorted(paths)))
     rows.append(row)
     print(f"  {name:24s} grouped {row['grouped_us']:8.1f} us {row['grouped_gbs']:6.0f} GB/s "
           f"({row['grouped_path']})  single {row['single_us']:8.1f} us "
-          f"{row['single_gbs']:6.0f} GB/s  grouped/single {row['ratio']:.2f}", flush=True)
+          f"{row['single_gbs']:6.0f} GB/s  grouped/single {row['ratio']:.2f}  "
+          f"positions/rows {row['positions']:.3f}", flush=True)
   return rows
 
 
 def print_table(rows: list[dict]) -> None:
   print("\n| experts | operand | MB | grouped us | grouped GB/s | single-tensor us | "
-        "single-tensor GB/s | grouped/single | grouped path |")
-  print("|---|---|---|---|---|---|---|---|---|")
+        "single-tensor GB/s | grouped/single | positions/rows | grouped path |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   for r in rows:
     print(f"| {r['experts']} | {r['operand']} | {r['mbytes']:.0f} | {r['grouped_us']:.1f} | "
           f"{r['grouped_gbs']:.0f} | {r['single_us']:.1f} | {r['single_gbs']:.0f} | "
-          f"{r['ratio']:.2f} | {r['grouped_path']} |")
+          f"{r['ratio']:.2f} | {r['positions']:.3f} | {r['grouped_path']} |")
 
 
 def main(argv=None) -> int:

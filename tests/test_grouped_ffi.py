@@ -252,6 +252,32 @@ def test_expert_weights_nvfp4_stochastic_rounding_is_bitwise_the_reference(rng):
   assert_same_leaves(_on("ffi", fn, w, keys), _on("reference", fn, w, keys))
 
 
+NVFP4_EXPERTS = {"nvfp4": jq.NVFP4Quantizer(), "nvfp4-2d": jq.NVFP4Quantizer(block_2d=True),
+                 "nvfp4-rht": jq.NVFP4Quantizer(rht=True),
+                 "nvfp4-rht-sr": jq.NVFP4Quantizer(rht=True, stochastic_rounding=True)}
+
+
+def _check_nvfp4_experts_sharing_tiles(rng, name, groups, rows, cols=144):
+  """NVFP4 expert weights whose experts share the kernel's 64-row tiles (rows per expert 16 or
+  48): every row takes its own expert's amax, stochastic-rounding key and output matrix.
+  Experts of ranges 2^-6 .. 2^6 apart; cols 144: a partial 128-column tile."""
+  q = NVFP4_EXPERTS[name]
+  w = oracle.random_matrix(rng, (groups, rows, cols)) * np.exp2(rng.integers(-6, 7, (groups, 1, 1)))
+  w = jnp.asarray(w, jnp.bfloat16)
+  keys = _group_keys(rng, q, groups)
+  fn = lambda w, keys: jg.quantize_experts(w, q, keys=keys)
+  assert _paths(fn, w, keys).paths() == {FFI_PATH}
+  got = _on("ffi", fn, w, keys)
+  assert_same_leaves(got, _on("reference", fn, w, keys), name)
+  assert got.columnwise.data.shape == (groups, cols, rows)
+
+
+@pytest.mark.parametrize("name", sorted(NVFP4_EXPERTS))
+def test_expert_weights_nvfp4_experts_sharing_a_tile_are_bitwise_the_reference(rng, name):
+  for groups, rows in [(1, 48), (5, 16), (3, 48)]:
+    _check_nvfp4_experts_sharing_tiles(rng, name, groups, rows)
+
+
 def test_expert_weights_nvfp4_rows_not_a_multiple_of_16_take_the_reference(rng):
   """A columnwise / 16x16 NVFP4 block would span two experts: the reference, visibly."""
   q = jq.NVFP4Quantizer(block_2d=True)
@@ -501,6 +527,36 @@ def test_gpu_grouped_nvfp4_tiny_groups_and_own_scales(on_gpu, rng):
   for groups in (1, 3):
     test_grouped_nvfp4_one_group_and_one_token_groups(rng, groups)
   test_grouped_nvfp4_groups_of_different_ranges_keep_their_own_scales(rng)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", [1, 8, 64])
+@pytest.mark.parametrize("name", sorted(NVFP4_EXPERTS))
+def test_gpu_expert_weights_nvfp4_experts_sharing_a_tile(on_gpu, rng, name, groups):
+  """The grouped NVFP4 kernel finds a row's expert as row // rows (no lookup): 64-row tiles
+  holding four experts (rows 16) or straddling two (rows 48)."""
+  for rows in (16, 48):
+    _check_nvfp4_experts_sharing_tiles(rng, name, groups, rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", NVFP4_TOKENS)
+def test_gpu_grouped_nvfp4_many_small_groups_per_tile(on_gpu, rng, name):
+  """300 groups of a few tokens each, every third empty: a 64-position tile of the layout
+  spans many groups (rowwise) or several 16-position chunks of different groups (columnwise);
+  each row looks its own group up."""
+  _check_quantize(rng, name, 1200, 96, 300, jnp.bfloat16, empty=tuple(range(0, 300, 3)),
+                  spare=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("name", ["fp8-current", "nvfp4", "nvfp4-2d"])
+def test_gpu_grouped_amax_of_wide_rows(on_gpu, rng, name, dtype):
+  """Rows of 2056 features: the grouped amax kernel's lanes read four 16-byte chunks at a time
+  (1024 features a warp) and the rest one at a time; the group amaxes (and the scales they
+  give) are the reference's."""
+  _check_quantize(rng, name, 300, 2056, 8, dtype, empty=(2,), spare=5)
 
 
 @pytest.mark.gpu

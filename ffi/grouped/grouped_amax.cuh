@@ -63,8 +63,11 @@ __device__ __forceinline__ int upper_group(const int32_t* starts, int G, int64_t
   return lo;
 }
 
+// One warp a row of x at a time; a lane keeps kLoads 16-byte loads of its row in flight (one
+// at a time would leave too few bytes in flight per SM to cover the memory latency).
 template <int TYPE>
 __global__ void __launch_bounds__(256) grouped_amax_kernel(const QuantizeParams p) {
+  constexpr int kLoads = 4;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t valid_rows = min(int64_t(__ldg(p.starts + p.G)), p.T);
   const bool vec = (TYPE == 2 ? p.C % 4 == 0 : p.C % 8 == 0) &&
@@ -72,7 +75,20 @@ __global__ void __launch_bounds__(256) grouped_amax_kernel(const QuantizeParams 
   uint32_t* amax = reinterpret_cast<uint32_t*>(p.amax);
   for (int64_t r = int64_t(blockIdx.x) * 8 + warp; r < valid_rows; r += int64_t(gridDim.x) * 8) {
     uint32_t m = 0;
-    for (int64_t c = int64_t(lane) * 8; c < p.C; c += 256) {
+    int64_t c = int64_t(lane) * 8;
+    if (vec) {  // kLoads full 16-byte loads a lane in flight before any is reduced
+      for (; c + (kLoads - 1) * 256 + 8 <= p.C; c += kLoads * 256) {
+        float v[kLoads][8];
+#pragma unroll
+        for (int k = 0; k < kLoads; ++k) load8<TYPE>(p.x, r * p.C + c + k * 256, 8, true, v[k]);
+#pragma unroll
+        for (int k = 0; k < kLoads; ++k) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) m = max(m, jq::abs_bits(v[k][i]));
+        }
+      }
+    }
+    for (; c < p.C; c += 256) {
       float v[8];
       load8<TYPE>(p.x, r * p.C + c, int(min(int64_t(8), p.C - c)), vec, v);
 #pragma unroll

@@ -123,7 +123,8 @@ inline ffi::Error decode_amax(const char* t, ffi::AnyBuffer x, ffi::AnyBuffer st
 //      [row_amax f32[G]], [col_amax f32[G]]
 // A key is u32[G, 2] when `stochastic` and its direction is requested, else a u32[1, 2]
 // placeholder. Contract the device data must keep (not checked on the host, it never reads
-// the offsets): with `columnwise` or `block_2d`, every pstarts[g] is a multiple of 16.
+// the offsets): with `columnwise` or `block_2d`, every pstarts[g] is a multiple of 16; with
+// expert_rows E > 0, starts[g] = pstarts[g] = g E (the CUDA kernel takes row r's expert as r / E).
 inline ffi::Error decode_quantize_nvfp4(const char* t, ffi::AnyBuffer x, ffi::AnyBuffer starts,
                                         ffi::AnyBuffer pstarts, ffi::AnyBuffer row_key,
                                         ffi::AnyBuffer col_key, ffi::RemainingRets rets,

@@ -20,7 +20,9 @@ struct Nvfp4Groups {
   const int32_t* starts = nullptr;   // [G + 1] packed group starts in x
   const int32_t* pstarts = nullptr;  // [G + 1] group starts in the layout
   int64_t G = 0, T = 0;              // groups; rows of x
-  int64_t expert_rows = 0;           // > 0: the columnwise copy is [G, C, expert_rows]
+  int64_t expert_rows = 0;           // > 0: expert weights, group g = rows g E .. g E + E - 1
+                                     // (E = expert_rows; the offsets are not read) and the
+                                     // columnwise copy is [G, C, E]
   bool speculate = false;            // load row `pos` of x before the group lookup (a packed
                                      // layout: the source row is the position or none)
 };
@@ -45,62 +47,61 @@ struct Nvfp4TileRows {};
 
 template <int TR>
 struct Nvfp4TileRows<true, TR> {
-  static constexpr int kStagedGroups = 256;  // offsets and scales of up to this many groups
-                                             // are staged in shared memory (one round trip)
-  int64_t src[TR];
+  int32_t src[TR];  // a row of x (< starts[G], an int32) or -1
   int32_t group[TR], local[TR];
   float s_row[TR], s_col[TR];
-  int32_t starts[kStagedGroups + 1], pstarts[kStagedGroups + 1];
-  float s_row_g[kStagedGroups], s_col_g[kStagedGroups];
+  uint2 k_row[TR], k_col[TR];  // stochastic rounding: the words of the row's group
 
-  __device__ __forceinline__ void fill(const Nvfp4Params& p, int64_t r0) {
+  // Thread i < TR: row i of the tile at r0 (position pos = r0 + i): its source row, group and
+  // index, into shared memory; returns the group. Expert weights (expert_rows E > 0, groups of
+  // E rows at e * E in both x and the layout): group pos / E, source pos, no lookup. Tokens:
+  // the largest g <= G with pstarts[g] <= pos, a binary search of the G + 1 layout starts read
+  // through the read-only cache (a few lines every CTA of the SM reads: L1 hits), nothing
+  // staged, no barrier. The caller synchronizes before reading another thread's row.
+  __device__ __forceinline__ int locate(const Nvfp4Params& p, int64_t r0) {
     const Nvfp4Groups& q = p.groups;
     const int G = int(q.G);
-    const bool staged = G <= kStagedGroups;
-    if (staged) {  // every group's offsets and second-level scales, loaded in parallel
-      for (int g = threadIdx.x; g <= G; g += kThreads) {
-        starts[g] = __ldg(q.starts + g);
-        pstarts[g] = __ldg(q.pstarts + g);
-        if (g < G) {
-          s_row_g[g] = p.do_row ? jq::nvfp4_global_encode_scale(p.row_amax[g]) : 1.0f;
-          s_col_g[g] = p.do_col ? jq::nvfp4_global_encode_scale(p.col_amax[g]) : 1.0f;
-        }
-      }
-      __syncthreads();
-    }
     const int i = threadIdx.x;
-    if (i < TR) {
-      const int64_t pos = r0 + i;
-      int g = G;
-      int64_t source = -1, index = 0;
-      if (pos < p.R) {
-        const int32_t* ps = staged ? pstarts : q.pstarts;
-        const int32_t* st = staged ? starts : q.starts;
+    const int64_t pos = r0 + i;
+    int g = G;
+    int64_t source = -1, index = 0;
+    if (pos < p.R) {
+      if (q.expert_rows > 0) {  // pos < R = G * E < 2^31: 32-bit division
+        g = int(int32_t(pos) / int32_t(q.expert_rows));
+        index = pos - g * q.expert_rows;
+        source = pos;
+      } else {
         int lo = 0, hi = G;  // the group whose extent holds pos (G: none; see group_of)
         while (lo < hi) {
           const int mid = (lo + hi + 1) >> 1;
-          if (int64_t(staged ? ps[mid] : __ldg(ps + mid)) <= pos) lo = mid; else hi = mid - 1;
+          if (int64_t(__ldg(q.pstarts + mid)) <= pos) lo = mid; else hi = mid - 1;
         }
         g = lo;
-        index = pos - (staged ? ps[g] : __ldg(ps + g));  // past the last group: pos - pstarts[G]
-        const int64_t begin = staged ? st[g] : (g < G ? __ldg(st + g) : 0);
-        if (g < G && index < int64_t(staged ? st[g + 1] : __ldg(st + g + 1)) - begin) {
-          source = begin + index;
+        index = pos - __ldg(q.pstarts + g);  // past the last group: pos - pstarts[G]
+        if (g < G) {
+          const int64_t begin = __ldg(q.starts + g);
+          if (index < int64_t(__ldg(q.starts + g + 1)) - begin) source = begin + index;
         }
       }
-      src[i] = source;
-      group[i] = g;
-      local[i] = int32_t(index);
-      const bool own = g < G;
-      s_row[i] = p.do_row && own ? (staged ? s_row_g[g] : jq::nvfp4_global_encode_scale(p.row_amax[g])) : 1.0f;
-      s_col[i] = p.do_col && own ? (staged ? s_col_g[g] : jq::nvfp4_global_encode_scale(p.col_amax[g])) : 1.0f;
     }
-    __syncthreads();
+    src[i] = int32_t(source);
+    group[i] = g;
+    local[i] = int32_t(index);
+    return g;
   }
 
-  // The stochastic-rounding words of row i's group (zeros for no group, as the reference).
-  __device__ __forceinline__ uint2 key(const uint32_t* keys, int i, int64_t G) const {
-    return group[i] < G ? make_uint2(keys[2 * group[i]], keys[2 * group[i] + 1]) : make_uint2(0u, 0u);
+  // Thread i < TR: row i's second-level encode scales and stochastic-rounding words (zeros
+  // for no group, as the reference) from its group `g` (locate's); called after the row's
+  // loads are issued, so these reads and the division overlap them.
+  __device__ __forceinline__ void scales(const Nvfp4Params& p, int g) {
+    const int i = threadIdx.x;
+    const bool own = g < p.groups.G;
+    s_row[i] = p.do_row && own ? jq::nvfp4_global_encode_scale(p.row_amax[g]) : 1.0f;
+    s_col[i] = p.do_col && own ? jq::nvfp4_global_encode_scale(p.col_amax[g]) : 1.0f;
+    if (p.sr) {
+      k_row[i] = p.do_row && own ? make_uint2(p.row_key[2 * g], p.row_key[2 * g + 1]) : make_uint2(0u, 0u);
+      k_col[i] = p.do_col && own ? make_uint2(p.col_key[2 * g], p.col_key[2 * g + 1]) : make_uint2(0u, 0u);
+    }
   }
 };
 
@@ -134,8 +135,11 @@ using NVFP4Tile = Geometry<In, 64, 128>;
 // GROUPED: the rows are token-layout positions (`Nvfp4Groups`), each with its group's
 // second-level scales and stochastic-rounding words and its index within the group (the SR
 // coordinate), and the columnwise copy of expert weights is written as [G, C, expert_rows].
+// Occupancy: the single-tensor kernel fits 64 registers (4 CTAs an SM; 3 at least); the grouped
+// one is held to the same 4 (at 69 registers, 3 CTAs an SM, it measured 0.81-0.87 of the
+// single-tensor bandwidth, bench/RESULTS.md).
 template <typename In, bool GROUPED = false>
-__global__ void __launch_bounds__(kThreads, 3) nvfp4_kernel(const Nvfp4Params p) {  // 3 CTAs an SM
+__global__ void __launch_bounds__(kThreads, GROUPED ? 4 : 3) nvfp4_kernel(const Nvfp4Params p) {
   using G = NVFP4Tile<In>;
   static_assert(G::RPP == 16, "a load pass is one row of 16x16 tiles");
   extern __shared__ __align__(16) unsigned char smem[];
@@ -150,19 +154,32 @@ __global__ void __launch_bounds__(kThreads, 3) nvfp4_kernel(const Nvfp4Params p)
   __shared__ Nvfp4TileRows<GROUPED, G::TR> rows;
   alignas(16) In raw[G::NP][8];
   if constexpr (GROUPED) {
-    // Rows are read from their source row of x, found first (or, in a packed layout, read at
-    // the position while the lookup runs and replaced when the source differs).
+    // Each tile row is read from its source row of x: found first, then loaded (one barrier
+    // between), or, in a packed layout (`speculate`: the source row is the position or none),
+    // loaded at the position while the lookup runs and reloaded where the source differs.
+    // The rows' scales are computed while the loads are in flight.
     const int64_t T = p.groups.T;
-    if (p.groups.speculate) {
+    const bool speculate = p.groups.speculate;
+    if (speculate) {
 #pragma unroll
       for (int pp = 0; pp < G::NP; ++pp) load8(x, T, p.C, t.r0 + pp * G::RPP + lr, t.c0 + lc, p.vec_in, raw[pp]);
     }
-    rows.fill(p, t.r0);
+    const int g = tid < G::TR ? rows.locate(p, t.r0) : 0;
+    if (!speculate) {
+      __syncthreads();
 #pragma unroll
-    for (int pp = 0; pp < G::NP; ++pp) {
-      const int64_t src = rows.src[pp * G::RPP + lr];
-      if (!p.groups.speculate || src != t.r0 + pp * G::RPP + lr) {
+      for (int pp = 0; pp < G::NP; ++pp) {
+        const int64_t src = rows.src[pp * G::RPP + lr];
         load8(x, T, p.C, src >= 0 ? src : T, t.c0 + lc, p.vec_in, raw[pp]);
+      }
+    }
+    if (tid < G::TR) rows.scales(p, g);
+    __syncthreads();
+    if (speculate) {
+#pragma unroll
+      for (int pp = 0; pp < G::NP; ++pp) {
+        const int64_t src = rows.src[pp * G::RPP + lr];
+        if (src != t.r0 + pp * G::RPP + lr) load8(x, T, p.C, src >= 0 ? src : T, t.c0 + lc, p.vec_in, raw[pp]);
       }
     }
   } else {
@@ -207,7 +224,7 @@ __global__ void __launch_bounds__(kThreads, 3) nvfp4_kernel(const Nvfp4Params p)
         s_enc = rows.s_row[i];
         sr_row = uint32_t(rows.local[i]);
         if (p.sr) {
-          const uint2 k = rows.key(p.row_key, i, p.groups.G);
+          const uint2 k = rows.k_row[i];
           sr_k0 = k.x;
           sr_k1 = k.y;
         }
@@ -255,7 +272,7 @@ __global__ void __launch_bounds__(kThreads, 3) nvfp4_kernel(const Nvfp4Params p)
       s_enc = rows.s_col[i];
       sr_col = uint32_t(rows.local[i]);
       if (p.sr) {
-        const uint2 k = rows.key(p.col_key, i, p.groups.G);
+        const uint2 k = rows.k_col[i];
         sr_k0 = k.x;
         sr_k1 = k.y;
       }
@@ -269,12 +286,12 @@ __global__ void __launch_bounds__(kThreads, 3) nvfp4_kernel(const Nvfp4Params p)
     int64_t base = 0, out_len = p.R, out_pos = rr, scale_len = col_nb;
     int64_t scale_rows = p.block_2d ? (p.C + 15) / 16 : p.C;
     if constexpr (GROUPED) {
-      if (p.groups.expert_rows > 0) {
-        const int64_t E = p.groups.expert_rows, e = rr / E;
+      if (p.groups.expert_rows > 0) {  // the chunk's expert and row in it (locate's)
+        const int64_t E = p.groups.expert_rows;
         out_len = E;
-        out_pos = rr - e * E;
+        out_pos = rows.local[16 * slot.j];
         scale_len = E / 16;
-        base = e;
+        base = rows.group[16 * slot.j];
       }
     }
     uint8_t* col = p.col + (base * p.C * out_len) / 2;
