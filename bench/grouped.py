@@ -264,7 +264,8 @@ def main(argv=None) -> int:
                       default=None, metavar="NAME[:rn],...",
                       help="with --gemms: time each grouped GEMM under each of these CUTLASS "
                            "configurations (JAXQUANT_SM90_CONFIG, re-jitted per configuration; "
-                           f"names: {', '.join(sm90_configs.CONFIGS)}; 'all' = every one)")
+                           f"names: {', '.join(sm90_configs.CONFIGS)}; 'all' = every one and "
+                           "default:rn)")
   parser.add_argument("--quantize", action="store_true",
                       help="also time the grouped NVFP4 quantize next to the single-tensor one")
   parser.add_argument("--no-steps", action="store_true",
