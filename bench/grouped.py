@@ -6,6 +6,8 @@
     python bench/grouped.py --tiny             # smoke check at tiny sizes (runs on CPU)
     python bench/grouped.py --experts 64 --json out.json
     python bench/grouped.py --experts 8 --gemms --no-steps --formats "Float8Block 1x128 x 128x128 w"
+    python bench/grouped.py --gemms --no-steps --sm90-configs all \
+        --formats Float8CurrentScaling "Float8Block 1x128 x 128x128 w"
 
 Cases (rows T are routed token-expert assignments, i.e. tokens x top-k, sorted by expert):
   8 experts:  T = 16384 (8192 tokens, top-2), K = 4096 -> N = 14336 (Mixtral-8x7B's fc1)
@@ -18,13 +20,15 @@ repeats of (R back-to-back steps) / R after warm-up. The "paths" column is what
 ffi/grouped, "ffi-cutlass" the CUTLASS Hopper grouped GEMM; "reference": one `ragged_dot` per
 GEMM, with the reason printed below the table). `--gemms` also times each grouped GEMM alone
 (fprop, dgrad, wgrad) next to the dense GEMMs of the same FLOPs in bf16 and FP8 (the roofline
-peers), with grouped/dense ratios.
+peers), with grouped/dense ratios; `--sm90-configs` times each CUTLASS kernel configuration
+(`jaxquant.backends.ffi.grouped.sm90_configs`) side by side in the same process.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import jax
@@ -36,6 +40,7 @@ import grouped_quantize  # bench/grouped_quantize.py
 from timing import bench  # bench/timing.py (this folder is on sys.path when run)
 import jaxquant.flax  # noqa: F401
 from jaxquant.backends.ffi import gemm as ffi_gemm
+from jaxquant.backends.ffi.grouped import sm90_configs
 
 RECIPES = {
     "Float8CurrentScaling": lambda: jq.recipes.Float8CurrentScaling(),
@@ -241,27 +246,54 @@ def run_gemms(experts: int, spec, args, card: str) -> list[dict]:
     a = jax.jit(lambda x, s: jg.quantize(x, s, q, columnwise=True, col_block=128))(x, sizes)
     b = jax.jit(lambda w: jg.quantize_experts(w, qw))(w)
     c = jax.jit(lambda d, s: jg.quantize(d, s, plain, col_block=128))(dy, sizes)
-    gemm = jax.jit(lambda a, b: jg.gemm(a, b))
     for kind, ops in (("fprop", (a.rowwise, b.rowwise)), ("dgrad", (c.rowwise, b.columnwise)),
                       ("wgrad", (a.columnwise, c.columnwise))):
-      report = jq.explain(gemm, *ops)
-      path = ",".join(sorted({d.path for d in report}))
-      kernel = ",".join(sorted({d.detail.rsplit("kernel: ", 1)[-1] for d in report
-                                if "kernel: " in d.detail})) or "-"
-      try:
-        sec = bench(gemm, *ops, **timing)
-      except Exception as e:  # noqa: BLE001 - report and go on with the other rows
-        print(f"  {kind} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-        continue
-      row = dict(experts=groups, gemm=kind, format=name, ms=sec * 1e3, tflops=tf(sec),
-                 speedup_vs_bf16=base[kind] / sec, vs_dense_bf16=peers["dense bf16"] / sec,
-                 vs_dense_fp8=(fp8_peer / sec) if fp8_peer else float("nan"),
-                 path=f"{path} ({kernel})", bf16_ms=base[kind] * 1e3, card=card)
-      rows.append(row)
-      print(f"  {kind} {name:24s} {sec * 1e3:8.3f} ms {row['tflops']:7.1f} TFLOP/s "
-            f"{row['speedup_vs_bf16']:5.2f}x vs bf16 ragged_dot, {row['vs_dense_bf16']:4.2f}x "
-            f"dense bf16, {row['vs_dense_fp8']:4.2f}x dense fp8 ({path}, {kernel})", flush=True)
+      for config in args.sm90_configs or [None]:
+        row = time_gemm(jg, ops, config, timing)
+        if row is None:
+          continue
+        sec, path, kernel = row
+        if "CUTLASS" not in kernel:  # the configurations are the CUTLASS kernel's: time once
+          config = None
+        label = name if config is None else f"{name} [{config}]"
+        row = dict(experts=groups, gemm=kind, format=name, ms=sec * 1e3, tflops=tf(sec),
+                   speedup_vs_bf16=base[kind] / sec, vs_dense_bf16=peers["dense bf16"] / sec,
+                   vs_dense_fp8=(fp8_peer / sec) if fp8_peer else float("nan"),
+                   path=f"{path} ({kernel})", bf16_ms=base[kind] * 1e3, card=card,
+                   sm90_config=config or "")
+        rows.append(row)
+        print(f"  {kind} {label:24s} {sec * 1e3:8.3f} ms {row['tflops']:7.1f} TFLOP/s "
+              f"{row['speedup_vs_bf16']:5.2f}x vs bf16 ragged_dot, {row['vs_dense_bf16']:4.2f}x "
+              f"dense bf16, {row['vs_dense_fp8']:4.2f}x dense fp8 ({path}, {kernel})", flush=True)
+        if config is None:
+          break
   return rows
+
+
+def time_gemm(jg, ops, config, timing):
+  """(seconds, paths, kernels) of one grouped GEMM traced under `JAXQUANT_SM90_CONFIG=config`
+  (None: as the environment has it), or None after printing why it was not timed (no instance
+  of that configuration for these operands, or a failure)."""
+  saved = os.environ.get(sm90_configs.ENV)
+  if config is not None:
+    os.environ[sm90_configs.ENV] = config
+  try:
+    gemm = jax.jit(lambda a, b: jg.gemm(a, b))  # a new function: traced under this config
+    report = jq.explain(gemm, *ops)
+    path = ",".join(sorted({d.path for d in report}))
+    kernel = ",".join(sorted({d.detail.rsplit("kernel: ", 1)[-1] for d in report
+                              if "kernel: " in d.detail})) or "-"
+    return bench(gemm, *ops, **timing), path, kernel
+  except Exception as e:  # noqa: BLE001 - report and go on with the other rows
+    no_instance = isinstance(e, ValueError) and "has instances for" in str(e)
+    print(f"    [{config}] {'no instance' if no_instance else 'FAILED'}: "
+          f"{type(e).__name__}: {str(e)[:300]}", flush=True)
+    return None
+  finally:
+    if saved is None:
+      os.environ.pop(sm90_configs.ENV, None)
+    else:
+      os.environ[sm90_configs.ENV] = saved
 
 
 def main(argv=None) -> int:
@@ -278,6 +310,12 @@ def main(argv=None) -> int:
                       help="also time the grouped GEMMs alone (fprop, dgrad, wgrad) per format")
   parser.add_argument("--formats", nargs="*", default=None, choices=sorted(GEMM_FORMATS),
                       help="with --gemms: only these formats (default: all)")
+  parser.add_argument("--sm90-configs", type=lambda v: [c for c in v.split(",") if c],
+                      default=None, metavar="NAME[:rn],...",
+                      help="with --gemms: time each grouped GEMM under each of these CUTLASS "
+                           "configurations (JAXQUANT_SM90_CONFIG, re-jitted per configuration; "
+                           f"names: {', '.join(sm90_configs.CONFIGS)}; 'all' = every one and "
+                           "default:rn)")
   parser.add_argument("--quantize", action="store_true",
                       help="also time the grouped NVFP4 quantize next to the single-tensor one")
   parser.add_argument("--profile-dir", default=None,
@@ -285,6 +323,10 @@ def main(argv=None) -> int:
   parser.add_argument("--no-steps", action="store_true",
                       help="skip the GroupedDense step table (with --gemms / --quantize)")
   args = parser.parse_args(argv)
+  if args.sm90_configs == ["all"]:
+    args.sm90_configs = list(sm90_configs.CONFIGS) + ["default:rn"]
+  for config in args.sm90_configs or []:
+    sm90_configs.parse(config)  # an unknown name fails here, not after the first timings
   args.repeats, args.calls, args.warmup = (1, 1, 1) if args.tiny else (5, 5, 2)
   device = jax.devices()[0]
   card = getattr(device, "device_kind", str(device))
@@ -316,11 +358,12 @@ def main(argv=None) -> int:
   if reasons:
     print("\nwhy a slower path (reference, or the mma.sync kernel): " + " | ".join(reasons))
   if gemm_rows:
-    print("\n| experts | GEMM | format | ms | TFLOP/s | vs bf16 ragged_dot | grouped/dense bf16 "
-          "| grouped/dense fp8 (split acc) | path |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| experts | GEMM | format | sm90 config | ms | TFLOP/s | vs bf16 ragged_dot | "
+          "grouped/dense bf16 | grouped/dense fp8 (split acc) | path |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in gemm_rows:
-      print(f"| {r['experts']} | {r['gemm']} | {r['format']} | {r['ms']:.3f} | "
+      print(f"| {r['experts']} | {r['gemm']} | {r['format']} | {r.get('sm90_config') or '-'} | "
+            f"{r['ms']:.3f} | "
             f"{r['tflops']:.0f} | {r['speedup_vs_bf16']:.2f}x | {r['vs_dense_bf16']:.2f} | "
             f"{r['vs_dense_fp8']:.2f} | {r['path']} |")
   if quantize_rows:

@@ -22,6 +22,7 @@ import jaxquant.flax  # noqa: F401
 import jaxquant.grouped as jg
 import oracle
 from helpers import assert_same_leaves
+from jaxquant.backends.ffi.grouped import sm90_configs
 from jaxquant.backends.ffi.grouped import support as kernels
 
 pytestmark = pytest.mark.skipif(
@@ -739,8 +740,10 @@ def _assert_block_bound(out, exact, magnitude, out_dtype, msg):
                                 f"{bound[worst]:.3g} at {worst}")
 
 
-def check_block_ragged(rng, w_quantizer, tokens, k, n, groups, empty, spare, out_dtype):
-  """Ragged rows x experts with Float8Block operands on the CUTLASS kernel vs float64."""
+def check_block_ragged(rng, w_quantizer, tokens, k, n, groups, empty, spare, out_dtype,
+                       kernel=None):
+  """Ragged rows x experts with Float8Block operands on the CUTLASS kernel (`kernel`, as explain
+  names it; default: the default configuration) vs float64."""
   x = jnp.asarray(oracle.random_matrix(rng, (tokens, k)), jnp.bfloat16)
   w = jnp.asarray(oracle.random_matrix(rng, (groups, n, k)), jnp.bfloat16)
   sizes = jnp.asarray(_sizes(rng, tokens, groups, empty, spare))
@@ -752,7 +755,7 @@ def check_block_ragged(rng, w_quantizer, tokens, k, n, groups, empty, spare, out
     os.environ["JAXQUANT_BACKEND"] = "ffi"
     return jg.gemm(a, e, out_dtype=out_dtype), (a.data, a.scale_inv, e.data, e.scale_inv)
 
-  assert _gemm_kernels(lambda *v: fn(*v)[0], x, w, sizes) == {SM90}
+  assert _gemm_kernels(lambda *v: fn(*v)[0], x, w, sizes) == {kernel or SM90}
   out, (ad, asc, ed, esc) = _on("ffi", fn, x, w, sizes)
   a64 = _decode_block64(ad, asc, BLOCK_1x128.block)
   e64 = _decode_block64(ed, esc, w_quantizer.block)
@@ -766,7 +769,7 @@ def check_block_ragged(rng, w_quantizer, tokens, k, n, groups, empty, spare, out
   assert np.all(np.asarray(out)[starts[-1]:] == 0), "rows of no group must be zero"
 
 
-def check_block_wgrad(rng, tokens, m, n, groups, empty, spare, out_dtype):
+def check_block_wgrad(rng, tokens, m, n, groups, empty, spare, out_dtype, kernel=None):
   """Per-group wgrad (contraction over each group's tokens, 1x128 blocks along the tokens) on
   the CUTLASS kernel vs float64; the token layout pads every group to 128 positions."""
   x = jnp.asarray(oracle.random_matrix(rng, (tokens, m)), jnp.bfloat16)
@@ -781,7 +784,7 @@ def check_block_wgrad(rng, tokens, m, n, groups, empty, spare, out_dtype):
     os.environ["JAXQUANT_BACKEND"] = "ffi"
     return jg.gemm(a, b, out_dtype=out_dtype), (a.data, a.scale_inv, b.data, b.scale_inv)
 
-  assert _gemm_kernels(lambda *v: fn(*v)[0], x, dy, sizes) == {SM90}
+  assert _gemm_kernels(lambda *v: fn(*v)[0], x, dy, sizes) == {kernel or SM90}
   out, (ad, asc, bd, bsc) = _on("ffi", fn, x, dy, sizes)
   a64 = _decode_block64(ad, asc, BLOCK_1x128.block)
   b64 = _decode_block64(bd, bsc, BLOCK_1x128.block)
@@ -825,6 +828,140 @@ def test_gpu_sm90_block_all_groups_empty_gives_zeros(on_sm90, rng):
   check_block_ragged(rng, BLOCK_128x128, 64, 128, 32, 3, empty=(0, 1, 2), spare=0,
                      out_dtype=jnp.float32)
   check_block_wgrad(rng, 64, 32, 24, 3, empty=(0, 1, 2), spare=0, out_dtype=jnp.float32)
+
+
+# ------------------------- CUTLASS Hopper alternative configurations -------------------------
+# The kernel configurations of `sm90_configs` other than the default (JAXQUANT_SM90_CONFIG,
+# read when the GEMM is traced; ":rn" orders the tiles along N), each on the types it has
+# instances for (bfloat16 out). Split-accumulation configurations keep the default's bounds
+# above; fast accumulation (no float32 promotion inside a group's K) gets the dense FP8 GEMM's
+# stated fast bound, 2 K 2^-24 + 2^-7 of max |out| (tests/test_ffi_gemm.py; 2 K 2^-24 <= 2^-12
+# for these K <= 2048), plus one bfloat16 rounding (2^-8).
+
+SM90_FP8_CONFIGS = ["c1x1", "n176", "fast", "pingpong_fast", "default:rn"]
+SM90_BLOCK_CONFIGS = ["c1x1", "c2x1", "default:rn"]
+
+
+def _sm90_config(monkeypatch, config: str) -> tuple[str, float]:
+  """Select `config` for the GEMMs traced next; (the kernel explain names, the bound on
+  |ffi - reference| / max |reference| for bfloat16 out)."""
+  monkeypatch.setenv(sm90_configs.ENV, config)
+  selection = sm90_configs.parse(config)
+  fast = selection.config.accumulation == "fast"
+  extra = 2.0**-8 + 2.0**-12 if fast else 0.0
+  return SM90 + sm90_configs.kernel_label(selection), 2.0**-7 + extra
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", SM90_FP8_CONFIGS)
+@pytest.mark.parametrize("groups", [1, 8, 64])
+def test_gpu_sm90_config_ragged_gemm_matches_the_reference(on_sm90, rng, monkeypatch, config,
+                                                           groups):
+  """Ragged rows x experts per configuration: uneven and empty groups, rows of no group, N = 200
+  (a partial tile of every tile width), K = 336 (a partial 128 k-tile)."""
+  kernel, rel = _sm90_config(monkeypatch, config)
+  check_ragged(rng, ("fp8", "fp8"), 1500 + 7 * groups, 336, 200, groups,
+               empty=tuple(range(1, groups, 4)), spare=11, rel=rel, bias=False,
+               out_dtype=jnp.bfloat16, kernel=kernel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", SM90_FP8_CONFIGS)
+@pytest.mark.parametrize("groups", [1, 8, 64])
+def test_gpu_sm90_config_wgrad_gemm_matches_the_reference(on_sm90, rng, monkeypatch, config,
+                                                          groups):
+  """Per-group wgrad per configuration: empty groups give zeros, 16-aligned group starts, groups
+  shorter than one k-tile."""
+  kernel, rel = _sm90_config(monkeypatch, config)
+  check_wgrad(rng, ("fp8", "fp8"), 1500 + 5 * groups, 136, 200, groups,
+              empty=tuple(range(2, groups, 5)) if groups > 1 else (), spare=7, rel=rel,
+              block=16, out_dtype=jnp.bfloat16, kernel=kernel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", SM90_FP8_CONFIGS)
+def test_gpu_sm90_config_all_groups_empty_gives_zeros(on_sm90, rng, monkeypatch, config):
+  kernel, _ = _sm90_config(monkeypatch, config)
+  check_ragged(rng, ("fp8", "fp8"), 64, 64, 32, 3, empty=(0, 1, 2), spare=0, rel=0.0,
+               bias=False, out_dtype=jnp.bfloat16, kernel=kernel)
+  check_wgrad(rng, ("fp8", "fp8"), 64, 32, 24, 3, empty=(0, 1, 2), spare=0, rel=0.0, block=16,
+              out_dtype=jnp.bfloat16, kernel=kernel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", SM90_BLOCK_CONFIGS)
+@pytest.mark.parametrize("groups", [1, 8, 64])
+def test_gpu_sm90_config_block_gemms_are_within_the_bound(on_sm90, rng, monkeypatch, config,
+                                                          groups):
+  """Float8Block 1x128 x 1x128 per configuration, both layouts: ragged rows x experts (uneven
+  and empty groups, rows of no group, N = 200) and the wgrad (groups of ~20..1500 tokens)."""
+  kernel, _ = _sm90_config(monkeypatch, config)
+  check_block_ragged(rng, BLOCK_1x128, 1500 + 7 * groups, 384, 200, groups,
+                     empty=tuple(range(1, groups, 4)), spare=11, out_dtype=jnp.bfloat16,
+                     kernel=kernel)
+  check_block_wgrad(rng, 1500 + 5 * groups, 136, 200, groups,
+                    empty=tuple(range(2, groups, 5)) if groups > 1 else (), spare=7,
+                    out_dtype=jnp.bfloat16, kernel=kernel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", SM90_BLOCK_CONFIGS)
+def test_gpu_sm90_config_block_all_groups_empty_gives_zeros(on_sm90, rng, monkeypatch, config):
+  kernel, _ = _sm90_config(monkeypatch, config)
+  check_block_ragged(rng, BLOCK_1x128, 64, 128, 32, 3, empty=(0, 1, 2), spare=0,
+                     out_dtype=jnp.bfloat16, kernel=kernel)
+  check_block_wgrad(rng, 64, 32, 24, 3, empty=(0, 1, 2), spare=0, out_dtype=jnp.bfloat16,
+                    kernel=kernel)
+
+
+def test_sm90_config_selection_and_its_errors(monkeypatch, rng):
+  """JAXQUANT_SM90_CONFIG: parsed names and the ":rn" order, errors naming the valid names, a
+  configuration without an instance for the GEMM's types is an error naming its instances (never
+  a silent substitute), and the labels explain appends (device check passed so this runs
+  anywhere)."""
+  monkeypatch.setattr(kernels, "_sm90_device_reason", lambda: None)
+  monkeypatch.setenv("JAXQUANT_BACKEND", "reference")
+  monkeypatch.delenv(sm90_configs.ENV, raising=False)
+  assert sm90_configs.selected().is_default and kernels.sm90_kernel_label() == ""
+  assert sm90_configs.parse("fast:rn").attributes() == {"config": 3, "raster_along_n": True}
+  assert sm90_configs.parse("default").attributes() == {"config": 0, "raster_along_n": False}
+  for bad in ("nope", "fast:xx", "fast:rn:rn"):
+    with pytest.raises(ValueError, match="expected <name>"):
+      sm90_configs.parse(bad)
+  assert {c.ident for c in sm90_configs.CONFIGS.values()} == set(range(len(sm90_configs.CONFIGS)))
+  sizes = jnp.asarray([100, 0, 60], jnp.int32)
+  x = jnp.asarray(oracle.random_matrix(rng, (192, 256)), jnp.bfloat16)
+  w = jnp.asarray(oracle.random_matrix(rng, (3, 64, 256)), jnp.bfloat16)
+  fp8 = jg.quantize(x, sizes, FP8, rowwise=True, columnwise=False).rowwise
+  fp8_w = jg.quantize_experts(w, FP8, columnwise=False).rowwise
+  e5m2_w = jg.quantize_experts(w, GEMM_QUANTIZERS["fp8-e5m2"], columnwise=False).rowwise
+  block, block_w = _block_operands(x, w, sizes, BLOCK_1x128, BLOCK_128x128)
+  _, block_w1 = _block_operands(x, w, sizes, BLOCK_1x128, BLOCK_1x128)
+  sm90 = (kernels.GEMM_SM90_TARGET, "")
+
+  monkeypatch.setenv(sm90_configs.ENV, "fast")
+  assert kernels.gemm_kernel(fp8, fp8_w, jnp.bfloat16) == sm90
+  assert "fast accumulation" in kernels.sm90_kernel_label()
+  with pytest.raises(ValueError, match="'fast' has instances for .* not per-tensor FP8 "
+                                       "float8_e4m3fn x float8_e5m2 -> bfloat16"):
+    kernels.gemm_kernel(fp8, e5m2_w, jnp.bfloat16)
+  with pytest.raises(ValueError, match="-> float32"):
+    kernels.gemm_kernel(fp8, fp8_w, jnp.float32)
+  with pytest.raises(ValueError, match="not Float8Block"):
+    kernels.gemm_kernel(block.rowwise, block_w1, jnp.bfloat16)
+
+  monkeypatch.setenv(sm90_configs.ENV, "c2x1")
+  assert kernels.gemm_kernel(block.rowwise, block_w1, jnp.bfloat16) == sm90
+  assert kernels.gemm_kernel(block.columnwise, block.columnwise, jnp.bfloat16) == sm90
+  with pytest.raises(ValueError, match=r"\(1, 128\) x \(128, 128\)"):
+    kernels.gemm_kernel(block.rowwise, block_w, jnp.bfloat16)
+  with pytest.raises(ValueError, match="per-tensor FP8"):
+    kernels.gemm_kernel(fp8, fp8_w, jnp.bfloat16)
+
+  monkeypatch.setenv(sm90_configs.ENV, "default:rn")  # the default instances serve every type
+  assert kernels.gemm_kernel(fp8, e5m2_w, jnp.float32) == sm90
+  assert kernels.gemm_kernel(block.rowwise, block_w, jnp.float32) == sm90
+  assert "tiles ordered along N" in kernels.sm90_kernel_label()
 
 
 def _block_operands(x, w, sizes, qa, qw):

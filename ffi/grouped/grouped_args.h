@@ -446,12 +446,15 @@ auto BindGroupedGemm(Binding binding) {
 }
 
 // jaxquant_grouped_gemm_sm90 (CUDA only, built with CUTLASS): the same operands and attributes,
-// results out and a u8 workspace (grouped/sm90/sm90_gemm.h).
+// results out and a u8 workspace (grouped/sm90/sm90_gemm.h), plus the kernel configuration
+// (`config`, sm90::kCfg*) and the tile order (`raster_along_n`).
 template <typename Binding>
 auto BindGroupedGemmSm90(Binding binding) {
   return BindGroupedGemmAttrs(BindGroupedGemmOperands(std::move(binding))
                                   .template Ret<ffi::AnyBuffer>()
-                                  .template Ret<ffi::AnyBuffer>());
+                                  .template Ret<ffi::AnyBuffer>())
+      .template Attr<int32_t>("config")
+      .template Attr<bool>("raster_along_n");
 }
 
 }  // namespace jqgrouped

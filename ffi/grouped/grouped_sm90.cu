@@ -5,7 +5,10 @@
 // sm90::workspace_bytes(G, sm90::block_scale_floats(...)) bytes. This file holds no CUTLASS code (the
 // instances are compiled in their own translation units); it checks that the problem is one
 // the kernel serves (else an error naming what is not: the Python side decides, never this
-// handler) and dispatches on the (A, B, output) types.
+// handler) and dispatches on the (A, B, output) types and the `config` attribute (sm90::kCfg*;
+// `raster_along_n` orders the persistent scheduler's tiles along N), the configuration
+// jaxquant/backends/ffi/grouped/sm90_configs.py chose at trace time. A configuration without an
+// instance for the types is an error, never a substitute.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -70,23 +73,44 @@ std::string unserved(const GemmParams& p) {
 
 using Runner = std::string (*)(const sm90::Problem&, cudaStream_t);
 
-Runner runner(int a, int b, int out) {
+// The instance of types (a, b, out) in configuration `cfg`; nullptr when sm90.cmake built none
+// (the alternative configurations exist for E4M3 x E4M3 -> bfloat16 only).
+Runner runner(int a, int b, int out, int cfg) {
   using sm90::kE4M3;
   using sm90::kE5M2;
   using sm90::run_instance;
   constexpr int F32 = sm90::kOutF32, BF16 = sm90::kOutBF16;
   const bool f32 = out == F32;
+  if (cfg != sm90::kCfgDefault) {
+    if (a != kE4M3 || b != kE4M3 || out != BF16) return nullptr;
+    switch (cfg) {
+      case sm90::kCfgC1x1: return run_instance<kE4M3, kE4M3, BF16, sm90::kCfgC1x1>;
+      case sm90::kCfgN176: return run_instance<kE4M3, kE4M3, BF16, sm90::kCfgN176>;
+      case sm90::kCfgFast: return run_instance<kE4M3, kE4M3, BF16, sm90::kCfgFast>;
+      case sm90::kCfgPingpongFast: return run_instance<kE4M3, kE4M3, BF16, sm90::kCfgPingpongFast>;
+      default: return nullptr;
+    }
+  }
   if (a == kE4M3 && b == kE4M3) return f32 ? run_instance<kE4M3, kE4M3, F32> : run_instance<kE4M3, kE4M3, BF16>;
   if (a == kE5M2 && b == kE4M3) return f32 ? run_instance<kE5M2, kE4M3, F32> : run_instance<kE5M2, kE4M3, BF16>;
   if (a == kE4M3 && b == kE5M2) return f32 ? run_instance<kE4M3, kE5M2, F32> : run_instance<kE4M3, kE5M2, BF16>;
   return nullptr;
 }
 
-Runner block_runner(int b_rows, int out) {
+// The Float8Block instance; the alternative configurations exist for 1x128 B -> bfloat16 only.
+Runner block_runner(int b_rows, int out, int cfg) {
   using sm90::run_block_instance;
   constexpr int F32 = sm90::kOutF32, BF16 = sm90::kOutBF16;
   constexpr int R1 = sm90::kBlockRows1, R128 = sm90::kBlockRows128;
   const bool f32 = out == F32;
+  if (cfg != sm90::kCfgDefault) {
+    if (b_rows != R1 || out != BF16) return nullptr;
+    switch (cfg) {
+      case sm90::kCfgC1x1: return run_block_instance<R1, BF16, sm90::kCfgC1x1>;
+      case sm90::kCfgC2x1: return run_block_instance<R1, BF16, sm90::kCfgC2x1>;
+      default: return nullptr;
+    }
+  }
   if (b_rows == R128) return f32 ? run_block_instance<R128, F32> : run_block_instance<R128, BF16>;
   return f32 ? run_block_instance<R1, F32> : run_block_instance<R1, BF16>;
 }
@@ -98,7 +122,8 @@ ffi::Error GroupedGemmSm90Cuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBu
                                ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::AnyBuffer> workspace, int32_t mode,
                                int32_t a_scaling, int32_t b_scaling, bool has_row_factor,
-                               bool has_col_factor, bool has_group_factor, bool has_bias) {
+                               bool has_col_factor, bool has_group_factor, bool has_bias,
+                               int32_t config, bool raster_along_n) {
   GemmParams p;
   JQ_RETURN_IF_ERROR(decode_gemm(kTarget, a, a_scale, b, b_scale, pstarts, row_factor, col_factor,
                                  group_factor, bias, out, mode, a_scaling, b_scaling,
@@ -116,6 +141,17 @@ ffi::Error GroupedGemmSm90Cuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBu
                                        "]; got " + jqffi::dtype_name(workspace->element_type()) +
                                        jqffi::dims_str(wdims));
   }
+  const int out_kind = p.out_kind == kOutF32 ? sm90::kOutF32 : sm90::kOutBF16;
+  const Runner run =
+      block ? block_runner(b_rows, out_kind, config)
+            : runner(p.a.elem == kElemE5M2 ? sm90::kE5M2 : sm90::kE4M3,
+                     p.b.elem == kElemE5M2 ? sm90::kE5M2 : sm90::kE4M3, out_kind, config);
+  if (run == nullptr) {
+    return jqffi::invalid(kTarget, "config " + std::to_string(config) + " has no instance for " +
+                                       (block ? "this Float8Block pair" : "these FP8 types") +
+                                       " and output (jaxquant/backends/ffi/grouped/"
+                                       "sm90_configs.py lists the instances)");
+  }
   if (p.L == 0 || p.N == 0 || p.M == 0) return ffi::Error::Success();
   sm90::Problem q;
   q.mode = p.mode;
@@ -131,7 +167,7 @@ ffi::Error GroupedGemmSm90Cuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBu
   q.out = p.out;
   q.a_elem = p.a.elem == kElemE5M2 ? sm90::kE5M2 : sm90::kE4M3;
   q.b_elem = p.b.elem == kElemE5M2 ? sm90::kE5M2 : sm90::kE4M3;
-  q.out_kind = p.out_kind == kOutF32 ? sm90::kOutF32 : sm90::kOutBF16;
+  q.out_kind = out_kind;
   q.block_scaled = block;
   if (block) {
     q.a_scale = reinterpret_cast<const float*>(p.a.scale);
@@ -140,8 +176,8 @@ ffi::Error GroupedGemmSm90Cuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBu
   }
   q.workspace = workspace->untyped_data();
   q.workspace_bytes = static_cast<size_t>(wdims[0]);
-  const Runner run = block ? block_runner(b_rows, q.out_kind)
-                           : runner(q.a_elem, q.b_elem, q.out_kind);
+  q.config = config;
+  q.raster_along_n = raster_along_n;
   const std::string err = run(q, stream);
   if (!err.empty()) return ffi::Error::Internal(std::string(kTarget) + ": " + err);
   return ffi::Error::Success();

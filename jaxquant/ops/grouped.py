@@ -369,7 +369,8 @@ def gemm(a: GroupedScaledTensor, b: Operand, *, out_dtype=None,
     bias: optional `[G, N]` per-group bias (first mode only), added in float32.
     precision: for two high-precision operands, as `jax.lax.ragged_dot`.
     role: label for `jaxquant.explain` (an FFI decision's detail ends in the kernel that runs
-      it, "kernel: CUTLASS sm90 wgmma" or "kernel: mma.sync", the latter with the reason).
+      it, "kernel: CUTLASS sm90 wgmma" (with its configuration when `JAXQUANT_SM90_CONFIG` names
+      one other than the default) or "kernel: mma.sync", the latter with the reason).
   """
   if not isinstance(a, GroupedScaledTensor):
     raise TypeError(f"a: expected a GroupedScaledTensor (from jaxquant.grouped.quantize), got "
@@ -399,8 +400,8 @@ def gemm(a: GroupedScaledTensor, b: Operand, *, out_dtype=None,
 
   def kernel_note():
     target, why = kernels.gemm_kernel(a, b, out_dtype, bias)
-    return ("kernel: CUTLASS sm90 wgmma" if target == kernels.GEMM_SM90_TARGET
-            else "kernel: mma.sync"), why
+    return ("kernel: CUTLASS sm90 wgmma" + kernels.sm90_kernel_label()
+            if target == kernels.GEMM_SM90_TARGET else "kernel: mma.sync"), why
 
   path = _record("grouped_gemm", role, detail, None,
                  lambda: kernels.gemm_unsupported(a, b, out_dtype), kernel_note)

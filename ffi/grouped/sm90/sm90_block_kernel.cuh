@@ -33,9 +33,11 @@
 namespace jqgrouped {
 namespace sm90 {
 
-// 128 x 128 x 128 tiles and cluster 1 x 2 as the per-tensor instances (sm90_kernel.cuh): the
-// blockwise mainloop also keeps a float32 accumulator next to the wgmma one.
-template <int B_ROWS, int OUT>
+// Tiles and clusters of sm90_kernel.cuh's TileConfig (128 x 128 x 128 cluster 1 x 2 by
+// default): the blockwise mainloop also keeps a float32 accumulator next to the wgmma one, so no
+// fast-accumulation configuration and no wider tile. The scale granularity along M and N must
+// divide the tile (1 and B_ROWS <= 128 do).
+template <int B_ROWS, int OUT, int CFG = kCfgDefault>
 struct BlockKernel {
   using ElementA = cutlass::float_e4m3_t;
   using ElementB = cutlass::float_e4m3_t;
@@ -44,8 +46,11 @@ struct BlockKernel {
   using LayoutB = cutlass::layout::ColumnMajor;
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlignA = 16, kAlignB = 16, kAlignD = 16 / sizeof(ElementD);
-  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
+  using Config = TileConfig<CFG>;
+  static_assert(!Config::kFast && !Config::kPingpong,
+                "Float8Block instances are cooperative with float32 promotion");
+  using TileShape = typename Config::TileShape;
+  using ClusterShape = typename Config::ClusterShape;
   // M/N-major scale arrays (the order the setup kernel writes).
   using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, B_ROWS, int(kBlockK)>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
@@ -229,9 +234,9 @@ __global__ void block_setup_kernel(const Problem p, BlockSetup<K> s) {
   }
 }
 
-template <int B_ROWS, int OUT>
+template <int B_ROWS, int OUT, int CFG>
 std::string run_block_instance(const Problem& p, cudaStream_t stream) {
-  using K = BlockKernel<B_ROWS, OUT>;
+  using K = BlockKernel<B_ROWS, OUT, CFG>;
   using Gemm = typename K::Gemm;
   if (!p.block_scaled || p.b_block_rows != B_ROWS) return "Float8Block instance mismatch";
   int device = 0;
@@ -254,7 +259,7 @@ std::string run_block_instance(const Problem& p, cudaStream_t stream) {
   args.epilogue.dD = s.stride_d;
   args.hw_info.device_id = device;
   args.hw_info.sm_count = sm_count_of(device);
-  args.scheduler.raster_order = decltype(args.scheduler.raster_order)::AlongM;
+  args.scheduler.raster_order = raster_of<decltype(args.scheduler.raster_order)>(p);
 
   const size_t need = s.bytes + Gemm::get_workspace_size(args);
   if (need > p.workspace_bytes) {
@@ -286,6 +291,6 @@ std::string run_block_instance(const Problem& p, cudaStream_t stream) {
 }  // namespace jqgrouped
 
 // Explicit instantiation, used by the generated sm90_block_inst_*.cu files.
-#define JQ_SM90_BLOCK_INSTANTIATE(B_ROWS, OUT)                                       \
-  template std::string jqgrouped::sm90::run_block_instance<B_ROWS, OUT>(           \
+#define JQ_SM90_BLOCK_INSTANTIATE(B_ROWS, OUT, CFG)                                  \
+  template std::string jqgrouped::sm90::run_block_instance<B_ROWS, OUT, CFG>(      \
       const jqgrouped::sm90::Problem&, cudaStream_t);

@@ -26,6 +26,20 @@ enum : int { kOutBF16 = 0, kOutF32 = 2 };  // output (jqgrouped::kOutBF16 / kOut
 enum : int { kBlockRows1 = 1, kBlockRows128 = 128 };
 constexpr int64_t kBlockK = 128;  // Float8Block scale block along the contraction
 
+// Kernel configurations (tile, cluster, schedule, accumulation), selected per call by the
+// handler's `config` attribute. kCfgDefault has an instance for every type; the others are
+// alternatives to measure (bench/grouped.py --sm90-configs) with instances only where listed
+// (sm90.cmake). The names and the instance table are mirrored in
+// jaxquant/backends/ffi/grouped/sm90_configs.py.
+enum : int {
+  kCfgDefault = 0,       // 128x128x128, cluster 1x2, cooperative, FP8 float32 promotion
+  kCfgC1x1 = 1,          // 128x128x128, cluster 1x1, cooperative (per-tensor and Float8Block)
+  kCfgN176 = 2,          // 128x176x128, cluster 1x1, cooperative (per-tensor)
+  kCfgFast = 3,          // 128x128x128, cluster 1x1, cooperative, fast accumulation (per-tensor)
+  kCfgPingpongFast = 4,  // 128x128x128, cluster 1x1, pingpong, fast accumulation (per-tensor)
+  kCfgC2x1 = 5,          // 128x128x128, cluster 2x1, cooperative (Float8Block)
+};
+
 struct Problem {
   int mode = 0;              // 0: ragged rows x experts (fprop / dgrad); 1: wgrad
   int64_t G = 0, L = 0, M = 0, N = 0, K = 0;
@@ -42,6 +56,8 @@ struct Problem {
   const float* a_scale = nullptr;
   const float* b_scale = nullptr;
   int b_block_rows = kBlockRows1;
+  int config = kCfgDefault;     // which instance (kCfg*)
+  bool raster_along_n = false;  // tile order: along N (a tile of A reused) instead of along M
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };
@@ -73,12 +89,12 @@ inline size_t workspace_bytes(int64_t G, size_t scale_floats = 0) {
 
 // One kernel instance (explicitly instantiated in the generated sm90_inst_*.cu files): returns
 // "" on success, else what went wrong (CUTLASS status or CUDA error).
-template <int A, int B, int OUT>
+template <int A, int B, int OUT, int CFG = kCfgDefault>
 std::string run_instance(const Problem& p, cudaStream_t stream);
 
 // One Float8Block instance (sm90_block_kernel.cuh; E4M3 x E4M3, A 1 x 128 blocks, B
 // `B_ROWS` x 128), explicitly instantiated in the generated sm90_block_inst_*.cu files.
-template <int B_ROWS, int OUT>
+template <int B_ROWS, int OUT, int CFG = kCfgDefault>
 std::string run_block_instance(const Problem& p, cudaStream_t stream);
 
 }  // namespace sm90

@@ -41,10 +41,49 @@ template <> struct OutputOf<kOutF32> { using type = float; };
 
 using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K)
 
-// 128 x 128 x 128 tiles: with the FP8 promotion each consumer warpgroup holds two 64 x 128
-// float32 accumulators (128 registers); wider tiles would spill. Cluster 1 x 2: the two CTAs
-// of a cluster share (multicast) the A tile.
-template <int A, int B, int OUT>
+// Tile, cluster and schedule of each configuration (kCfg* in sm90_gemm.h).
+// kCfgDefault: 128 x 128 x 128 tiles: with the FP8 promotion each consumer warpgroup holds two
+// 64 x 128 float32 accumulators (128 registers); wider tiles would spill. Cluster 1 x 2: the two
+// CTAs of a cluster share (multicast) the A tile.
+template <int CFG>
+struct TileConfig {
+  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
+  static constexpr bool kPingpong = false;  // two consumer warpgroups on two tiles, else one tile
+  static constexpr bool kFast = false;      // FP8 fast accumulation (no float32 promotion)
+};
+// No cluster: the tile grid of each group is not rounded up to the cluster (N = 1408 has 11
+// column tiles of 128; a 1 x 2 cluster computes 12).
+template <>
+struct TileConfig<kCfgC1x1> : TileConfig<kCfgDefault> {
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+};
+// 176-wide tiles: N = 1408 (Qwen-MoE fc1) is exactly 8 of them; each warpgroup's two 64 x 176
+// float32 accumulators take 176 registers. Needs CUTLASS's extended wgmma shapes
+// (CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED, defined by the generated translation unit).
+template <>
+struct TileConfig<kCfgN176> : TileConfig<kCfgC1x1> {
+  using TileShape = cute::Shape<cute::_128, cute::Int<176>, cute::_128>;
+};
+// Fast accumulation: the wgmma accumulator is the result (no promotion every k-block).
+template <>
+struct TileConfig<kCfgFast> : TileConfig<kCfgC1x1> {
+  static constexpr bool kFast = true;
+};
+// Pingpong: each consumer warpgroup owns a whole 128 x 128 tile (128 accumulator registers with
+// fast accumulation; the promotion's second set would spill), and one warpgroup's epilogue runs
+// under the other's mainloop (a short-K group is mostly epilogue).
+template <>
+struct TileConfig<kCfgPingpongFast> : TileConfig<kCfgFast> {
+  static constexpr bool kPingpong = true;
+};
+// Cluster 2 x 1: the two CTAs of a cluster share (multicast) the B tile.
+template <>
+struct TileConfig<kCfgC2x1> : TileConfig<kCfgDefault> {
+  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+};
+
+template <int A, int B, int OUT, int CFG = kCfgDefault>
 struct Kernel {
   using ElementA = typename ElementOf<A>::type;
   using ElementB = typename ElementOf<B>::type;
@@ -53,10 +92,20 @@ struct Kernel {
   using LayoutB = cutlass::layout::ColumnMajor;
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlignA = 16, kAlignB = 16, kAlignD = 16 / sizeof(ElementD);
-  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+  using Config = TileConfig<CFG>;
+  using TileShape = typename Config::TileShape;
+  using ClusterShape = typename Config::ClusterShape;
+  using KernelSchedule = cute::conditional_t<
+      Config::kPingpong,
+      cute::conditional_t<Config::kFast,
+                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum,
+                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong>,
+      cute::conditional_t<Config::kFast,
+                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum,
+                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>>;
+  using EpilogueSchedule =
+      cute::conditional_t<Config::kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                          cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -176,9 +225,15 @@ inline int sm_count_of(int device) {
   return n;
 }
 
-template <int A, int B, int OUT>
+// The tile order of the persistent scheduler (a runtime choice, no instance of its own).
+template <class RasterOrder>
+RasterOrder raster_of(const Problem& p) {
+  return p.raster_along_n ? RasterOrder::AlongN : RasterOrder::AlongM;
+}
+
+template <int A, int B, int OUT, int CFG>
 std::string run_instance(const Problem& p, cudaStream_t stream) {
-  using K = Kernel<A, B, OUT>;
+  using K = Kernel<A, B, OUT, CFG>;
   using Gemm = typename K::Gemm;
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return cudaGetErrorString(e);
@@ -199,8 +254,8 @@ std::string run_instance(const Problem& p, cudaStream_t stream) {
   args.epilogue.dD = s.stride_d;
   args.hw_info.device_id = device;
   args.hw_info.sm_count = sm_count_of(device);
-  args.scheduler.raster_order =
-      decltype(args.scheduler.raster_order)::AlongM;  // a group's B tile reused along its rows
+  // Along M (default): a group's B tile reused along its rows.
+  args.scheduler.raster_order = raster_of<decltype(args.scheduler.raster_order)>(p);
 
   const size_t need = s.bytes + Gemm::get_workspace_size(args);
   if (need > p.workspace_bytes) {
@@ -232,5 +287,6 @@ std::string run_instance(const Problem& p, cudaStream_t stream) {
 }  // namespace jqgrouped
 
 // Explicit instantiation, used by the generated sm90_inst_*.cu files.
-#define JQ_SM90_INSTANTIATE(A, B, OUT) \
-  template std::string jqgrouped::sm90::run_instance<A, B, OUT>(const jqgrouped::sm90::Problem&, cudaStream_t);
+#define JQ_SM90_INSTANTIATE(A, B, OUT, CFG)                                          \
+  template std::string jqgrouped::sm90::run_instance<A, B, OUT, CFG>(                \
+      const jqgrouped::sm90::Problem&, cudaStream_t);

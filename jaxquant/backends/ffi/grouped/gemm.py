@@ -1,6 +1,6 @@
 """The grouped GEMMs through `jaxquant_grouped_gemm` or, for per-tensor FP8 and Float8Block on
 Hopper, its CUTLASS twin `jaxquant_grouped_gemm_sm90` (`support.gemm_kernel` picks; one call per
-GEMM).
+GEMM; the CUTLASS kernel's configuration, `sm90_configs`, is read when the GEMM is traced).
 
 Same contract as `jaxquant.backends.reference.grouped` (`ragged_gemm` for a rowwise `a`, `per_group_gemm`
 for a columnwise one): the kernel decodes each operand exactly (payload times block scale), sums
@@ -89,9 +89,11 @@ def gemm(a: GroupedScaledTensor, b, *, out_dtype, bias: Optional[jax.Array] = No
   as_f32 = lambda v: jnp.asarray(_PLACEHOLDER_F32) if v is None else v.astype(jnp.float32)
   target, _ = support.gemm_kernel(a, b, out_dtype, bias)
   results = [jax.ShapeDtypeStruct(out_shape, np.dtype(out_dtype))]
+  sm90_attributes = {}
   if target == support.GEMM_SM90_TARGET:  # + its workspace (per-group arguments, TMA descriptors)
     workspace = support.sm90_workspace_bytes(groups, support.sm90_block_scale_floats(a, b))
     results.append(jax.ShapeDtypeStruct((workspace,), np.uint8))
+    sm90_attributes = support.sm90_selection(a, b, out_dtype).attributes()
   out, *_ = calls.call(
       target, results,
       a.data, _scale_bytes(a), b.data, _scale_bytes(b), pstarts, as_f32(row_factor),
@@ -99,5 +101,5 @@ def gemm(a: GroupedScaledTensor, b, *, out_dtype, bias: Optional[jax.Array] = No
       mode=np.int32(mode), a_scaling=np.int32(support.gemm_scaling(a)),
       b_scaling=np.int32(support.gemm_scaling(b)), has_row_factor=row_factor is not None,
       has_col_factor=col_factor is not None, has_group_factor=group_factor is not None,
-      has_bias=bias is not None)
+      has_bias=bias is not None, **sm90_attributes)
   return out

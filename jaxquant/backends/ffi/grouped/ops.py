@@ -7,9 +7,10 @@ from jaxquant.backends.ffi.grouped.support import (GEMM_SM90_TARGET, expert_rout
                                                    gemm_scaling,
                                                    gemm_unsupported, quantize_experts_unsupported,
                                                    quantize_route, quantize_unsupported,
-                                                   sm90_wgrad_block)
+                                                   sm90_kernel_label, sm90_wgrad_block)
 
 __all__ = ["gemm", "quantize_experts", "quantize_token_pair", "quantize_tokens", "expert_route",
-           "gemm_kernel", "gemm_scaling", "gemm_unsupported", "sm90_wgrad_block",
+           "gemm_kernel", "gemm_scaling", "gemm_unsupported", "sm90_kernel_label",
+           "sm90_wgrad_block",
            "quantize_experts_unsupported", "quantize_route", "quantize_unsupported",
            "GEMM_SM90_TARGET"]

@@ -52,6 +52,7 @@ import numpy as np
 
 from jaxquant.backends.ffi import quantize as single_quantize
 from jaxquant.backends.ffi import registry
+from jaxquant.backends.ffi.grouped import sm90_configs
 from jaxquant.backends.platform import compute_capability
 from jaxquant.backends.platform import current_platform as _platform
 from jaxquant.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer,
@@ -385,11 +386,31 @@ def sm90_unsupported(a, b, out_dtype=None, bias=None) -> Optional[str]:
 
 
 def gemm_kernel(a, b, out_dtype=None, bias=None) -> tuple[str, str]:
-  """(FFI target, why not the CUTLASS kernel or "") for a grouped GEMM the FFI serves."""
+  """(FFI target, why not the CUTLASS kernel or "") for a grouped GEMM the FFI serves. Raises
+  ValueError when `JAXQUANT_SM90_CONFIG` names a CUTLASS configuration without an instance for
+  this GEMM (`sm90_selection`)."""
   reason = sm90_unsupported(a, b, out_dtype, bias)
   if reason is None:
+    sm90_selection(a, b, out_dtype)
     return GEMM_SM90_TARGET, ""
   return GEMM_TARGET, f"mma.sync grouped kernel: {reason}"
+
+
+def sm90_selection(a, b, out_dtype=None) -> sm90_configs.Selection:
+  """The CUTLASS configuration a GEMM the CUTLASS kernel serves is traced with
+  (`sm90_configs`); ValueError when it has no instance for the GEMM's types."""
+  selection = sm90_configs.selected()
+  block = gemm_scaling(a) in (4, 5) or gemm_scaling(b) in (4, 5)
+  reason = sm90_configs.unserved(selection, a, b, out_dtype, block)
+  if reason is not None:
+    raise ValueError(reason)
+  return selection
+
+
+def sm90_kernel_label() -> str:
+  """What `jaxquant.explain` appends to "CUTLASS sm90 wgmma": the configuration in force when
+  it is not the default ("" otherwise)."""
+  return sm90_configs.kernel_label(sm90_configs.selected())
 
 
 def sm90_wgrad_block(x_quantizer, dy_quantizer) -> int:

@@ -1,0 +1,146 @@
+"""Kernel configurations of the CUTLASS Hopper grouped GEMM (`jaxquant_grouped_gemm_sm90`).
+
+Each configuration is one set of CUTLASS template choices (tile, cluster, cooperative or
+pingpong schedule, FP8 float32 promotion or fast accumulation) compiled as its own instances
+(ffi/grouped/sm90/sm90.cmake, `kCfg*` in ffi/grouped/sm90/sm90_gemm.h; this table mirrors
+both). "default" has instances for every type the kernel takes; the others are alternatives to
+measure against it and exist only for the types of the measured cases (`INSTANCES`).
+
+Which one runs is chosen when the GEMM is traced: `JAXQUANT_SM90_CONFIG=<name>[:rn]` (":rn"
+orders the persistent tile scheduler along N instead of along M, a runtime choice with no
+instance of its own), else "default". The choice reaches the handler as FFI attributes, so a
+new value takes effect in every newly traced function (re-jit after changing it). A
+configuration without an instance for a GEMM's types is an error naming the instances, never a
+silent substitute; `jaxquant.explain` names any non-default configuration in the GEMM's kernel.
+
+Fast accumulation is opt-in here: the per-direction convention of the dense FP8 GEMM
+(`jaxquant.backends.ffi.gemm.DEFAULT_ACCUMULATION`: fast for fprop, split for dgrad and wgrad)
+is the rule for choosing a fast configuration automatically once measured; an explicit
+`JAXQUANT_SM90_CONFIG` applies to every grouped GEMM traced under it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+ENV = "JAXQUANT_SM90_CONFIG"
+RASTER_ALONG_N = "rn"
+
+# Instance kinds: which operand types a configuration is compiled for.
+PER_TENSOR_ANY = "per-tensor FP8, every type"
+FLOAT8BLOCK_ANY = "Float8Block, every type"
+PER_TENSOR_E4M3_BF16 = "per-tensor FP8 E4M3 x E4M3 -> bfloat16"
+FLOAT8BLOCK_1x128_BF16 = "Float8Block 1x128 x 1x128 -> bfloat16"
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90Config:
+  """One kernel configuration: its id in the handler (`config` attribute), what it is, the
+  accumulation it uses ("split": float32 promotion every 128-deep k-block; "fast": the tensor
+  cores' accumulator throughout) and the operand types it has instances for."""
+  name: str
+  ident: int
+  tile: tuple[int, int, int]
+  cluster: tuple[int, int]
+  schedule: str
+  accumulation: str
+  instances: tuple[str, ...]
+
+  def describe(self) -> str:
+    return (f"{'x'.join(map(str, self.tile))} tiles, cluster {self.cluster[0]}x{self.cluster[1]}, "
+            f"{self.schedule}, {self.accumulation} accumulation")
+
+
+CONFIGS = {c.name: c for c in (
+    Sm90Config("default", 0, (128, 128, 128), (1, 2), "cooperative", "split",
+               (PER_TENSOR_ANY, FLOAT8BLOCK_ANY)),
+    Sm90Config("c1x1", 1, (128, 128, 128), (1, 1), "cooperative", "split",
+               (PER_TENSOR_E4M3_BF16, FLOAT8BLOCK_1x128_BF16)),
+    Sm90Config("n176", 2, (128, 176, 128), (1, 1), "cooperative", "split",
+               (PER_TENSOR_E4M3_BF16,)),
+    Sm90Config("fast", 3, (128, 128, 128), (1, 1), "cooperative", "fast",
+               (PER_TENSOR_E4M3_BF16,)),
+    Sm90Config("pingpong_fast", 4, (128, 128, 128), (1, 1), "pingpong", "fast",
+               (PER_TENSOR_E4M3_BF16,)),
+    Sm90Config("c2x1", 5, (128, 128, 128), (2, 1), "cooperative", "split",
+               (FLOAT8BLOCK_1x128_BF16,)),
+)}
+DEFAULT = CONFIGS["default"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+  """The configuration a GEMM is traced with, and the scheduler's tile order."""
+  config: Sm90Config
+  raster_along_n: bool = False
+
+  @property
+  def label(self) -> str:
+    return self.config.name + (f":{RASTER_ALONG_N}" if self.raster_along_n else "")
+
+  @property
+  def is_default(self) -> bool:
+    return self.config is DEFAULT and not self.raster_along_n
+
+  def attributes(self) -> dict:
+    """The handler's attributes for this selection."""
+    return dict(config=np.int32(self.config.ident), raster_along_n=self.raster_along_n)
+
+
+def parse(value: str) -> Selection:
+  """`<name>[:rn]` -> the selection; an unknown name or option is an error listing the valid
+  ones."""
+  name, *options = value.strip().split(":")
+  config = CONFIGS.get(name or "default")
+  if config is None or any(o != RASTER_ALONG_N for o in options) or len(options) > 1:
+    raise ValueError(f"{ENV}={value!r}: expected <name>[:{RASTER_ALONG_N}] with name one of "
+                     f"{sorted(CONFIGS)}")
+  return Selection(config, bool(options))
+
+
+def selected() -> Selection:
+  """The selection in force now (`JAXQUANT_SM90_CONFIG`, else the default)."""
+  return parse(os.environ.get(ENV, "") or "default")
+
+
+def instance_kind(a, b, out_dtype, block: bool) -> str:
+  """The instance kind a GEMM of `a` and `b` (already served by the default instances) needs
+  beyond "every type": E4M3 x E4M3 -> bfloat16, or Float8Block with 1x128 b -> bfloat16, or ""
+  when it is neither."""
+  out = np.dtype(a.orig_dtype if out_dtype is None else out_dtype)
+  e4m3 = np.dtype(jnp.float8_e4m3fn)
+  if out != np.dtype(jnp.bfloat16):
+    return ""
+  if block:
+    return FLOAT8BLOCK_1x128_BF16 if tuple(b.quantizer.block) == (1, 128) else ""
+  if np.dtype(a.data.dtype) == e4m3 and np.dtype(b.data.dtype) == e4m3:
+    return PER_TENSOR_E4M3_BF16
+  return ""
+
+
+def unserved(selection: Selection, a, b, out_dtype, block: bool) -> Optional[str]:
+  """Why `selection` has no instance for a GEMM the default instances serve (None: it has)."""
+  config = selection.config
+  if (PER_TENSOR_ANY if not block else FLOAT8BLOCK_ANY) in config.instances:
+    return None
+  kind = instance_kind(a, b, out_dtype, block)
+  if kind and kind in config.instances:
+    return None
+  out = np.dtype(a.orig_dtype if out_dtype is None else out_dtype).name
+  what = (f"Float8Block {tuple(a.quantizer.block)} x {tuple(b.quantizer.block)}" if block else
+          f"per-tensor FP8 {np.dtype(a.data.dtype).name} x {np.dtype(b.data.dtype).name}")
+  return (f"{ENV}={selection.label}: configuration {config.name!r} has instances for "
+          f"{', '.join(config.instances)} only, not {what} -> {out}")
+
+
+def kernel_label(selection: Selection) -> str:
+  """What `jaxquant.explain` appends to the CUTLASS kernel's name ("" for the default)."""
+  if selection.is_default:
+    return ""
+  order = ", tiles ordered along N" if selection.raster_along_n else ""
+  return f" [config {selection.label}: {selection.config.describe()}{order}]"
