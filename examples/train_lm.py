@@ -129,8 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "(assignments past it are dropped); default: dropless")
   p.add_argument("--moe-exchange", choices=MOE_EXCHANGES, default="auto",
                  help="with --mesh ep=N: how rows reach their experts: ragged_all_to_all of the "
-                 "real rows (dropless, GPU), fixed-size all_to_all buffers, or auto (ragged "
-                 "where it applies; jaxquant.explain says which ran)")
+                 "real rows (dropless, GPU), fixed-size all_to_all buffers, or auto (fixed-size: "
+                 "XLA's ragged all-to-all measured slower; jaxquant.explain says which ran)")
   p.add_argument("--remat", action="store_true",
                  help="recompute each block's activations in the backward pass (large models)")
   p.add_argument("--scan-layers", action="store_true",

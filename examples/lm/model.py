@@ -42,8 +42,8 @@ class LMConfig:
     moe_capacity: under a mesh with `ep`, the all-to-all buffers' capacity factor (rows per
       device pair = factor x an even share of a device's assignments; the excess is dropped);
       None: dropless (buffers for every assignment).
-    moe_exchange: under a mesh with `ep`, how rows reach their experts' devices: "auto" (the
-      ragged all-to-all of the real rows where dropless on GPU, else fixed-size buffers),
+    moe_exchange: under a mesh with `ep`, how rows reach their experts' devices: "auto"
+      (fixed-size buffers: XLA's ragged all-to-all of the real rows measured slower on H100s),
       "ragged" or "fixed" (`jaxquant.expert_parallel.EXCHANGES`).
     remat: recompute each block's activations in the backward pass (`nn.remat`): the memory of
       one block instead of all of them, for large models (seq 2048 x d_model 4096).

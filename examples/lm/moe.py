@@ -16,8 +16,8 @@ so the training loop and the reported cross-entropy are unchanged; its value is 
 Under `--mesh` (`lm.sharding`) every token shard routes its own tokens: the experts are sharded
 over the `ep` axis (logical name `expert`) and `jaxquant.expert_parallel` sends each token to
 its experts' device with one all-to-all and back with another (the tokens are sharded over `ep`
-as over `dp`): `jax.lax.ragged_all_to_all` of the real rows when dropless on GPU, fixed-size
-buffers otherwise (`moe_exchange`; `jaxquant.explain` records which); without `ep` each data
+as over `dp`): fixed-size buffers by default, `jax.lax.ragged_all_to_all` of the real rows with
+`moe_exchange="ragged"` (`jaxquant.explain` records which and why); without `ep` each data
 shard runs every (replicated) expert on its own tokens.
 The experts then run as a sharded `GroupedDense` (`input_axes`): each device its own experts
 on the rows it received. Buffers are dropless unless `moe_capacity` is set; the number of

@@ -7,13 +7,14 @@ axes and its experts sharded over an expert axis (`ep`, one of the token axes): 
 1. `dispatch`: sorts its own token-expert assignments by expert and sends each to the device of
    its expert over the expert axis, by one of two exchanges (`exchange.choose`, recorded for
    `jaxquant.explain` as an `"ep-exchange"` decision):
-   - `jax.lax.ragged_all_to_all` (`ragged.py`): only the real rows travel, after an
-     `all_gather` of the per-expert counts; dropless; the default on CUDA;
+   - `jax.lax.ragged_all_to_all` (`ragged.py`, `exchange="ragged"`): only the real rows
+     travel, after an `all_gather` of the per-expert counts; dropless. Not the default: on
+     H100s XLA's ragged all-to-all (a one-shot copy kernel with cross-GPU barriers) measured
+     slower than the fixed-size exchange (`exchange.RAGGED_AUTO_PLATFORMS`);
    - a fixed-size `jax.lax.all_to_all` (`fixed.py`) with `capacity` rows per (sender,
      receiver) pair: every assignment of the sender when dropless (at the price of `ep` times
      the rows in the buffers), or `capacity_factor` times an even share, dropping (and
-     counting) assignments past it; the path where XLA has no ragged all-to-all (XLA:CPU) or a
-     capacity is set.
+     counting) assignments past it; the default.
    Either way the receiver holds its rows grouped by local expert (senders in order), then zero
    rows of no group, with `group_sizes` per local expert, ready for `jaxquant.grouped_dense`
    on its own experts (`jaxquant.flax.GroupedDense` with `input_axes`).

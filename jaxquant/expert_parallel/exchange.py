@@ -28,6 +28,17 @@ from jaxquant.expert_parallel.layout import ExpertSharding
 # Platforms (jaxquant's names) whose XLA compiles `ragged-all-to-all` and where it has run here.
 RAGGED_PLATFORMS = ("cuda",)
 
+# Platforms where "auto" takes the ragged exchange over the dropless fixed-size one: where it was
+# measured faster. None today. On 4x H100 (jax 0.11.2, bench/RESULTS.md, the `--moe 8,2`
+# model at ep=4) XLA runs `ragged-all-to-all` as a one-shot copy kernel plus cross-GPU
+# barriers (`RaggedAllToAllKernelImpl`, `MultiGpuBarrierKernelImpl`: 59 ms of a 101 ms FP8
+# step), and the fixed-size exchange (NCCL all-to-all of `ep x` the rows) stepped at 60 ms;
+# XLA's decomposer flag (73 ms) and its NCCL send/recv fallback (deadlocked) did not beat it.
+RAGGED_AUTO_PLATFORMS: tuple[str, ...] = ()
+RAGGED_AUTO_REASON = ("measured slower than the fixed-size exchange on 4x H100 (XLA's "
+                      "ragged-all-to-all runs a one-shot copy kernel with cross-GPU barriers): "
+                      "exchange='ragged' selects it")
+
 Dispatched = Union[fixed.Dispatched, ragged.RaggedDispatched]
 
 
@@ -54,13 +65,17 @@ def choose(layout: ExpertSharding, platform: str) -> tuple[str, str]:
   if layout.capacity_factor is not None:
     return "all-to-all", (f"capacity_factor={layout.capacity_factor}: fixed-size buffers that "
                           "drop assignments past the capacity (the ragged exchange is dropless)")
-  if platform not in RAGGED_PLATFORMS:
-    why = ("XLA:CPU does not compile ragged_all_to_all" if platform == "cpu" else
-           f"the ragged exchange runs on {', '.join(RAGGED_PLATFORMS)} only (not tried on "
+  if platform in RAGGED_AUTO_PLATFORMS:
+    return "ragged-all-to-all", ""
+  if platform == "cpu":
+    why = "XLA:CPU does not compile ragged_all_to_all"
+  elif platform in RAGGED_PLATFORMS:
+    why = f"the ragged exchange was {RAGGED_AUTO_REASON}"
+  else:
+    why = (f"the ragged exchange runs on {', '.join(RAGGED_PLATFORMS)} only (not tried on "
            f"{platform})")
-    return "all-to-all", (f"{why}: dropless fixed-size buffers move and compute {layout.ep}x "
-                          "the real rows")
-  return "ragged-all-to-all", ""
+  return "all-to-all", (f"{why}; dropless fixed-size buffers move and compute {layout.ep}x "
+                        "the real rows")
 
 
 def _record(layout: ExpertSharding, assignments: int, path: str, reason: str) -> None:

@@ -12,8 +12,9 @@ from jax.sharding import PartitionSpec as P
 from jaxquant import sharding as _sharding
 
 # How the rows reach their experts' devices (`ExpertSharding.exchange`):
-#   "auto"   the ragged exchange where it is dropless and the platform compiles it, else the
-#            fixed-size one (`jaxquant.expert_parallel.exchange.choose` says which and why);
+#   "auto"   the ragged exchange where it is dropless and measured faster on the platform
+#            (none today: `exchange.RAGGED_AUTO_PLATFORMS`), else the fixed-size one
+#            (`jaxquant.expert_parallel.exchange.choose` says which and why);
 #   "ragged" `jax.lax.ragged_all_to_all`, real rows only (dropless; XLA:CPU cannot compile it);
 #   "fixed"  `jax.lax.all_to_all` of fixed-size per-pair buffers (`capacity` rows each).
 EXCHANGES = ("auto", "ragged", "fixed")

@@ -200,8 +200,9 @@ def test_explain_reports_the_exchange_taken_and_why(rng):
   mesh = _mesh({"ep": 4})
   args = _inputs(rng, mesh, "ep", jnp.float32)
   on_gpu = jax.default_backend() == "gpu"
-  cases = {("auto", None): ("ragged-all-to-all" if on_gpu else "all-to-all",
-                            "" if on_gpu else "XLA:CPU does not compile ragged_all_to_all"),
+  cases = {("auto", None): ("all-to-all", "measured slower than the fixed-size exchange"
+                            if on_gpu else "XLA:CPU does not compile ragged_all_to_all"),
+           ("ragged", None): ("ragged-all-to-all", ""),
            ("auto", 1.5): ("all-to-all", "capacity_factor=1.5"),
            ("fixed", None): ("all-to-all", "exchange='fixed' asked for")}
   for (exchange, capacity), (path, reason) in cases.items():
