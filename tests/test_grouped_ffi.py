@@ -784,7 +784,10 @@ def check_block_wgrad(rng, tokens, m, n, groups, empty, spare, out_dtype, kernel
     os.environ["JAXQUANT_BACKEND"] = "ffi"
     return jg.gemm(a, b, out_dtype=out_dtype), (a.data, a.scale_inv, b.data, b.scale_inv)
 
-  assert _gemm_kernels(lambda *v: fn(*v)[0], x, dy, sizes) == {kernel or SM90}
+  auto = sm90_configs.automatic(sm90_configs.FLOAT8BLOCK_1x128_BF16 if np.dtype(out_dtype) ==
+                                np.dtype(jnp.bfloat16) else "", True, n)
+  expected = kernel or SM90 + sm90_configs.kernel_label(auto)
+  assert _gemm_kernels(lambda *v: fn(*v)[0], x, dy, sizes) == {expected}
   out, (ad, asc, bd, bsc) = _on("ffi", fn, x, dy, sizes)
   a64 = _decode_block64(ad, asc, BLOCK_1x128.block)
   b64 = _decode_block64(bd, bsc, BLOCK_1x128.block)
@@ -922,7 +925,7 @@ def test_sm90_config_selection_and_its_errors(monkeypatch, rng):
   monkeypatch.setattr(kernels, "_sm90_device_reason", lambda: None)
   monkeypatch.setenv("JAXQUANT_BACKEND", "reference")
   monkeypatch.delenv(sm90_configs.ENV, raising=False)
-  assert sm90_configs.selected().is_default and kernels.sm90_kernel_label() == ""
+  assert sm90_configs.selected() is None
   assert sm90_configs.parse("fast:rn").attributes() == {"config": 3, "raster_along_n": True}
   assert sm90_configs.parse("default").attributes() == {"config": 0, "raster_along_n": False}
   for bad in ("nope", "fast:xx", "fast:rn:rn"):
@@ -939,9 +942,23 @@ def test_sm90_config_selection_and_its_errors(monkeypatch, rng):
   _, block_w1 = _block_operands(x, w, sizes, BLOCK_1x128, BLOCK_1x128)
   sm90 = (kernels.GEMM_SM90_TARGET, "")
 
+  # The automatic choice (no JAXQUANT_SM90_CONFIG): the measured winners only.
+  w176 = jnp.asarray(oracle.random_matrix(rng, (3, 176, 256)), jnp.bfloat16)
+  fp8_w176 = jg.quantize_experts(w176, FP8, columnwise=False).rowwise
+  assert kernels.sm90_kernel_label(fp8, fp8_w, jnp.bfloat16) == ""  # N 64: the default
+  assert "config n176" in kernels.sm90_kernel_label(fp8, fp8_w176, jnp.bfloat16)
+  assert kernels.sm90_kernel_label(fp8, fp8_w176, jnp.float32) == ""  # no n176 f32 instance
+  e5m2_w176 = jg.quantize_experts(w176, GEMM_QUANTIZERS["fp8-e5m2"], columnwise=False).rowwise
+  assert kernels.sm90_kernel_label(fp8, e5m2_w176, jnp.bfloat16) == ""
+  assert "config c1x1" in kernels.sm90_kernel_label(block.columnwise, block.columnwise,
+                                                    jnp.bfloat16)
+  assert kernels.sm90_kernel_label(block.columnwise, block.columnwise, jnp.float32) == ""
+  assert kernels.sm90_kernel_label(block.rowwise, block_w1, jnp.bfloat16) == ""
+  assert kernels.gemm_kernel(fp8, fp8_w176, jnp.bfloat16) == sm90
+
   monkeypatch.setenv(sm90_configs.ENV, "fast")
   assert kernels.gemm_kernel(fp8, fp8_w, jnp.bfloat16) == sm90
-  assert "fast accumulation" in kernels.sm90_kernel_label()
+  assert "fast accumulation" in kernels.sm90_kernel_label(fp8, fp8_w, jnp.bfloat16)
   with pytest.raises(ValueError, match="'fast' has instances for .* not per-tensor FP8 "
                                        "float8_e4m3fn x float8_e5m2 -> bfloat16"):
     kernels.gemm_kernel(fp8, e5m2_w, jnp.bfloat16)
@@ -961,7 +978,7 @@ def test_sm90_config_selection_and_its_errors(monkeypatch, rng):
   monkeypatch.setenv(sm90_configs.ENV, "default:rn")  # the default instances serve every type
   assert kernels.gemm_kernel(fp8, e5m2_w, jnp.float32) == sm90
   assert kernels.gemm_kernel(block.rowwise, block_w, jnp.float32) == sm90
-  assert "tiles ordered along N" in kernels.sm90_kernel_label()
+  assert "tiles ordered along N" in kernels.sm90_kernel_label(fp8, e5m2_w, jnp.float32)
 
 
 def _block_operands(x, w, sizes, qa, qw):

@@ -400,7 +400,7 @@ def gemm(a: GroupedScaledTensor, b: Operand, *, out_dtype=None,
 
   def kernel_note():
     target, why = kernels.gemm_kernel(a, b, out_dtype, bias)
-    return ("kernel: CUTLASS sm90 wgmma" + kernels.sm90_kernel_label()
+    return ("kernel: CUTLASS sm90 wgmma" + kernels.sm90_kernel_label(a, b, out_dtype)
             if target == kernels.GEMM_SM90_TARGET else "kernel: mma.sync"), why
 
   path = _record("grouped_gemm", role, detail, None,

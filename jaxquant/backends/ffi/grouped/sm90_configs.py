@@ -8,7 +8,8 @@ measure against it and exist only for the types of the measured cases (`INSTANCE
 
 Which one runs is chosen when the GEMM is traced: `JAXQUANT_SM90_CONFIG=<name>[:rn]` (":rn"
 orders the persistent tile scheduler along N instead of along M, a runtime choice with no
-instance of its own), else "default". The choice reaches the handler as FFI attributes, so a
+instance of its own), else `automatic` (the measured winner for the GEMM's types and shape,
+"default" where none measured better). The choice reaches the handler as FFI attributes, so a
 new value takes effect in every newly traced function (re-jit after changing it). A
 configuration without an instance for a GEMM's types is an error naming the instances, never a
 silent substitute; `jaxquant.explain` names any non-default configuration in the GEMM's kernel.
@@ -103,9 +104,26 @@ def parse(value: str) -> Selection:
   return Selection(config, bool(options))
 
 
-def selected() -> Selection:
-  """The selection in force now (`JAXQUANT_SM90_CONFIG`, else the default)."""
-  return parse(os.environ.get(ENV, "") or "default")
+def selected() -> Optional[Selection]:
+  """The selection `JAXQUANT_SM90_CONFIG` forces now, or None (the automatic choice)."""
+  value = os.environ.get(ENV, "")
+  return parse(value) if value else None
+
+
+def automatic(kind: str, wgrad: bool, n: int) -> Selection:
+  """The configuration a GEMM takes without `JAXQUANT_SM90_CONFIG`: an alternative only where
+  it measured faster than "default" at both of `bench/grouped.py`'s shapes on an H100
+  (bench/RESULTS.md, session 4; 8 experts N 14336, 64 experts N 1408):
+    - per-tensor E4M3 x E4M3 -> bf16 ragged GEMM (fprop / dgrad) with N a multiple of 176 or
+      at least 8192: "n176" (1199 vs 1163 and 539 vs 517 TFLOP/s for fprop; a 2048- or
+      4096-wide N measured no better or worse);
+    - Float8Block wgrad, 1x128 x 1x128 -> bf16: "c1x1" (849 vs 839 and 287 vs 256 TFLOP/s).
+  Fast-accumulation configurations are never chosen automatically."""
+  if kind == PER_TENSOR_E4M3_BF16 and not wgrad and (n % 176 == 0 or n >= 8192):
+    return Selection(CONFIGS["n176"])
+  if kind == FLOAT8BLOCK_1x128_BF16 and wgrad:
+    return Selection(CONFIGS["c1x1"])
+  return Selection(DEFAULT)
 
 
 def instance_kind(a, b, out_dtype, block: bool) -> str:

@@ -398,19 +398,23 @@ def gemm_kernel(a, b, out_dtype=None, bias=None) -> tuple[str, str]:
 
 def sm90_selection(a, b, out_dtype=None) -> sm90_configs.Selection:
   """The CUTLASS configuration a GEMM the CUTLASS kernel serves is traced with
-  (`sm90_configs`); ValueError when it has no instance for the GEMM's types."""
-  selection = sm90_configs.selected()
+  (`sm90_configs`: the one `JAXQUANT_SM90_CONFIG` forces, else the automatic choice for the
+  GEMM's types and N); ValueError when a forced one has no instance for the GEMM's types."""
   block = gemm_scaling(a) in (4, 5) or gemm_scaling(b) in (4, 5)
+  selection = sm90_configs.selected()
+  if selection is None:
+    kind = sm90_configs.instance_kind(a, b, out_dtype, block)
+    return sm90_configs.automatic(kind, a.token_axis == 1, int(b.shape[-2]))
   reason = sm90_configs.unserved(selection, a, b, out_dtype, block)
   if reason is not None:
     raise ValueError(reason)
   return selection
 
 
-def sm90_kernel_label() -> str:
-  """What `jaxquant.explain` appends to "CUTLASS sm90 wgmma": the configuration in force when
-  it is not the default ("" otherwise)."""
-  return sm90_configs.kernel_label(sm90_configs.selected())
+def sm90_kernel_label(a, b, out_dtype=None) -> str:
+  """What `jaxquant.explain` appends to "CUTLASS sm90 wgmma": the configuration the GEMM runs
+  when it is not the default ("" otherwise)."""
+  return sm90_configs.kernel_label(sm90_selection(a, b, out_dtype))
 
 
 def sm90_wgrad_block(x_quantizer, dy_quantizer) -> int:
