@@ -213,7 +213,7 @@ def test_delayed_grouped_quantize_runs_no_amax_pass():
     report = jq.explain(lambda x, s: jg.quantize(x, s, jq.Float8CurrentScalingQuantizer()),
                         x, sizes)
   details = [d.detail for d in report if d.op == "grouped_quantize"]
-  assert details and all(f"{kernels.AMAX_TARGET} pass" in d for d in details), details
+  assert details and all("an amax pass, then" in d for d in details), details
 
 
 # --------------------------------------------- GPU --------------------------------------------

@@ -11,7 +11,9 @@
 //      weights the columnwise copy is [G, C, rows]). Delayed scaling has its scales before the
 //      launch, so there is no amax pass: the load phase (which runs for either copy and reads
 //      every element of every group's rows exactly once, the layout holding each group's rows
-//      at its positions) also reduces each group's amax, the state's history entry.
+//      at its positions) also reduces each group's amax, the state's history entry: the rows
+//      of the tile's first group reduced in the CTA (one atomicMax a CTA, as many as the amax
+//      pass's one a row), those of later groups by warp (warp_group_amax).
 // jaxquant_grouped_amax_gated (the just-in-time first scale of delayed scaling): the amax
 // kernel, exiting at once unless some group's scale is still 0.
 //
@@ -69,6 +71,8 @@ template <int TYPE>
 __global__ void __launch_bounds__(256) grouped_quantize_kernel(const QuantizeParams p) {
   __shared__ float tile[kQP][kQC + 1];
   __shared__ float scales[kQP];
+  __shared__ int tile_group;         // delayed: the group of the tile's first position
+  __shared__ uint32_t tile_amax;     // and its max |x| bits over the tile
   const jq::Fp8 fmt = static_cast<jq::Fp8>(p.fmt);
   const float fmax = jq::spec_of(fmt).fmax;
   const int tid = threadIdx.x;
@@ -101,7 +105,19 @@ __global__ void __launch_bounds__(256) grouped_quantize_kernel(const QuantizePar
       uint32_t m = 0;
 #pragma unroll
       for (int i = 0; i < 16; ++i) m = max(m, jq::abs_bits(v[i]));
-      warp_group_amax(p.amax, src >= 0 ? g : -1, m);
+      if (tid == 0) {  // position p0's group: usually the whole tile's
+        tile_group = g;
+        tile_amax = 0u;
+      }
+      __syncthreads();
+      const int mine = src >= 0 ? g : -1;
+      uint32_t mt = mine == tile_group ? m : 0u;  // reduced in the CTA: one global atomic
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) mt = max(mt, __shfl_xor_sync(0xFFFFFFFFu, mt, o));
+      if ((tid & 31) == 0 && mt != 0u) atomicMax(&tile_amax, mt);
+      warp_group_amax(p.amax, mine == tile_group ? -1 : mine, m);  // rows of later groups
+      __syncthreads();
+      if (tid == 0 && tile_amax != 0u) atomicMax(reinterpret_cast<uint32_t*>(p.amax) + tile_group, tile_amax);
     }
 #pragma unroll
     for (int i = 0; i < 16; ++i) tile[pr][cq + i] = v[i];

@@ -118,11 +118,11 @@ def fp8_kernel_note(leaf) -> str:
   """What `jaxquant.explain` appends to an FFI per-tensor FP8 grouped quantize: the launches
   that run."""
   if not isinstance(leaf, Float8DelayedScalingQuantizer):
-    return f"kernels: {AMAX_TARGET} pass + {QUANTIZE_FP8_TARGET}"
-  note = f"kernels: {QUANTIZE_FP8_TARGET} (scales from the state; no amax pass, the quantize " \
-         "records each group's amax)"
+    return f"kernel: {QUANTIZE_FP8_TARGET} (an amax pass, then the quantize)"
+  note = (f"kernel: {QUANTIZE_FP8_TARGET} (scales from the state: no amax pass, the quantize "
+          "records each group's amax)")
   if needs_current_amax(leaf):
-    note += (f" after {AMAX_GATED_TARGET} (a pass only while some group's scale is 0, the "
+    note += (f" after {AMAX_GATED_TARGET} (reads x only while some group's scale is 0: the "
              "just-in-time first scale)")
   return note
 
