@@ -4,7 +4,7 @@
   launch for all groups, both copies from one read of `x` when they share a token layout;
   current scaling runs an amax launch first; delayed scaling none (the quantize launch records
   each group's amax), except the gated `jaxquant_grouped_amax_gated` for a just-in-time first
-  scale, whose grid exits at once once every group has a scale;
+  scale, whose grid exits at once when every group has a scale;
 - NVFP4 with one second-level scale per group (tokens) or expert (weights):
   `jaxquant_grouped_quantize_nvfp4`, the per-group amax launch(es) and one quantize launch
   that reads x through the group offsets (no gathered layout), RHT and stochastic rounding
