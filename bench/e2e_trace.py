@@ -74,7 +74,7 @@ def split(times: dict[str, float], steps: int) -> dict:
   by_class = collections.Counter()
   for name, us in times.items():
     by_class[classify(name)] += us
-  top = sorted(times.items(), key=lambda kv: -kv[1])[:25]
+  top = sorted(times.items(), key=lambda kv: -kv[1])[:40]
   return {
       "gemm_ms": by_class["gemm"] / 1e3 / steps,
       "quantize_ms": by_class["quantize"] / 1e3 / steps,

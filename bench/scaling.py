@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
 import os
 import pathlib
@@ -42,6 +43,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 
 from lm import data, recipes, sharding, training, xla_flags  # noqa: E402
+from lm.embedding import EMBEDDING_GRADIENTS  # noqa: E402
 from lm.model import GPT, LMConfig  # noqa: E402
 import train_lm  # noqa: E402
 
@@ -93,9 +95,11 @@ def profile_steps(compiled, state, tokens, key, logdir: pathlib.Path, steps: int
 
 def run_mesh(model, config: LMConfig, batches: np.ndarray, cfg: training.TrainConfig,
              axes: Optional[dict[str, int]], warmup: int,
-             profile_dir: Optional[pathlib.Path] = None, label: str = "") -> dict:
+             profile_dir: Optional[pathlib.Path] = None, label: str = "",
+             hlo_dir: Optional[pathlib.Path] = None) -> dict:
   """Compile and run `len(batches)` steps on one mesh; losses, times and collectives (and, with
-  `profile_dir`, the kernel-time split of 2 more steps)."""
+  `profile_dir`, the kernel-time split of 2 more steps; with `hlo_dir`, the compiled step's HLO
+  as `<label>.hlo.txt.gz`, to name the fusions the profile lists)."""
   mesh = None if axes is None else sharding.make_mesh(axes)
   devices = 1 if mesh is None else mesh.size
   if mesh is not None:
@@ -110,7 +114,12 @@ def run_mesh(model, config: LMConfig, batches: np.ndarray, cfg: training.TrainCo
       lowered = train_step.lower(state, first, key)
     compiled = lowered.compile()
     compile_s = time.perf_counter() - t0
-    report = collective_report(compiled.as_text(), config.seq * config.d_model)
+    hlo_text = compiled.as_text()
+    report = collective_report(hlo_text, config.seq * config.d_model)
+    if hlo_dir is not None:
+      hlo_dir.mkdir(parents=True, exist_ok=True)
+      with gzip.open(hlo_dir / f"{label}.hlo.txt.gz", "wt") as f:
+        f.write(hlo_text)
     losses, times = [], []
     for step, tokens in enumerate(batches):
       tokens = sharding.put_batches(mesh, tokens)
@@ -174,10 +183,13 @@ def main() -> None:
   p.add_argument("--no-xla-overlap", action="store_true",
                  help="do not add lm/xla_flags.py's collective-overlap flags to XLA_FLAGS")
   p.add_argument("--remat", action="store_true")
+  p.add_argument("--embedding-gradient", choices=EMBEDDING_GRADIENTS, default="auto")
   p.add_argument("--scan-layers", action="store_true")
   p.add_argument("--data-mb", type=float, default=8.0)
   p.add_argument("--backend", choices=training.BACKENDS, default=None)
   p.add_argument("--json", type=pathlib.Path, default=None)
+  p.add_argument("--hlo-dir", type=pathlib.Path, default=None,
+                 help="write each run's compiled HLO here (gzip text)")
   p.add_argument("--profile-dir", type=pathlib.Path, default=None,
                  help="trace 2 more steps per run there and report the per-device kernel split")
   args = p.parse_args()
@@ -188,8 +200,8 @@ def main() -> None:
     config = LMConfig(seq=args.seq, d_model=args.d_model, layers=args.layers, heads=args.heads,
                       mlp_ratio=args.mlp_ratio, dtype=jnp.bfloat16, moe=args.moe,
                       moe_capacity=args.moe_capacity, moe_exchange=args.moe_exchange,
-                      remat=args.remat,
-                      scan_layers=args.scan_layers)
+                      remat=args.remat, scan_layers=args.scan_layers,
+                      embedding_gradient=args.embedding_gradient)
     models = {name: GPT(config, recipes.make(name)) for name in names}
     corpus = data.load_corpus(int(args.data_mb * 1e6))
     batches = data.fixed_batches(corpus.train, args.batch, args.seq, args.steps)
@@ -203,14 +215,14 @@ def main() -> None:
                "fp8_accumulation": os.environ.get("JAXQUANT_FP8_ACCUMULATION", "default"),
                "xla_flags": flags,
                "config": {k: v for k, v in vars(args).items()
-                          if k not in ("meshes", "json", "backend", "profile_dir")},
+                          if k not in ("meshes", "json", "backend", "profile_dir", "hlo_dir")},
                "runs": []}
     for axes, name in ((a, n) for a in args.meshes for n in names):
       print(f"[{name}] {mesh_name(axes)} ...", flush=True)
       try:
         label = f"{name}_{mesh_name(axes).replace(' ', '').replace('=', '')}"
         run = run_mesh(models[name], config, batches, cfg, axes, args.warmup,
-                       args.profile_dir, label)
+                       args.profile_dir, label, args.hlo_dir)
       except Exception as err:  # a mesh that fails (e.g. out of memory) is reported, not fatal
         run = {"mesh": mesh_name(axes), "axes": axes or {}, "error": f"{type(err).__name__}: "
                f"{str(err)[:2000]}"}

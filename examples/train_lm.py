@@ -51,6 +51,7 @@ if _EXAMPLES not in sys.path:  # make `lm` importable however this file was load
   sys.path.insert(0, _EXAMPLES)
 
 from lm import checkpoint, data, recipes, report, sharding, training, xla_flags  # noqa: E402
+from lm.embedding import EMBEDDING_GRADIENTS  # noqa: E402
 from lm.model import GPT, LMConfig  # noqa: E402
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "out"
@@ -133,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                  "XLA's ragged all-to-all measured slower; jaxquant.explain says which ran)")
   p.add_argument("--remat", action="store_true",
                  help="recompute each block's activations in the backward pass (large models)")
+  p.add_argument("--embedding-gradient", choices=EMBEDDING_GRADIENTS, default="auto",
+                 help="token embedding gradient: a one-hot GEMM ('auto' up to 4096 ids) or "
+                      "nn.Embed's scatter-add (slow on GPUs for small vocabularies)")
   p.add_argument("--scan-layers", action="store_true",
                  help="one nn.scan over the blocks (compile time independent of --layers)")
   p.add_argument("--checkpoint", type=pathlib.Path, default=None, metavar="DIR",
@@ -180,8 +184,8 @@ def run(args: argparse.Namespace, names: Sequence[str]) -> dict:
                     tie_embeddings=args.tie_embeddings, dtype=jnp.bfloat16, moe=args.moe,
                     moe_aux_weight=args.moe_aux_weight,
                     moe_capacity=args.moe_capacity, moe_exchange=args.moe_exchange,
-                    remat=args.remat,
-                    scan_layers=args.scan_layers)
+                    remat=args.remat, scan_layers=args.scan_layers,
+                    embedding_gradient=args.embedding_gradient)
   train_cfg = training.TrainConfig(steps=args.steps, lr=args.lr, warmup=args.warmup,
                                    weight_decay=args.weight_decay, eval_every=args.eval_every,
                                    seed=args.seed, progress=not args.no_progress)

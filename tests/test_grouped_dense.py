@@ -26,6 +26,7 @@ from jaxquant.backends.ffi import registry
 from jaxquant.backends.ffi.grouped import support as kernels
 from jaxquant.layers.dense import DenseQuantizers
 from jaxquant.layers.grouped_dense import token_blocks
+from jaxquant.ops import dispatch
 
 # Under JAXQUANT_BACKEND=ffi a case without a grouped kernel is an error by design (never a silent
 # fallback); those cases are expected to raise that RuntimeError, every other case must pass.
@@ -132,8 +133,9 @@ def test_wgrad_operands_share_one_token_block():
   assert token_blocks(block) == (1, 1, 128)
   current = DenseQuantizers.from_recipe(RECIPES["fp8_current"], "grouped_linear", "e")
   # per-tensor: packed everywhere, except the wgrad copies where the CUTLASS Hopper kernel runs
-  # (it needs 16-aligned group starts)
-  sm90 = kernels._sm90_device_reason() is None and registry.unserved_reason("cuda") is None
+  # (it needs 16-aligned group starts; the reference backend, the suite's default, never runs it)
+  sm90 = (kernels._sm90_device_reason() is None and registry.unserved_reason("cuda") is None
+          and dispatch.requested_backend() != "reference")
   assert token_blocks(current) == (1, 1, 16 if sm90 else 1)
   custom = DenseQuantizers.from_recipe(RECIPES["custom_hybrid"], "grouped_linear", "e")
   assert token_blocks(custom) == (128, 1, 16)  # 2-D tiles on x's rows
@@ -160,8 +162,16 @@ def test_without_a_recipe_it_is_ragged_dot(rng):
 
   ours_out = jax.jit(jax.value_and_grad(ours, argnums=(0, 1)))(variables, x)
   plain_out = jax.jit(jax.value_and_grad(plain, argnums=(0, 1)))(variables, x)
+  # Bit for bit on XLA:CPU. On a GPU the two programs sum differently (GroupedDense's bias
+  # gradient is a float32 segment sum, the plain one a bf16 scatter-add, and XLA:GPU fuses the
+  # ragged dots of each program its own way): within two bf16 roundings of the largest element.
+  exact = jax.default_backend() == "cpu"
   for a, e in zip(jax.tree_util.tree_leaves(ours_out), jax.tree_util.tree_leaves(plain_out)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+    a, e = np.asarray(a, np.float32), np.asarray(e, np.float32)
+    if exact:
+      np.testing.assert_array_equal(a, e)
+    else:
+      np.testing.assert_allclose(a, e, rtol=0, atol=2**-7 * np.abs(e).max())
 
 
 class _Recorder:

@@ -1,8 +1,9 @@
 """A small GPT-style decoder whose every projection is a `jaxquant.flax.Dense`.
 
-Token embedding, rotary (or learned) positions, pre-norm blocks of causal multi-head attention
-(`qkv`, `proj`) and an MLP (`fc1`, `fc2`), a final norm and an `lm_head` (a quantized Dense, or
-the transposed token embedding when tied). The recipe is a module attribute handed down to every
+Token embedding (`lm.embedding`: `nn.Embed` with a one-hot GEMM gradient), rotary (or learned)
+positions, pre-norm blocks of causal multi-head attention (`qkv`, `proj`) and an MLP (`fc1`,
+`fc2`), a final norm and an `lm_head` (a quantized Dense, or the transposed token embedding when
+tied). The recipe is a module attribute handed down to every
 Dense, so the module names above are the `QuantizerRole.name`s a factory dispatches on. With
 `moe`, each MLP is a routed mixture of `GroupedDense` experts (`lm.moe`, roles
 `("grouped_linear", ..., "fc1" | "fc2")`).
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 
 import jaxquant
 import jaxquant.flax
+from lm.embedding import EMBEDDING_GRADIENTS, TokenEmbed
 from lm.moe import MoEMLP
 
 
@@ -49,6 +51,9 @@ class LMConfig:
       one block instead of all of them, for large models (seq 2048 x d_model 4096).
     scan_layers: run the blocks as one `nn.scan` over stacked parameters (`blocks/...`, leading
       axis `layers`): compile time independent of depth. Same math, different parameter tree.
+    embedding_gradient: how the token embedding's gradient is formed (`lm.embedding`):
+      "auto" (a one-hot GEMM for vocabularies up to 4096, `nn.Embed`'s scatter-add above),
+      "one-hot" or "scatter". Same forward pass and parameters either way.
   """
 
   vocab: int = 256
@@ -66,8 +71,12 @@ class LMConfig:
   moe_exchange: str = "auto"
   remat: bool = False
   scan_layers: bool = False
+  embedding_gradient: str = "auto"
 
   def __post_init__(self):
+    if self.embedding_gradient not in EMBEDDING_GRADIENTS:
+      raise ValueError(f"embedding_gradient={self.embedding_gradient!r}; expected one of "
+                       f"{EMBEDDING_GRADIENTS}")
     if self.moe is not None and not 1 <= self.moe[1] <= self.moe[0]:
       raise ValueError(f"moe={self.moe}: expected (experts, top_k) with 1 <= top_k <= experts")
     if self.d_model % self.heads:
@@ -188,8 +197,8 @@ class GPT(nn.Module):
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
     cfg = self.config
-    embed = nn.Embed(cfg.vocab, cfg.d_model, dtype=cfg.dtype,
-                     embedding_init=nn.initializers.normal(0.02), name="embed")
+    embed = TokenEmbed(cfg.vocab, cfg.d_model, dtype=cfg.dtype, gradient=cfg.embedding_gradient,
+                       embedding_init=nn.initializers.normal(0.02), name="embed")
     x = embed(tokens)
     if cfg.positions == "learned":
       pos = nn.Embed(cfg.seq, cfg.d_model, dtype=cfg.dtype,

@@ -245,8 +245,9 @@ def test_gpu_ragged_exchange_equals_the_fixed_one_bit_for_bit(mesh_name, rng):
 @pytest.mark.parametrize("recipe", [None, "fp8_current"])
 def test_gpu_moe_layer_is_the_same_with_either_exchange(recipe, lm, rng):
   """`examples/lm`'s MoE layer (router, GroupedDense experts, GELU) at ep=4 in bf16, each
-  exchange one whole program: "auto" takes the ragged exchange; loss and gradients match the
-  fixed dropless exchange. The rows every expert sees are the same bits (the staged test), but
+  exchange one whole program: "auto" takes the fixed dropless exchange on GPUs too (XLA's
+  one-shot ragged kernel measured slower); the ragged exchange's loss and gradients match the
+  fixed one's. The rows every expert sees are the same bits (the staged test), but
   XLA compiles the two programs separately and may pick other GEMM kernels or fusions, so the
   bound is one bf16 rounding (2^-8) of the largest element per leaf; whether they came out
   bit-identical is printed."""
@@ -273,7 +274,7 @@ def test_gpu_moe_layer_is_the_same_with_either_exchange(recipe, lm, rng):
       paths[exchange] = {d.path for d in report if d.op == "ep-exchange"}
       if exchange != "auto":
         results[exchange] = jax.device_get(grad_fn(variables, xs, cs))
-  assert paths == {"auto": {"ragged-all-to-all"}, "ragged": {"ragged-all-to-all"},
+  assert paths == {"auto": {"all-to-all"}, "ragged": {"ragged-all-to-all"},
                    "fixed": {"all-to-all"}}, paths
   (loss_r, grads_r), (loss_f, grads_f) = results["ragged"], results["fixed"]
   flat_f = dict(jax.tree_util.tree_leaves_with_path(grads_f))
