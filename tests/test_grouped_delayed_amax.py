@@ -216,6 +216,45 @@ def test_delayed_grouped_quantize_runs_no_amax_pass():
   assert details and all("an amax pass, then" in d for d in details), details
 
 
+def _check_boundaries(rng, groups: int, dtype, descending: bool):
+  """Tiny ragged groups (0..13 rows: the quantize kernel's 8-position warps and 64-position
+  tiles hold rows of several groups) whose magnitudes step by 2 binades a group, so any value
+  of one group counted in another's amax changes that amax. Both orders: a leak from the
+  tile's first group into later ones shows with descending magnitudes, the reverse with
+  ascending ones."""
+  sizes = rng.integers(0, 14, groups).astype(np.int32)
+  sizes[rng.integers(0, groups)] = 1
+  spare = 7
+  tokens = int(sizes.sum()) + spare
+  step = np.arange(groups + 1, dtype=np.float64)  # group g's binade; rows of no group: g = G
+  binade = 2.0 * (groups - step if descending else step) - groups
+  row_binade = np.repeat(binade, np.append(sizes, spare))
+  xf = rng.uniform(1.0, 2.0, (tokens, 72)) * rng.choice([-1.0, 1.0], (tokens, 72))
+  xf = np.asarray(jnp.asarray(xf * np.exp2(row_binade)[:, None], dtype).astype(jnp.float32))
+  x = jnp.asarray(xf, dtype)
+  amax = _amax_oracle(xf, sizes)
+  q = DELAYED["e4m3"]
+  state = _state(rng, q, groups, "some")
+  for copies in ({}, {"rowwise": False, "col_block": 32}):
+    fn = lambda x, sizes, state: jg.quantize(x, sizes, q, state=state, **copies)
+    got = _on("ffi", fn, x, jnp.asarray(sizes), state)
+    assert_same_leaves(got, _on("reference", fn, x, jnp.asarray(sizes), state),
+                       f"G={groups} descending={descending} {copies}")
+    for copy in (got.rowwise, got.columnwise):
+      if copy is not None:
+        np.testing.assert_array_equal(np.asarray(copy.amax).view(np.uint32), amax,
+                                      f"G={groups} descending={descending} {copies}")
+
+
+@pytest.mark.parametrize("descending", [True, False])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_delayed_grouped_amax_keeps_groups_sharing_a_warp_apart(rng, dtype, descending):
+  """Each group's recorded amax counts its own rows only where groups share a warp and a tile
+  of the quantize kernel (on GPU: the CTA-reduced first group and the warp-reduced later ones)."""
+  for groups in (8, 64):
+    _check_boundaries(rng, groups, dtype, descending)
+
+
 # --------------------------------------------- GPU --------------------------------------------
 
 @pytest.fixture

@@ -114,12 +114,14 @@ __global__ void __launch_bounds__(256) grouped_amax_kernel(const QuantizeParams 
 }
 
 // Adds a warp's 32 lanes' values to amax[group]: lane i holds `m` (max |.| bits of its values)
-// of group `g` (< 0: none). When all lanes with a group share one, the warp reduces first and
-// one lane does the atomic (the common case: a group boundary falls in few warps); otherwise
-// each lane does its own. Call from all 32 lanes of a full warp.
+// of group `g` (< 0: none, its `m` ignored whatever it holds: the quantize kernel passes -1 for
+// lanes whose values the CTA reduces). When all lanes with a group share one, the warp reduces
+// first and one lane does the atomic (the common case: a group boundary falls in few warps);
+// otherwise each lane does its own. Call from all 32 lanes of a full warp.
 __device__ __forceinline__ void warp_group_amax(float* amax, int g, uint32_t m) {
   const unsigned any = __ballot_sync(0xFFFFFFFFu, g >= 0);
   if (any == 0u) return;
+  if (g < 0) m = 0u;  // a lane of no group (or reduced elsewhere) must not enter the shuffle max
   const int first = __shfl_sync(0xFFFFFFFFu, g, __ffs(any) - 1);
   uint32_t* bits = reinterpret_cast<uint32_t*>(amax);
   if (__all_sync(0xFFFFFFFFu, g < 0 || g == first)) {
