@@ -33,6 +33,8 @@ inline ffi::Error decode_int_vector(const char* t, const char* what, const ffi::
 // jaxquant_grouped_quantize_fp8(x[T, C], starts[G+1], pstarts[G+1], s[G])
 //   -> [row f8 [L, C]], [col f8 [C, L] or [G, C, E] (experts)], scale_inv f32[G], amax f32[G]
 // jaxquant_grouped_amax(x[T, C], starts[G+1]) -> amax f32[G]  (rowwise = columnwise = false)
+// jaxquant_grouped_amax_gated(x[T, C], starts[G+1], gate f32[G]) -> amax f32[G]: the same amax
+//   when some gate[g] == 0 (a delayed-scaling group with no scale yet), else zeros
 inline ffi::Error decode_quantize_fp8(const char* t, ffi::AnyBuffer x, ffi::AnyBuffer starts,
                                       ffi::AnyBuffer pstarts, ffi::AnyBuffer s,
                                       ffi::RemainingRets rets, bool rowwise, bool columnwise,
@@ -115,6 +117,15 @@ inline ffi::Error decode_amax(const char* t, ffi::AnyBuffer x, ffi::AnyBuffer st
   p->C = in.cols;
   p->G = G;
   p->amax = static_cast<float*>(amax->untyped_data());
+  return ffi::Error::Success();
+}
+
+inline ffi::Error decode_amax_gated(const char* t, ffi::AnyBuffer x, ffi::AnyBuffer starts,
+                                    ffi::AnyBuffer gate, ffi::Result<ffi::AnyBuffer> amax,
+                                    QuantizeParams* p) {
+  JQ_RETURN_IF_ERROR(decode_amax(t, x, starts, amax, p));
+  JQ_RETURN_IF_ERROR(expect(t, "gate (the groups' scales)", gate, {ffi::DataType::F32}, {p->G}));
+  p->gate = static_cast<const float*>(gate.untyped_data());
   return ffi::Error::Success();
 }
 
@@ -408,6 +419,15 @@ auto BindGroupedQuantizeNvfp4(Binding binding) {
 template <typename Binding>
 auto BindGroupedAmax(Binding binding) {
   return std::move(binding).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>();
+}
+
+// jaxquant_grouped_amax_gated: x, starts, gate -> per-group amax (zeros when no gate is 0).
+template <typename Binding>
+auto BindGroupedAmaxGated(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::AnyBuffer>()
       .template Ret<ffi::AnyBuffer>();
 }

@@ -93,6 +93,18 @@ ffi::Error GroupedAmaxCpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::Result<f
   return ffi::Error::Success();
 }
 
+// Gated: the amax only while some group's scale (gate) is still 0, else zeros (as the CUDA
+// kernel, which exits at once, leaves them).
+ffi::Error GroupedAmaxGatedCpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::AnyBuffer gate,
+                               ffi::Result<ffi::AnyBuffer> amax) {
+  QuantizeParams p;
+  JQ_RETURN_IF_ERROR(decode_amax_gated("jaxquant_grouped_amax_gated", x, starts, gate, amax, &p));
+  std::vector<uint32_t> bits(static_cast<size_t>(p.G), 0u);
+  if (std::any_of(p.gate, p.gate + p.G, [](float s) { return s == 0.0f; })) group_amax(p, &bits);
+  for (int64_t g = 0; g < p.G; ++g) p.amax[g] = float_of(bits[g]);
+  return ffi::Error::Success();
+}
+
 // Grouped NVFP4: each group's extent of the layout is quantized as its own matrix (its rows of
 // x, zero-padded to the extent; transposed and RHT'd for the columnwise copy) with the
 // single-tensor host code, then placed at the group's positions; positions of no group stay 0.
@@ -287,12 +299,15 @@ XLA_FFI_DEFINE_HANDLER(kGroupedQuantizeFp8Cpu, GroupedQuantizeFp8Cpu,
 XLA_FFI_DEFINE_HANDLER(kGroupedQuantizeNvfp4Cpu, GroupedQuantizeNvfp4Cpu,
                        BindGroupedQuantizeNvfp4(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kGroupedAmaxCpu, GroupedAmaxCpu, BindGroupedAmax(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kGroupedAmaxGatedCpu, GroupedAmaxGatedCpu,
+                       BindGroupedAmaxGated(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kGroupedGemmCpu, GroupedGemmCpu, BindGroupedGemm(ffi::Ffi::Bind()));
 
 void RegisterGroupedTargets(nanobind::dict& cpu, nanobind::dict& cuda) {
   cpu["jaxquant_grouped_quantize_fp8"] = nanobind::capsule(reinterpret_cast<void*>(kGroupedQuantizeFp8Cpu));
   cpu["jaxquant_grouped_quantize_nvfp4"] = nanobind::capsule(reinterpret_cast<void*>(kGroupedQuantizeNvfp4Cpu));
   cpu["jaxquant_grouped_amax"] = nanobind::capsule(reinterpret_cast<void*>(kGroupedAmaxCpu));
+  cpu["jaxquant_grouped_amax_gated"] = nanobind::capsule(reinterpret_cast<void*>(kGroupedAmaxGatedCpu));
   cpu["jaxquant_grouped_gemm"] = nanobind::capsule(reinterpret_cast<void*>(kGroupedGemmCpu));
 #ifdef JAXQUANT_WITH_CUDA
   for (const CudaTarget& t : GroupedCudaTargets()) cuda[t.name] = nanobind::capsule(t.handler);

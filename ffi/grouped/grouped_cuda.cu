@@ -1,13 +1,21 @@
 // CUDA handlers of the grouped (mixture-of-experts) targets (sm_90; see registrations.h).
 //
-// Grouped FP8 quantize (jaxquant_grouped_quantize_fp8): two launches for all groups, whatever G:
-//   1. amax: one warp per row of x, the row's group found by binary search in `starts`, an
-//      atomicMax of |x| bits into amax[group] (NaN above inf, as the reference's segment max);
+// Grouped FP8 quantize (jaxquant_grouped_quantize_fp8), launches for all groups, whatever G:
+//   1. amax (current scaling only): one warp per row of x, the row's group found by binary
+//      search in `starts`, an atomicMax of |x| bits into amax[group] (NaN above inf, as the
+//      reference's segment max);
 //   2. quantize: a CTA owns 64 token positions x 64 features of the output layout; each position
 //      finds its group and source row (or is padding / no group: code 0), scales by its group's
 //      scale (from the amax, or the delayed-scaling state), writes the rowwise bytes, keeps the
 //      values in shared memory and writes the transposed columnwise bytes from there (for expert
-//      weights the columnwise copy is [G, C, rows]).
+//      weights the columnwise copy is [G, C, rows]). Delayed scaling has its scales before the
+//      launch, so there is no amax pass: the load phase (which runs for either copy and reads
+//      every element of every group's rows exactly once, the layout holding each group's rows
+//      at its positions) also reduces each group's amax, the state's history entry: the rows
+//      of the tile's first group reduced in the CTA (one atomicMax a CTA, as many as the amax
+//      pass's one a row), those of later groups by warp (warp_group_amax).
+// jaxquant_grouped_amax_gated (the just-in-time first scale of delayed scaling): the amax
+// kernel, exiting at once unless some group's scale is still 0.
 //
 // Grouped GEMM (jaxquant_grouped_gemm): one launch. A CTA computes a 128 x 128 output tile with
 // 8 warps of bf16 (or f16) mma.sync m16n8k16, float32 accumulation. Operands are loaded raw
@@ -63,6 +71,8 @@ template <int TYPE>
 __global__ void __launch_bounds__(256) grouped_quantize_kernel(const QuantizeParams p) {
   __shared__ float tile[kQP][kQC + 1];
   __shared__ float scales[kQP];
+  __shared__ int tile_group;         // delayed: the group of the tile's first position
+  __shared__ uint32_t tile_amax;     // and its max |x| bits over the tile
   const jq::Fp8 fmt = static_cast<jq::Fp8>(p.fmt);
   const float fmax = jq::spec_of(fmt).fmax;
   const int tid = threadIdx.x;
@@ -91,6 +101,24 @@ __global__ void __launch_bounds__(256) grouped_quantize_kernel(const QuantizePar
     const int64_t off = src >= 0 ? src * p.C + c : 0;
     load8<TYPE>(p.x, off, n_valid, vec, v);
     load8<TYPE>(p.x, off + 8, n_valid - 8, vec, v + 8);
+    if (p.delayed) {  // the amax to record (lanes past C or without a row hold zeros)
+      uint32_t m = 0;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) m = max(m, jq::abs_bits(v[i]));
+      if (tid == 0) {  // position p0's group: usually the whole tile's
+        tile_group = g;
+        tile_amax = 0u;
+      }
+      __syncthreads();
+      const int mine = src >= 0 ? g : -1;
+      uint32_t mt = mine == tile_group ? m : 0u;  // reduced in the CTA: one global atomic
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) mt = max(mt, __shfl_xor_sync(0xFFFFFFFFu, mt, o));
+      if ((tid & 31) == 0 && mt != 0u) atomicMax(&tile_amax, mt);
+      warp_group_amax(p.amax, mine == tile_group ? -1 : mine, m);  // rows of later groups
+      __syncthreads();
+      if (tid == 0 && tile_amax != 0u) atomicMax(reinterpret_cast<uint32_t*>(p.amax) + tile_group, tile_amax);
+    }
 #pragma unroll
     for (int i = 0; i < 16; ++i) tile[pr][cq + i] = v[i];
     if (p.row && pos < p.L && c < p.C) {
@@ -157,7 +185,7 @@ ffi::Error GroupedQuantizeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
   const int64_t tiles = ((p.L + kQP - 1) / kQP) * ((p.C + kQC - 1) / kQC);
   by_type(p.in_type, [&](auto tag) {
     constexpr int TYPE = decltype(tag)::value;
-    grouped_amax_kernel<TYPE><<<amax_grid(p.T), 256, 0, stream>>>(p);
+    if (!p.delayed) grouped_amax_kernel<TYPE><<<amax_grid(p.T), 256, 0, stream>>>(p);
     grouped_quantize_kernel<TYPE><<<unsigned(tiles), 256, 0, stream>>>(p);
   });
   return status(t);
@@ -168,6 +196,18 @@ ffi::Error GroupedAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
   const char* t = "jaxquant_grouped_amax";
   QuantizeParams p;
   JQ_RETURN_IF_ERROR(decode_amax(t, x, starts, amax, &p));
+  if (cudaError_t e = cudaMemsetAsync(p.amax, 0, 4 * p.G, stream); e != cudaSuccess) return status(t, e);
+  by_type(p.in_type, [&](auto tag) {
+    grouped_amax_kernel<decltype(tag)::value><<<amax_grid(p.T), 256, 0, stream>>>(p);
+  });
+  return status(t);
+}
+
+ffi::Error GroupedAmaxGatedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer starts,
+                                ffi::AnyBuffer gate, ffi::Result<ffi::AnyBuffer> amax) {
+  const char* t = "jaxquant_grouped_amax_gated";
+  QuantizeParams p;
+  JQ_RETURN_IF_ERROR(decode_amax_gated(t, x, starts, gate, amax, &p));
   if (cudaError_t e = cudaMemsetAsync(p.amax, 0, 4 * p.G, stream); e != cudaSuccess) return status(t, e);
   by_type(p.in_type, [&](auto tag) {
     grouped_amax_kernel<decltype(tag)::value><<<amax_grid(p.T), 256, 0, stream>>>(p);
@@ -627,6 +667,9 @@ XLA_FFI_DEFINE_HANDLER(kGroupedQuantizeFp8Cuda, GroupedQuantizeFp8Cuda,
 XLA_FFI_DEFINE_HANDLER(kGroupedAmaxCuda, GroupedAmaxCuda,
                        BindGroupedAmax(ffi::Ffi::Bind().Ctx<Stream>()),
                        {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER(kGroupedAmaxGatedCuda, GroupedAmaxGatedCuda,
+                       BindGroupedAmaxGated(ffi::Ffi::Bind().Ctx<Stream>()),
+                       {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER(kGroupedGemmCuda, GroupedGemmCuda,
                        BindGroupedGemm(ffi::Ffi::Bind().Ctx<Stream>()),
                        {ffi::Traits::kCmdBufferCompatible});
@@ -635,6 +678,7 @@ std::vector<CudaTarget> GroupedCudaTargets() {
   std::vector<CudaTarget> targets = {
       {"jaxquant_grouped_quantize_fp8", reinterpret_cast<void*>(kGroupedQuantizeFp8Cuda)},
       {"jaxquant_grouped_amax", reinterpret_cast<void*>(kGroupedAmaxCuda)},
+      {"jaxquant_grouped_amax_gated", reinterpret_cast<void*>(kGroupedAmaxGatedCuda)},
       {"jaxquant_grouped_gemm", reinterpret_cast<void*>(kGroupedGemmCuda)}};
   for (const CudaTarget& t : GroupedNvfp4CudaTargets()) targets.push_back(t);
 #ifdef JAXQUANT_GROUPED_SM90

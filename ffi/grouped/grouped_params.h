@@ -25,6 +25,7 @@ struct QuantizeParams {
   uint8_t* col = nullptr;    // [C, L] or [G, C, expert_rows]
   float* scale_inv = nullptr;
   float* amax = nullptr;     // [G]
+  const float* gate = nullptr;  // jaxquant_grouped_amax_gated: [G] scales; all nonzero: no amax
 };
 
 // Grouped NVFP4 quantize (jaxquant_grouped_quantize_nvfp4): one second-level scale per group

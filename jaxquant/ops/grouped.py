@@ -161,12 +161,21 @@ def _record(op: str, role, detail: str, quantizer: Optional[Quantizer], reason_f
 
 # ------------------------------------------- quantize -----------------------------------------
 
+def _fp8_note(leaf: Quantizer):
+  """For per-tensor FP8 (the grouped FP8 kernel), the `_record` note naming the launches that
+  run (delayed scaling has no amax pass); None for other formats."""
+  if kernels.quantize_route(leaf, "rowwise")[0] != "fp8":
+    return None
+  return lambda: (kernels.fp8_kernel_note(leaf), "")
+
+
 def _tokens(x, sizes, leaf: Quantizer, direction: str, layout: TokenLayout, words, state,
             orig_dtype, role) -> GroupedScaledTensor:
   detail = (f"{direction}: {leaf} [{layout.groups} groups, "
             f"{'packed' if not layout.padded else f'token block {layout.block}'}]")
   path = _record("grouped_quantize", role, detail, leaf,
-                 lambda: kernels.quantize_unsupported(leaf, direction, tuple(x.shape)))
+                 lambda: kernels.quantize_unsupported(leaf, direction, tuple(x.shape)),
+                 _fp8_note(leaf))
   if path == "ffi":
     return kernels.quantize_tokens(x, sizes, leaf, direction, layout, words, state, orig_dtype)
   return _tokens_reference(x, sizes, leaf, direction, layout, words, state, orig_dtype)
@@ -262,7 +271,7 @@ def _token_pair(x, sizes, leaf: Quantizer, layout: TokenLayout, state, orig_dtyp
   detail = (f"rowwise+columnwise: {leaf} [{layout.groups} groups, "
             f"{'packed' if not layout.padded else f'token block {layout.block}'}]")
   path = _record("grouped_quantize", role, detail, leaf,
-                 lambda: kernels.quantize_unsupported(leaf, "rowwise"))
+                 lambda: kernels.quantize_unsupported(leaf, "rowwise"), _fp8_note(leaf))
   if path == "ffi":
     row, col = kernels.quantize_token_pair(x, sizes, leaf, layout, state, orig_dtype)
   else:
@@ -322,7 +331,7 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool = True
       leaf = quantizer.for_direction(direction)
       paths.append(_record("grouped_quantize", role, f"{direction}: {leaf} [{groups} experts]",
                            leaf, lambda d=direction: kernels.quantize_experts_unsupported(
-                               quantizer, tuple(w.shape), d)))
+                               quantizer, tuple(w.shape), d), _fp8_note(leaf)))
   orig_dtype = np.dtype(w.dtype)
   words = _direction_words(keys, quantizer)
   if all(p == "ffi" for p in paths):

@@ -1,8 +1,10 @@
 """Grouped quantize through the FFI: the same storages as `jaxquant.grouping.formats`, bit for bit.
 
-- per-tensor FP8 (current / delayed scaling): `jaxquant_grouped_quantize_fp8`, one amax launch
-  and one quantize launch for all groups, both copies from one read of `x` when they share a
-  token layout;
+- per-tensor FP8 (current / delayed scaling): `jaxquant_grouped_quantize_fp8`, one quantize
+  launch for all groups, both copies from one read of `x` when they share a token layout;
+  current scaling runs an amax launch first; delayed scaling none (the quantize launch records
+  each group's amax), except the gated `jaxquant_grouped_amax_gated` for a just-in-time first
+  scale, whose grid exits at once when every group has a scale;
 - NVFP4 with one second-level scale per group (tokens) or expert (weights):
   `jaxquant_grouped_quantize_nvfp4`, the per-group amax launch(es) and one quantize launch
   that reads x through the group offsets (no gathered layout), RHT and stochastic rounding
@@ -44,7 +46,10 @@ def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
 
 def _delayed_scale(quantizer, state, groups: int, x2d: jax.Array, starts: jax.Array) -> jax.Array:
   """Each group's scale from its state; a group whose state has no scale yet takes it from its
-  own amax over rows `starts[g]:starts[g+1]` of `x2d` (one `jaxquant_grouped_amax` launch)."""
+  own amax over rows `starts[g]:starts[g+1]` of `x2d`. That amax comes from
+  `jaxquant_grouped_amax_gated`, gated on the scales: it reads x only while some scale is 0,
+  else gives zeros, which `quantize_scale` never reads (it uses the amax only where the scale
+  is 0), so later steps pay one empty launch instead of an amax pass."""
   if not isinstance(state, DelayedScalingState) or state.scale.shape != (groups,):
     got = (f"{type(state).__name__} with scale shape {tuple(state.scale.shape)}"
            if isinstance(state, DelayedScalingState) else type(state).__name__)
@@ -55,7 +60,8 @@ def _delayed_scale(quantizer, state, groups: int, x2d: jax.Array, starts: jax.Ar
   scale = state.scale.astype(jnp.float32)
   if not needs_current_amax(quantizer):
     return scale
-  amax = calls.call(support.AMAX_TARGET, [_sds((groups,), np.float32)], x2d, starts)[0]
+  amax = calls.call(support.AMAX_GATED_TARGET, [_sds((groups,), np.float32)], x2d, starts,
+                    scale)[0]
   return quantize_scale(scale, amax, quantizer)
 
 

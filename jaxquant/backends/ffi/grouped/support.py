@@ -4,9 +4,11 @@ Targets (ffi/grouped, CPU and CUDA handlers with the same numerics):
 
   jaxquant_grouped_quantize_fp8  per-tensor FP8 (current or delayed scaling) of tokens `x[T, C]`
       with one amax / scale per group: the rowwise copy and the transposed columnwise copy in
-      any token layout (`jaxquant.grouping.layout`), in one amax launch + one quantize launch for
-      all groups; also the expert weights `[G, rows, cols]` (equal groups, columnwise
-      `[G, cols, rows]`). Bit-for-bit `jaxquant.grouping.formats`.
+      any token layout (`jaxquant.grouping.layout`), in one quantize launch for all groups
+      (current scaling: after one amax launch; delayed scaling: no amax pass, the quantize
+      launch reduces each group's amax for the history from the values it loads); also the
+      expert weights `[G, rows, cols]` (equal groups, columnwise `[G, cols, rows]`).
+      Bit-for-bit `jaxquant.grouping.formats`.
   jaxquant_grouped_quantize_nvfp4  NVFP4 with one second-level scale per group (each group's
       amax; after the RHT for an rht columnwise copy): tokens in any token layout (block >= 16
       for the columnwise copy and 16x16 blocks), the rowwise and / or transposed columnwise
@@ -15,6 +17,9 @@ Targets (ffi/grouped, CPU and CUDA handlers with the same numerics):
       columnwise `[G, cols, rows]`). Amax launches + one launch of the single-tensor NVFP4 tile
       kernel instantiated over the token layout. Bit-for-bit `jaxquant.grouping.formats`.
   jaxquant_grouped_amax  the per-group amax of tokens (one launch).
+  jaxquant_grouped_amax_gated  the same amax for delayed scaling's just-in-time first scale
+      (`first_scale="current"`): its grid exits at once, leaving zeros, unless some group's
+      scale (the gate) is still 0, so a state with every scale stored costs one empty launch.
   jaxquant_grouped_gemm  the ragged GEMMs of `jaxquant.grouped.gemm` in one launch (forward /
       dgrad: rows in groups x one matrix per group; wgrad: a contraction over each group's
       positions), operands per-tensor FP8, MXFP8, NVFP4 (row-scaled included) or Float8Block
@@ -58,6 +63,7 @@ from jaxquant.backends.platform import current_platform as _platform
 from jaxquant.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer,
                                  Float8DelayedScalingQuantizer, HybridQuantizer,
                                  IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer)
+from jaxquant.state import needs_current_amax
 
 QUANTIZE_TARGET_PREFIX = "jaxquant_grouped_quantize"
 GEMM_SM90_TARGET = "jaxquant_grouped_gemm_sm90"
@@ -74,6 +80,7 @@ _E4M3 = np.dtype(jnp.float8_e4m3fn)
 QUANTIZE_FP8_TARGET = "jaxquant_grouped_quantize_fp8"
 QUANTIZE_NVFP4_TARGET = "jaxquant_grouped_quantize_nvfp4"
 AMAX_TARGET = "jaxquant_grouped_amax"
+AMAX_GATED_TARGET = "jaxquant_grouped_amax_gated"
 GEMM_TARGET = "jaxquant_grouped_gemm"
 CPU_MAX_MACS = 1 << 24  # the CPU handler is a plain loop: small problems only
 _MAX_DIM = 2**31 - 1
@@ -97,6 +104,27 @@ def _missing(*targets: str) -> Optional[str]:
       return (f"no grouped kernel ({target}) in the jaxquant FFI extension for {platform}; "
               "the reference computes all groups in one program")
   return None
+
+
+def _fp8_targets(leaf) -> tuple[str, ...]:
+  """The targets per-tensor FP8 `leaf` runs: delayed scaling with a just-in-time first scale
+  also the gated amax (`jaxquant.backends.ffi.grouped.quantize._delayed_scale`)."""
+  if isinstance(leaf, Float8DelayedScalingQuantizer) and needs_current_amax(leaf):
+    return QUANTIZE_FP8_TARGET, AMAX_GATED_TARGET
+  return (QUANTIZE_FP8_TARGET,)
+
+
+def fp8_kernel_note(leaf) -> str:
+  """What `jaxquant.explain` appends to an FFI per-tensor FP8 grouped quantize: the launches
+  that run."""
+  if not isinstance(leaf, Float8DelayedScalingQuantizer):
+    return f"kernel: {QUANTIZE_FP8_TARGET} (an amax pass, then the quantize)"
+  note = (f"kernel: {QUANTIZE_FP8_TARGET} (scales from the state: no amax pass, the quantize "
+          "records each group's amax)")
+  if needs_current_amax(leaf):
+    note += (f" after {AMAX_GATED_TARGET} (reads x only while some group's scale is 0: the "
+             "just-in-time first scale)")
+  return note
 
 
 def _single_kernel_reason(leaf, direction: str) -> Optional[str]:
@@ -126,7 +154,7 @@ def quantize_route(quantizer, direction: str,
   `jaxquant_grouped_amax` gives the per-group amax); reason is None when a route serves the
   case. `shape` (tokens `[T, C]`), when given, is checked against the kernel's limits."""
   if isinstance(quantizer, _PER_TENSOR_FP8):
-    return "fp8", _missing(QUANTIZE_FP8_TARGET)
+    return "fp8", _missing(*_fp8_targets(quantizer))
   if isinstance(quantizer, (MXFP8Quantizer, Float8BlockQuantizer)):
     return "single", _missing(AMAX_TARGET) or _single_kernel_reason(quantizer, direction)
   if isinstance(quantizer, NVFP4Quantizer):
@@ -186,7 +214,7 @@ def expert_route(quantizer, direction: str, w_shape=None) -> tuple[Optional[str]
                     f"rowwise copy, which takes the reference: {reason}")
   leaf = quantizer.for_direction(direction)
   if isinstance(leaf, _PER_TENSOR_FP8):
-    return "fp8", _missing(QUANTIZE_FP8_TARGET)
+    return "fp8", _missing(*_fp8_targets(leaf))
   if isinstance(leaf, NVFP4Quantizer) and not leaf.row_scaled:
     # one amax per expert: the grouped NVFP4 kernel with every expert a group of `rows` rows
     reason = _missing(QUANTIZE_NVFP4_TARGET)
