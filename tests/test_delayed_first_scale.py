@@ -184,7 +184,20 @@ def test_grouped_dense_step_one_equals_current_scaling_per_expert(rng):
     model = jf.GroupedDense(N, num_groups=groups, recipe=recipe)
     variables = model.init(jax.random.key(0), x, sizes)
     results[name] = _flax_step_one(lambda v, x: model.apply(v, x, sizes), variables, x, c)
-  assert_same_leaves(results["delayed"], results["current"], "grouped")
+  if jax.default_backend() == "cpu":
+    assert_same_leaves(results["delayed"], results["current"], "grouped")
+    return
+  # On a GPU the bias gradient (an atomic float32 segment sum) is not reproducible bit for bit,
+  # so each leaf is held within a few float32 ulps of its largest element (on an H100 the output
+  # and the kernel gradient came out identical, the bias gradient 2.6e-7 apart); a step-1 scale
+  # of its own would move every value by far more.
+  for path, got in jax.tree_util.tree_leaves_with_path(results["delayed"]):
+    want = np.asarray(dict(jax.tree_util.tree_leaves_with_path(results["current"]))[path])
+    got = np.asarray(got)
+    bound = 2.0**-20 * np.abs(want).max()
+    print(f"{jax.tree_util.keystr(path)}: max |delayed - current| = "
+          f"{np.abs(got - want).max():.3g} (bound {bound:.3g})")
+    np.testing.assert_allclose(got, want, rtol=0, atol=bound, err_msg=jax.tree_util.keystr(path))
 
 
 def test_grouped_quantize_mixes_fresh_and_stored_scales_per_group(rng):
