@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -356,8 +357,9 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
       vs_dense = f"{r['speedup_vs_dense_step']:.2f}x" if "speedup_vs_dense_step" in r else "-"
+      vs_ragged = "-" if math.isnan(r["speedup_vs_bf16"]) else f"{r['speedup_vs_bf16']:.2f}x"
       print(f"| {r['experts']} | {r['case']} | {r['ms']:.2f} | {r['tflops']:.0f} | "
-            f"{r['speedup_vs_bf16']:.2f}x | {vs_dense} | {r['gemm_paths']} | "
+            f"{vs_ragged} | {vs_dense} | {r['gemm_paths']} | "
             f"{r['quantize_paths']} |")
   reasons = sorted({r["why"] for r in results if r["why"]})
   if reasons:
