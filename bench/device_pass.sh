@@ -8,14 +8,7 @@
 # $OUT keeps 8 logs (the device tool returns 8 files): JSONs stay in /tmp, tables are in the logs.
 #   3. on all 4 GPUs: MULTI_TESTS (pytest), then MESH_JOBS (one command per line, each given
 #      `--json /tmp/meshN.json`), until DEADLINE seconds.
-set -o pipefail
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/jaxquant_out}
-mkdir -p "$OUT"
-LOG="$OUT/log.txt"
-SECONDS=0
-say() { echo "[$SECONDS s] $*" | tee -a "$LOG"; }
+source "$(dirname "$0")/session_lib.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
 
 say "install: python3 -m pip install --no-index --no-build-isolation -e \".[cuda,test,examples]\""
@@ -37,13 +30,9 @@ if [ -n "${MULTI_TESTS:-}" ]; then
   JAXQUANT_MULTIDEVICE=1 timeout "${MULTI_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider $MULTI_TESTS > "$OUT/multi_tests.log" 2>&1
   say "multi tests exit $?"; tail -3 "$OUT/multi_tests.log" | tee -a "$LOG"
 fi
-i=0
-while IFS= read -r line; do
-  [ -z "$line" ] && continue
-  i=$((i + 1)); left=$(( ${DEADLINE:-560} - SECONDS ))
-  [ "$left" -lt 40 ] && { say "mesh job $i skipped: ${left}s left"; continue; }
-  say "mesh job $i: $line"
-  timeout "$left" bash -c "$line --json /tmp/mesh$i.json" 2>&1 \
+to_table() {
+  timeout "$2" bash -c "$3 --json /tmp/mesh$1.json" 2>&1 \
     | grep -E "ms/step|rror|per device|exchange" | cut -c1-300 | tee -a "$LOG"
-done <<< "${MESH_JOBS:-}"
+}
+mesh_jobs to_table
 say "done"

@@ -5,14 +5,8 @@
 # $OUT/mesh.log) until DEADLINE seconds. Files a job writes under /tmp/art are tarred into
 # $OUT/art.tgz (the device tool returns at most 8 files).
 #   JOB0="cd bench && python3 e2e.py --size d2048 --variants bf16" bash bench/parallel_session.sh
-set -o pipefail
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/jaxquant_out}
-mkdir -p "$OUT" /tmp/art
-LOG="$OUT/log.txt"
-SECONDS=0
-say() { echo "[$SECONDS s] $*" | tee -a "$LOG"; }
+source "$(dirname "$0")/session_lib.sh"
+mkdir -p /tmp/art
 nvidia-smi --query-gpu=index,name,memory.total,driver_version,clocks.max.sm --format=csv,noheader | tee -a "$LOG"
 CMAKE_BUILD_PARALLEL_LEVEL=${BUILD_JOBS:-32} python3 -m pip install --no-build-isolation --no-deps -e . \
   > /tmp/art/build.log 2>&1 || { tail -60 /tmp/art/build.log | tee -a "$LOG"; exit 1; }
@@ -26,14 +20,7 @@ for i in 0 1 2 3; do
 done
 wait
 say "single-GPU jobs done"
-i=0
-while IFS= read -r line; do
-  [ -z "$line" ] && continue
-  i=$((i + 1)); left=$(( ${DEADLINE:-560} - SECONDS ))
-  [ "$left" -lt 40 ] && { say "mesh job $i skipped: ${left}s left"; continue; }
-  say "mesh job $i: $line"
-  timeout "$left" bash -c "$line" >> "$OUT/mesh.log" 2>&1
-  say "mesh job $i exit $?"
-done <<< "${MESH_JOBS:-}"
+to_mesh_log() { timeout "$2" bash -c "$3" >> "$OUT/mesh.log" 2>&1; say "mesh job $1 exit $?"; }
+mesh_jobs to_mesh_log
 tar czf "$OUT/art.tgz" -C /tmp art 2>/dev/null
 say "done"
