@@ -40,7 +40,8 @@ def _take_fwd(table, tokens, dtype):
 def _take_bwd(dtype, residuals, rows_grad):
   tokens, table_like = residuals
   one_hot = jax.nn.one_hot(tokens, table_like.shape[0], dtype=rows_grad.dtype)
-  table_grad = jnp.einsum("...v,...d->vd", one_hot, rows_grad,
+  # HIGHEST: a float32 cotangent is summed as float32, not rounded to TF32 on GPUs.
+  table_grad = jnp.einsum("...v,...d->vd", one_hot, rows_grad, precision=jax.lax.Precision.HIGHEST,
                           preferred_element_type=jnp.float32)
   return table_grad.astype(table_like.dtype), None
 

@@ -95,6 +95,8 @@ def test_train_step_keeps_the_state_shardings_on_an_fsdp_mesh(devices, monkeypat
   compiled step (`bench/scaling.py`) rejected the second call ("compiled for input shardings
   that disagree") and a plain jitted one compiled a second program. `make_steps(model, state)`
   pins the new state to the first state's shardings."""
+  if len(jax.devices()) < 4:
+    pytest.skip(f"needs 4 devices for fsdp=4, found {len(jax.devices())}")
   examples = pathlib.Path(__file__).resolve().parents[2] / "examples"
   monkeypatch.syspath_prepend(str(examples))
   lm_sharding = importlib.import_module("lm.sharding")
@@ -160,15 +162,19 @@ def test_layernorm_mlp_dense_general_take_input_axes(devices, rng):
     report = jq.explain(jax.value_and_grad(loss), sharded_vars, xs)
     hlo = grad_fn.lower(sharded_vars, xs).compile().as_text()
     got_loss, got_grads = grad_fn(sharded_vars, xs)
-  # Every dense of the block got its sharding: FSDP gathers, K-sharded reductions.
+  # Every dense of the block got its sharding: FSDP gathers (where the mesh has an fsdp axis:
+  # the (2, 2, 2) mesh of 8 devices, not the tp-only mesh of 2-4 GPUs), K-sharded reductions.
+  layers = {"fc1", "fc2", "ln_dense", "head"}
+  has_fsdp = mesh.shape["fsdp"] > 1
   layer = lambda d: str(d.role).rsplit("/", 2)[-2]  # ".../<layer>/<tensor or GEMM>"
   fsdp = {layer(d) for d in report if d.op == "fsdp-gather"}
-  assert fsdp == {"fc1", "fc2", "ln_dense", "head"}, fsdp
+  assert fsdp == (layers if has_fsdp else set()), fsdp
   reduced = {layer(d) for d in report if d.op == "reduce"}
-  assert {"fc1", "fc2", "ln_dense", "head"} <= reduced, reduced
+  assert layers <= reduced, reduced
   # Only the FP8 weight bytes are gathered (and FSDP-sharded biases); never an activation.
   gathers = [c for c in sharded.collectives(hlo) if c.op == "all-gather" and c.elements > 4096]
-  assert gathers and {t for c in gathers for t, _ in c.arrays} == {"u8"}, gathers
+  assert bool(gathers) == has_fsdp, gathers
+  assert {t for c in gathers for t, _ in c.arrays} <= {"u8"}, gathers
   # As in the MLP test above, reordered float32 sums flip a few FP8 roundings (6-12% each),
   # here through three quantized layers and a gate: relative norm 2e-2.
   np.testing.assert_allclose(got_loss, want_loss, rtol=1e-4)
