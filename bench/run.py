@@ -399,7 +399,8 @@ class Runner:
           self.record(job, "skipped", None, why=f"{self.left():.0f} s left")
           continue
         self.limit_at_start[job.name] = self.limit(job)
-        self.say(f"{job.name}: start on GPU {slot}: {job.command}")
+        where = f" on GPU {slot}" if slot is not None else ""
+        self.say(f"{job.name}: start{where}: {job.command}")
         running[slot] = (job, self.spawn(job.name, job.command, slot), time.monotonic())
       time.sleep(0.2)
     self.build_ok = build_ok
@@ -414,7 +415,7 @@ class Runner:
         self.record(job, "skipped", gpus, why=f"{self.left():.0f} s left")
         continue
       limit = self.limit(job)
-      self.say(f"{job.name}: start on GPUs {gpus}: {job.command}")
+      self.say(f"{job.name}: start on GPUs {gpus or 'all'}: {job.command}")
       started, process = time.monotonic(), self.spawn(job.name, job.command, gpus)
       try:
         process.wait(limit)
