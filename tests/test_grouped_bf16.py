@@ -31,15 +31,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxquant as jq
+import jaxquant.flax  # noqa: F401
 import jaxquant.grouped as jg
 import oracle
 import test_grouped_ffi as tgf
 from jaxquant.backends.ffi import registry
-from jaxquant.backends.ffi.grouped import bf16, sm90_configs
+from jaxquant.backends.ffi.grouped import bf16, decoded, sm90_configs
+from jaxquant.backends.ffi.grouped import support as kernels
+from jaxquant.layers.dense import DenseQuantizers
+from jaxquant.layers.grouped_dense import token_blocks
 
 BF16 = np.dtype(jnp.bfloat16)
 F32 = np.dtype(np.float32)
 KERNEL = bf16.KERNEL  # "CUTLASS sm90 bf16 wgmma"
+DECODED = KERNEL + " on operands decoded to bfloat16"
 # (mode, layout, output): the instances of the default configuration
 CASES = [(0, "TN", BF16), (0, "TN", F32), (0, "NN", BF16), (1, "TN", BF16), (1, "TN", F32),
          (1, "NT", BF16)]
@@ -53,6 +59,22 @@ def _cpu_handler() -> bool:
 needs_cpu_handler = pytest.mark.skipif(not _cpu_handler(),
                                        reason="jaxquant FFI extension without "
                                               "jaxquant_grouped_gemm_bf16")
+
+
+@pytest.fixture
+def bf16_device(monkeypatch):
+  """The bfloat16 kernel's device check passed (the CPU handler serves what the CUDA kernel
+  would), other backends' choices untouched; the default bfloat16 configuration forced, so the
+  kernel names explain reports carry no configuration (the automatic choice by shape has its
+  own test)."""
+  if jax.default_backend() == "cpu":
+    if not _cpu_handler():
+      pytest.skip("jaxquant FFI extension without jaxquant_grouped_gemm_bf16")
+    monkeypatch.setattr(bf16, "device_reason", lambda platform=None: None)
+  elif bf16.device_reason() is not None:
+    pytest.skip(bf16.device_reason())
+  monkeypatch.setenv(sm90_configs.ENV, "bf16")
+  monkeypatch.delenv(decoded.KERNEL_ENV, raising=False)
 
 
 # ------------------------------------ the kernel's contract -----------------------------------
@@ -232,17 +254,193 @@ def test_bf16_configurations_their_choice_and_errors(monkeypatch):
   assert sel("TN", F32, 10.0).config.name == "bf16"
 
 
+# -------------------------------------- routing -----------------------------------------------
+
+def _tokens_and_experts(rng, qa, qw, tokens=150, k=64, n=40, groups=5):
+  x = jnp.asarray(oracle.random_matrix(rng, (tokens, k)), jnp.bfloat16)
+  w = jnp.asarray(oracle.random_matrix(rng, (groups, n, k)), jnp.bfloat16)
+  sizes = jnp.asarray(tgf._sizes(rng, tokens, groups, (2,), 9))
+  a = tgf._on("reference", lambda x, s: jg.quantize(x, s, qa, columnwise=False).rowwise, x,
+              sizes)
+  e = tgf._on("reference", lambda w: jg.quantize_experts(w, qw, columnwise=False).rowwise, w)
+  return a, e
+
+
+DECODED_RAGGED = [("mxfp8", "mxfp8"), ("nvfp4", "nvfp4"), ("nvfp4-row", "nvfp4-2d"),
+                  ("nvfp4-row", "nvfp4-row"), ("mxfp8", "fp8"), ("fp8", "nvfp4"),
+                  ("block-1x128", "mxfp8"), ("fp8", "fp8")]
+DECODED_WGRAD = [("mxfp8", "mxfp8"), ("nvfp4", "nvfp4"), ("nvfp4-row", "mxfp8"),
+                 ("fp8", "fp8"), ("fp8-e5m2", "nvfp4")]
+
+
+@pytest.mark.parametrize("pair", DECODED_RAGGED)
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_decoded_ragged_gemm_matches_the_reference(bf16_device, rng, pair, out_dtype):
+  """fprop / dgrad of quantized pairs on the bfloat16 kernel (a bias too: added by XLA to a
+  float32 output, as the reference adds it)."""
+  rel = 2.0**-14 + (2.0**-8 if out_dtype == jnp.bfloat16 else 0.0)
+  tgf.check_ragged(rng, pair, 150, 64, 40, 5, empty=(2,), spare=9, rel=rel,
+                   out_dtype=out_dtype, kernel=DECODED)
+
+
+@pytest.mark.parametrize("pair", DECODED_WGRAD)
+def test_decoded_wgrad_gemm_matches_the_reference(bf16_device, rng, pair):
+  """wgrad of quantized columnwise copies in a token layout of block >= 8 (per-(group, feature)
+  row-scaled factors applied by XLA)."""
+  tgf.check_wgrad(rng, pair, 150, 40, 24, 5, empty=(0, 3), spare=5, rel=2.0**-14, block=8,
+                  kernel=DECODED)
+
+
+def test_identity_operands_take_the_kernel_undecoded(bf16_device, rng, monkeypatch):
+  """Identity (bfloat16) x Identity runs as it is, Identity x MXFP8 with the MXFP8 side decoded;
+  both match the reference; the wgrad of packed Identity copies (group starts not 8-aligned)
+  takes the reference, visibly."""
+  ident = jq.IdentityQuantizer()
+  bias = jnp.asarray(rng.standard_normal((5, 40)), jnp.float32)
+  # two bfloat16 operands: ragged_dot's bfloat16 result (one rounding of float32 sums taken in
+  # another order: 2^-8 apart at most) plus the bias in bfloat16 (another rounding)
+  for qw, kernel, rel in ((ident, KERNEL, 2.0**-7), (jq.MXFP8Quantizer(), DECODED, 2.0**-14)):
+    a, e = _tokens_and_experts(rng, ident, qw)
+    fn = lambda a, e, b: jg.gemm(a, e, bias=b, out_dtype=jnp.float32)
+    assert tgf._gemm_kernels(fn, a, e, bias) == {kernel}
+    tgf._assert_close(tgf._on("ffi", fn, a, e, bias), tgf._on("reference", fn, a, e, bias), rel,
+                      f"Identity x {qw}")
+  x = jnp.asarray(oracle.random_matrix(rng, (64, 16)), jnp.bfloat16)
+  sizes = jnp.asarray([20, 0, 35], jnp.int32)
+  monkeypatch.setenv("JAXQUANT_BACKEND", "auto")
+  col = lambda x: jg.quantize(x, sizes, ident, rowwise=False).columnwise
+  report = jq.explain(lambda x: jg.gemm(col(x), col(x)), x)
+  (gemm,) = [d for d in report if d.op == "grouped_gemm"]
+  assert gemm.path == "reference" and "multiple of 8" in gemm.reason, str(report)
+
+
+def test_mma_sync_can_be_selected_and_a_bad_choice_is_an_error(bf16_device, rng, monkeypatch):
+  a, e = _tokens_and_experts(rng, jq.MXFP8Quantizer(), jq.MXFP8Quantizer())
+  fn = lambda a, e: jg.gemm(a, e, out_dtype=jnp.float32)
+  assert tgf._gemm_kernels(fn, a, e) == {DECODED}
+  monkeypatch.setenv(decoded.KERNEL_ENV, "mma_sync")
+  assert tgf._gemm_kernels(fn, a, e) == {"mma.sync"}
+  (gemm,) = [d for d in tgf._paths(fn, a, e) if d.op == "grouped_gemm"]
+  assert f"{decoded.KERNEL_ENV}=mma_sync" in gemm.reason
+  tgf._assert_close(tgf._on("ffi", fn, a, e), tgf._on("reference", fn, a, e), 2.0**-14)
+  ident = jq.IdentityQuantizer()
+  a, e = _tokens_and_experts(rng, ident, ident)  # nothing to decode: still the bf16 kernel
+  assert tgf._gemm_kernels(fn, a, e) == {KERNEL}
+  monkeypatch.setenv(decoded.KERNEL_ENV, "fastest")
+  with pytest.raises(ValueError, match="JAXQUANT_GROUPED_GEMM_KERNEL='fastest'"):
+    tgf._gemm_kernels(fn, a, e)
+
+
+def test_a_forced_fp8_configuration_is_an_error_for_a_decoded_gemm(bf16_device, rng,
+                                                                   monkeypatch):
+  a, e = _tokens_and_experts(rng, jq.MXFP8Quantizer(), jq.MXFP8Quantizer())
+  monkeypatch.setenv(sm90_configs.ENV, "c1x1")
+  with pytest.raises(ValueError, match="'c1x1' has instances for .* not bfloat16 TN"):
+    tgf._gemm_kernels(lambda a, e: jg.gemm(a, e, out_dtype=jnp.float32), a, e)
+
+
+def test_wgrad_token_block_aligns_bfloat16_group_starts(bf16_device, monkeypatch):
+  """Where the bfloat16 kernel runs, GroupedDense pads the wgrad copies to 8 tokens (16-byte
+  TMA group starts) unless the formats need more; per-tensor FP8 on the FP8 kernel to 16."""
+  monkeypatch.setenv("JAXQUANT_BACKEND", "auto")
+  identity = DenseQuantizers.identity()
+  assert token_blocks(identity) == (1, 1, 8)
+  mx = DenseQuantizers.from_recipe(jq.recipes.MXFP8BlockScaling(), "grouped_linear", "e")
+  assert token_blocks(mx) == (1, 1, 32)
+  fp8 = DenseQuantizers.from_recipe(jq.recipes.Float8CurrentScaling(), "grouped_linear", "e")
+  expected = 16 if kernels._sm90_device_reason() is None else 8
+  assert token_blocks(fp8) == (1, 1, expected)
+  monkeypatch.setattr(kernels, "_sm90_device_reason", lambda: None)
+  assert token_blocks(fp8) == (1, 1, 16)
+  monkeypatch.setenv("JAXQUANT_BACKEND", "reference")
+  assert token_blocks(identity) == (1, 1, 1)
+
+
+# --------------------------------- GroupedDense without a recipe ------------------------------
+
+def _plain_step(groups, tokens, k, n, rng, use_bias=True):
+  model = jq.flax.GroupedDense(features=n, num_groups=groups, use_bias=use_bias,
+                               dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  x = jnp.asarray(oracle.random_matrix(rng, (tokens, k)), jnp.bfloat16)
+  dy = jnp.asarray(oracle.random_matrix(rng, (tokens, n)), jnp.bfloat16)
+  sizes = jnp.asarray(tgf._sizes(rng, tokens, groups, (1,) if groups > 1 else (), 7))
+  variables = model.init(jax.random.key(0), x, sizes)
+  variables = jax.tree_util.tree_map(
+      lambda v: jnp.asarray(oracle.random_matrix(rng, v.shape), v.dtype), variables)
+
+  def step(variables, x, dy, sizes):
+    y, vjp = jax.vjp(lambda v, x: model.apply(v, x, sizes), variables, x)
+    return y, vjp(dy)
+
+  def plain(variables, x, dy, sizes):  # ragged_dot and its autodiff, the specification
+    p = variables["params"]
+
+    def f(p, x):
+      y = jax.lax.ragged_dot(x, p["kernel"], sizes)
+      if use_bias:
+        group = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(tokens), side="right")
+        y = y + jnp.concatenate([p["bias"], jnp.zeros((1, n), p["bias"].dtype)])[group]
+      return y
+
+    y, vjp = jax.vjp(f, p, x)
+    dp, dx = vjp(dy)
+    return y, ({"params": dp}, dx)
+
+  return step, plain, (variables, x, dy, sizes)
+
+
+def check_plain_step(rng, groups, tokens, k, n, path):
+  """A no-recipe GroupedDense step: three GEMM decisions on the kernel, values vs ragged_dot
+  (bfloat16 outputs and gradients: both within one bfloat16 rounding of the float32 sums, so
+  within 2^-7 of the largest element of each other)."""
+  step, plain, args = _plain_step(groups, tokens, k, n, rng)
+  report = jq.explain(step, *args)
+  gemms = [d for d in report if d.op == "grouped_gemm"]
+  assert [d.role for d in gemms] == ["fprop", "dgrad", "wgrad"], str(report)
+  assert all(d.path == path and KERNEL in d.detail for d in gemms), str(report)
+  ours, spec = jax.jit(step)(*args), jax.jit(plain)(*args)
+  for u, v in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(spec)):
+    u, v = np.asarray(u, np.float32), np.asarray(v, np.float32)
+    np.testing.assert_allclose(u, v, rtol=0, atol=2**-7 * np.abs(v).max())
+  y = np.asarray(ours[0], np.float32)
+  assert np.all(y[int(np.sum(np.asarray(args[3]))):] == 0), "rows of no group must be zero"
+
+
+def test_no_recipe_grouped_dense_on_the_kernel_contract(bf16_device, rng):
+  check_plain_step(rng, 4, 96, 64, 48, "ffi-cpu" if jax.default_backend() == "cpu"
+                   else "ffi-cuda")
+
+
+def test_no_recipe_grouped_dense_says_why_ragged_dot_runs(rng, monkeypatch):
+  """Where the kernel cannot run, ragged_dot (unchanged) and explain says why."""
+  monkeypatch.delenv("JAXQUANT_BACKEND", raising=False)
+  step, _, args = _plain_step(3, 40, 16, 24, rng)
+  (gemm,) = [d for d in jq.explain(step, *args) if d.op == "grouped_gemm"]
+  assert gemm.path == "reference" and gemm.reason.startswith("jax.lax.ragged_dot")
+  if bf16.device_reason() is not None:
+    assert bf16.device_reason() in gemm.reason
+  monkeypatch.setattr(bf16, "device_reason", lambda platform=None: None)
+  step, _, args = _plain_step(3, 40, 12, 24, rng)  # K = 12: unaligned rows
+  (gemm,) = [d for d in jq.explain(step, *args) if d.op == "grouped_gemm"]
+  assert gemm.path == "reference" and "K = 12 is not a multiple of 8" in gemm.reason
+  monkeypatch.setenv("JAXQUANT_BACKEND", "reference")
+  step, _, args = _plain_step(3, 40, 16, 24, rng)
+  (gemm,) = [d for d in jq.explain(step, *args) if d.op == "grouped_gemm"]
+  assert "JAXQUANT_BACKEND=reference" in gemm.reason
+
+
 # ------------------------------------------- GPU ----------------------------------------------
 
 @pytest.fixture
 def on_kernel(monkeypatch):
-  """The CUDA kernel (automatic configurations)."""
+  """The CUDA kernel (automatic configurations; `bf16_device` forces the default)."""
   if jax.default_backend() != "gpu":
     pytest.skip("needs a CUDA GPU (the default JAX backend is not gpu)")
   reason = bf16.device_reason()
   if reason is not None:
     pytest.skip(reason)
   monkeypatch.delenv(sm90_configs.ENV, raising=False)
+  monkeypatch.delenv(decoded.KERNEL_ENV, raising=False)
 
 
 @pytest.mark.gpu
@@ -272,3 +470,61 @@ def test_gpu_bf16_configurations_are_within_the_bound(on_kernel, rng, config, gr
 def test_gpu_bf16_all_groups_empty_gives_zeros(on_kernel, rng, mode, layout, out_dtype):
   out = check_kernel(rng, mode, layout, out_dtype, 64, 64, 32, 3, empty=(0, 1, 2), spare=0)
   assert np.all(out == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups,tokens,k,n", [(8, 2048, 256, 512), (64, 4096, 128, 176)])
+def test_gpu_no_recipe_grouped_dense_runs_on_the_kernel(on_kernel, rng, groups, tokens, k, n):
+  check_plain_step(rng, groups, tokens, k, n, "ffi-cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", [1, 8, 64])
+@pytest.mark.parametrize("pair", DECODED_RAGGED)
+def test_gpu_decoded_ragged_gemm_matches_the_reference(on_kernel, bf16_device, rng, groups,
+                                                       pair):
+  tgf.check_ragged(rng, pair, 1500 + 7 * groups, 320, 200, groups,
+                   empty=tuple(range(1, groups, 4)), spare=11, rel=2.0**-10, kernel=DECODED)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", [1, 8, 64])
+@pytest.mark.parametrize("pair", DECODED_WGRAD)
+def test_gpu_decoded_wgrad_gemm_matches_the_reference(on_kernel, bf16_device, rng, groups,
+                                                      pair):
+  tgf.check_wgrad(rng, pair, 1500 + 5 * groups, 136, 200, groups,
+                  empty=tuple(range(2, groups, 5)), spare=7, rel=2.0**-10, block=8,
+                  kernel=DECODED)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", [("mxfp8", "mxfp8"), ("nvfp4-row", "nvfp4")])
+def test_gpu_mma_sync_stays_selectable(on_kernel, rng, monkeypatch, pair):
+  monkeypatch.setenv(decoded.KERNEL_ENV, "mma_sync")
+  tgf.check_ragged(rng, pair, 1500, 320, 200, 8, empty=(3,), spare=11, rel=2.0**-10,
+                   kernel="mma.sync")
+
+
+GPU_RECIPES = {
+    "MXFP8BlockScaling": jq.recipes.MXFP8BlockScaling,
+    "NVFP4BlockScaling": jq.recipes.NVFP4BlockScaling,
+    "moe_nvfp4_fwd_mxfp8_bwd": lambda: jq.CustomRecipe(
+        jq.factories.moe_nvfp4_forward_mxfp8_backward),
+    "identity": lambda: jq.CustomRecipe(lambda role: jq.IdentityQuantizer()),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", sorted(GPU_RECIPES))
+def test_gpu_grouped_dense_gemms_run_decoded_on_the_kernel(on_kernel, rng, recipe):
+  """A GroupedDense step under each recipe: all three grouped GEMMs on the bfloat16 kernel
+  (decoded, or as they are for Identity), and the step matches the reference (bfloat16
+  outputs: 2^-7 of the largest element, as the other GroupedDense kernel tests)."""
+  step, args = tgf._grouped_step(GPU_RECIPES[recipe](), 8, 512, 256, 128, rng)
+  os.environ.pop("JAXQUANT_BACKEND", None)
+  gemms = [d for d in jq.explain(step, *args) if d.op == "grouped_gemm"]
+  assert len(gemms) == 3 and all(d.path == "ffi-cuda" and KERNEL in d.detail for d in gemms), \
+      "\n".join(map(str, gemms))
+  ffi, ref = tgf._on("auto", step, *args), tgf._on("reference", step, *args)
+  for u, v in zip(jax.tree_util.tree_leaves(ffi), jax.tree_util.tree_leaves(ref)):
+    tgf._assert_close(np.asarray(u, np.float32), np.asarray(v, np.float32), 2.0**-7)
