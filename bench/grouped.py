@@ -1,6 +1,8 @@
 """Grouped (mixture-of-experts) forward + backward, side by side on one card:
-`jaxquant.flax.GroupedDense` under each built-in recipe and the MoE hybrid recipe vs bf16
-`jax.lax.ragged_dot` (GroupedDense without a recipe: ragged_dot and its autodiff).
+`jaxquant.flax.GroupedDense` under each built-in recipe and the MoE hybrid recipe, and without
+a recipe (the bfloat16 CUTLASS grouped GEMMs where they run), vs bf16 `jax.lax.ragged_dot` (the
+same no-recipe GroupedDense traced under JAXQUANT_BACKEND=reference: ragged_dot and its
+autodiff).
 
     python bench/grouped.py                    # 8 and 64 experts at LLM sizes (a GPU)
     python bench/grouped.py --tiny             # smoke check at tiny sizes (runs on CPU)
@@ -8,6 +10,8 @@
     python bench/grouped.py --experts 8 --gemms --no-steps --formats "Float8Block 1x128 x 128x128 w"
     python bench/grouped.py --gemms --no-steps --sm90-configs all \
         --formats Float8CurrentScaling "Float8Block 1x128 x 128x128 w"
+    python bench/grouped.py --gemms --no-steps --formats "bf16 (no recipe)" MXFP8 \
+        --sm90-configs bf16,bf16_c2x1,bf16_pingpong,bf16:rn
 
 Cases (rows T are routed token-expert assignments, i.e. tokens x top-k, sorted by expert):
   8 experts:  T = 16384 (8192 tokens, top-2), K = 4096 -> N = 14336 (Mixtral-8x7B's fc1)
@@ -29,6 +33,7 @@ configuration (`jaxquant.backends.ffi.grouped.sm90_configs`) side by side in the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -43,7 +48,7 @@ import grouped_quantize  # bench/grouped_quantize.py
 from timing import bench  # bench/timing.py (this folder is on sys.path when run)
 import jaxquant.flax  # noqa: F401
 from jaxquant.backends.ffi import gemm as ffi_gemm
-from jaxquant.backends.ffi.grouped import sm90_configs
+from jaxquant.backends.ffi.grouped import bf16, sm90_configs
 
 RECIPES = {
     "Float8CurrentScaling": lambda: jq.recipes.Float8CurrentScaling(),
@@ -61,6 +66,24 @@ CASES = {
     64: (64, 16384, 2048, 1408, "Qwen1.5-MoE-style fc1: 2048 tokens x top-8"),
 }
 TINY = {8: (8, 256, 128, 256, "tiny"), 64: (64, 512, 64, 128, "tiny")}
+
+
+RAGGED_DOT = "bf16 jax.lax.ragged_dot"
+
+
+@contextlib.contextmanager
+def _backend(value):
+  """JAXQUANT_BACKEND=value while a step is traced (None: as the environment has it)."""
+  saved = os.environ.get("JAXQUANT_BACKEND")
+  if value is not None:
+    os.environ["JAXQUANT_BACKEND"] = value
+  try:
+    yield
+  finally:
+    if saved is None:
+      os.environ.pop("JAXQUANT_BACKEND", None)
+    else:
+      os.environ["JAXQUANT_BACKEND"] = saved
 
 
 def step_fn(model):
@@ -86,7 +109,10 @@ def run_case(experts: int, spec, args, card: str) -> list[dict]:
         f"{int(sizes.max())}, bfloat16", flush=True)
   common = dict(features=n, num_groups=groups, use_bias=False, dtype=jnp.bfloat16,
                 param_dtype=jnp.bfloat16)
-  models = {"bf16 jax.lax.ragged_dot": jq.flax.GroupedDense(**common)}
+  # GroupedDense without a recipe, traced under JAXQUANT_BACKEND=reference (jax.lax.ragged_dot,
+  # the speedup baseline) and as users run it (the bfloat16 CUTLASS kernel where it runs)
+  models = {RAGGED_DOT: jq.flax.GroupedDense(**common),
+            "bf16 GroupedDense (no recipe)": jq.flax.GroupedDense(**common)}
   for name, make in RECIPES.items():
     if args.recipes and name not in args.recipes:
       continue
@@ -104,18 +130,19 @@ def run_case(experts: int, spec, args, card: str) -> list[dict]:
       state = step(variables, x, sizes, dy, key)[1][0][jq.flax.OVERWRITE_WITH_GRADIENT]
       variables = {**variables, jq.flax.OVERWRITE_WITH_GRADIENT: state}
     paths = why = qpaths = ""
-    if name.startswith("jaxquant"):
+    backend = _backend("reference" if name == RAGGED_DOT else None)
+    with backend:  # every row: which grouped GEMMs and quantizes ran
       report = jq.explain(step, variables, x, sizes, dy, key)
       gemms = [d for d in report if d.op == "grouped_gemm"]
       paths = ",".join(sorted({d.path + ("-cutlass" if "CUTLASS" in d.detail else "")
-                               for d in gemms}))  # ffi-cutlass: jaxquant_grouped_gemm_sm90
+                               for d in gemms}))  # ffi-cutlass: a CUTLASS grouped GEMM
       qpaths = ",".join(sorted({d.path for d in report if d.op == "grouped_quantize"}))
       why = "; ".join(sorted({d.reason for d in gemms if d.reason}))
-    try:
-      sec = bench(step, variables, x, sizes, dy, key, **timing)
-    except Exception as e:  # noqa: BLE001 - report and go on with the other rows
-      print(f"  {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-      continue
+      try:
+        sec = bench(step, variables, x, sizes, dy, key, **timing)  # traced under `backend`
+      except Exception as e:  # noqa: BLE001 - report and go on with the other rows
+        print(f"  {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        continue
     if args.profile_dir and name.startswith("jaxquant"):
       print_profile(step, (variables, x, sizes, dy, key), args.profile_dir, name)
     base = sec if base is None else base
@@ -244,6 +271,22 @@ def run_gemms(experts: int, spec, args, card: str) -> list[dict]:
                      tflops=tf(sec), speedup_vs_bf16=float("nan"), vs_dense_bf16=
                      peers["dense bf16"] / sec, vs_dense_fp8=float("nan"), path="", card=card))
   fp8_peer = peers.get("dense fp8 (split acc)")
+  if args.formats is None or NO_RECIPE in args.formats:
+    for kind, fn, ops in no_recipe_gemms(x, w, dy, sizes):
+      for config in args.sm90_configs or [None]:
+        row = time_gemm(jg, ops, config, timing, gemm_fn=fn)
+        if row is None:
+          continue
+        sec, _, kernel = row
+        rows.append(dict(experts=groups, gemm=kind, format=NO_RECIPE, ms=sec * 1e3,
+                         tflops=tf(sec), speedup_vs_bf16=base[kind] / sec,
+                         vs_dense_bf16=peers["dense bf16"] / sec,
+                         vs_dense_fp8=(fp8_peer / sec) if fp8_peer else float("nan"),
+                         path=kernel, bf16_ms=base[kind] * 1e3, card=card,
+                         sm90_config=config or ""))
+        print(f"  {kind} {NO_RECIPE} [{config or 'auto'}] {sec * 1e3:8.3f} ms "
+              f"{tf(sec):7.1f} TFLOP/s {base[kind] / sec:5.2f}x vs bf16 ragged_dot ({kernel})",
+              flush=True)
   for name, make in GEMM_FORMATS.items():
     if args.formats and name not in args.formats:
       continue
@@ -276,14 +319,40 @@ def run_gemms(experts: int, spec, args, card: str) -> list[dict]:
   return rows
 
 
-def time_gemm(jg, ops, config, timing):
-  """(seconds, paths, kernels) of one grouped GEMM traced under `JAXQUANT_SM90_CONFIG=config`
-  (None: as the environment has it), or None after printing why it was not timed (no instance
-  of that configuration for these operands, or a failure)."""
+NO_RECIPE = "bf16 (no recipe)"
+
+
+def no_recipe_gemms(x, w, dy, sizes):
+  """(kind, function, operands) of the three GEMMs of a GroupedDense without a recipe, as
+  `jaxquant.layers.grouped_plain` runs them on the bfloat16 kernel: x and dy token-major, the
+  kernel `[G, K, N]` as GroupedDense stores it (w here is `[G, N, K]`)."""
+  starts = bf16.group_starts(sizes)
+  kernel = jax.jit(lambda w: jnp.swapaxes(w, 1, 2))(w)
+  out = jnp.bfloat16
+  return [
+      ("fprop", lambda x, w, s: bf16.gemm(x, w, s, mode=0, out_dtype=out, b_k_major=False),
+       (x, kernel, starts)),
+      ("dgrad", lambda d, w, s: bf16.gemm(d, w, s, mode=0, out_dtype=out), (dy, kernel, starts)),
+      ("wgrad", lambda x, d, s: bf16.gemm(x, d, s, mode=1, out_dtype=out, a_k_major=False,
+                                          b_k_major=False), (x, dy, starts)),
+  ]
+
+
+def time_gemm(jg, ops, config, timing, gemm_fn=None):
+  """(seconds, paths, kernels) of one grouped GEMM (`jg.gemm`, or `gemm_fn` called on the bf16
+  kernel directly) traced under `JAXQUANT_SM90_CONFIG=config` (None: as the environment has
+  it), or None after printing why it was not timed (no instance of that configuration for
+  these operands, or a failure)."""
   saved = os.environ.get(sm90_configs.ENV)
   if config is not None:
     os.environ[sm90_configs.ENV] = config
   try:
+    if gemm_fn is not None:  # records no explain decision: the kernel is bf16's by construction
+      gemm = jax.jit(lambda *a: gemm_fn(*a))
+      sec = bench(gemm, *ops, **timing)
+      on_gpu = jax.default_backend() == "gpu"
+      return sec, "ffi", (f"{bf16.KERNEL} [{config or 'auto'}]" if on_gpu
+                          else f"{bf16.TARGET} CPU handler")
     gemm = jax.jit(lambda a, b: jg.gemm(a, b))  # a new function: traced under this config
     report = jq.explain(gemm, *ops)
     path = ",".join(sorted({d.path for d in report}))
@@ -314,8 +383,10 @@ def main(argv=None) -> int:
   parser.add_argument("--json", default=None)
   parser.add_argument("--gemms", action="store_true",
                       help="also time the grouped GEMMs alone (fprop, dgrad, wgrad) per format")
-  parser.add_argument("--formats", nargs="*", default=None, choices=sorted(GEMM_FORMATS),
-                      help="with --gemms: only these formats (default: all)")
+  parser.add_argument("--formats", nargs="*", default=None,
+                      choices=sorted(GEMM_FORMATS) + [NO_RECIPE],
+                      help="with --gemms: only these formats (default: all; "
+                           f"'{NO_RECIPE}': the no-recipe GEMMs on the bfloat16 kernel)")
   parser.add_argument("--sm90-configs", type=lambda v: [c for c in v.split(",") if c],
                       default=None, metavar="NAME[:rn],...",
                       help="with --gemms: time each grouped GEMM under each of these CUTLASS "
@@ -330,7 +401,7 @@ def main(argv=None) -> int:
                       help="skip the GroupedDense step table (with --gemms / --quantize)")
   args = parser.parse_args(argv)
   if args.sm90_configs == ["all"]:
-    args.sm90_configs = list(sm90_configs.CONFIGS) + ["default:rn"]
+    args.sm90_configs = list(sm90_configs.CONFIGS) + ["default:rn", "bf16:rn"]
   for config in args.sm90_configs or []:
     sm90_configs.parse(config)  # an unknown name fails here, not after the first timings
   args.repeats, args.calls, args.warmup = (1, 1, 1) if args.tiny else (5, 5, 2)

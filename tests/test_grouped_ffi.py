@@ -681,13 +681,15 @@ def test_gpu_sm90_grouped_dense_runs_every_gemm_on_the_cutlass_kernel(on_sm90, r
 
 
 @pytest.mark.gpu
-def test_gpu_sm90_explain_says_why_the_mma_sync_kernel_serves(on_sm90, rng):
-  """Block-scaled operands, a bias and a packed (unaligned) wgrad layout stay on the mma.sync
-  kernel, and explain says why."""
+def test_gpu_sm90_explain_says_why_the_mma_sync_kernel_serves(on_sm90, rng, monkeypatch):
+  """Block-scaled operands, a bias and a packed (unaligned) wgrad layout are not the FP8
+  CUTLASS kernel's; with the bfloat16 decode route switched off (tests/test_grouped_bf16.py
+  covers it) they run on the mma.sync kernel, and explain says why."""
   x = jnp.asarray(oracle.random_matrix(rng, (96, 64)), jnp.bfloat16)
   w = jnp.asarray(oracle.random_matrix(rng, (2, 32, 64)), jnp.bfloat16)
   sizes = jnp.asarray([40, 50], jnp.int32)
   os.environ.pop("JAXQUANT_BACKEND", None)
+  monkeypatch.setenv("JAXQUANT_GROUPED_GEMM_KERNEL", "mma_sync")
 
   def f(x, w, sizes):
     mx = jg.quantize(x, sizes, jq.MXFP8Quantizer(), columnwise=False).rowwise

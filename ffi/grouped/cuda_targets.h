@@ -15,6 +15,7 @@ std::vector<CudaTarget> GroupedCudaTargets();
 std::vector<CudaTarget> GroupedNvfp4CudaTargets();  // nvfp4_cuda.cu
 #ifdef JAXQUANT_GROUPED_SM90
 std::vector<CudaTarget> GroupedSm90Targets();  // grouped_sm90.cu (CUTLASS)
+CudaTarget GroupedSm90Bf16Target();            // grouped_sm90_bf16.cu (CUTLASS, bfloat16)
 #endif
 #endif
 

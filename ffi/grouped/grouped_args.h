@@ -378,6 +378,77 @@ inline ffi::Error decode_gemm(const char* t, ffi::AnyBuffer a, ffi::AnyBuffer a_
   return ffi::Error::Success();
 }
 
+// jaxquant_grouped_gemm_bf16(a, b, pstarts[G+1], alpha) -> out, workspace (Bf16GemmParams;
+// the workspace is checked by the CUDA handler, unused on the CPU).
+inline ffi::Error decode_gemm_bf16(const char* t, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                                   ffi::AnyBuffer pstarts, ffi::AnyBuffer alpha,
+                                   ffi::Result<ffi::AnyBuffer> out, int32_t mode, bool a_k_major,
+                                   bool b_k_major, bool has_alpha, Bf16GemmParams* p) {
+  if (mode != kModeRagged && mode != kModeWgrad) {
+    return invalid(t, "mode=" + std::to_string(mode) + "; expected 0 (ragged) or 1 (wgrad)");
+  }
+  if (mode == kModeRagged && !a_k_major) {
+    return invalid(t, "mode 0 takes a [L, K] with K contiguous (a_k_major = true)");
+  }
+  const auto sdims = pstarts.dimensions();
+  if (sdims.size() != 1 || sdims[0] < 2) {
+    return invalid(t, "pstarts must be int32[G + 1] with G >= 1; got shape " +
+                          jqffi::dims_str(sdims));
+  }
+  const int64_t G = sdims[0] - 1;
+  JQ_RETURN_IF_ERROR(decode_int_vector(t, "pstarts", pstarts, G + 1, &p->pstarts));
+  for (auto [buf, what] : {std::pair{&a, "a"}, std::pair{&b, "b"}}) {
+    if (buf->element_type() != ffi::DataType::BF16) {
+      return invalid(t, std::string(what) + " is " + jqffi::dtype_name(buf->element_type()) +
+                            "; expected bfloat16");
+    }
+  }
+  const auto ad = a.dimensions(), bd = b.dimensions();
+  if (ad.size() != 2) return invalid(t, "a must be 2-D; got shape " + jqffi::dims_str(ad));
+  p->mode = mode;
+  p->G = G;
+  p->a_k_major = a_k_major;
+  p->b_k_major = b_k_major;
+  if (mode == kModeRagged) {
+    p->L = p->M = ad[0];
+    p->K = ad[1];
+    if (bd.size() != 3 || bd[0] != G || bd[b_k_major ? 2 : 1] != p->K) {
+      return invalid(t, "b has shape " + jqffi::dims_str(bd) + "; expected [G = " +
+                            std::to_string(G) + (b_k_major ? ", N, K = " : ", K = ") +
+                            std::to_string(p->K) + (b_k_major ? "]" : ", N]"));
+    }
+    p->N = bd[b_k_major ? 1 : 2];
+  } else {
+    p->L = ad[a_k_major ? 1 : 0];
+    p->M = ad[a_k_major ? 0 : 1];
+    p->K = p->L;
+    if (bd.size() != 2 || bd[b_k_major ? 1 : 0] != p->L) {
+      return invalid(t, "b has shape " + jqffi::dims_str(bd) + "; expected " +
+                            (b_k_major ? "[N, L = " : "[L = ") + std::to_string(p->L) +
+                            (b_k_major ? "]" : ", N]"));
+    }
+    p->N = bd[b_k_major ? 0 : 1];
+  }
+  if (p->L >= (int64_t{1} << 31) || p->M >= (int64_t{1} << 31) || p->N >= (int64_t{1} << 31) ||
+      p->K >= (int64_t{1} << 31)) {
+    return invalid(t, "a dimension is >= 2^31");
+  }
+  JQ_RETURN_IF_ERROR(decode_factor(t, "alpha", alpha, G, has_alpha, &p->alpha));
+  const ffi::DataType ot = out->element_type();
+  p->out_kind = ot == ffi::DataType::F32 ? kOutF32 : kOutBF16;
+  if (mode == kModeRagged) {
+    JQ_RETURN_IF_ERROR(expect(t, "out", *out, {ffi::DataType::BF16, ffi::DataType::F32},
+                              {p->L, p->N}));
+  } else {
+    JQ_RETURN_IF_ERROR(expect(t, "out", *out, {ffi::DataType::BF16, ffi::DataType::F32},
+                              {G, p->M, p->N}));
+  }
+  p->a = static_cast<const uint16_t*>(a.untyped_data());
+  p->b = static_cast<const uint16_t*>(b.untyped_data());
+  p->out = out->untyped_data();
+  return ffi::Error::Success();
+}
+
 // The FFI signatures of the grouped targets, one copy for both platforms: the CPU handlers bind
 // `BindX(ffi::Ffi::Bind())`, the CUDA ones `BindX(ffi::Ffi::Bind().Ctx<Stream>())`.
 // jaxquant_grouped_quantize_fp8: x, starts, padded starts, delayed scales -> outputs.
@@ -473,6 +544,24 @@ auto BindGroupedGemmSm90(Binding binding) {
   return BindGroupedGemmAttrs(BindGroupedGemmOperands(std::move(binding))
                                   .template Ret<ffi::AnyBuffer>()
                                   .template Ret<ffi::AnyBuffer>())
+      .template Attr<int32_t>("config")
+      .template Attr<bool>("raster_along_n");
+}
+
+// jaxquant_grouped_gemm_bf16: a, b, pstarts, alpha -> out, workspace; the mode, the operand
+// layouts, and (CUDA) the kernel configuration and tile order.
+template <typename Binding>
+auto BindGroupedGemmBf16(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<int32_t>("mode")
+      .template Attr<bool>("a_k_major")
+      .template Attr<bool>("b_k_major")
+      .template Attr<bool>("has_alpha")
       .template Attr<int32_t>("config")
       .template Attr<bool>("raster_along_n");
 }

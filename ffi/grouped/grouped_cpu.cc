@@ -292,6 +292,65 @@ ffi::Error GroupedGemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer a_scale, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
+// jaxquant_grouped_gemm_bf16 on the CPU: the CUDA kernel's contract (layouts, offsets, alpha,
+// zeros where no group writes) in plain loops, float32 sums in k order. The routing sends the
+// no-recipe and decoded GEMMs to the CUDA kernel only; tests call this handler directly.
+ffi::Error GroupedGemmBf16Cpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer pstarts,
+                              ffi::AnyBuffer alpha, ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Result<ffi::AnyBuffer> workspace, int32_t mode, bool a_k_major,
+                              bool b_k_major, bool has_alpha, int32_t config,
+                              bool raster_along_n) {
+  (void)workspace;
+  (void)config;
+  (void)raster_along_n;
+  Bf16GemmParams p;
+  JQ_RETURN_IF_ERROR(decode_gemm_bf16("jaxquant_grouped_gemm_bf16", a, b, pstarts, alpha, out,
+                                      mode, a_k_major, b_k_major, has_alpha, &p));
+  auto value = [](const uint16_t* v, int64_t i) { return float_of(uint32_t(v[i]) << 16); };
+  auto store = [&](int64_t i, float v) {
+    if (p.out_kind == kOutF32) {
+      static_cast<float*>(p.out)[i] = v;
+    } else {
+      static_cast<uint16_t*>(p.out)[i] = float_to_bf16(v);
+    }
+  };
+  const int64_t N = p.N, M = p.M, L = p.L;
+  auto start = [&](int64_t g) { return std::max<int64_t>(0, std::min<int64_t>(p.pstarts[g], L)); };
+  if (p.mode == kModeRagged) {
+    const int64_t K = p.K;
+    for (int64_t g = 0; g <= p.G; ++g) {  // g == G: the rows past the last group (zeros)
+      const int64_t lo = start(std::min(g, p.G)), hi = g < p.G ? std::max(lo, start(g + 1)) : L;
+      for (int64_t r = lo; r < hi; ++r) {
+        for (int64_t n = 0; n < N; ++n) {
+          float acc = 0.0f;
+          for (int64_t k = 0; g < p.G && k < K; ++k) {
+            const float bv = p.b_k_major ? value(p.b, (g * N + n) * K + k)
+                                         : value(p.b, (g * K + k) * N + n);
+            acc += value(p.a, r * K + k) * bv;
+          }
+          store(r * N + n, g < p.G && p.alpha ? acc * p.alpha[g] : acc);
+        }
+      }
+    }
+  } else {
+    for (int64_t g = 0; g < p.G; ++g) {
+      const int64_t lo = start(g), hi = std::max(lo, start(g + 1));
+      for (int64_t m = 0; m < M; ++m) {
+        for (int64_t n = 0; n < N; ++n) {
+          float acc = 0.0f;
+          for (int64_t l = lo; l < hi; ++l) {
+            const float av = p.a_k_major ? value(p.a, m * L + l) : value(p.a, l * M + m);
+            const float bv = p.b_k_major ? value(p.b, n * L + l) : value(p.b, l * N + n);
+            acc += av * bv;
+          }
+          store((g * M + m) * N + n, p.alpha ? acc * p.alpha[g] : acc);
+        }
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER(kGroupedQuantizeFp8Cpu, GroupedQuantizeFp8Cpu,
@@ -302,6 +361,8 @@ XLA_FFI_DEFINE_HANDLER(kGroupedAmaxCpu, GroupedAmaxCpu, BindGroupedAmax(ffi::Ffi
 XLA_FFI_DEFINE_HANDLER(kGroupedAmaxGatedCpu, GroupedAmaxGatedCpu,
                        BindGroupedAmaxGated(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kGroupedGemmCpu, GroupedGemmCpu, BindGroupedGemm(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kGroupedGemmBf16Cpu, GroupedGemmBf16Cpu,
+                       BindGroupedGemmBf16(ffi::Ffi::Bind()));
 
 void RegisterGroupedTargets(nanobind::dict& cpu, nanobind::dict& cuda) {
   cpu["jaxquant_grouped_quantize_fp8"] = nanobind::capsule(reinterpret_cast<void*>(kGroupedQuantizeFp8Cpu));
@@ -309,6 +370,7 @@ void RegisterGroupedTargets(nanobind::dict& cpu, nanobind::dict& cuda) {
   cpu["jaxquant_grouped_amax"] = nanobind::capsule(reinterpret_cast<void*>(kGroupedAmaxCpu));
   cpu["jaxquant_grouped_amax_gated"] = nanobind::capsule(reinterpret_cast<void*>(kGroupedAmaxGatedCpu));
   cpu["jaxquant_grouped_gemm"] = nanobind::capsule(reinterpret_cast<void*>(kGroupedGemmCpu));
+  cpu["jaxquant_grouped_gemm_bf16"] = nanobind::capsule(reinterpret_cast<void*>(kGroupedGemmBf16Cpu));
 #ifdef JAXQUANT_WITH_CUDA
   for (const CudaTarget& t : GroupedCudaTargets()) cuda[t.name] = nanobind::capsule(t.handler);
 #else

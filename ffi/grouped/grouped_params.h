@@ -80,6 +80,22 @@ struct GemmParams {
   int out_kind = kOutBF16;
 };
 
+// jaxquant_grouped_gemm_bf16: bfloat16 x bfloat16 -> bfloat16 / float32, float32 sums,
+// out = alpha[g] * acc. Operands K-major ("a_k_major" / "b_k_major") or M/N-major:
+//   mode 0: a [L, K]; b [G, N, K] (K-major) or [G, K, N] (N-major)   -> out [L, N]
+//   mode 1: a [M, L] (K-major) or [L, M]; b [N, L] or [L, N]          -> out [G, M, N]
+struct Bf16GemmParams {
+  int mode = kModeRagged;
+  int64_t G = 0, L = 0, M = 0, N = 0, K = 0;
+  bool a_k_major = true, b_k_major = true;
+  const int32_t* pstarts = nullptr;  // [G + 1] group starts along the token axis
+  const uint16_t* a = nullptr;       // bfloat16 bits
+  const uint16_t* b = nullptr;
+  const float* alpha = nullptr;      // [G], or nullptr (1)
+  void* out = nullptr;
+  int out_kind = kOutBF16;           // kOutBF16 or kOutF32
+};
+
 // ---- exact decode (the reference's dequantize_raw), host and device ------------------------
 
 // E5M2 code -> float32 (exact: E5M2 is the high byte of an IEEE half).

@@ -61,14 +61,7 @@ std::string unserved(const GemmParams& p) {
   if (p.mode == kModeRagged && p.K % 16) return "K must be a multiple of 16";
   if (p.mode == kModeWgrad && p.L % 16) return "the token length L must be a multiple of 16";
   if (p.G >= (int64_t{1} << 24)) return "too many groups";
-  int device = 0, major = 0, minor = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-  if (major != 9 || minor != 0) {
-    return "the device is sm_" + std::to_string(10 * major + minor) + "; the kernel is sm_90a";
-  }
-  return "";
+  return sm90::device_reason();
 }
 
 using Runner = std::string (*)(const sm90::Problem&, cudaStream_t);
@@ -190,7 +183,7 @@ XLA_FFI_DEFINE_HANDLER(kGroupedGemmSm90Cuda, GroupedGemmSm90Cuda,
                        {ffi::Traits::kCmdBufferCompatible});
 
 std::vector<CudaTarget> GroupedSm90Targets() {
-  return {{kTarget, reinterpret_cast<void*>(kGroupedGemmSm90Cuda)}};
+  return {{kTarget, reinterpret_cast<void*>(kGroupedGemmSm90Cuda)}, GroupedSm90Bf16Target()};
 }
 
 }  // namespace jqgrouped

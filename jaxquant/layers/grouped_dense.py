@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxquant.grouping import formats
+from jaxquant.layers import grouped_plain
 from jaxquant.ops import grouped as grouped_ops
 from jaxquant.grouping.layout import TokenLayout, clip_sizes
 from jaxquant.grouping.state import init_state as init_group_state
@@ -179,8 +180,9 @@ _grouped_dense.defvjp(_fwd, _bwd, symbolic_zeros=True)
 
 
 def _plain(x, kernel, group_sizes, bias, precision):
-  """No recipe: `jax.lax.ragged_dot` (and its own autodiff), plus the per-group bias."""
-  y = jax.lax.ragged_dot(x, kernel, group_sizes, precision=precision)
+  """No recipe: `jax.lax.ragged_dot` (and its own autodiff; on the bfloat16 CUTLASS kernel where
+  it runs, `grouped_plain`), plus the per-group bias."""
+  y = grouped_plain.ragged_matmul(x, kernel, group_sizes, precision)
   if bias is not None:
     group, _, _ = TokenLayout(x.shape[0], kernel.shape[0]).positions(group_sizes)
     y = y + jnp.concatenate([bias, jnp.zeros_like(bias[:1])])[group].astype(y.dtype)
@@ -201,7 +203,8 @@ def grouped_dense(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array,
       most T; rows past the sum belong to no group and give zeros). Traced under `jit`.
     bias: optional `[G, N]`.
     quantizers: `DenseQuantizers` for the roles `("grouped_linear", input | weight |
-      grad_output, name)`; None: no quantization, exactly `jax.lax.ragged_dot` (+ bias).
+      grad_output, name)`; None: no quantization, `jax.lax.ragged_dot` (+ bias), whose GEMMs
+      run on the bfloat16 CUTLASS grouped kernel on Hopper (`jaxquant.layers.grouped_plain`).
     key: PRNG key for stochastic rounding; group `g` uses `fold_in(key, g)` as
       `jaxquant.dense` uses its key.
     states: per-expert delayed-scaling states `init_states(quantizers, G)` (leading `[G]` axis);

@@ -378,8 +378,9 @@ def gemm(a: GroupedScaledTensor, b: Operand, *, out_dtype=None,
     bias: optional `[G, N]` per-group bias (first mode only), added in float32.
     precision: for two high-precision operands, as `jax.lax.ragged_dot`.
     role: label for `jaxquant.explain` (an FFI decision's detail ends in the kernel that runs
-      it, "kernel: CUTLASS sm90 wgmma" (with its configuration when `JAXQUANT_SM90_CONFIG` names
-      one other than the default) or "kernel: mma.sync", the latter with the reason).
+      it, "kernel: CUTLASS sm90 wgmma" (FP8), "kernel: CUTLASS sm90 bf16 wgmma" (bfloat16 or
+      decoded operands; either with its configuration when it is not the default) or "kernel:
+      mma.sync", the latter with the reason).
   """
   if not isinstance(a, GroupedScaledTensor):
     raise TypeError(f"a: expected a GroupedScaledTensor (from jaxquant.grouped.quantize), got "
@@ -407,13 +408,9 @@ def gemm(a: GroupedScaledTensor, b: Operand, *, out_dtype=None,
     mode, impl = "per-group over tokens", reference.per_group_gemm
   detail = f"{_describe(a)} x {_describe(b)} [{a.groups} groups, {mode}]"
 
-  def kernel_note():
-    target, why = kernels.gemm_kernel(a, b, out_dtype, bias)
-    return ("kernel: CUTLASS sm90 wgmma" + kernels.sm90_kernel_label(a, b, out_dtype)
-            if target == kernels.GEMM_SM90_TARGET else "kernel: mma.sync"), why
-
   path = _record("grouped_gemm", role, detail, None,
-                 lambda: kernels.gemm_unsupported(a, b, out_dtype), kernel_note)
+                 lambda: kernels.gemm_unsupported(a, b, out_dtype),
+                 lambda: kernels.gemm_kernel_note(a, b, out_dtype, bias))
   if path == "ffi":
     return kernels.gemm(a, b, out_dtype=out_dtype, bias=bias, precision=precision)
   kwargs = dict(out_dtype=out_dtype, precision=precision)

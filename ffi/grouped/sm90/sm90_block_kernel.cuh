@@ -239,52 +239,13 @@ std::string run_block_instance(const Problem& p, cudaStream_t stream) {
   using K = BlockKernel<B_ROWS, OUT, CFG>;
   using Gemm = typename K::Gemm;
   if (!p.block_scaled || p.b_block_rows != B_ROWS) return "Float8Block instance mismatch";
-  int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return cudaGetErrorString(e);
   const BlockSetup<K> s = carve_block<K>(p.workspace, p);
-
-  typename Gemm::Arguments args;
-  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape = {int(p.G), s.shapes, nullptr};  // shapes live on the device only
-  args.mainloop = {s.ptr_a, s.stride_a, s.ptr_b, s.stride_b,
-                   s.ptr_sfa, s.layout_sfa, s.ptr_sfb, s.layout_sfb};
-  auto& fusion = args.epilogue.thread;
-  fusion.alpha = 1.0f;
-  fusion.beta = 0.0f;
-  fusion.alpha_ptr = p.alpha;  // alpha[g] per group (stride 1 along groups) or the literal 1
-  fusion.dAlpha = {cute::_0{}, cute::_0{}, p.alpha ? 1 : 0};
-  args.epilogue.ptr_C = nullptr;
-  args.epilogue.dC = nullptr;
-  args.epilogue.ptr_D = s.ptr_d;
-  args.epilogue.dD = s.stride_d;
-  args.hw_info.device_id = device;
-  args.hw_info.sm_count = sm_count_of(device);
-  args.scheduler.raster_order = raster_of<decltype(args.scheduler.raster_order)>(p);
-
-  const size_t need = s.bytes + Gemm::get_workspace_size(args);
-  if (need > p.workspace_bytes) {
-    return "workspace of " + std::to_string(p.workspace_bytes) + " bytes; this GEMM needs " +
-           std::to_string(need);
-  }
-  const unsigned blocks = unsigned(std::max(1, std::min(2 * args.hw_info.sm_count, 1024)));
-  block_setup_kernel<K><<<blocks, 256, 0, stream>>>(p, s);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cudaGetErrorString(e);
-
-  Gemm gemm;
-  cutlass::Status st = gemm.can_implement(args);
-  if (st != cutlass::Status::kSuccess) {
-    return std::string("CUTLASS can_implement: ") + cutlassGetStatusString(st);
-  }
-  st = gemm.initialize(args, static_cast<char*>(p.workspace) + s.bytes, stream);
-  if (st != cutlass::Status::kSuccess) {
-    return std::string("CUTLASS initialize: ") + cutlassGetStatusString(st);
-  }
-  st = gemm.run(stream);
-  if (st != cutlass::Status::kSuccess) {
-    return std::string("CUTLASS run: ") + cutlassGetStatusString(st);
-  }
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cudaGetErrorString(e);
-  return "";
+  const GroupArrays<Gemm> arrays{s.shapes, s.ptr_d, s.stride_d, s.bytes};
+  return launch<Gemm>(
+      p, stream, arrays,
+      {s.ptr_a, s.stride_a, s.ptr_b, s.stride_b, s.ptr_sfa, s.layout_sfa, s.ptr_sfb,
+       s.layout_sfb},
+      [&](unsigned blocks) { block_setup_kernel<K><<<blocks, 256, 0, stream>>>(p, s); });
 }
 
 }  // namespace sm90

@@ -1,8 +1,9 @@
-// The CUTLASS Hopper grouped FP8 GEMM (jaxquant_grouped_gemm_sm90): the plain-data problem the
-// FFI handler (grouped_sm90.cu, no CUTLASS) hands to the kernel instances (sm90_kernel.cuh for
-// per-tensor FP8, one generated translation unit per (A, B, output) type triple;
-// sm90_block_kernel.cuh for Float8Block, one per (B scale granularity, output)), and the
-// workspace contract.
+// The CUTLASS Hopper grouped GEMMs (jaxquant_grouped_gemm_sm90 for FP8 operands,
+// jaxquant_grouped_gemm_bf16 for bfloat16 ones): the plain-data problem the FFI handlers
+// (grouped_sm90.cu, grouped_sm90_bf16.cu; no CUTLASS) hand to the kernel instances
+// (sm90_kernel.cuh for per-tensor FP8 and bfloat16, one generated translation unit per (A, B,
+// output, configuration, layout); sm90_block_kernel.cuh for Float8Block, one per (B scale
+// granularity, output)), launched by sm90_launch.cuh, and the workspace contract.
 //
 // Workspace (an FFI result the caller allocates, `workspace_bytes(G, block_scale_floats(...))`):
 // per-group problem shapes, operand pointers and strides written on the device by a setup
@@ -20,7 +21,8 @@
 namespace jqgrouped {
 namespace sm90 {
 
-enum : int { kE4M3 = 0, kE5M2 = 1 };     // operand element (jqgrouped::kElemE4M3 / kElemE5M2)
+// Operand element (jqgrouped::kElemE4M3 / kElemE5M2; bfloat16 for the bf16 target).
+enum : int { kE4M3 = 0, kE5M2 = 1, kBF16 = 2 };
 enum : int { kOutBF16 = 0, kOutF32 = 2 };  // output (jqgrouped::kOutBF16 / kOutF32)
 // Float8Block B operand: one float32 scale per 1 x 128 (row, K) block or per 128 x 128 tile.
 enum : int { kBlockRows1 = 1, kBlockRows128 = 128 };
@@ -38,14 +40,36 @@ enum : int {
   kCfgFast = 3,          // 128x128x128, cluster 1x1, cooperative, fast accumulation (per-tensor)
   kCfgPingpongFast = 4,  // 128x128x128, cluster 1x1, pingpong, fast accumulation (per-tensor)
   kCfgC2x1 = 5,          // 128x128x128, cluster 2x1, cooperative (Float8Block)
+  // bfloat16 operands (no FP8 promotion; 64-deep k-tiles, 128 bytes of a bf16 row):
+  kCfgBf16 = 6,          // 128x256x64, cluster 1x2, cooperative (the bf16 default)
+  kCfgBf16C2x1 = 7,      // 128x256x64, cluster 2x1, cooperative
+  kCfgBf16Pingpong = 8,  // 64x128x128, cluster 1x1, pingpong (small groups)
 };
+
+// Operand layouts of the bf16 instances (which operand runs contiguously along the contraction
+// K, "K-major", or along its M / N axis). FP8 instances are TN only (FP8 wgmma reads K-major
+// shared memory only).
+//   kLayoutTN: A [.., K] and B [N, K] K-major: fprop / dgrad of quantized (decoded) operands,
+//     the no-recipe dgrad (B = the kernel [G, K, N] read as [N_out = K, K_c = N]), the wgrad of
+//     transposed (columnwise) copies;
+//   kLayoutNN: A K-major, B [K, N] N-major: the no-recipe forward (B = the kernel [G, K, N]);
+//   kLayoutNT: A [K, M] and B [K, N] both M/N-major: the no-recipe wgrad, whose operands are
+//     the tokens x [T, M] and dy [T, N] themselves (contraction over each group's tokens).
+enum : int { kLayoutTN = 0, kLayoutNN = 1, kLayoutNT = 2 };
+__host__ __device__ constexpr bool a_k_major(int layout) { return layout != kLayoutNT; }
+__host__ __device__ constexpr bool b_k_major(int layout) { return layout == kLayoutTN; }
 
 struct Problem {
   int mode = 0;              // 0: ragged rows x experts (fprop / dgrad); 1: wgrad
   int64_t G = 0, L = 0, M = 0, N = 0, K = 0;
   const int32_t* pstarts = nullptr;  // [G + 1] group starts along the token axis (device)
-  const uint8_t* a = nullptr;  // mode 0: [L, K]; mode 1: [M, L]
-  const uint8_t* b = nullptr;  // mode 0: [G, N, K]; mode 1: [N, L]
+  // Operands as bytes (FP8: one a value; bf16: two). K-major (layout kLayoutTN):
+  //   mode 0: a [L, K], b [G, N, K]; mode 1: a [M, L], b [N, L].
+  // N-major b (kLayoutNN, mode 0): b [G, K, N]. M/N-major a and b (kLayoutNT, mode 1): a [L, M],
+  // b [L, N].
+  const uint8_t* a = nullptr;
+  const uint8_t* b = nullptr;
+  int layout = kLayoutTN;
   const float* alpha = nullptr;  // [G] per-group scale product, or nullptr (1)
   void* out = nullptr;           // mode 0: [L, N]; mode 1: [G, M, N]
   int a_elem = kE4M3, b_elem = kE4M3, out_kind = kOutBF16;
@@ -87,9 +111,20 @@ inline size_t workspace_bytes(int64_t G, size_t scale_floats = 0) {
   return size_t(G) * kPerGroupBytes + kFixedBytes + scale_floats * sizeof(float) + kCutlassBytes;
 }
 
+// Why this device cannot run the sm_90a instances ("" when it can).
+inline std::string device_reason() {
+  int device = 0, major = 0, minor = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  if (major == 9 && minor == 0) return "";
+  return "the device is sm_" + std::to_string(10 * major + minor) + "; the kernel is sm_90a";
+}
+
 // One kernel instance (explicitly instantiated in the generated sm90_inst_*.cu files): returns
-// "" on success, else what went wrong (CUTLASS status or CUDA error).
-template <int A, int B, int OUT, int CFG = kCfgDefault>
+// "" on success, else what went wrong (CUTLASS status or CUDA error). A, B: kE4M3 / kE5M2 with
+// LAYOUT kLayoutTN, or kBF16 x kBF16 with any layout.
+template <int A, int B, int OUT, int CFG = kCfgDefault, int LAYOUT = kLayoutTN>
 std::string run_instance(const Problem& p, cudaStream_t stream);
 
 // One Float8Block instance (sm90_block_kernel.cuh; E4M3 x E4M3, A 1 x 128 blocks, B

@@ -1,19 +1,20 @@
-// The CUTLASS Hopper grouped FP8 GEMM instances behind jaxquant_grouped_gemm_sm90 (sm_90a).
+// The CUTLASS Hopper grouped GEMM instances behind jaxquant_grouped_gemm_sm90 (per-tensor FP8)
+// and jaxquant_grouped_gemm_bf16 (bfloat16), sm_90a.
 //
 // One CUTLASS 3.x/4.x pointer-array grouped GEMM (GroupProblemShape, persistent,
-// warp-specialized cooperative: TMA producer warp, two wgmma consumer warpgroups with the FP8
-// two-level accumulation that promotes the tensor-core partial sums to float32 every 4 k-blocks,
-// TMA-store epilogue D = alpha[g] * acc). Both layouts of jaxquant_grouped_gemm are "TN" GEMMs
-// (A and B contiguous along K), so one kernel serves them; only the per-group pointers and
-// strides differ:
+// warp-specialized cooperative or pingpong: TMA producer warp, wgmma consumer warpgroups; for
+// FP8 the two-level accumulation that promotes the tensor-core partial sums to float32 every 4
+// k-blocks; TMA-store epilogue D = alpha[g] * acc). The two modes of jaxquant_grouped_gemm
+// differ only in the per-group pointers and strides:
 //   mode 0 (ragged rows x experts): group g = rows [pstarts[g], pstarts[g+1]) of a [L, K] times
-//     b[g] [N, K]^T -> the same rows of out [L, N];
-//   mode 1 (wgrad): columns [pstarts[g], pstarts[g+1]) of a [M, L] and b [N, L] (row stride L)
+//     b[g] ([N, K] K-major, or [K, N] N-major for bf16 kLayoutNN) -> the same rows of out [L, N];
+//   mode 1 (wgrad): the tokens [pstarts[g], pstarts[g+1]) of a and b (K-major: a [M, L] and
+//     b [N, L], row stride L; bf16 kLayoutNT: a [L, M] and b [L, N], the tokens themselves)
 //     -> out[g] [M, N].
 // A setup kernel writes every group's problem shape, pointers and strides from the device-side
 // `pstarts` into the workspace (no host sync: CUDA-graph compatible) and writes the zeros the
 // GEMM never touches (mode 0: rows past the last group; mode 1: the outputs of empty groups,
-// which get a 0 x N x 0 problem so the tile scheduler skips them).
+// which get a 0 x N x 0 problem so the tile scheduler skips them); sm90_launch.cuh runs it.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -30,16 +31,16 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "grouped/sm90/sm90_gemm.h"
+#include "grouped/sm90/sm90_launch.cuh"
 
 namespace jqgrouped {
 namespace sm90 {
 
 template <int E> struct ElementOf { using type = cutlass::float_e4m3_t; };
 template <> struct ElementOf<kE5M2> { using type = cutlass::float_e5m2_t; };
+template <> struct ElementOf<kBF16> { using type = cutlass::bfloat16_t; };
 template <int O> struct OutputOf { using type = cutlass::bfloat16_t; };
 template <> struct OutputOf<kOutF32> { using type = float; };
-
-using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K)
 
 // Tile, cluster and schedule of each configuration (kCfg* in sm90_gemm.h).
 // kCfgDefault: 128 x 128 x 128 tiles: with the FP8 promotion each consumer warpgroup holds two
@@ -82,16 +83,47 @@ template <>
 struct TileConfig<kCfgC2x1> : TileConfig<kCfgDefault> {
   using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
 };
+// bfloat16: no promotion, so each cooperative warpgroup's 64 x 256 float32 accumulator (128
+// registers) fits a 128 x 256 tile; 64-deep k-tiles (128-byte bf16 rows, the widest TMA
+// swizzle): (128 + 256) x 64 x 2 bytes = 48 KiB a stage, 4 stages. Cluster 1 x 2 (A multicast):
+// N tiles of the bench shapes (1408 = 5.5 x 256, 14336 = 56 x 256) round to an even count
+// anyway, while a group of 210..299 rows has 2 or 3 M tiles (a 2 x 1 cluster would round 3 up).
+template <>
+struct TileConfig<kCfgBf16> : TileConfig<kCfgDefault> {
+  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+};
+// The same tile with cluster 2 x 1 (B multicast: a weight tile shared by two row tiles).
+template <>
+struct TileConfig<kCfgBf16C2x1> : TileConfig<kCfgBf16> {
+  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+};
+// Small groups: each consumer warpgroup its own 64 x 128 tile (64 accumulator registers), one's
+// epilogue under the other's mainloop; 64-row tiles waste less of a short group than 128.
+template <>
+struct TileConfig<kCfgBf16Pingpong> : TileConfig<kCfgDefault> {
+  using TileShape = cute::Shape<cute::_64, cute::_128, cute::_128>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  static constexpr bool kPingpong = true;
+};
 
-template <int A, int B, int OUT, int CFG = kCfgDefault>
+template <int A, int B, int OUT, int CFG = kCfgDefault, int LAYOUT = kLayoutTN>
 struct Kernel {
   using ElementA = typename ElementOf<A>::type;
   using ElementB = typename ElementOf<B>::type;
   using ElementD = typename OutputOf<OUT>::type;
-  using LayoutA = cutlass::layout::RowMajor;
-  using LayoutB = cutlass::layout::ColumnMajor;
+  static_assert(LAYOUT == kLayoutTN || (A == kBF16 && B == kBF16),
+                "FP8 wgmma reads K-major operands only (layout TN)");
+  static_assert((A == kBF16) == (B == kBF16), "bfloat16 pairs with bfloat16 only");
+  static constexpr bool kAKMajor = a_k_major(LAYOUT), kBKMajor = b_k_major(LAYOUT);
+  // CUTLASS's tags: A RowMajor = [M, K] K-major; B ColumnMajor = [N, K] K-major.
+  using LayoutA = cute::conditional_t<kAKMajor, cutlass::layout::RowMajor,
+                                      cutlass::layout::ColumnMajor>;
+  using LayoutB = cute::conditional_t<kBKMajor, cutlass::layout::ColumnMajor,
+                                      cutlass::layout::RowMajor>;
   using LayoutD = cutlass::layout::RowMajor;
-  static constexpr int kAlignA = 16, kAlignB = 16, kAlignD = 16 / sizeof(ElementD);
+  // 16-byte TMA rows.
+  static constexpr int kAlignA = 16 / sizeof(ElementA), kAlignB = 16 / sizeof(ElementB),
+                       kAlignD = 16 / sizeof(ElementD);
   using Config = TileConfig<CFG>;
   using TileShape = typename Config::TileShape;
   using ClusterShape = typename Config::ClusterShape;
@@ -141,10 +173,13 @@ struct Setup {
   size_t bytes;  // bytes used by the arrays (CUTLASS's workspace follows)
 };
 
-inline size_t align256(size_t n) { return (n + 255) & ~size_t(255); }
-
 template <class K>
 Setup<K> carve(void* base, int64_t G) {
+  static_assert(sizeof(typename ProblemShape::UnderlyingProblemShape) + 3 * sizeof(void*) +
+                        sizeof(typename K::StrideA) + sizeof(typename K::StrideB) +
+                        sizeof(typename K::StrideD) <=
+                    kPerGroupBytes,
+                "per-group setup arrays exceed kPerGroupBytes");
   Setup<K> s;
   char* p = static_cast<char*>(base);
   size_t off = 0;
@@ -160,44 +195,56 @@ Setup<K> carve(void* base, int64_t G) {
   return s;
 }
 
-__device__ __forceinline__ int64_t clamp_start(const int32_t* pstarts, int64_t g, int64_t L) {
-  const int64_t v = pstarts[g];
-  return v < 0 ? 0 : v > L ? L : v;
+// An operand's stride with the leading dimension `ld` in its dynamic mode: mode 0 (M or N) for
+// a K-major operand, mode 1 (K) for an M/N-major one.
+template <bool KMajor, class Stride>
+__device__ __forceinline__ Stride leading(int64_t ld) {
+  Stride s{};
+  if constexpr (KMajor) {
+    cute::get<0>(s) = ld;
+  } else {
+    cute::get<1>(s) = ld;
+  }
+  return s;
 }
 
 // Block 0 writes the per-group arrays; every block zero-fills what no GEMM tile writes.
 template <class K>
 __global__ void setup_kernel(const Problem p, Setup<K> s) {
+  using ElementA = typename K::ElementA;
+  using ElementB = typename K::ElementB;
   using ElementD = typename K::ElementD;
+  const ElementA* a = reinterpret_cast<const ElementA*>(p.a);
+  const ElementB* b = reinterpret_cast<const ElementB*>(p.b);
   if (blockIdx.x == 0) {
     for (int64_t g = threadIdx.x; g < p.G; g += blockDim.x) {
       const int64_t lo = clamp_start(p.pstarts, g, p.L);
       const int64_t hi = max(lo, clamp_start(p.pstarts, g + 1, p.L));
-      // mode 1 slices the token axis: TMA needs each group's first column 16-byte aligned
-      // (the caller's token layout block is a multiple of 16). Never silently wrong: trap.
-      if (p.mode == 1 && hi > lo && (lo & 15) != 0) __trap();
-      typename K::StrideA sa{};
-      typename K::StrideB sb{};
+      // mode 1 slices the token axis of K-major operands: TMA needs each group's first token
+      // 16-byte aligned (the caller's token layout block guarantees it). Never silently wrong:
+      // trap. (M/N-major operands start a group on a whole row: aligned by M % 8, N % 8.)
+      constexpr int64_t kAlignTokens = 16 / sizeof(ElementA);
+      if (p.mode == 1 && hi > lo && (K::kAKMajor || K::kBKMajor) && (lo % kAlignTokens) != 0) {
+        __trap();
+      }
       typename K::StrideD sd{};
       cute::get<1>(sd) = cute::Int<1>{};
       cute::get<0>(sd) = p.N;
       if (p.mode == 0) {
         s.shapes[g] = {int(hi - lo), int(p.N), int(p.K)};
-        s.ptr_a[g] = reinterpret_cast<const typename K::ElementA*>(p.a + lo * p.K);
-        s.ptr_b[g] = reinterpret_cast<const typename K::ElementB*>(p.b + g * p.N * p.K);
+        s.ptr_a[g] = a + lo * p.K;
+        s.ptr_b[g] = b + g * p.N * p.K;
         s.ptr_d[g] = static_cast<ElementD*>(p.out) + lo * p.N;
-        cute::get<0>(sa) = p.K;
-        cute::get<0>(sb) = p.K;
+        s.stride_a[g] = leading<K::kAKMajor, typename K::StrideA>(p.K);
+        s.stride_b[g] = leading<K::kBKMajor, typename K::StrideB>(K::kBKMajor ? p.K : p.N);
       } else {
         s.shapes[g] = {hi > lo ? int(p.M) : 0, int(p.N), int(hi - lo)};
-        s.ptr_a[g] = reinterpret_cast<const typename K::ElementA*>(p.a + lo);
-        s.ptr_b[g] = reinterpret_cast<const typename K::ElementB*>(p.b + lo);
+        s.ptr_a[g] = K::kAKMajor ? a + lo : a + lo * p.M;
+        s.ptr_b[g] = K::kBKMajor ? b + lo : b + lo * p.N;
         s.ptr_d[g] = static_cast<ElementD*>(p.out) + g * p.M * p.N;
-        cute::get<0>(sa) = p.L;
-        cute::get<0>(sb) = p.L;
+        s.stride_a[g] = leading<K::kAKMajor, typename K::StrideA>(K::kAKMajor ? p.L : p.M);
+        s.stride_b[g] = leading<K::kBKMajor, typename K::StrideB>(K::kBKMajor ? p.L : p.N);
       }
-      s.stride_a[g] = sa;
-      s.stride_b[g] = sb;
       s.stride_d[g] = sd;
     }
   }
@@ -216,77 +263,23 @@ __global__ void setup_kernel(const Problem p, Setup<K> s) {
   }
 }
 
-inline int sm_count_of(int device) {
-  static int cached[64] = {};
-  if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
-  int n = 0;
-  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
-  if (device >= 0 && device < 64) cached[device] = n;
-  return n;
-}
-
-// The tile order of the persistent scheduler (a runtime choice, no instance of its own).
-template <class RasterOrder>
-RasterOrder raster_of(const Problem& p) {
-  return p.raster_along_n ? RasterOrder::AlongN : RasterOrder::AlongM;
-}
-
-template <int A, int B, int OUT, int CFG>
+template <int A, int B, int OUT, int CFG, int LAYOUT>
 std::string run_instance(const Problem& p, cudaStream_t stream) {
-  using K = Kernel<A, B, OUT, CFG>;
+  using K = Kernel<A, B, OUT, CFG, LAYOUT>;
   using Gemm = typename K::Gemm;
-  int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return cudaGetErrorString(e);
+  if (p.layout != LAYOUT) return "operand layout does not match the instance";
   const Setup<K> s = carve<K>(p.workspace, p.G);
-
-  typename Gemm::Arguments args;
-  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape = {int(p.G), s.shapes, nullptr};  // shapes live on the device only
-  args.mainloop = {s.ptr_a, s.stride_a, s.ptr_b, s.stride_b};
-  auto& fusion = args.epilogue.thread;
-  fusion.alpha = 1.0f;
-  fusion.beta = 0.0f;
-  fusion.alpha_ptr = p.alpha;  // alpha[g] per group (stride 1 along groups) or the literal 1
-  fusion.dAlpha = {cute::_0{}, cute::_0{}, p.alpha ? 1 : 0};
-  args.epilogue.ptr_C = nullptr;
-  args.epilogue.dC = nullptr;
-  args.epilogue.ptr_D = s.ptr_d;
-  args.epilogue.dD = s.stride_d;
-  args.hw_info.device_id = device;
-  args.hw_info.sm_count = sm_count_of(device);
-  // Along M (default): a group's B tile reused along its rows.
-  args.scheduler.raster_order = raster_of<decltype(args.scheduler.raster_order)>(p);
-
-  const size_t need = s.bytes + Gemm::get_workspace_size(args);
-  if (need > p.workspace_bytes) {
-    return "workspace of " + std::to_string(p.workspace_bytes) + " bytes; this GEMM needs " +
-           std::to_string(need);
-  }
-  const unsigned blocks = unsigned(std::max(1, std::min(2 * args.hw_info.sm_count, 1024)));
-  setup_kernel<K><<<blocks, 256, 0, stream>>>(p, s);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cudaGetErrorString(e);
-
-  Gemm gemm;
-  cutlass::Status st = gemm.can_implement(args);
-  if (st != cutlass::Status::kSuccess) {
-    return std::string("CUTLASS can_implement: ") + cutlassGetStatusString(st);
-  }
-  st = gemm.initialize(args, static_cast<char*>(p.workspace) + s.bytes, stream);
-  if (st != cutlass::Status::kSuccess) {
-    return std::string("CUTLASS initialize: ") + cutlassGetStatusString(st);
-  }
-  st = gemm.run(stream);
-  if (st != cutlass::Status::kSuccess) {
-    return std::string("CUTLASS run: ") + cutlassGetStatusString(st);
-  }
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cudaGetErrorString(e);
-  return "";
+  const GroupArrays<Gemm> arrays{s.shapes, s.ptr_d, s.stride_d, s.bytes};
+  return launch<Gemm>(p, stream, arrays, {s.ptr_a, s.stride_a, s.ptr_b, s.stride_b},
+                      [&](unsigned blocks) { setup_kernel<K><<<blocks, 256, 0, stream>>>(p, s); });
 }
 
 }  // namespace sm90
 }  // namespace jqgrouped
 
 // Explicit instantiation, used by the generated sm90_inst_*.cu files.
-#define JQ_SM90_INSTANTIATE(A, B, OUT, CFG)                                          \
-  template std::string jqgrouped::sm90::run_instance<A, B, OUT, CFG>(                \
+#define JQ_SM90_INSTANTIATE(A, B, OUT, CFG) JQ_SM90_INSTANTIATE_LAYOUT(A, B, OUT, CFG, \
+                                                                       jqgrouped::sm90::kLayoutTN)
+#define JQ_SM90_INSTANTIATE_LAYOUT(A, B, OUT, CFG, LAYOUT)                           \
+  template std::string jqgrouped::sm90::run_instance<A, B, OUT, CFG, LAYOUT>(        \
       const jqgrouped::sm90::Problem&, cudaStream_t);

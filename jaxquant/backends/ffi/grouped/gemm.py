@@ -1,6 +1,7 @@
 """The grouped GEMMs through `jaxquant_grouped_gemm` or, for per-tensor FP8 and Float8Block on
-Hopper, its CUTLASS twin `jaxquant_grouped_gemm_sm90` (`support.gemm_kernel` picks; one call per
-GEMM; the CUTLASS kernel's configuration, `sm90_configs`, is read when the GEMM is traced).
+Hopper, its CUTLASS twin `jaxquant_grouped_gemm_sm90`, or, for operands decoded to bfloat16,
+the bfloat16 CUTLASS kernel (`decoded`; `support.gemm_kernel` picks; one call per GEMM; the
+CUTLASS kernel's configuration, `sm90_configs`, is read when the GEMM is traced).
 
 Same contract as `jaxquant.backends.reference.grouped` (`ragged_gemm` for a rowwise `a`, `per_group_gemm`
 for a columnwise one): the kernel decodes each operand exactly (payload times block scale), sums
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant.backends.ffi import calls
-from jaxquant.backends.ffi.grouped import support
+from jaxquant.backends.ffi.grouped import decoded, support
 from jaxquant.backends.reference import grouped as reference
 from jaxquant.grouping.tensors import GroupedScaledTensor, factor, token_factor
 
@@ -51,6 +52,8 @@ def gemm(a: GroupedScaledTensor, b, *, out_dtype, bias: Optional[jax.Array] = No
   reason = support.gemm_unsupported(a, b, out_dtype)
   if reason is not None:
     raise ValueError(f"grouped FFI GEMM cannot serve this pair: {reason}")
+  if support.gemm_kernel(a, b, out_dtype, bias)[0] == support.GEMM_BF16_TARGET:
+    return decoded.gemm(a, b, out_dtype=out_dtype, bias=bias)
   groups = a.groups
   pstarts = jnp.concatenate([jnp.zeros((1,), jnp.int32),
                              jnp.cumsum(a.layout.extents(a.group_sizes).astype(jnp.int32))])

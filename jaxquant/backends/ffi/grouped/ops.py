@@ -4,13 +4,14 @@ from jaxquant.backends.ffi.grouped.gemm import gemm
 from jaxquant.backends.ffi.grouped.quantize import (quantize_experts, quantize_token_pair,
                                                     quantize_tokens)
 from jaxquant.backends.ffi.grouped.support import (GEMM_SM90_TARGET, expert_route,
-                                                   fp8_kernel_note, gemm_kernel, gemm_scaling,
+                                                   fp8_kernel_note, gemm_kernel,
+                                                   gemm_kernel_note, gemm_scaling,
                                                    gemm_unsupported, quantize_experts_unsupported,
                                                    quantize_route, quantize_unsupported,
                                                    sm90_kernel_label, sm90_wgrad_block)
 
 __all__ = ["gemm", "quantize_experts", "quantize_token_pair", "quantize_tokens", "expert_route",
-           "fp8_kernel_note", "gemm_kernel", "gemm_scaling", "gemm_unsupported",
+           "fp8_kernel_note", "gemm_kernel", "gemm_kernel_note", "gemm_scaling", "gemm_unsupported",
            "sm90_kernel_label", "sm90_wgrad_block",
            "quantize_experts_unsupported", "quantize_route", "quantize_unsupported",
            "GEMM_SM90_TARGET"]

@@ -1,10 +1,12 @@
-"""Kernel configurations of the CUTLASS Hopper grouped GEMM (`jaxquant_grouped_gemm_sm90`).
+"""Kernel configurations of the CUTLASS Hopper grouped GEMMs (`jaxquant_grouped_gemm_sm90`, FP8
+operands; `jaxquant_grouped_gemm_bf16`, bfloat16 operands).
 
 Each configuration is one set of CUTLASS template choices (tile, cluster, cooperative or
 pingpong schedule, FP8 float32 promotion or fast accumulation) compiled as its own instances
 (ffi/grouped/sm90/sm90.cmake, `kCfg*` in ffi/grouped/sm90/sm90_gemm.h; this table mirrors
-both). "default" has instances for every type the kernel takes; the others are alternatives to
-measure against it and exist only for the types of the measured cases (`INSTANCES`).
+both). "default" has instances for every FP8 type the kernel takes and "bf16" for every
+bfloat16 operand layout; the others are alternatives to measure against them and exist only for
+the types of the measured cases (each configuration's `instances`).
 
 Which one runs is chosen when the GEMM is traced: `JAXQUANT_SM90_CONFIG=<name>[:rn]` (":rn"
 orders the persistent tile scheduler along N instead of along M, a runtime choice with no
@@ -37,6 +39,14 @@ PER_TENSOR_ANY = "per-tensor FP8, every type"
 FLOAT8BLOCK_ANY = "Float8Block, every type"
 PER_TENSOR_E4M3_BF16 = "per-tensor FP8 E4M3 x E4M3 -> bfloat16"
 FLOAT8BLOCK_1x128_BF16 = "Float8Block 1x128 x 1x128 -> bfloat16"
+# bfloat16 x bfloat16 (jaxquant_grouped_gemm_bf16) by operand layout (which operands run along
+# the contraction: TN both, NN only a (the no-recipe forward's experts [G, K, N] are N-major),
+# NT neither (the no-recipe wgrad contracts the token-major x and dy)) and output.
+BF16_TN_BF16 = "bfloat16 TN -> bfloat16"
+BF16_TN_F32 = "bfloat16 TN -> float32"
+BF16_NN_BF16 = "bfloat16 NN -> bfloat16"
+BF16_NT_BF16 = "bfloat16 NT -> bfloat16"
+_BF16_LAYOUTS = (BF16_TN_BF16, BF16_NN_BF16, BF16_NT_BF16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +80,19 @@ CONFIGS = {c.name: c for c in (
                (PER_TENSOR_E4M3_BF16,)),
     Sm90Config("c2x1", 5, (128, 128, 128), (2, 1), "cooperative", "split",
                (FLOAT8BLOCK_1x128_BF16,)),
+    # bfloat16: float32 accumulation throughout (no FP8 promotion question), 64-deep k-tiles
+    Sm90Config("bf16", 6, (128, 256, 64), (1, 2), "cooperative", "float32",
+               _BF16_LAYOUTS + (BF16_TN_F32,)),
+    Sm90Config("bf16_c2x1", 7, (128, 256, 64), (2, 1), "cooperative", "float32", _BF16_LAYOUTS),
+    Sm90Config("bf16_pingpong", 8, (64, 128, 128), (1, 1), "pingpong", "float32",
+               _BF16_LAYOUTS),
 )}
 DEFAULT = CONFIGS["default"]
+BF16_DEFAULT = CONFIGS["bf16"]
+# Average tokens per group at or below which a bfloat16 GEMM takes "bf16_pingpong" (64-row
+# tiles) without JAXQUANT_SM90_CONFIG: a 128-row tile would be mostly padding there. Not
+# measured yet (bench/grouped.py --gemms --sm90-configs bf16,bf16_c2x1,bf16_pingpong).
+BF16_SMALL_GROUP_TOKENS = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +107,7 @@ class Selection:
 
   @property
   def is_default(self) -> bool:
-    return self.config is DEFAULT and not self.raster_along_n
+    return self.config in (DEFAULT, BF16_DEFAULT) and not self.raster_along_n
 
   def attributes(self) -> dict:
     """The handler's attributes for this selection."""
@@ -154,6 +175,36 @@ def unserved(selection: Selection, a, b, out_dtype, block: bool) -> Optional[str
           f"per-tensor FP8 {np.dtype(a.data.dtype).name} x {np.dtype(b.data.dtype).name}")
   return (f"{ENV}={selection.label}: configuration {config.name!r} has instances for "
           f"{', '.join(config.instances)} only, not {what} -> {out}")
+
+
+def bf16_kind(layout: str, out_dtype) -> str:
+  """The bfloat16 instance kind of a GEMM with operand `layout` ("TN", "NN" or "NT") writing
+  `out_dtype` (bfloat16 or float32)."""
+  return f"bfloat16 {layout} -> {np.dtype(out_dtype).name}"
+
+
+def automatic_bf16(kind: str, tokens_per_group: float) -> Selection:
+  """The configuration a bfloat16 GEMM takes without `JAXQUANT_SM90_CONFIG`: "bf16" (128 x 256
+  tiles), or "bf16_pingpong" (64 x 128 tiles) where it has an instance and the groups average
+  at most `BF16_SMALL_GROUP_TOKENS` tokens (fprop / dgrad rows, wgrad contraction). A rule by
+  shape until the alternatives are timed on the card (bench/grouped.py --sm90-configs)."""
+  small = CONFIGS["bf16_pingpong"]
+  if tokens_per_group <= BF16_SMALL_GROUP_TOKENS and kind in small.instances:
+    return Selection(small)
+  return Selection(BF16_DEFAULT)
+
+
+def bf16_selection(layout: str, out_dtype, tokens_per_group: float) -> Selection:
+  """The configuration a bfloat16 GEMM is traced with: the one `JAXQUANT_SM90_CONFIG` forces
+  (ValueError when it has no instance for this layout and output), else `automatic_bf16`."""
+  kind = bf16_kind(layout, out_dtype)
+  selection = selected()
+  if selection is None:
+    return automatic_bf16(kind, tokens_per_group)
+  if kind not in selection.config.instances:
+    raise ValueError(f"{ENV}={selection.label}: configuration {selection.config.name!r} has "
+                     f"instances for {', '.join(selection.config.instances)} only, not {kind}")
+  return selection
 
 
 def kernel_label(selection: Selection) -> str:

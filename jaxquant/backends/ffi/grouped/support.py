@@ -31,8 +31,17 @@ Targets (ffi/grouped, CPU and CUDA handlers with the same numerics):
       pointer-array grouped GEMM (TMA + FP8 wgmma with float32 promotion, per-group scale product
       in the epilogue; for Float8Block the blockwise-scaled mainloop, which multiplies each
       128-deep k-block's partial sums by the row and column block scales before adding them in
-      float32), group offsets read on the device. `gemm_kernel` picks it where it serves, else the
-      mma.sync kernel with the reason (`jaxquant.explain` shows it).
+      float32), group offsets read on the device. `gemm_kernel` picks it where it serves.
+  jaxquant_grouped_gemm_bf16  the same two GEMM modes on bfloat16 operands (CUDA: CUTLASS's
+      Hopper grouped kernel with bfloat16 wgmma, float32 sums, per-group alpha, bfloat16 or
+      float32 out; operands K-major or, with no transpose, as GroupedDense stores them: `bf16`).
+      It serves GroupedDense without a recipe (`jaxquant.layers.grouped_plain`), GEMMs of
+      high-precision (Identity) bfloat16 operands, and every other pair of exactly decodable
+      operands (MXFP8, NVFP4 in all its options, power-of-two Float8Block, per-tensor FP8 pairs
+      the FP8 instances do not take): XLA decodes them to bfloat16 and the per-row / per-column
+      factors and the bias are applied to a float32 output (`decoded`). Else, or with
+      JAXQUANT_GROUPED_GEMM_KERNEL=mma_sync, the mma.sync kernel, with the reason
+      (`jaxquant.explain` shows the kernel and why).
 
 Block formats whose scales are block-local (MXFP8, Float8Block; the rowwise copy of row-scaled
 NVFP4) need no grouped quantize kernel: the reference quantizes the padded token layout with the
@@ -57,7 +66,7 @@ import numpy as np
 
 from jaxquant.backends.ffi import quantize as single_quantize
 from jaxquant.backends.ffi import registry
-from jaxquant.backends.ffi.grouped import sm90_configs
+from jaxquant.backends.ffi.grouped import bf16, decoded, sm90_configs
 from jaxquant.backends.platform import compute_capability
 from jaxquant.backends.platform import current_platform as _platform
 from jaxquant.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer,
@@ -67,6 +76,7 @@ from jaxquant.state import needs_current_amax
 
 QUANTIZE_TARGET_PREFIX = "jaxquant_grouped_quantize"
 GEMM_SM90_TARGET = "jaxquant_grouped_gemm_sm90"
+GEMM_BF16_TARGET = bf16.TARGET
 # jaxquant_grouped_gemm_sm90's workspace (ffi/grouped/sm90/sm90_gemm.h, workspace_bytes): per
 # group 128 bytes of problem shapes / pointers / strides, plus a bound on CUTLASS's workspace.
 SM90_WORKSPACE_PER_GROUP = 128
@@ -268,8 +278,20 @@ def gemm_scaling(operand) -> Optional[int]:
   return None
 
 
+def _decodes_exactly(a, b) -> bool:
+  """Whether every quantized operand of the pair decodes exactly to bfloat16."""
+  return all(gemm_scaling(o) is not None for o in (a, b) if not decoded.high_precision(o))
+
+
 def gemm_unsupported(a, b, out_dtype=None) -> Optional[str]:
-  """Why a grouped GEMM of `a` and `b` cannot run on the FFI."""
+  """Why a grouped GEMM of `a` and `b` cannot run on the FFI. A pair with a high-precision
+  (Identity) operand runs only on the bfloat16 CUTLASS kernel (`decoded`)."""
+  bf16_reason = None
+  if decoded.high_precision(a) or decoded.high_precision(b):
+    bf16_reason = decoded.route_reason(a, b, a.orig_dtype if out_dtype is None else out_dtype,
+                                       exact=_decodes_exactly(a, b))
+    if bf16_reason is None:
+      return None
   for name, operand in (("a", a), ("b", b)):
     if gemm_scaling(operand) is None:
       q = getattr(operand, "quantizer", None)
@@ -278,7 +300,8 @@ def gemm_unsupported(a, b, out_dtype=None) -> Optional[str]:
       if isinstance(q, Float8BlockQuantizer):
         what += " with pow2_scale=False (its decoded values are not exact in bfloat16)"
       return (f"{name} is {what}: the grouped GEMM kernel takes per-tensor FP8, MXFP8, NVFP4 "
-              "and power-of-two Float8Block operands (the reference runs jax.lax.ragged_dot)")
+              "and power-of-two Float8Block operands (the reference runs jax.lax.ragged_dot)"
+              + (f"; the bfloat16 CUTLASS kernel: {bf16_reason}" if bf16_reason else ""))
   if out_dtype is not None and np.dtype(out_dtype) not in OUT_DTYPES:
     return f"output dtype {np.dtype(out_dtype).name}; the kernel writes bfloat16/float16/float32"
   if a.token_axis == 0:
@@ -388,9 +411,9 @@ def sm90_unsupported(a, b, out_dtype=None, bias=None) -> Optional[str]:
     for name, operand in (("a", a), ("b", b)):
       if gemm_scaling(operand) != 0:
         q = getattr(operand, "quantizer", None)
-        return (f"{name} is {type(q).__name__}: the CUTLASS Hopper kernel takes per-tensor FP8 "
-                "and Float8Block operands (MXFP8 and FP4 operands are decoded by the mma.sync "
-                "kernel)")
+        return (f"{name} is {type(q).__name__}: the CUTLASS Hopper FP8 kernel takes per-tensor "
+                "FP8 and Float8Block operands (others are decoded to bfloat16 for the CUTLASS "
+                "bfloat16 kernel, or by the mma.sync kernel)")
   e5m2 = np.dtype(jnp.float8_e5m2)
   if np.dtype(a.data.dtype) == e5m2 and np.dtype(b.data.dtype) == e5m2:
     return "E5M2 x E5M2 has no CUTLASS instance"
@@ -414,14 +437,35 @@ def sm90_unsupported(a, b, out_dtype=None, bias=None) -> Optional[str]:
 
 
 def gemm_kernel(a, b, out_dtype=None, bias=None) -> tuple[str, str]:
-  """(FFI target, why not the CUTLASS kernel or "") for a grouped GEMM the FFI serves. Raises
-  ValueError when `JAXQUANT_SM90_CONFIG` names a CUTLASS configuration without an instance for
-  this GEMM (`sm90_selection`)."""
+  """(FFI target, why not a CUTLASS kernel or "") for a grouped GEMM the FFI serves: the FP8
+  CUTLASS instances where they serve, else the bfloat16 CUTLASS instances on operands decoded
+  by XLA (`decoded`; JAXQUANT_GROUPED_GEMM_KERNEL=mma_sync opts out), else the mma.sync kernel.
+  Raises ValueError when `JAXQUANT_SM90_CONFIG` names a CUTLASS configuration without an
+  instance for this GEMM (`sm90_selection`, `sm90_configs.bf16_selection`)."""
   reason = sm90_unsupported(a, b, out_dtype, bias)
   if reason is None:
     sm90_selection(a, b, out_dtype)
     return GEMM_SM90_TARGET, ""
+  out = a.orig_dtype if out_dtype is None else out_dtype
+  bf16_reason = decoded.route_reason(a, b, out, bias, exact=_decodes_exactly(a, b))
+  if bf16_reason is None:
+    decoded.kernel_label(a, b, out, bias)  # a forced configuration without an instance raises
+    return GEMM_BF16_TARGET, ""
+  if bf16.device_reason() is None:  # else the same device reason twice
+    reason += f"; not decoded for the CUTLASS bfloat16 kernel: {bf16_reason}"
   return GEMM_TARGET, f"mma.sync grouped kernel: {reason}"
+
+
+def gemm_kernel_note(a, b, out_dtype=None, bias=None) -> tuple[str, str]:
+  """What `jaxquant.explain` appends to an FFI grouped GEMM's detail ("kernel: ..." naming the
+  kernel and any non-default configuration) and why a slower kernel serves it ("")."""
+  target, why = gemm_kernel(a, b, out_dtype, bias)
+  if target == GEMM_SM90_TARGET:
+    return "kernel: CUTLASS sm90 wgmma" + sm90_kernel_label(a, b, out_dtype), ""
+  if target == GEMM_BF16_TARGET:
+    out = a.orig_dtype if out_dtype is None else out_dtype
+    return "kernel: " + decoded.kernel_label(a, b, out, bias), ""
+  return "kernel: mma.sync", why
 
 
 def sm90_selection(a, b, out_dtype=None) -> sm90_configs.Selection:
@@ -446,10 +490,13 @@ def sm90_kernel_label(a, b, out_dtype=None) -> str:
 
 
 def sm90_wgrad_block(x_quantizer, dy_quantizer) -> int:
-  """Token-layout block for the wgrad copies so the CUTLASS kernel can serve the wgrad GEMM
-  (16 when both columnwise operands are per-tensor FP8 and the kernel can run here, else 1)."""
-  if not (isinstance(x_quantizer, _PER_TENSOR_FP8) and isinstance(dy_quantizer, _PER_TENSOR_FP8)):
+  """Token-layout block for the wgrad copies so a CUTLASS kernel can serve the wgrad GEMM: 16
+  when both columnwise operands are per-tensor FP8 and the FP8 kernel can run here, else 8 where
+  the bfloat16 kernel can run (decoded or Identity operands; 16-byte aligned bfloat16 group
+  starts; block formats already need more), else 1."""
+  if registry.unserved_reason(_platform()) is not None:
     return 1
-  if registry.unserved_reason(_platform()) is not None or _sm90_device_reason() is not None:
-    return 1
-  return SM90_WGRAD_BLOCK
+  if (isinstance(x_quantizer, _PER_TENSOR_FP8) and isinstance(dy_quantizer, _PER_TENSOR_FP8)
+      and _sm90_device_reason() is None):
+    return SM90_WGRAD_BLOCK
+  return bf16.ALIGN if bf16.device_reason() is None else 1

@@ -1,0 +1,530 @@
+"""The bfloat16 grouped GEMM (`jaxquant_grouped_gemm_bf16`) and the routes that take it:
+`GroupedDense` without a recipe, high-precision (Identity) operands, and quantized operands
+decoded exactly to bfloat16 (MXFP8, NVFP4 row-scaled / 2-D / RHT, hybrids, mixed pairs).
+
+Stated bound of the kernel against float64 math on its (exact) bfloat16 operands, per output
+element, K terms summed (`_assert_within`):
+
+    |out - exact| <= 4 K 2^-24 sum_k |alpha a_k b_k| + r |exact|,  r = 2^-8 (bfloat16 out), 2^-22 (f32)
+
+(float32 sums of K exact products in any order are within (K - 1) 2^-24 sum |a b|; the factor 4
+leaves room for the tensor cores' alignment of a k-step's products; r: one rounding of the
+output, plus alpha's product in float32.) A wrong group, layout or stride breaks it by orders
+of magnitude: `oracle.random_matrix` spreads magnitudes over 2^-8..2^8.
+
+Routes through `jaxquant.grouped.gemm` are compared with the reference (exact decode, float32
+sums) as tests/test_grouped_ffi.py compares the other kernels: `2^-14 max |ref|` on the CPU
+handler (float32 sums in both), `2^-10` on the GPU (XLA runs the reference's GEMM its own way),
+plus one bfloat16 rounding (2^-8) for bfloat16 outputs.
+
+CPU tests call the CPU handler (the CUDA kernel's contract in plain loops) directly, and check
+the routing and `jaxquant.explain` with the kernel's device check passed (`bf16_device`: then
+the CPU handler serves what the CUDA kernel would); `-m gpu` runs the CUTLASS kernel itself.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+import jaxquant.flax  # noqa: F401
+import jaxquant.grouped as jg
+import oracle
+import test_grouped_ffi as tgf
+from jaxquant.backends.ffi import registry
+from jaxquant.backends.ffi.grouped import bf16, decoded, sm90_configs
+from jaxquant.backends.ffi.grouped import support as kernels
+from jaxquant.layers.dense import DenseQuantizers
+from jaxquant.layers.grouped_dense import token_blocks
+
+BF16 = np.dtype(jnp.bfloat16)
+F32 = np.dtype(np.float32)
+KERNEL = bf16.KERNEL  # "CUTLASS sm90 bf16 wgmma"
+DECODED = KERNEL + " on operands decoded to bfloat16"
+# (mode, layout, output): the instances of the default configuration
+CASES = [(0, "TN", BF16), (0, "TN", F32), (0, "NN", BF16), (1, "TN", BF16), (1, "TN", F32),
+         (1, "NT", BF16)]
+K_MAJOR = {"TN": (True, True), "NN": (True, False), "NT": (False, False)}
+
+
+def _cpu_handler() -> bool:
+  return bf16.TARGET in registry.registered_targets("cpu")
+
+
+needs_cpu_handler = pytest.mark.skipif(not _cpu_handler(),
+                                       reason="jaxquant FFI extension without "
+                                              "jaxquant_grouped_gemm_bf16")
+
+
+@pytest.fixture
+def bf16_device(monkeypatch):
+  """The bfloat16 kernel's device check passed (the CPU handler serves what the CUDA kernel
+  would), other backends' choices untouched; the default bfloat16 configuration forced, so the
+  kernel names explain reports carry no configuration (the automatic choice by shape has its
+  own test)."""
+  if jax.default_backend() == "cpu":
+    if not _cpu_handler():
+      pytest.skip("jaxquant FFI extension without jaxquant_grouped_gemm_bf16")
+    monkeypatch.setattr(bf16, "device_reason", lambda platform=None: None)
+  elif bf16.device_reason() is not None:
+    pytest.skip(bf16.device_reason())
+  monkeypatch.setenv(sm90_configs.ENV, "bf16")
+  monkeypatch.delenv(decoded.KERNEL_ENV, raising=False)
+
+
+# ------------------------------------ the kernel's contract -----------------------------------
+
+def _bf16(rng, shape):
+  return np.asarray(jnp.asarray(oracle.random_matrix(rng, shape), jnp.bfloat16))
+
+
+def _assert_within(out, exact, magnitude, k, out_dtype, msg):
+  out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+  r = 2.0**-8 if np.dtype(out_dtype) == BF16 else 2.0**-22
+  bound = 4 * k * 2.0**-24 * magnitude + r * np.abs(exact)
+  err = np.abs(out - exact)
+  worst = np.unravel_index(np.argmax(err - bound), err.shape)
+  assert np.all(err <= bound), (f"{msg}: |out - exact| {err[worst]:.3g} > bound "
+                                f"{bound[worst]:.3g} at {worst}")
+
+
+def check_kernel(rng, mode, layout, out_dtype, tokens, k_or_m, n, groups, empty, spare,
+                 alpha=True, config=None):
+  """One `bf16.gemm` call in `layout` against float64: uneven and empty groups, rows of no
+  group. Mode 1 K-major operands use a token layout of block 8 (aligned group starts), the
+  token-major NT layout the packed tokens (any group start)."""
+  a_k, b_k = K_MAJOR[layout]
+  sizes = tgf._sizes(rng, tokens, groups, empty, spare)
+  block = 8 if mode == 1 and layout == "TN" else 1
+  tl = jg.TokenLayout(tokens, groups, block)
+  starts = np.asarray(bf16.group_starts(tl.extents(jnp.asarray(sizes))))
+  alphas = rng.uniform(0.25, 4.0, groups).astype(np.float32) if alpha else np.ones(groups)
+  if mode == 0:
+    a = _bf16(rng, (tokens, k_or_m))
+    w = _bf16(rng, (groups, n, k_or_m))  # [G, N, K] as math; NN stores [G, K, N]
+    b = w if b_k else np.swapaxes(w, 1, 2)
+    a64, w64 = a.astype(np.float64), w.astype(np.float64)
+    exact, magnitude = np.zeros((tokens, n)), np.zeros((tokens, n))
+    for g in range(groups):
+      rows = slice(starts[g], starts[g + 1])
+      exact[rows] = alphas[g] * (a64[rows] @ w64[g].T)
+      magnitude[rows] = alphas[g] * (np.abs(a64[rows]) @ np.abs(w64[g]).T)
+    k = k_or_m
+  else:
+    x, dy = _bf16(rng, (tokens, k_or_m)), _bf16(rng, (tokens, n))
+    xl = np.asarray(tl.gather(jnp.asarray(x), jnp.asarray(sizes)))  # [L, M]
+    dyl = np.asarray(tl.gather(jnp.asarray(dy), jnp.asarray(sizes)))
+    a, b = (xl.T, dyl.T) if a_k else (xl, dyl)
+    x64, dy64 = xl.astype(np.float64), dyl.astype(np.float64)
+    exact, magnitude = np.zeros((groups, k_or_m, n)), np.zeros((groups, k_or_m, n))
+    for g in range(groups):
+      t = slice(starts[g], starts[g + 1])
+      exact[g] = alphas[g] * (x64[t].T @ dy64[t])
+      magnitude[g] = alphas[g] * (np.abs(x64[t]).T @ np.abs(dy64[t]))
+    k = int(np.max(np.diff(starts), initial=1))
+  reason = bf16.shape_reason(mode, a.shape, b.shape, a_dtype=a.dtype, b_dtype=b.dtype,
+                             out_dtype=out_dtype, a_k_major=a_k, b_k_major=b_k,
+                             token_block=block)
+  assert reason is None, reason
+  old = os.environ.get(sm90_configs.ENV)
+  if config is not None:
+    os.environ[sm90_configs.ENV] = config
+  try:
+    fn = jax.jit(lambda a, b, s, al: bf16.gemm(a, b, s, mode=mode, out_dtype=out_dtype,
+                                               alpha=al if alpha else None, a_k_major=a_k,
+                                               b_k_major=b_k))
+    out = fn(jnp.asarray(a), jnp.asarray(b), jnp.asarray(starts, jnp.int32),
+             jnp.asarray(alphas, jnp.float32))
+  finally:
+    if old is None:
+      os.environ.pop(sm90_configs.ENV, None)
+    else:
+      os.environ[sm90_configs.ENV] = old
+  assert np.dtype(out.dtype) == np.dtype(out_dtype) and out.shape == exact.shape
+  _assert_within(out, exact, magnitude, k, out_dtype, f"mode {mode} {layout} -> {out_dtype}")
+  out = np.asarray(jnp.asarray(out, jnp.float32))
+  if mode == 0:
+    assert np.all(out[starts[-1]:] == 0), "rows of no group must be zero"
+  for g in np.flatnonzero(np.diff(starts) == 0):
+    if mode == 1:
+      assert np.all(out[g] == 0), f"empty group {g} must give zeros"
+  if mode == 0 and layout == "NN":  # also against ragged_dot with float32 accumulation
+    ref = jax.lax.ragged_dot(jnp.asarray(a), jnp.asarray(b),
+                             jnp.asarray(np.diff(starts), jnp.int32),
+                             preferred_element_type=jnp.float32) * jnp.asarray(
+                                 np.repeat(np.append(alphas, 0.0), np.append(
+                                     np.diff(starts), tokens - starts[-1])))[:, None]
+    _assert_within(ref, exact, magnitude, k, F32, "ragged_dot (float32 accumulation)")
+  return out
+
+
+@needs_cpu_handler
+@pytest.mark.parametrize("mode,layout,out_dtype", CASES)
+def test_cpu_handler_matches_float64_in_every_layout(rng, mode, layout, out_dtype):
+  """The CPU handler (the CUDA kernel's contract): each layout, per-group alpha, rows of no
+  group, empty groups, unaligned packed group starts for the token-major wgrad."""
+  check_kernel(rng, mode, layout, out_dtype, 150, 64 if mode == 0 else 40, 40, 5, empty=(2,),
+               spare=9)
+
+
+@needs_cpu_handler
+def test_cpu_handler_without_alpha_and_with_all_groups_empty(rng):
+  check_kernel(rng, 0, "TN", BF16, 64, 32, 16, 3, empty=(), spare=0, alpha=False)
+  check_kernel(rng, 0, "NN", BF16, 64, 32, 16, 3, empty=(0, 1, 2), spare=0)
+  check_kernel(rng, 1, "NT", BF16, 64, 16, 24, 3, empty=(0, 1, 2), spare=0)
+
+
+@needs_cpu_handler
+def test_the_handler_names_a_wrong_argument():
+  starts = jnp.asarray([0, 4, 8], jnp.int32)
+  cases = [
+      (jnp.ones((8, 16), jnp.float16), jnp.ones((2, 8, 16), jnp.bfloat16), dict(mode=0),
+       "a is float16; expected bfloat16"),
+      (jnp.ones((8, 16), jnp.bfloat16), jnp.ones((2, 8, 24), jnp.bfloat16), dict(mode=0),
+       "b has shape"),
+      (jnp.ones((16, 8), jnp.bfloat16), jnp.ones((8, 8), jnp.bfloat16),
+       dict(mode=1, a_k_major=False, b_k_major=False), "b has shape"),
+      (jnp.ones((16, 8), jnp.bfloat16), jnp.ones((8, 16), jnp.bfloat16),
+       dict(mode=1, a_k_major=False, b_k_major=True), "no bfloat16 grouped GEMM instance"),
+  ]
+  for a, b, kw, match in cases:
+    with pytest.raises(Exception, match=match):
+      jax.block_until_ready(bf16.gemm(a, b, starts, out_dtype=jnp.bfloat16, **kw))
+
+
+def test_shape_reasons_say_what_no_instance_takes():
+  bf, f32 = jnp.bfloat16, np.float32
+  r = lambda *a, **kw: bf16.shape_reason(*a, **{"a_dtype": bf, "b_dtype": bf,
+                                                "out_dtype": bf, **kw})
+  assert r(0, (64, 64), (4, 32, 64)) is None
+  assert r(0, (64, 64), (4, 64, 32), b_k_major=False) is None
+  assert r(1, (64, 32), (64, 24), a_k_major=False, b_k_major=False) is None
+  assert r(1, (32, 64), (24, 64), token_block=8) is None
+  assert "float16" in r(0, (64, 64), (4, 32, 64), a_dtype=jnp.float16)
+  assert "K = 60" in r(0, (64, 60), (4, 32, 60))
+  assert "N = 36" in r(0, (64, 64), (4, 36, 64))
+  assert r(0, (64, 64), (4, 36, 64), out_dtype=f32) is None  # float32 rows: 4-aligned
+  assert "N = 36" in r(0, (64, 64), (4, 64, 36), b_k_major=False)
+  assert "float32 output of layout NN" in r(0, (64, 64), (4, 64, 32), b_k_major=False,
+                                            out_dtype=f32)
+  assert "M-major a with a K-major b" in r(1, (64, 32), (24, 64), a_k_major=False)
+  assert "token layout block 1" in r(1, (32, 64), (24, 64), token_block=1)
+  assert "token length L = 60" in r(1, (32, 60), (24, 60), token_block=4)
+  assert "M = 30" in r(1, (64, 30), (64, 24), a_k_major=False, b_k_major=False)
+  assert "empty GEMM" in r(0, (0, 64), (4, 32, 64))
+
+
+def test_the_kernel_is_cuda_only_and_says_so():
+  if jax.default_backend() == "cpu":
+    assert "CUDA-only" in bf16.device_reason()
+
+
+# ------------------------------------ configurations ------------------------------------------
+
+def test_bf16_configurations_their_choice_and_errors(monkeypatch):
+  """The bfloat16 configurations: automatic by shape (pingpong for groups of <= 128 tokens where
+  it has an instance), a forced one without an instance for the GEMM is an error naming the
+  instances (FP8 configurations have none for bfloat16 and the reverse), explain labels."""
+  monkeypatch.delenv(sm90_configs.ENV, raising=False)
+  sel = sm90_configs.bf16_selection
+  assert sel("TN", BF16, 256.0).config.name == "bf16"
+  assert sel("NT", BF16, 100.0).config.name == "bf16_pingpong"
+  assert sel("TN", F32, 100.0).config.name == "bf16"  # no pingpong float32 instance
+  assert sel("TN", BF16, 256.0).is_default and not sel("NN", BF16, 64.0).is_default
+  assert {c.ident for c in sm90_configs.CONFIGS.values()} == set(range(len(sm90_configs.CONFIGS)))
+  assert bf16.kernel_label(0, (2048, 64), 8, BF16) == KERNEL
+  assert "config bf16_pingpong" in bf16.kernel_label(1, (64, 512), 8, BF16, a_k_major=False,
+                                                     b_k_major=False)
+  monkeypatch.setenv(sm90_configs.ENV, "bf16_c2x1:rn")
+  chosen = sel("NN", BF16, 9999.0)
+  assert chosen.attributes() == {"config": 7, "raster_along_n": True}
+  assert "cluster 2x1" in bf16.kernel_label(0, (64, 64), 1, BF16, b_k_major=False)
+  with pytest.raises(ValueError, match="'bf16_c2x1' has instances for .* not bfloat16 TN -> "
+                                       "float32"):
+    sel("TN", F32, 10.0)
+  monkeypatch.setenv(sm90_configs.ENV, "n176")
+  with pytest.raises(ValueError, match="'n176' has instances for per-tensor FP8"):
+    sel("TN", BF16, 10.0)
+  monkeypatch.setenv(sm90_configs.ENV, "bf16")
+  assert sel("TN", F32, 10.0).config.name == "bf16"
+
+
+# -------------------------------------- routing -----------------------------------------------
+
+def _tokens_and_experts(rng, qa, qw, tokens=150, k=64, n=40, groups=5):
+  x = jnp.asarray(oracle.random_matrix(rng, (tokens, k)), jnp.bfloat16)
+  w = jnp.asarray(oracle.random_matrix(rng, (groups, n, k)), jnp.bfloat16)
+  sizes = jnp.asarray(tgf._sizes(rng, tokens, groups, (2,), 9))
+  a = tgf._on("reference", lambda x, s: jg.quantize(x, s, qa, columnwise=False).rowwise, x,
+              sizes)
+  e = tgf._on("reference", lambda w: jg.quantize_experts(w, qw, columnwise=False).rowwise, w)
+  return a, e
+
+
+DECODED_RAGGED = [("mxfp8", "mxfp8"), ("nvfp4", "nvfp4"), ("nvfp4-row", "nvfp4-2d"),
+                  ("nvfp4-row", "nvfp4-row"), ("mxfp8", "fp8"), ("fp8", "nvfp4"),
+                  ("block-1x128", "mxfp8"), ("fp8", "fp8")]
+DECODED_WGRAD = [("mxfp8", "mxfp8"), ("nvfp4", "nvfp4"), ("nvfp4-row", "mxfp8"),
+                 ("fp8", "fp8"), ("fp8-e5m2", "nvfp4")]
+
+
+@pytest.mark.parametrize("pair", DECODED_RAGGED)
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_decoded_ragged_gemm_matches_the_reference(bf16_device, rng, pair, out_dtype):
+  """fprop / dgrad of quantized pairs on the bfloat16 kernel (a bias too: added by XLA to a
+  float32 output, as the reference adds it)."""
+  rel = 2.0**-14 + (2.0**-8 if out_dtype == jnp.bfloat16 else 0.0)
+  tgf.check_ragged(rng, pair, 150, 64, 40, 5, empty=(2,), spare=9, rel=rel,
+                   out_dtype=out_dtype, kernel=DECODED)
+
+
+@pytest.mark.parametrize("pair", DECODED_WGRAD)
+def test_decoded_wgrad_gemm_matches_the_reference(bf16_device, rng, pair):
+  """wgrad of quantized columnwise copies in a token layout of block >= 8 (per-(group, feature)
+  row-scaled factors applied by XLA)."""
+  tgf.check_wgrad(rng, pair, 150, 40, 24, 5, empty=(0, 3), spare=5, rel=2.0**-14, block=8,
+                  kernel=DECODED)
+
+
+def test_identity_operands_take_the_kernel_undecoded(bf16_device, rng, monkeypatch):
+  """Identity (bfloat16) x Identity runs as it is, Identity x MXFP8 with the MXFP8 side decoded;
+  both match the reference; the wgrad of packed Identity copies (group starts not 8-aligned)
+  takes the reference, visibly."""
+  ident = jq.IdentityQuantizer()
+  bias = jnp.asarray(rng.standard_normal((5, 40)), jnp.float32)
+  # two bfloat16 operands: ragged_dot's bfloat16 result (one rounding of float32 sums taken in
+  # another order: 2^-8 apart at most) plus the bias in bfloat16 (another rounding)
+  for qw, kernel, rel in ((ident, KERNEL, 2.0**-7), (jq.MXFP8Quantizer(), DECODED, 2.0**-14)):
+    a, e = _tokens_and_experts(rng, ident, qw)
+    fn = lambda a, e, b: jg.gemm(a, e, bias=b, out_dtype=jnp.float32)
+    assert tgf._gemm_kernels(fn, a, e, bias) == {kernel}
+    tgf._assert_close(tgf._on("ffi", fn, a, e, bias), tgf._on("reference", fn, a, e, bias), rel,
+                      f"Identity x {qw}")
+  x = jnp.asarray(oracle.random_matrix(rng, (64, 16)), jnp.bfloat16)
+  sizes = jnp.asarray([20, 0, 35], jnp.int32)
+  monkeypatch.setenv("JAXQUANT_BACKEND", "auto")
+  col = lambda x: jg.quantize(x, sizes, ident, rowwise=False).columnwise
+  report = jq.explain(lambda x: jg.gemm(col(x), col(x)), x)
+  (gemm,) = [d for d in report if d.op == "grouped_gemm"]
+  assert gemm.path == "reference" and "multiple of 8" in gemm.reason, str(report)
+
+
+def test_mma_sync_can_be_selected_and_a_bad_choice_is_an_error(bf16_device, rng, monkeypatch):
+  a, e = _tokens_and_experts(rng, jq.MXFP8Quantizer(), jq.MXFP8Quantizer())
+  fn = lambda a, e: jg.gemm(a, e, out_dtype=jnp.float32)
+  assert tgf._gemm_kernels(fn, a, e) == {DECODED}
+  monkeypatch.setenv(decoded.KERNEL_ENV, "mma_sync")
+  assert tgf._gemm_kernels(fn, a, e) == {"mma.sync"}
+  (gemm,) = [d for d in tgf._paths(fn, a, e) if d.op == "grouped_gemm"]
+  assert f"{decoded.KERNEL_ENV}=mma_sync" in gemm.reason
+  tgf._assert_close(tgf._on("ffi", fn, a, e), tgf._on("reference", fn, a, e), 2.0**-14)
+  ident = jq.IdentityQuantizer()
+  a, e = _tokens_and_experts(rng, ident, ident)  # nothing to decode: still the bf16 kernel
+  assert tgf._gemm_kernels(fn, a, e) == {KERNEL}
+  monkeypatch.setenv(decoded.KERNEL_ENV, "fastest")
+  with pytest.raises(ValueError, match="JAXQUANT_GROUPED_GEMM_KERNEL='fastest'"):
+    tgf._gemm_kernels(fn, a, e)
+
+
+def test_a_forced_fp8_configuration_is_an_error_for_a_decoded_gemm(bf16_device, rng,
+                                                                   monkeypatch):
+  a, e = _tokens_and_experts(rng, jq.MXFP8Quantizer(), jq.MXFP8Quantizer())
+  monkeypatch.setenv(sm90_configs.ENV, "c1x1")
+  with pytest.raises(ValueError, match="'c1x1' has instances for .* not bfloat16 TN"):
+    tgf._gemm_kernels(lambda a, e: jg.gemm(a, e, out_dtype=jnp.float32), a, e)
+
+
+def test_wgrad_token_block_aligns_bfloat16_group_starts(bf16_device, monkeypatch):
+  """Where the bfloat16 kernel runs, GroupedDense pads the wgrad copies to 8 tokens (16-byte
+  TMA group starts) unless the formats need more; per-tensor FP8 on the FP8 kernel to 16."""
+  monkeypatch.setenv("JAXQUANT_BACKEND", "auto")
+  identity = DenseQuantizers.identity()
+  assert token_blocks(identity) == (1, 1, 8)
+  mx = DenseQuantizers.from_recipe(jq.recipes.MXFP8BlockScaling(), "grouped_linear", "e")
+  assert token_blocks(mx) == (1, 1, 32)
+  fp8 = DenseQuantizers.from_recipe(jq.recipes.Float8CurrentScaling(), "grouped_linear", "e")
+  expected = 16 if kernels._sm90_device_reason() is None else 8
+  assert token_blocks(fp8) == (1, 1, expected)
+  monkeypatch.setattr(kernels, "_sm90_device_reason", lambda: None)
+  assert token_blocks(fp8) == (1, 1, 16)
+  monkeypatch.setenv("JAXQUANT_BACKEND", "reference")
+  assert token_blocks(identity) == (1, 1, 1)
+
+
+# --------------------------------- GroupedDense without a recipe ------------------------------
+
+def _plain_step(groups, tokens, k, n, rng, use_bias=True):
+  model = jq.flax.GroupedDense(features=n, num_groups=groups, use_bias=use_bias,
+                               dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  x = jnp.asarray(oracle.random_matrix(rng, (tokens, k)), jnp.bfloat16)
+  dy = jnp.asarray(oracle.random_matrix(rng, (tokens, n)), jnp.bfloat16)
+  sizes = jnp.asarray(tgf._sizes(rng, tokens, groups, (1,) if groups > 1 else (), 7))
+  variables = model.init(jax.random.key(0), x, sizes)
+  variables = jax.tree_util.tree_map(
+      lambda v: jnp.asarray(oracle.random_matrix(rng, v.shape), v.dtype), variables)
+
+  def step(variables, x, dy, sizes):
+    y, vjp = jax.vjp(lambda v, x: model.apply(v, x, sizes), variables, x)
+    return y, vjp(dy)
+
+  def plain(variables, x, dy, sizes):  # ragged_dot and its autodiff, the specification
+    p = variables["params"]
+
+    def f(p, x):
+      y = jax.lax.ragged_dot(x, p["kernel"], sizes)
+      if use_bias:
+        group = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(tokens), side="right")
+        y = y + jnp.concatenate([p["bias"], jnp.zeros((1, n), p["bias"].dtype)])[group]
+      return y
+
+    y, vjp = jax.vjp(f, p, x)
+    dp, dx = vjp(dy)
+    return y, ({"params": dp}, dx)
+
+  return step, plain, (variables, x, dy, sizes)
+
+
+def check_plain_step(rng, groups, tokens, k, n, path):
+  """A no-recipe GroupedDense step: three GEMM decisions on the kernel, values vs ragged_dot
+  (bfloat16 outputs and gradients: both within one bfloat16 rounding of the float32 sums, so
+  within 2^-7 of the largest element of each other)."""
+  step, plain, args = _plain_step(groups, tokens, k, n, rng)
+  report = jq.explain(step, *args)
+  gemms = [d for d in report if d.op == "grouped_gemm"]
+  assert [d.role for d in gemms] == ["fprop", "dgrad", "wgrad"], str(report)
+  assert all(d.path == path and KERNEL in d.detail for d in gemms), str(report)
+  ours, spec = jax.jit(step)(*args), jax.jit(plain)(*args)
+  for u, v in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(spec)):
+    u, v = np.asarray(u, np.float32), np.asarray(v, np.float32)
+    np.testing.assert_allclose(u, v, rtol=0, atol=2**-7 * np.abs(v).max())
+  y = np.asarray(ours[0], np.float32)
+  assert np.all(y[int(np.sum(np.asarray(args[3]))):] == 0), "rows of no group must be zero"
+
+
+def test_no_recipe_grouped_dense_on_the_kernel_contract(bf16_device, rng):
+  check_plain_step(rng, 4, 96, 64, 48, "ffi-cpu" if jax.default_backend() == "cpu"
+                   else "ffi-cuda")
+
+
+def test_no_recipe_grouped_dense_says_why_ragged_dot_runs(rng, monkeypatch):
+  """Where the kernel cannot run, ragged_dot (unchanged) and explain says why."""
+  monkeypatch.delenv("JAXQUANT_BACKEND", raising=False)
+  step, _, args = _plain_step(3, 40, 16, 24, rng)
+  (gemm,) = [d for d in jq.explain(step, *args) if d.op == "grouped_gemm"]
+  assert gemm.path == "reference" and gemm.reason.startswith("jax.lax.ragged_dot")
+  if bf16.device_reason() is not None:
+    assert bf16.device_reason() in gemm.reason
+  monkeypatch.setattr(bf16, "device_reason", lambda platform=None: None)
+  step, _, args = _plain_step(3, 40, 12, 24, rng)  # K = 12: unaligned rows
+  (gemm,) = [d for d in jq.explain(step, *args) if d.op == "grouped_gemm"]
+  assert gemm.path == "reference" and "K = 12 is not a multiple of 8" in gemm.reason
+  monkeypatch.setenv("JAXQUANT_BACKEND", "reference")
+  step, _, args = _plain_step(3, 40, 16, 24, rng)
+  (gemm,) = [d for d in jq.explain(step, *args) if d.op == "grouped_gemm"]
+  assert "JAXQUANT_BACKEND=reference" in gemm.reason
+
+
+# ------------------------------------------- GPU ----------------------------------------------
+
+@pytest.fixture
+def on_kernel(monkeypatch):
+  """The CUDA kernel (automatic configurations; `bf16_device` forces the default)."""
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a CUDA GPU (the default JAX backend is not gpu)")
+  reason = bf16.device_reason()
+  if reason is not None:
+    pytest.skip(reason)
+  monkeypatch.delenv(sm90_configs.ENV, raising=False)
+  monkeypatch.delenv(decoded.KERNEL_ENV, raising=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", [1, 8, 64])
+@pytest.mark.parametrize("mode,layout,out_dtype", CASES)
+def test_gpu_bf16_gemm_is_within_the_bound(on_kernel, rng, groups, mode, layout, out_dtype):
+  """The CUTLASS kernel, default configuration: ragged and empty groups, rows of no group,
+  K / N not multiples of the tile, groups shorter than a k-tile (wgrad)."""
+  empty = tuple(range(1, groups, 4)) if groups > 1 else ()
+  check_kernel(rng, mode, layout, out_dtype, 1500 + 7 * groups, 328 if mode == 0 else 136, 200,
+               groups, empty=empty, spare=11)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["bf16", "bf16_c2x1", "bf16_pingpong", "bf16:rn"])
+@pytest.mark.parametrize("groups", [1, 8, 64])
+@pytest.mark.parametrize("mode,layout", [(0, "TN"), (0, "NN"), (1, "TN"), (1, "NT")])
+def test_gpu_bf16_configurations_are_within_the_bound(on_kernel, rng, config, groups, mode,
+                                                      layout):
+  empty = tuple(range(2, groups, 5)) if groups > 1 else ()
+  check_kernel(rng, mode, layout, BF16, 1500 + 5 * groups, 328 if mode == 0 else 136, 200,
+               groups, empty=empty, spare=7, config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,layout,out_dtype", CASES)
+def test_gpu_bf16_all_groups_empty_gives_zeros(on_kernel, rng, mode, layout, out_dtype):
+  out = check_kernel(rng, mode, layout, out_dtype, 64, 64, 32, 3, empty=(0, 1, 2), spare=0)
+  assert np.all(out == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups,tokens,k,n", [(8, 2048, 256, 512), (64, 4096, 128, 176)])
+def test_gpu_no_recipe_grouped_dense_runs_on_the_kernel(on_kernel, rng, groups, tokens, k, n):
+  check_plain_step(rng, groups, tokens, k, n, "ffi-cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", [1, 8, 64])
+@pytest.mark.parametrize("pair", DECODED_RAGGED)
+def test_gpu_decoded_ragged_gemm_matches_the_reference(on_kernel, bf16_device, rng, groups,
+                                                       pair):
+  tgf.check_ragged(rng, pair, 1500 + 7 * groups, 320, 200, groups,
+                   empty=tuple(range(1, groups, 4)), spare=11, rel=2.0**-10, kernel=DECODED)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", [1, 8, 64])
+@pytest.mark.parametrize("pair", DECODED_WGRAD)
+def test_gpu_decoded_wgrad_gemm_matches_the_reference(on_kernel, bf16_device, rng, groups,
+                                                      pair):
+  tgf.check_wgrad(rng, pair, 1500 + 5 * groups, 136, 200, groups,
+                  empty=tuple(range(2, groups, 5)), spare=7, rel=2.0**-10, block=8,
+                  kernel=DECODED)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", [("mxfp8", "mxfp8"), ("nvfp4-row", "nvfp4")])
+def test_gpu_mma_sync_stays_selectable(on_kernel, rng, monkeypatch, pair):
+  monkeypatch.setenv(decoded.KERNEL_ENV, "mma_sync")
+  tgf.check_ragged(rng, pair, 1500, 320, 200, 8, empty=(3,), spare=11, rel=2.0**-10,
+                   kernel="mma.sync")
+
+
+GPU_RECIPES = {
+    "MXFP8BlockScaling": jq.recipes.MXFP8BlockScaling,
+    "NVFP4BlockScaling": jq.recipes.NVFP4BlockScaling,
+    "moe_nvfp4_fwd_mxfp8_bwd": lambda: jq.CustomRecipe(
+        jq.factories.moe_nvfp4_forward_mxfp8_backward),
+    "identity": lambda: jq.CustomRecipe(lambda role: jq.IdentityQuantizer()),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", sorted(GPU_RECIPES))
+def test_gpu_grouped_dense_gemms_run_decoded_on_the_kernel(on_kernel, rng, recipe):
+  """A GroupedDense step under each recipe: all three grouped GEMMs on the bfloat16 kernel
+  (decoded, or as they are for Identity), and the step matches the reference (bfloat16
+  outputs: 2^-7 of the largest element, as the other GroupedDense kernel tests)."""
+  step, args = tgf._grouped_step(GPU_RECIPES[recipe](), 8, 512, 256, 128, rng)
+  os.environ.pop("JAXQUANT_BACKEND", None)
+  gemms = [d for d in jq.explain(step, *args) if d.op == "grouped_gemm"]
+  assert len(gemms) == 3 and all(d.path == "ffi-cuda" and KERNEL in d.detail for d in gemms), \
+      "\n".join(map(str, gemms))
+  ffi, ref = tgf._on("auto", step, *args), tgf._on("reference", step, *args)
+  for u, v in zip(jax.tree_util.tree_leaves(ffi), jax.tree_util.tree_leaves(ref)):
+    tgf._assert_close(np.asarray(u, np.float32), np.asarray(v, np.float32), 2.0**-7)
