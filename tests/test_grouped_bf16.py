@@ -227,19 +227,23 @@ def test_the_kernel_is_cuda_only_and_says_so():
 # ------------------------------------ configurations ------------------------------------------
 
 def test_bf16_configurations_their_choice_and_errors(monkeypatch):
-  """The bfloat16 configurations: automatic by shape (pingpong for groups of <= 128 tokens where
-  it has an instance), a forced one without an instance for the GEMM is an error naming the
-  instances (FP8 configurations have none for bfloat16 and the reverse), explain labels."""
+  """The bfloat16 configurations: automatic by layout and group size (the rule measured on an
+  H100: forward NN "bf16" for large groups else "bf16_c2x1", wgrad NT the reverse, TN "bf16_c2x1";
+  float32 output only "bf16"), a forced one without an instance for the GEMM is an error naming
+  the instances (FP8 configurations have none for bfloat16 and the reverse), explain labels."""
   monkeypatch.delenv(sm90_configs.ENV, raising=False)
   sel = sm90_configs.bf16_selection
-  assert sel("TN", BF16, 256.0).config.name == "bf16"
-  assert sel("NT", BF16, 100.0).config.name == "bf16_pingpong"
-  assert sel("TN", F32, 100.0).config.name == "bf16"  # no pingpong float32 instance
-  assert sel("TN", BF16, 256.0).is_default and not sel("NN", BF16, 64.0).is_default
+  large = float(sm90_configs.BF16_LARGE_GROUP_TOKENS)
+  assert sel("NN", BF16, large).config.name == "bf16"
+  assert sel("NN", BF16, large - 1).config.name == "bf16_c2x1"
+  assert sel("NT", BF16, large).config.name == "bf16_c2x1"
+  assert sel("NT", BF16, 256.0).config.name == "bf16"
+  assert sel("TN", BF16, 256.0).config.name == "bf16_c2x1"
+  assert sel("TN", F32, 100.0).config.name == "bf16"  # the only float32 instance
+  assert sel("NN", BF16, large).is_default and not sel("NN", BF16, 64.0).is_default
   assert {c.ident for c in sm90_configs.CONFIGS.values()} == set(range(len(sm90_configs.CONFIGS)))
-  assert bf16.kernel_label(0, (2048, 64), 8, BF16) == KERNEL
-  assert "config bf16_pingpong" in bf16.kernel_label(1, (64, 512), 8, BF16, a_k_major=False,
-                                                     b_k_major=False)
+  assert bf16.kernel_label(1, (64, 512), 8, BF16, a_k_major=False, b_k_major=False) == KERNEL
+  assert "config bf16_c2x1" in bf16.kernel_label(0, (2048, 64), 8, BF16)
   monkeypatch.setenv(sm90_configs.ENV, "bf16_c2x1:rn")
   chosen = sel("NN", BF16, 9999.0)
   assert chosen.attributes() == {"config": 7, "raster_along_n": True}

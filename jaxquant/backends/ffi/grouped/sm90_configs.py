@@ -89,10 +89,14 @@ CONFIGS = {c.name: c for c in (
 )}
 DEFAULT = CONFIGS["default"]
 BF16_DEFAULT = CONFIGS["bf16"]
-# Average tokens per group at or below which a bfloat16 GEMM takes "bf16_pingpong" (64-row
-# tiles) without JAXQUANT_SM90_CONFIG: a 128-row tile would be mostly padding there. Not
-# measured yet (bench/grouped.py --gemms --sm90-configs bf16,bf16_c2x1,bf16_pingpong).
-BF16_SMALL_GROUP_TOKENS = 128
+# Average tokens per group from which the bfloat16 forward (NN) keeps "bf16" (cluster 1x2, A
+# multicast) and the wgrad (NT) takes "bf16_c2x1"; below it the other way round. Measured on an
+# H100 (bench/grouped.py --gemms, session 6): 8 experts x 2048 tokens fprop 2.77 vs 2.95 ms,
+# wgrad 2.97 vs 3.18; 64 experts x 256 tokens fprop 0.253 (c2x1) vs 0.267, wgrad 0.304 (bf16)
+# vs 0.320. Layout TN (dgrad, decoded operands) takes "bf16_c2x1" at both (2.88 vs 3.32 ms,
+# 0.250 vs 0.254). "bf16_pingpong" (64x128 tiles) was never faster (dgrad 64 experts 0.605 ms)
+# and is only taken when JAXQUANT_SM90_CONFIG names it.
+BF16_LARGE_GROUP_TOKENS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,14 +188,18 @@ def bf16_kind(layout: str, out_dtype) -> str:
 
 
 def automatic_bf16(kind: str, tokens_per_group: float) -> Selection:
-  """The configuration a bfloat16 GEMM takes without `JAXQUANT_SM90_CONFIG`: "bf16" (128 x 256
-  tiles), or "bf16_pingpong" (64 x 128 tiles) where it has an instance and the groups average
-  at most `BF16_SMALL_GROUP_TOKENS` tokens (fprop / dgrad rows, wgrad contraction). A rule by
-  shape until the alternatives are timed on the card (bench/grouped.py --sm90-configs)."""
-  small = CONFIGS["bf16_pingpong"]
-  if tokens_per_group <= BF16_SMALL_GROUP_TOKENS and kind in small.instances:
-    return Selection(small)
-  return Selection(BF16_DEFAULT)
+  """The configuration a bfloat16 GEMM takes without `JAXQUANT_SM90_CONFIG`, by layout and the
+  groups' average token count (the measured rule at `BF16_LARGE_GROUP_TOKENS`); an instance
+  kind the chosen configuration does not have (float32 output) keeps "bf16"."""
+  large = tokens_per_group >= BF16_LARGE_GROUP_TOKENS
+  if kind.startswith("bfloat16 NN"):
+    name = "bf16" if large else "bf16_c2x1"
+  elif kind.startswith("bfloat16 NT"):
+    name = "bf16_c2x1" if large else "bf16"
+  else:
+    name = "bf16_c2x1"
+  config = CONFIGS[name]
+  return Selection(config if kind in config.instances else BF16_DEFAULT)
 
 
 def bf16_selection(layout: str, out_dtype, tokens_per_group: float) -> Selection:
