@@ -101,6 +101,8 @@ def test_expert_parallel_moe_equals_one_device(mesh_name, backend, lm, devices, 
   axes = AXES[mesh_name]
   if math.prod(axes.values()) > len(devices):
     pytest.skip(f"{axes} needs {math.prod(axes.values())} devices, found {len(devices)}")
+  if mesh_name == "ep2" and len(devices) >= 4:
+    pytest.skip("ep4 and ep8 cover expert parallelism where 4 devices exist")
   monkeypatch.setenv("JAXQUANT_BACKEND", backend)
   monkeypatch.setattr(jaxquant.backends.ffi.gemm, "CPU_MAX_MACS", 1 << 26)
   # With a data axis each data shard's copy of an expert sees only that shard's tokens, and a
