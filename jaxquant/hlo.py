@@ -3,7 +3,9 @@
 `collectives(jax.jit(f).lower(...).compile().as_text())` lists every all-gather, all-reduce,
 reduce-scatter, all-to-all, ragged-all-to-all and collective-permute (an async `-start`/`-done`
 pair counted once, by its results; a ragged-all-to-all's result is its whole receive buffer,
-an upper bound on the rows it moves). Used to check that a sharded step moves what the sharding promises (no
+an upper bound on the rows it moves). A collective XLA combined from several (a tuple-shaped
+all-reduce or reduce-scatter, as XLA:GPU's combiner passes make) is one entry holding every
+array it moves: count bytes or arrays, not entries. Used to check that a sharded step moves what the sharding promises (no
 all-gather of a sharded activation, one all-reduce for a K-sharded GEMM, FP8 bytes for an FSDP
 weight gather) in the tests and in `bench/scaling.py`.
 """
@@ -46,16 +48,41 @@ class Collective:
     return f"{self.op}({shapes})"
 
 
+def _top_level(type_text: str) -> list[str]:
+  """The elements of a tuple type `(a, (b, c), d[1,2]{1,0})`, split at its top-level commas."""
+  inner, parts, depth, start = type_text[1:-1], [], 0, 0
+  for i, ch in enumerate(inner):
+    if ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+    elif ch == "," and depth == 0:
+      parts.append(inner[start:i])
+      start = i + 1
+  return parts + [inner[start:]]
+
+
+def _result_type(type_text: str, op: str, is_start: bool) -> str:
+  """The part of an instruction's type that is its result.
+
+  A synchronous collective and `all-reduce-start` are typed by their results (one array or a
+  tuple of them). The other `-start` halves are typed `(operands, results, context...)`:
+  `all-gather-start` and `collective-permute-start` directly, the ops XLA wraps in an async
+  computation (`reduce-scatter-start`, `all-to-all-start`, ...) as `((operands...), results,
+  context...)`; the results are the second element either way."""
+  if not is_start or op == "all-reduce" or not type_text.startswith("("):
+    return type_text
+  return _top_level(type_text)[1]
+
+
 def collectives(hlo_text: str) -> list[Collective]:
   """Every collective of a compiled module's text (async `-start` halves counted once)."""
   found = []
   for match in _COLLECTIVE.finditer(hlo_text):
+    type_text = re.sub(r"/\*index=\d+\*/", "", match.group("type"))
+    result = _result_type(type_text, match.group("op"), "-start(" in match.group(0))
     arrays = tuple((t, tuple(int(d) for d in dims.split(",") if d))
-                   for t, dims in _ARRAY.findall(match.group("type")))
-    if (match.group("type").startswith("(") and "-start" in match.group(0)
-        and match.group("op") == "all-gather"):
-      # all-gather-start is typed (operands..., results...); all-reduce-start by its results.
-      arrays = arrays[len(arrays) // 2:]
+                   for t, dims in _ARRAY.findall(result))
     found.append(Collective(match.group("op"), arrays))
   return found
 

@@ -37,3 +37,31 @@ def test_summarize_totals_per_op():
   assert summary["all-reduce"]["bytes"] == 8 * 1024 * 4 + 92 + 16 * 256 * 2
   assert summary["all-gather"] == {"count": 1, "bytes": 128 * 128}
   assert "all-to-all" not in summary
+
+
+# XLA:GPU's forms: a combiner pass merges reduce-scatters (and all-reduces) into one collective
+# of several arrays, and async collectives other than all-reduce are typed (operands, results).
+GPU_TEXT = """
+  %reduce-scatter.1 = (f32[128,256]{1,0}, f32[64]{0}) reduce-scatter(%dw, %db), channel_id=1, dimensions={0}
+  %reduce-scatter-start.2 = ((f32[256,256]{1,0}, f32[128]{0}), (f32[128,256]{1,0}, f32[64]{0})) reduce-scatter-start(%dw, %db), channel_id=2, dimensions={0}
+  %reduce-scatter-done.2 = (f32[128,256]{1,0}, f32[64]{0}) reduce-scatter-done(%reduce-scatter-start.2)
+  %reduce-scatter-start.3 = ((f32[20]{0}), f32[10]{0}) reduce-scatter-start(%g), dimensions={0}
+  %collective-permute-start.4 = (bf16[8,16]{1,0}, bf16[8,16]{1,0}, u32[], u32[]) collective-permute-start(%x), source_target_pairs={{0,1},{1,0}}
+  %all-to-all-start.5 = ((s32[4,2]{1,0}), s32[4,2]{1,0}) all-to-all-start(%i), dimensions={0}
+  %all-gather-start.6 = ((u8[64,256]{1,0}, u8[2,256]{1,0}), (u8[128,256]{1,0}, u8[4,256]{1,0})) all-gather-start(%w, %s), dimensions={0}
+"""
+
+
+def test_combined_and_async_collectives_count_their_results_only():
+  found = hlo.collectives(GPU_TEXT)
+  assert [c.op for c in found] == ["reduce-scatter", "reduce-scatter", "reduce-scatter",
+                                   "collective-permute", "all-to-all", "all-gather"]
+  # a combined reduce-scatter moves both arrays, synchronous or async (results, not operands)
+  assert found[0].arrays == (("f32", (128, 256)), ("f32", (64,)))
+  assert found[1].arrays == found[0].arrays and found[1].bytes == 4 * (128 * 256 + 64)
+  assert found[2].arrays == (("f32", (10,)),)
+  assert found[3].arrays == (("bf16", (8, 16)),)  # not its operand or its u32 context
+  assert found[4].arrays == (("s32", (4, 2)),)
+  assert found[5].arrays == (("u8", (128, 256)), ("u8", (4, 256)))
+  assert hlo.summarize(found)["reduce-scatter"] == {"count": 3,
+                                                    "bytes": 8 * (128 * 256 + 64) + 40}

@@ -21,8 +21,8 @@ AXES = ("dp", "fsdp", "tp")
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """x `[B, S, K]` and kernel `[K, N]` specs; `main` is the mesh axis the layout is about (it
-  gets both devices of a 2-device mesh)."""
+  """x `[B, S, K]` and kernel `[K, N]` specs; `main` is the mesh axis the layout is about (2
+  devices of it on every mesh, see `make_mesh`)."""
 
   name: str
   x: P
@@ -43,16 +43,21 @@ RECIPES["zoo:mxfp8_fwd_nvfp4_bwd"] = lambda: jq.CustomRecipe(
     jq.factories.ZOO["mxfp8_fwd_nvfp4_bwd"])
 
 # GEMM rows 512, K 256, N 256: every shard of every layout holds whole blocks of every format
-# (128-long Float8Block blocks included) on a (2, 2, 2) mesh and on 2 devices.
+# (128-long Float8Block blocks included) with 2 devices along each mesh axis.
 ROWS, K, N = 512, 256, 256
+# With 4 devices the main axis and this one get 2 each.
+SECOND_AXIS = {"dp": "fsdp", "fsdp": "dp", "tp": "dp"}
 
 
 def make_mesh(devices, main: str) -> Mesh:
-  """(dp, fsdp, tp) = (2, 2, 2) on 8 devices; on 2 devices the layout's main axis gets both."""
+  """(dp, fsdp, tp) = (2, 2, 2) on 8 devices; on 4, the layout's main axis and a data axis
+  (`SECOND_AXIS`) get 2 each; on 2 devices the main axis gets both."""
   if len(devices) >= 8:
     shape = (2, 2, 2)
+  elif len(devices) >= 4:
+    shape = tuple(2 if axis in (main, SECOND_AXIS[main]) else 1 for axis in AXES)
   else:
-    shape = tuple(len(devices) if axis == main else 1 for axis in AXES)
+    shape = tuple(2 if axis == main else 1 for axis in AXES)
   return Mesh(np.array(devices[:math.prod(shape)]).reshape(shape), AXES)
 
 

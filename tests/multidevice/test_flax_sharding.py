@@ -5,7 +5,6 @@ mapped to mesh axes by `nn.logical_axis_rules`; and `examples/train_lm.py --mesh
 from __future__ import annotations
 
 import importlib
-import sys
 
 import flax.linen as nn
 import jax
@@ -16,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxquant as jq
 import jaxquant.flax as jf
+import per_layer
 import sharded
 
 RULES = (("batch", ("dp", "fsdp")), ("length", None), ("act_embed", None), ("act_mlp", "tp"),
@@ -48,14 +48,13 @@ def test_logically_partitioned_mlp_matches_single_device(devices, rng):
   assert boxed["params"]["fc1"]["kernel"].names == ("embed", "mlp")
   assert boxed["params"]["fc2"]["kernel"].names == ("mlp", "embed")
   variables = nn.meta.unbox(boxed)
-  want_loss, want_grads = grad_fn(variables, x)
 
   with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
     shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, RULES)
     sharded_vars = jax.device_put(variables, nn.meta.unbox(shardings))
     xs = jax.device_put(x, NamedSharding(mesh, P(("dp", "fsdp"))))
     report = jq.explain(jax.value_and_grad(loss), sharded_vars, xs)
-    got_loss, got_grads = jax.jit(jax.value_and_grad(loss))(sharded_vars, xs)
+    got_loss, got_grads = grad_fn(sharded_vars, xs)
 
   for value, spec in ((sharded_vars["params"]["fc1"]["kernel"], P("fsdp", "tp")),
                       (got_grads["params"]["fc2"]["kernel"], P("tp", "fsdp"))):
@@ -63,18 +62,15 @@ def test_logically_partitioned_mlp_matches_single_device(devices, rng):
   fsdp = [(str(d.role), d.path) for d in report if d.op == "fsdp-gather"]
   if mesh.shape["fsdp"] > 1:
     assert [p for _, p in fsdp] == ["quantized", "quantized"], fsdp
-  # fc1 alone matches to float32 accumulation order (tests/multidevice/test_sharded_dense.py);
-  # fc2 then quantizes an input that differs in its last bits, so a few of its elements round
-  # to the neighbouring FP8 value: compared by relative norm.
-  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
-  for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert np.linalg.norm(got - want) <= 2e-3 * np.linalg.norm(want)
+  assert np.isfinite(float(got_loss))
+  # Values and gradients: each layer on its own (per_layer.py says why not the whole model).
+  found = per_layer.assert_layers_match_single_device(model, boxed, x, mesh, RULES, rng)
+  assert set(found) == {("fc1",), ("fc2",)}, found
 
 
 def test_train_lm_trains_on_a_mesh(devices, tmp_path):
   train_lm = importlib.import_module("train_lm")
-  mesh = "dp=2,fsdp=2,tp=2" if len(devices) >= 8 else "dp=2"
+  mesh = {8: "dp=2,fsdp=2,tp=2", 4: "dp=2,tp=2", 2: "dp=2"}[len(devices)]
   result = train_lm.main(["--mesh", mesh, "--recipe", "fp8_current", "--steps", "8",
                           "--eval-every", "8", "--lr", "1e-2", "--warmup", "2",
                           "--d-model", "64", "--layers", "1", "--heads", "2", "--seq", "32",
@@ -149,14 +145,13 @@ def test_layernorm_mlp_dense_general_take_input_axes(devices, rng):
   assert boxed["params"]["mlp"]["fc1"]["kernel"].names == ("embed", None, "mlp")
   assert boxed["params"]["head"]["kernel"].names == ("mlp", None, "embed")
   variables = nn.meta.unbox(boxed)
-  want_loss, want_grads = grad_fn(variables, x)
   with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
     shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, RULES)
     sharded_vars = jax.device_put(variables, nn.meta.unbox(shardings))
     xs = jax.device_put(x, NamedSharding(mesh, P(("dp", "fsdp"))))
     report = jq.explain(jax.value_and_grad(loss), sharded_vars, xs)
     hlo = grad_fn.lower(sharded_vars, xs).compile().as_text()
-    got_loss, got_grads = grad_fn(sharded_vars, xs)
+    got_loss = grad_fn(sharded_vars, xs)[0]
   # Every dense of the block got its sharding: FSDP gathers (where the mesh has an fsdp axis:
   # the (2, 2, 2) mesh of 8 devices, not the tp-only mesh of 2-4 GPUs), K-sharded reductions.
   layers = {"fc1", "fc2", "ln_dense", "head"}
@@ -170,9 +165,9 @@ def test_layernorm_mlp_dense_general_take_input_axes(devices, rng):
   gathers = [c for c in sharded.collectives(hlo) if c.op == "all-gather" and c.elements > 4096]
   assert bool(gathers) == has_fsdp, gathers
   assert {t for c in gathers for t, _ in c.arrays} <= {"u8"}, gathers
-  # As in the MLP test above, reordered float32 sums flip a few FP8 roundings (6-12% each),
-  # here through three quantized layers and a gate: relative norm 2e-2.
-  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-4)
-  for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert np.linalg.norm(got - want) <= 2e-2 * np.linalg.norm(want)
+  assert np.isfinite(float(got_loss))
+  # Values and gradients of each quantized layer (LayerNormMLP's fc1 and fc2 included) on its own,
+  # as in the MLP test above.
+  found = per_layer.assert_layers_match_single_device(
+      model, boxed, x, mesh, RULES, rng, per_layer.LINEAR + (jf.LayerNormDense,))
+  assert set(found) == {("mlp", "fc1"), ("mlp", "fc2"), ("ln_dense",), ("head",)}, found
