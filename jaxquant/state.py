@@ -1,119 +1,48 @@
-"""Delayed-scaling state and its pure update (docs/design.md §5 "Numerics", delayed scaling).
+"""Quantizer state: fresh state and its update for any quantizer (docs/design.md §5 "Numerics",
+delayed scaling).
 
 State lives outside the quantizer so quantizers stay static and hashable. A plain quantizer's
-state is `DelayedScalingState` (or `None` when stateless); a `HybridQuantizer`'s is the pair
-`(rowwise_state, columnwise_state)`.
-
-First step: with `first_scale="current"` (the default) a fresh state holds scale 0, "no scale
-yet", and `quantize_scale` then takes the scale just in time from the tensor's own amax (the
-same `fmax / amax / 2^margin` the update would store; with margin 0 exactly current scaling's
-scale). The update rule stores a scale only from a finite, positive amax, so the state stays
-"no scale yet" until such an amax has been seen. The marker is the scale rather than an empty
-history because a history of length 1 is empty again after every update (it rolls and zeroes
-its only slot). With `first_scale="one"` the fresh scale is 1, as in TransformerEngine.
+state is what its format keeps (`DelayedScalingState` for delayed scaling, `None` when
+stateless); a `HybridQuantizer`'s is the pair `(rowwise_state, columnwise_state)`. Which
+formats keep state and how they update it is the format's answer (`jaxquant.formats`); the
+delayed-scaling math is `jaxquant.formats.delayed`, re-exported here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Optional
 
-import jax
-import jax.numpy as jnp
+from jaxquant.formats import format_of
+from jaxquant.formats.delayed import (DelayedScalingState, delayed_scaling_update,
+                                      needs_current_amax, quantize_scale)
+from jaxquant.quantizers import Quantizer
 
-from jaxquant.numerics import FLT_MAX, spec_for_dtype
-from jaxquant.numerics.division import ieee_div
-from jaxquant.quantizers import Float8DelayedScalingQuantizer, HybridQuantizer, Quantizer
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class DelayedScalingState:
-  """`scale` (float32 `()`) used to quantize now (0: none yet, take it from the current amax);
-  `amax_history` (float32 `[L]`)."""
-
-  scale: jax.Array
-  amax_history: jax.Array
+__all__ = ["DelayedScalingState", "delayed_scaling_update", "init_state", "needs_current_amax",
+           "quantize_scale", "update_state"]
 
 
 def init_state(quantizer: Quantizer) -> Any:
   """Fresh state for `quantizer`: zero history and scale 0 ("no scale yet", for
   `first_scale="current"`) or 1 (`first_scale="one"`); `None` for stateless quantizers."""
-  if isinstance(quantizer, HybridQuantizer):
-    if not quantizer.stateful:
-      return None
-    return (init_state(quantizer.rowwise), init_state(quantizer.columnwise))
-  if isinstance(quantizer, Float8DelayedScalingQuantizer):
-    scale = _NO_SCALE_YET if quantizer.first_scale == "current" else 1.0
-    return DelayedScalingState(jnp.full((), scale, jnp.float32),
-                               jnp.zeros((quantizer.amax_history_len,), jnp.float32))
-  return None
-
-
-_NO_SCALE_YET = 0.0
-
-
-def _scale_from_amax(a: jax.Array, quantizer: Float8DelayedScalingQuantizer) -> jax.Array:
-  """`fmax / a / 2^margin`, clamped to FLT_MAX (meaningful for finite a > 0)."""
-  fmax = spec_for_dtype(quantizer.dtype).fmax
-  scale = ieee_div(ieee_div(jnp.float32(fmax), a), jnp.float32(2.0**quantizer.margin))
-  return jnp.minimum(scale, jnp.float32(FLT_MAX))
-
-
-def _usable(a: jax.Array) -> jax.Array:
-  return jnp.isfinite(a) & (a > 0)
-
-
-def needs_current_amax(quantizer: Float8DelayedScalingQuantizer) -> bool:
-  """Whether quantizing needs the tensor's amax *before* the scale is known (a state may still
-  have no scale): true for `first_scale="current"`. Kernels that take the scale as an input
-  compute the amax first then."""
-  return quantizer.first_scale == "current"
-
-
-def quantize_scale(scale: jax.Array, amax: jax.Array,
-                   quantizer: Float8DelayedScalingQuantizer) -> jax.Array:
-  """The scale to quantize with: the state's `scale`, or, while it holds none yet (0), the one
-  this tensor's `amax` gives (`fmax / amax / 2^margin`; 1 if the amax is 0, inf or NaN, as in
-  current scaling). Elementwise, so per-group states (`[G]`) work as they are."""
-  scale = scale.astype(jnp.float32)
-  if not needs_current_amax(quantizer):
-    return scale
-  a = amax.astype(jnp.float32)
-  just_in_time = jnp.where(_usable(a), _scale_from_amax(a, quantizer), jnp.float32(1.0))
-  return jnp.where(scale == _NO_SCALE_YET, just_in_time, scale)
-
-
-def delayed_scaling_update(state: DelayedScalingState, amax: jax.Array,
-                           quantizer: Float8DelayedScalingQuantizer) -> DelayedScalingState:
-  """One step of delayed scaling, after quantizing a tensor whose amax was `amax`.
-
-  `hist[0] = amax`; `a = max(hist)` ("max") or `hist[0]` ("most_recent"); if `a` is finite and
-  > 0 the new scale is `fmax / a / 2^margin` (clamped to FLT_MAX), else the old one is kept; then
-  the history rolls by -1 and `hist[0]` is zeroed.
-  """
-  if not isinstance(quantizer, Float8DelayedScalingQuantizer):
-    raise TypeError(f"quantizer: expected Float8DelayedScalingQuantizer, got {quantizer!r}")
-  hist = state.amax_history.at[0].set(amax.astype(jnp.float32))
-  a = jnp.max(hist) if quantizer.amax_compute_algo == "max" else hist[0]
-  scale = jnp.where(_usable(a), _scale_from_amax(a, quantizer), state.scale)
-  hist = jnp.roll(hist, -1).at[0].set(0.0)
-  return DelayedScalingState(scale.astype(jnp.float32), hist)
+  return format_of(quantizer).init_state(quantizer)
 
 
 def update_state(quantizer: Quantizer, state: Any, qtensor) -> Any:
   """New state after `qtensor = quantize(x, quantizer, state=state)` (any quantizer)."""
   if state is None or not quantizer.stateful:
     return state
-  if isinstance(quantizer, HybridQuantizer):
-    row_state, col_state = state
-    return (_update_leaf(quantizer.rowwise, row_state, qtensor.rowwise),
-            _update_leaf(quantizer.columnwise, col_state, qtensor.columnwise))
+  fmt = format_of(quantizer)
+  halves = fmt.halves(quantizer)
+  if halves is not None:
+    row_state, col_state = fmt.split_state(quantizer, state)
+    return (_update_leaf(halves[0], row_state, qtensor.rowwise),
+            _update_leaf(halves[1], col_state, qtensor.columnwise))
   scaled = qtensor.rowwise if qtensor.rowwise is not None else qtensor.columnwise
   return _update_leaf(quantizer, state, scaled)
 
 
 def _update_leaf(quantizer: Quantizer, state: Optional[DelayedScalingState], scaled):
-  if not isinstance(quantizer, Float8DelayedScalingQuantizer) or scaled is None:
+  fmt = format_of(quantizer)
+  if not fmt.stateful(quantizer) or scaled is None:
     return state
-  return delayed_scaling_update(state, scaled.amax, quantizer)
+  return fmt.update_state(quantizer, state, scaled.amax)

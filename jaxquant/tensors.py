@@ -24,9 +24,14 @@ from jaxquant.quantizers import Quantizer
 _DECODERS: dict[type, Callable[[ScaledTensor], jax.Array]] = {}
 
 
-def register_decoder(quantizer_type: type, decode: Callable[[ScaledTensor], jax.Array]) -> None:
-  """Makes `ScaledTensor.dequantize` use `decode` (float32 values) for `quantizer_type`."""
-  _DECODERS[quantizer_type] = decode
+def register_decoder(quantizer_type: type,
+                     decode: Optional[Callable[[ScaledTensor], jax.Array]]) -> None:
+  """Makes `ScaledTensor.dequantize` use `decode` (float32 values) for `quantizer_type`
+  (None removes it)."""
+  if decode is None:
+    _DECODERS.pop(quantizer_type, None)
+  else:
+    _DECODERS[quantizer_type] = decode
 
 
 def _decoder(quantizer: Quantizer) -> Callable[[ScaledTensor], jax.Array]:

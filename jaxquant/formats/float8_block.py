@@ -1,14 +1,18 @@
 """Float8Block (DeepSeek-V3 style): FP8 with a float32 scale per (1, 128) block or
 (128, 128) tile, power-of-two scales by default. A 128x128-tiled columnwise copy shares the
-rowwise tile scales (transposed)."""
+rowwise tile scales (transposed). Scales are block-local, so a grouped copy is the single-matrix
+reference on the padded token layout."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+import numpy as np
+
 from jaxquant.formats.base import (Format, QuantizeContext, block_amax, expand_blocks,
                                    pad_to_blocks, register, tensor_amax)
+from jaxquant.formats.grouped import block_local
 from jaxquant.numerics import scale_from_amax, spec_for_dtype
 from jaxquant.numerics.division import ieee_div
 from jaxquant.numerics.minifloat import cast_sat, decode
@@ -36,5 +40,60 @@ def dequantize_raw(t: ScaledTensor) -> jax.Array:
   return decode(t.data) * scale_inv
 
 
-register(Float8BlockQuantizer, Format("fp8-block", quantize, dequantize_raw,
-                                         blocks=lambda q: tuple(q.block)))
+class Float8BlockFormat(Format):
+  name = "fp8-block"
+
+  def quantize(self, mat, quantizer, ctx):
+    return quantize(mat, quantizer, ctx)
+
+  def dequantize_raw(self, t):
+    return dequantize_raw(t)
+
+  def grouped_quantize(self, mat, quantizer, ctx):
+    return block_local(self, mat, quantizer, ctx)
+
+  def blocks(self, quantizer: Float8BlockQuantizer) -> tuple[int, int]:
+    return tuple(quantizer.block)
+
+  def scale_layout(self, quantizer) -> str:
+    return "block"
+
+  def amax_layout(self, quantizer) -> str:
+    return "tensor"
+
+  def scale_dtype(self, quantizer) -> np.dtype:
+    return np.dtype(np.float32)
+
+  def exact_in_bf16(self, quantizer: Float8BlockQuantizer) -> bool:
+    return quantizer.pow2_scale  # a decoded value is a payload times a power of two
+
+  def quantize_kernel(self, quantizer) -> str:
+    return "fp8-block"
+
+  def gemm_family(self, quantizer) -> str:
+    return "fp8-block"
+
+  def grouped_quantize_kernel(self, quantizer, direction: str):
+    return "single", None
+
+  def expert_rows_multiple(self, quantizer: Float8BlockQuantizer, direction: str) -> int:
+    block = quantizer.block
+    return block[0] if direction == "rowwise" else block[1] if block[0] == 1 else max(block)
+
+  def grouped_gemm_scaling(self, quantizer: Float8BlockQuantizer):
+    if not quantizer.pow2_scale:  # exact in bf16 only with 2^k scales
+      return None
+    return 5 if tuple(quantizer.block) == (128, 128) else 4
+
+  def grouped_gemm_operand(self, quantizer: Float8BlockQuantizer) -> str:
+    name = type(quantizer).__name__
+    if not quantizer.pow2_scale:
+      name += " with pow2_scale=False (its decoded values are not exact in bfloat16)"
+    return name
+
+  def variants(self):
+    return (Float8BlockQuantizer(), Float8BlockQuantizer((128, 128)),
+            Float8BlockQuantizer(dtype=jnp.float8_e5m2, pow2_scale=False))
+
+
+register(Float8BlockQuantizer, Float8BlockFormat())

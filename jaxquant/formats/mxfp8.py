@@ -1,7 +1,8 @@
 """MXFP8: blocks of 32 along the contraction axis, each with an E8M0 power-of-two scale.
 
 The block exponent rounds `amax / fmax` up to a power of two, so a finite block never
-saturates; a block holding NaN gets exponent 255 and an all-NaN payload.
+saturates; a block holding NaN gets exponent 255 and an all-NaN payload. Scales are block-local,
+so a grouped copy is the single-matrix reference on the padded token layout.
 """
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+import numpy as np
+
 from jaxquant.formats.base import (Format, QuantizeContext, block_amax, expand_blocks,
                                    pad_to_blocks, register, tensor_amax)
+from jaxquant.formats.grouped import block_local
 from jaxquant.numerics import e8m0_decode_exponent, e8m0_from_amax, exp2i, spec_for_dtype
 from jaxquant.numerics.minifloat import decode, encode, to_storage
 from jaxquant.quantizers import MXFP8Quantizer
@@ -46,4 +50,47 @@ def dequantize_raw(t: ScaledTensor) -> jax.Array:
   return decode(t.data) * scale
 
 
-register(MXFP8Quantizer, Format("mxfp8", quantize, dequantize_raw, blocks=lambda q: (1, BLOCK)))
+class MXFP8Format(Format):
+  name = "mxfp8"
+
+  def quantize(self, mat, quantizer, ctx):
+    return quantize(mat, quantizer, ctx)
+
+  def dequantize_raw(self, t):
+    return dequantize_raw(t)
+
+  def grouped_quantize(self, mat, quantizer, ctx):
+    return block_local(self, mat, quantizer, ctx)
+
+  def blocks(self, quantizer) -> tuple[int, int]:
+    return (1, BLOCK)
+
+  def scale_layout(self, quantizer) -> str:
+    return "block"
+
+  def amax_layout(self, quantizer) -> str:
+    return "tensor"
+
+  def scale_dtype(self, quantizer) -> np.dtype:
+    return np.dtype(jnp.float8_e8m0fnu)
+
+  def quantize_kernel(self, quantizer) -> str:
+    return "mxfp8"
+
+  def gemm_family(self, quantizer) -> str:
+    return "mxfp8"
+
+  def grouped_quantize_kernel(self, quantizer, direction: str):
+    return "single", None
+
+  def expert_rows_multiple(self, quantizer, direction: str) -> int:
+    return 1 if direction == "rowwise" else BLOCK
+
+  def grouped_gemm_scaling(self, quantizer) -> int:
+    return 1
+
+  def variants(self):
+    return (MXFP8Quantizer(), MXFP8Quantizer(jnp.float8_e5m2))
+
+
+register(MXFP8Quantizer, MXFP8Format())

@@ -13,9 +13,9 @@ from typing import Any, Union
 import jax
 import jax.numpy as jnp
 
+from jaxquant.formats import format_of
 from jaxquant.grouping.tensors import GroupedQuantizedTensor
-from jaxquant.quantizers import Float8DelayedScalingQuantizer, HybridQuantizer, Quantizer
-from jaxquant.state import delayed_scaling_update
+from jaxquant.quantizers import Quantizer
 from jaxquant.state import init_state as _init_single
 from jaxquant.tensors import QuantizedTensor
 
@@ -27,10 +27,10 @@ def init_state(quantizer: Quantizer, groups: int) -> Any:
 
 
 def _update_leaf(quantizer: Quantizer, state, scaled):
-  if not isinstance(quantizer, Float8DelayedScalingQuantizer) or scaled is None:
+  fmt = format_of(quantizer)
+  if not fmt.stateful(quantizer) or scaled is None:
     return state
-  return jax.vmap(lambda s, amax: delayed_scaling_update(s, amax, quantizer))(state,
-                                                                            scaled.amax)
+  return jax.vmap(lambda s, amax: fmt.update_state(quantizer, s, amax))(state, scaled.amax)
 
 
 def update_state(quantizer: Quantizer, state: Any,
@@ -39,9 +39,11 @@ def update_state(quantizer: Quantizer, state: Any,
   `quantize_experts`) was made with `state`; mirrors `jaxquant.update_state` group by group."""
   if state is None or not quantizer.stateful:
     return state
-  if isinstance(quantizer, HybridQuantizer):
-    row_state, col_state = state
-    return (_update_leaf(quantizer.rowwise, row_state, quantized.rowwise),
-            _update_leaf(quantizer.columnwise, col_state, quantized.columnwise))
+  fmt = format_of(quantizer)
+  halves = fmt.halves(quantizer)
+  if halves is not None:
+    row_state, col_state = fmt.split_state(quantizer, state)
+    return (_update_leaf(halves[0], row_state, quantized.rowwise),
+            _update_leaf(halves[1], col_state, quantized.columnwise))
   scaled = quantized.rowwise if quantized.rowwise is not None else quantized.columnwise
   return _update_leaf(quantizer, state, scaled)

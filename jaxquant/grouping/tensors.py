@@ -31,8 +31,7 @@ from jaxquant.grouping import layout as layout_lib
 from jaxquant.grouping.layout import TokenLayout
 from jaxquant.formats import format_of
 from jaxquant.numerics.hadamard import rht16_inverse
-from jaxquant.quantizers import (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer,
-                                 NVFP4Quantizer, Quantizer)
+from jaxquant.quantizers import Quantizer
 from jaxquant.tensors import ScaledTensor
 
 
@@ -152,12 +151,13 @@ def scale_blocks(quantizer: Quantizer) -> Optional[tuple[int, int]]:
 
 
 def per_group_scale(quantizer: Quantizer) -> bool:
-  """Whether `scale_inv` holds one scale per group (`[G]`): per-tensor FP8."""
-  return isinstance(quantizer, (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer))
+  """Whether `scale_inv` holds one scale per group (`[G]`): a per-tensor scale (FP8)."""
+  return format_of(quantizer).scale_layout(quantizer) == "tensor"
 
 
 def row_scaled(quantizer: Quantizer) -> bool:
-  return isinstance(quantizer, NVFP4Quantizer) and quantizer.row_scaled
+  """Whether `amax` holds one amax per row (row-scaled NVFP4)."""
+  return format_of(quantizer).amax_layout(quantizer) == "row"
 
 
 # ------------------------------------------ decoding ------------------------------------------
