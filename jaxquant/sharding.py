@@ -6,9 +6,9 @@ Storage specs: from the `PartitionSpec` of `x[rows, cols]` to the spec of every 
 `(cols, rows)`; a Hybrid's halves each follow their own format; block-scale axes follow their
 data axis; per-tensor scales and amax are replicated; a row-scaled amax follows its rows.
 
-Blocks and shards: a shard boundary that would split a scaling block is **rejected** with a
-`ValueError` naming the axis, the mesh axes and the block (`check_blocks_fit`; the FFI ops'
-partitioners raise the same error at compile time). The one exception is an FSDP weight: when
+Blocks and shards: a shard boundary that would split a scaling block (or an RHT chunk: the
+format's `copy_block`) is **rejected** with a `ValueError` naming the axis, the mesh axes and the
+block (`check_blocks_fit`; the FFI ops' partitioners raise the same error at compile time). The one exception is an FSDP weight: when
 its local shard would split blocks, the weight is gathered in high precision and quantized whole
 (`plan_dense`; `jaxquant.explain` says so). Nothing is replicated silently.
 
@@ -29,9 +29,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxquant.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer,
-                                 Float8DelayedScalingQuantizer, IdentityQuantizer,
-                                 MXFP8Quantizer, NVFP4Quantizer, Quantizer)
+from jaxquant.formats import format_of
+from jaxquant.quantizers import Quantizer
 from jaxquant.tensors import QuantizedTensor, ScaledTensor
 
 MeshAxes = Any  # None, a mesh axis name, or a tuple of names
@@ -86,26 +85,25 @@ class LeafDims:
 
 def block_shape(quantizer: Quantizer) -> tuple[int, int]:
   """(rows, cols) of one scaling block of a single-format quantizer (1, 1 when per tensor)."""
-  if isinstance(quantizer, MXFP8Quantizer):
-    return (1, 32)
-  if isinstance(quantizer, NVFP4Quantizer):
-    return (16, 16) if quantizer.block_2d else (1, 16)
-  if isinstance(quantizer, Float8BlockQuantizer):
-    return quantizer.block
-  return (1, 1)
+  return format_of(quantizer).block_shape(quantizer)
+
+
+_LAYOUT_DIMS = {  # a leaf layout of the format (`Format.scale_layout` / `amax_layout`) -> dims
+    "none": lambda rows, cols, blocks: None,
+    "tensor": lambda rows, cols, blocks: (),
+    "block": lambda rows, cols, blocks: ((rows, blocks[0]), (cols, blocks[1])),
+    "row": lambda rows, cols, blocks: ((rows, 1),),
+}
 
 
 def leaf_dims(quantizer: Quantizer, rows: Optional[str], cols: Optional[str]) -> LeafDims:
-  """Layout of a single-format storage `[rows, cols]` whose axes follow logical `rows`/`cols`."""
-  data = ((rows, 1), (cols, 1))
-  if isinstance(quantizer, IdentityQuantizer):
-    return LeafDims(data, None, None)
-  if isinstance(quantizer, (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer)):
-    return LeafDims(data, (), ())
-  block_rows, block_cols = block_shape(quantizer)
-  scale = ((rows, block_rows), (cols, block_cols))
-  row_scaled = isinstance(quantizer, NVFP4Quantizer) and quantizer.row_scaled
-  return LeafDims(data, scale, ((rows, 1),) if row_scaled else ())
+  """Layout of a single-format storage `[rows, cols]` whose axes follow logical `rows`/`cols`:
+  what the format says its scales and amax hold."""
+  fmt = format_of(quantizer)
+  blocks = fmt.block_shape(quantizer)
+  scale = _LAYOUT_DIMS[fmt.scale_layout(quantizer)](rows, cols, blocks)
+  amax = _LAYOUT_DIMS[fmt.amax_layout(quantizer)](rows, cols, blocks)
+  return LeafDims(((rows, 1), (cols, 1)), scale, amax)
 
 
 def dims_spec(dims: Dims, axes: dict) -> P:
@@ -196,9 +194,7 @@ def check_blocks_fit(quantizer: Quantizer, shape: Sequence[int], x_spec: Optiona
     else:
       r, c, r_axes, c_axes = cols, rows, col_axes, row_axes
       c_what, r_what = axis_names
-    block_rows, block_cols = block_shape(q)
-    if isinstance(q, NVFP4Quantizer) and q.rht and direction == "columnwise":
-      block_cols = max(block_cols, 16)
+    block_rows, block_cols = format_of(q).copy_block(q, direction)
     for length, axes, block, what in ((r, r_axes, block_rows, r_what),
                                       (c, c_axes, block_cols, c_what)):
       shards = axis_size(mesh, axes)
@@ -426,7 +422,7 @@ def plan_dense(sharding: DenseSharding, x_shape: Sequence[int], kernel_shape: Se
   gather, reason = "none", ""
   wt_shape = (math.prod(kernel_shape[n_contract:]), math.prod(kernel_shape[:n_contract]))
   if fsdp:
-    if isinstance(weight_quantizer, IdentityQuantizer):
+    if format_of(weight_quantizer).high_precision:
       gather, reason = "high-precision", "the weight is not quantized (Identity)"
     else:
       try:

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxquant import sharding as _sharding
+from jaxquant.formats import format_of
 from jaxquant.layers.dense import TENSOR_TYPES, DenseQuantizers, dense
-from jaxquant.quantizers import NVFP4Quantizer
 from jaxquant.recipes import Recipe, current_recipe
 from jaxquant.state import DelayedScalingState
 
@@ -109,8 +109,7 @@ def stochastic_roles(quantizers: DenseQuantizers) -> list:
   """The roles whose quantizer rounds stochastically."""
   return [role if role is not None else t
           for t, role in zip(TENSOR_TYPES, quantizers.roles)
-          if any(isinstance(leaf, NVFP4Quantizer) and leaf.stochastic_rounding
-                 for leaf in quantizers.quantizer(t).leaves())]
+          if format_of(quantizers.quantizer(t)).needs_key(quantizers.quantizer(t))]
 
 
 def module_key(module: nn.Module, quantizers: DenseQuantizers) -> Optional[jax.Array]:

@@ -34,6 +34,7 @@ from jaxquant.layers import collective_gemm
 from jaxquant import explain as _explain
 from jaxquant import ops
 from jaxquant import sharding as _sharding
+from jaxquant.formats import format_of
 from jaxquant.quantizers import IdentityQuantizer, Quantizer
 from jaxquant.recipes import Recipe
 from jaxquant.roles import QuantizerRole
@@ -85,7 +86,7 @@ class DenseQuantizers:
   @property
   def unquantized(self) -> bool:
     """Every tensor passes through unchanged: three `IdentityQuantizer()`s without a cast."""
-    return all(isinstance(q, IdentityQuantizer) and q.dtype is None
+    return all(format_of(q).high_precision and q.dtype is None
                for q in (self.input, self.weight, self.grad_output))
 
 
@@ -177,7 +178,7 @@ def _keys(key):
 
 
 def _high_precision(operand) -> bool:
-  return isinstance(operand.quantizer, IdentityQuantizer)
+  return format_of(operand.quantizer).high_precision
 
 
 def _value(primal):

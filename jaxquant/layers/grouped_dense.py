@@ -42,7 +42,7 @@ from jaxquant.grouping.layout import TokenLayout, clip_sizes
 from jaxquant.grouping.state import init_state as init_group_state
 from jaxquant.grouping.state import update_state
 from jaxquant.layers.dense import RESIDUAL_NAMES, TENSOR_TYPES, DenseQuantizers
-from jaxquant.quantizers import Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer
+from jaxquant.formats import format_of
 from jaxquant.tensors import QuantizedTensor
 
 MODULE_TYPE = "grouped_linear"
@@ -117,7 +117,7 @@ def _quantize_weights(kernel, q: DenseQuantizers, need_dgrad: bool, keys, state)
   transpose, without XLA materializing that transpose first (a full read and write of the
   weights each step). Other formats block or transform along a direction, so they quantize
   the transposed kernel."""
-  if isinstance(q.weight, (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer)):
+  if format_of(q.weight).transposable(q.weight):
     kn = grouped_ops.quantize_experts(kernel, q.weight, rowwise=need_dgrad, columnwise=True,
                                       keys=keys, state=state, role=q.roles[1])
     return QuantizedTensor(kn.columnwise, kn.rowwise, q.weight)

@@ -18,8 +18,8 @@ from jaxquant.backends import xla as _xla
 from jaxquant.numerics.random_bits import key_words
 from jaxquant.backends.reference import ops as reference
 from jaxquant.ops import dispatch
-from jaxquant.quantizers import (HIGH_PRECISION_DTYPES, HybridQuantizer, IdentityQuantizer,
-                                 NVFP4Quantizer, Quantizer, uses_rht)
+from jaxquant.formats import format_of
+from jaxquant.quantizers import HIGH_PRECISION_DTYPES, Quantizer
 from jaxquant.tensors import QuantizedTensor, ScaledTensor
 
 Operand = Union[ScaledTensor, jax.Array]
@@ -39,11 +39,11 @@ def _as_matrix(x: jax.Array) -> jax.Array:
 
 
 def _needs_key(quantizer: Quantizer) -> bool:
-  return any(isinstance(q, NVFP4Quantizer) and q.stochastic_rounding for q in quantizer.leaves())
+  return format_of(quantizer).needs_key(quantizer)
 
 
 def _check_rht_shape(x2d: jax.Array, quantizer: Quantizer) -> None:
-  if uses_rht(quantizer, "columnwise") and x2d.shape[0] % 16:
+  if format_of(quantizer).uses_rht(quantizer, "columnwise") and x2d.shape[0] % 16:
     raise ValueError(
         f"x: NVFP4Quantizer(rht=True) transforms the columnwise copy along x's rows (the "
         f"wgrad contraction axis) in chunks of 16; got {x2d.shape[0]} rows. Use a row count "
@@ -54,15 +54,16 @@ def _single(x2d, quantizer, *, rowwise, columnwise, orig_dtype, key, state, role
   """Quantize with one single-format quantizer via the selected backend."""
   if columnwise:
     _check_rht_shape(x2d, quantizer)
+  fmt = format_of(quantizer)
   row_words = col_words = None
-  if isinstance(quantizer, NVFP4Quantizer) and quantizer.stochastic_rounding:
+  if fmt.needs_key(quantizer):
     row_words = key_words(jax.random.fold_in(key, 0))
     col_words = key_words(jax.random.fold_in(key, 1))
   directions = "+".join(d for d, on in (("rowwise", rowwise), ("columnwise", columnwise)) if on)
   ffi = dispatch.ffi_module()
   reason = dispatch.ffi_missing_reason() if ffi is None else ffi.quantize_unsupported(
       x2d, quantizer, rowwise=rowwise, columnwise=columnwise)
-  if isinstance(quantizer, IdentityQuantizer):
+  if fmt.high_precision:
     path, reason = "reference", ""  # nothing to compute
   else:
     path, reason = dispatch.choose_quantize(
@@ -114,20 +115,22 @@ def quantize(x: jax.Array, quantizer: Quantizer, *, rowwise: bool = True,
   if quantizer.stateful and state is None:
     raise ValueError(f"state: {quantizer} is stateful; pass state=jaxquant.init_state(quantizer)")
   common = dict(orig_dtype=orig_dtype, key=key, role=role)
-  if not isinstance(quantizer, HybridQuantizer):
+  fmt = format_of(quantizer)
+  halves = fmt.halves(quantizer)
+  if halves is None:  # one quantizer makes both copies, in one pass
     row, col = _single(x2d, quantizer, rowwise=rowwise, columnwise=columnwise, state=state,
                        **common)
     return QuantizedTensor(row, col, quantizer)
-  row_state, col_state = state if state is not None else (None, None)
-  from_rowwise = columnwise and quantizer.columnwise_source == "rowwise_dequantized"
+  row_state, col_state = fmt.split_state(quantizer, state)
+  from_rowwise = columnwise and fmt.columnwise_from_rowwise(quantizer)
   row = col = None
   if rowwise or from_rowwise:
-    row, _ = _single(x2d, quantizer.rowwise, rowwise=True, columnwise=False, state=row_state,
+    row, _ = _single(x2d, halves[0], rowwise=True, columnwise=False, state=row_state,
                      **common)
   if columnwise:
     source = row.dequantize(jnp.float32) if from_rowwise else x2d
     key_col = None if key is None else jax.random.fold_in(key, 2)
-    _, col = _single(source, quantizer.columnwise, rowwise=False, columnwise=True,
+    _, col = _single(source, halves[1], rowwise=False, columnwise=True,
                      state=col_state, **dict(common, key=key_col))
   return QuantizedTensor(row if rowwise else None, col, quantizer)
 

@@ -30,8 +30,8 @@ from jaxquant.numerics import rht16
 from jaxquant.numerics.random_bits import key_words
 from jaxquant.ops import dispatch
 from jaxquant.backends.reference import ops as matrix_reference
-from jaxquant.quantizers import (HIGH_PRECISION_DTYPES, HybridQuantizer, IdentityQuantizer,
-                                 NVFP4Quantizer, Quantizer, uses_rht)
+from jaxquant.formats import format_of
+from jaxquant.quantizers import HIGH_PRECISION_DTYPES, Quantizer
 from jaxquant.tensors import QuantizedTensor, ScaledTensor
 
 __all__ = ["quantize", "quantize_experts", "gemm", "to_tokens", "check_group_sizes"]
@@ -96,13 +96,9 @@ def _check_tokens(x: Any, name: str = "x") -> None:
                      f"shape {tuple(x.shape)}")
 
 
-def _stochastic(quantizer: Quantizer) -> bool:
-  return isinstance(quantizer, NVFP4Quantizer) and quantizer.stochastic_rounding
-
-
 def _check_keys(keys, quantizer: Quantizer, groups: int) -> None:
   if keys is None:
-    if any(_stochastic(q) for q in quantizer.leaves()):
+    if format_of(quantizer).needs_key(quantizer):
       raise ValueError(f"keys: {quantizer} uses stochastic rounding and needs one PRNG key "
                        f"per group (shape [{groups}])")
     return
@@ -116,14 +112,14 @@ def _direction_words(keys, quantizer: Quantizer) -> dict[str, Optional[jax.Array
   """Per group, the stochastic-rounding words `jaxquant.ops.quantize` derives from that group's
   key for each direction (plain: fold_in(key, 0 | 1); Hybrid: the rowwise half fold_in(key, 0),
   the columnwise half fold_in(fold_in(key, 2), 1))."""
-  hybrid = isinstance(quantizer, HybridQuantizer)
-  paths = {"rowwise": (0,), "columnwise": (2, 1) if hybrid else (1,)}
+  fmt = format_of(quantizer)
   words = {}
   for direction in DIRECTIONS:
     words[direction] = None
-    if keys is not None and _stochastic(quantizer.for_direction(direction)):
+    leaf = quantizer.for_direction(direction)
+    if keys is not None and format_of(leaf).needs_key(leaf):
 
-      def derive(key, path=paths[direction]):
+      def derive(key, path=fmt.key_path(quantizer, direction)):
         for i in path:
           key = jax.random.fold_in(key, i)
         return key_words(key)
@@ -147,7 +143,7 @@ def _record(op: str, role, detail: str, quantizer: Optional[Quantizer], reason_f
             ffi_note_fn=None) -> str:
   """Choose and record the path; on the FFI path `ffi_note_fn()` gives (detail suffix, why a
   slower kernel serves it or "")."""
-  if isinstance(quantizer, IdentityQuantizer):
+  if quantizer is not None and format_of(quantizer).high_precision:
     path, reason = "reference", ""  # nothing to compute
   else:
     path, reason = dispatch.choose(op.replace("_", " "), reason_fn())
@@ -185,7 +181,7 @@ def _tokens_reference(x, sizes, leaf: Quantizer, direction: str, layout: TokenLa
                       state, orig_dtype) -> GroupedScaledTensor:
   mat = layout.gather(x, sizes)
   group, local, _ = layout.positions(sizes)
-  token_axis, rht = 0, uses_rht(leaf, direction)
+  token_axis, rht = 0, format_of(leaf).uses_rht(leaf, direction)
   if direction == "columnwise":
     mat, token_axis = mat.T, 1
     if rht:
@@ -245,7 +241,9 @@ def quantize(x: jax.Array, group_sizes: jax.Array, quantizer: Quantizer, *,
     return _tokens(source, sizes, leaf, direction, layout, words[direction], leaf_state,
                    orig_dtype, role)
 
-  if not isinstance(quantizer, HybridQuantizer):
+  fmt = format_of(quantizer)
+  halves = fmt.halves(quantizer)
+  if halves is None:  # one quantizer makes both copies
     blocks = {d: _layout_block(quantizer, d, requested[d]) for d in DIRECTIONS}
     if (rowwise and columnwise and blocks["rowwise"] == blocks["columnwise"]
         and kernels.quantize_route(quantizer, "rowwise")[0] == "fp8"):
@@ -254,14 +252,14 @@ def quantize(x: jax.Array, group_sizes: jax.Array, quantizer: Quantizer, *,
     row = copy(x, quantizer, "rowwise", state) if rowwise else None
     col = copy(x, quantizer, "columnwise", state) if columnwise else None
     return GroupedQuantizedTensor(row, col, quantizer)
-  row_state, col_state = state if state is not None else (None, None)
-  from_rowwise = columnwise and quantizer.columnwise_source == "rowwise_dequantized"
+  row_state, col_state = fmt.split_state(quantizer, state)
+  from_rowwise = columnwise and fmt.columnwise_from_rowwise(quantizer)
   row = col = None
   if rowwise or from_rowwise:
-    row = copy(x, quantizer.rowwise, "rowwise", row_state)
+    row = copy(x, halves[0], "rowwise", row_state)
   if columnwise:
     source = row.tokens(jnp.float32) if from_rowwise else x
-    col = copy(source, quantizer.columnwise, "columnwise", col_state)
+    col = copy(source, halves[1], "columnwise", col_state)
   return GroupedQuantizedTensor(row if rowwise else None, col, quantizer)
 
 
@@ -286,17 +284,19 @@ def _expert(w2d, quantizer: Quantizer, rowwise: bool, columnwise: bool, words, s
   single = lambda m, q, r, c, s: matrix_reference.quantize_single(
       m, q, rowwise=r, columnwise=c, orig_dtype=orig_dtype, row_key_words=words["rowwise"],
       col_key_words=words["columnwise"], state=s)
-  if not isinstance(quantizer, HybridQuantizer):
+  fmt = format_of(quantizer)
+  halves = fmt.halves(quantizer)
+  if halves is None:
     row, col = single(w2d, quantizer, rowwise, columnwise, state)
     return QuantizedTensor(row, col, quantizer)
-  row_state, col_state = state if state is not None else (None, None)
-  from_rowwise = columnwise and quantizer.columnwise_source == "rowwise_dequantized"
+  row_state, col_state = fmt.split_state(quantizer, state)
+  from_rowwise = columnwise and fmt.columnwise_from_rowwise(quantizer)
   row = col = None
   if rowwise or from_rowwise:
-    row, _ = single(w2d, quantizer.rowwise, True, False, row_state)
+    row, _ = single(w2d, halves[0], True, False, row_state)
   if columnwise:
     source = row.dequantize(jnp.float32) if from_rowwise else w2d
-    _, col = single(source, quantizer.columnwise, False, True, col_state)
+    _, col = single(source, halves[1], False, True, col_state)
   return QuantizedTensor(row if rowwise else None, col, quantizer)
 
 
@@ -321,8 +321,7 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool = True
   if quantizer.stateful and state is None:
     raise ValueError(f"state: {quantizer} is stateful; pass state=jaxquant.grouped.init_state("
                      f"quantizer, {groups})")
-  if columnwise and uses_rht(quantizer.for_direction("columnwise"), "columnwise") \
-      and w.shape[1] % 16:
+  if columnwise and format_of(quantizer).uses_rht(quantizer, "columnwise") and w.shape[1] % 16:
     raise ValueError(f"w: NVFP4Quantizer(rht=True) transforms the columnwise copy along the "
                      f"rows in chunks of 16; got {w.shape[1]} rows")
   paths = []

@@ -15,8 +15,7 @@ from jax import lax
 
 from jaxquant.formats import QuantizeContext, format_of
 from jaxquant.numerics import rht16
-from jaxquant.quantizers import Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer
-from jaxquant.quantizers import Quantizer, uses_rht
+from jaxquant.quantizers import Quantizer
 from jaxquant.tensors import ScaledTensor
 
 Operand = Union[ScaledTensor, jax.Array]
@@ -32,7 +31,7 @@ def quantize_single(x2d: jax.Array, quantizer: Quantizer, *, rowwise: bool, colu
     row = fmt.quantize(x2d, quantizer, QuantizeContext(orig_dtype, row_key_words, state))
   if columnwise:
     mat = x2d.T
-    rht = uses_rht(quantizer, "columnwise")
+    rht = fmt.uses_rht(quantizer, "columnwise")
     if rht:
       mat = rht16(mat)
     col = fmt.quantize(mat, quantizer, QuantizeContext(orig_dtype, col_key_words, state, rht))
@@ -45,7 +44,8 @@ def transpose(t: ScaledTensor) -> ScaledTensor:
 
 
 def is_transposable(t: ScaledTensor) -> bool:
-  return isinstance(t.quantizer, (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer))
+  """Whether `t`'s format makes the columnwise copy from the same bytes (per-tensor FP8)."""
+  return format_of(t.quantizer).transposable(t.quantizer)
 
 
 def _raw(operand: Operand) -> tuple[jax.Array, Optional[jax.Array]]:
