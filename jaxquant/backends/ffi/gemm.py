@@ -56,9 +56,6 @@ from jaxquant.backends.ffi import partitioning, registry
 from jaxquant.backends.platform import compute_capability
 from jaxquant.backends.platform import current_platform as _platform
 from jaxquant.backends.reference import ops as reference
-from jaxquant.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer,
-                                 Float8DelayedScalingQuantizer, IdentityQuantizer,
-                                 MXFP8Quantizer, NVFP4Quantizer)
 from jaxquant.tensors import ScaledTensor
 
 Operand = Union[ScaledTensor, jax.Array]
@@ -92,25 +89,15 @@ def _mx_gemm_choice(platform: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Operand classification: one table entry per quantizer class.
+# Operand classification: what the operand's format says (`Format.gemm_family` and friends).
 # ---------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class _Kind:
   family: str  # "fp8" | "fp8-block" | "mxfp8" | "nvfp4" | "hp"
   dtype: np.dtype  # payload dtype (high-precision dtype for "hp")
-  block_2d: bool = False
+  block_2d: bool = False  # 2-D scale tiles (one scale per tile of several rows)
   exact_bf16: bool = True  # decoded values (before any factor) are exact in bfloat16
-
-
-_FAMILIES = {
-    Float8CurrentScalingQuantizer: "fp8",
-    Float8DelayedScalingQuantizer: "fp8",
-    Float8BlockQuantizer: "fp8-block",
-    MXFP8Quantizer: "mxfp8",
-    NVFP4Quantizer: "nvfp4",
-    IdentityQuantizer: "hp",
-}
 
 
 def _kind(x: Operand) -> _Kind:
@@ -118,13 +105,9 @@ def _kind(x: Operand) -> _Kind:
     dtype = np.dtype(x.data.dtype if isinstance(x, ScaledTensor) else x.dtype)
     return _Kind("hp", dtype, exact_bf16=dtype == np.dtype(jnp.bfloat16))
   q = x.quantizer
-  family = _FAMILIES[type(q)]
-  dtype = np.dtype(x.data.dtype)
-  if family == "fp8-block":
-    return _Kind(family, dtype, block_2d=q.block == (128, 128), exact_bf16=q.pow2_scale)
-  if family == "nvfp4":
-    return _Kind(family, dtype, block_2d=q.block_2d)
-  return _Kind(family, dtype)
+  fmt = format_of(q)
+  return _Kind(fmt.gemm_family(q), np.dtype(x.data.dtype),
+               block_2d=fmt.block_shape(q)[0] > 1, exact_bf16=fmt.exact_in_bf16(q))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,14 +266,15 @@ def _block_scales(t: ScaledTensor) -> tuple[jax.Array, int]:
 
 def _dequant_operand(t: ScaledTensor, kp: int) -> tuple[jax.Array, jax.Array, jax.Array, int]:
   """(payload, scale bytes, factor, scale tile rows) for jaxquant_gemm_dequant, K padded to kp."""
-  if isinstance(t.quantizer, MXFP8Quantizer):
+  fmt = format_of(t.quantizer)
+  if fmt.gemm_family(t.quantizer) == "mxfp8":  # block scales only, no factor
     return _pad_cols(t.data, kp), t.scale_inv, jnp.zeros((0,), jnp.float32), 1
   # float4_e2m1fn is stored packed two per byte (rows byte-aligned once kp % 32 == 0), which
   # is the layout the kernel reads; no unpacking or copy beyond the padding.
   data = _pad_cols(t.data, kp)
   scale = _pad_cols(t.scale_inv, kp // 16)
-  factor = format_of(t.quantizer).gemm_factor(t).astype(jnp.float32)
-  return data, scale, factor, 16 if t.quantizer.block_2d else 1
+  factor = fmt.gemm_factor(t).astype(jnp.float32)
+  return data, scale, factor, fmt.block_shape(t.quantizer)[0]
 
 
 def _empty_bias() -> jax.Array:
@@ -347,7 +331,7 @@ def _cublaslt(a: ScaledTensor, b: ScaledTensor, path: str, out_dtype, bias, fast
 
 def _wgmma_dequant(a: ScaledTensor, b: ScaledTensor, out_dtype, bias):
   k = a.shape[1]
-  fp4 = isinstance(a.quantizer, NVFP4Quantizer) or isinstance(b.quantizer, NVFP4Quantizer)
+  fp4 = "nvfp4" in (_kind(a).family, _kind(b).family)
   kp = -(-k // 32) * 32 if fp4 else -(-k // 16) * 16
   a_data, a_scale, a_factor, a_tile = _dequant_operand(a, kp)
   b_data, b_scale, b_factor, b_tile = _dequant_operand(b, kp)

@@ -18,10 +18,10 @@ import numpy as np
 
 from jaxquant.backends.ffi import calls
 from jaxquant.backends.ffi.partitioning import Layout
+from jaxquant.formats import format_of
 from jaxquant.formats.base import tensor_amax
-from jaxquant.quantizers import (HIGH_PRECISION_DTYPES, Float8BlockQuantizer,
-                                 Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer,
-                                 MXFP8Quantizer, NVFP4Quantizer, Quantizer)
+from jaxquant.quantizers import (HIGH_PRECISION_DTYPES, Float8BlockQuantizer, MXFP8Quantizer,
+                                 NVFP4Quantizer, Quantizer)
 from jaxquant.state import DelayedScalingState, needs_current_amax, quantize_scale
 from jaxquant.tensors import ScaledTensor
 
@@ -154,15 +154,25 @@ def _fp8_tensor(req: Request, quantizer, *, delayed: bool) -> Pair:
   return _pair(req, quantizer, row, scale_inv, amax, col, scale_inv, amax)
 
 
+def _block_scales(req: Request, quantizer: Quantizer) -> tuple:
+  """(rowwise scale result, columnwise scale result, rowwise dims, columnwise dims) of a
+  block-scaled format, laid out as the format says (`Format.scale_shape`, `scale_dtype`)."""
+  fmt = format_of(quantizer)
+  rows, cols = req.shape
+  dtype = fmt.scale_dtype(quantizer)
+  block_rows, block_cols = fmt.block_shape(quantizer)
+  return (_sds(fmt.scale_shape(quantizer, rows, cols), dtype),
+          _sds(fmt.scale_shape(quantizer, cols, rows), dtype),
+          (("m", block_rows), ("k", block_cols)), (("k", block_rows), ("m", block_cols)))
+
+
 # -------------------------------------------- MXFP8 -------------------------------------------
 
 def _mxfp8(req: Request, quantizer: MXFP8Quantizer) -> Pair:
-  rows, cols = req.shape
-  e8m0 = jnp.float8_e8m0fnu
-  results = _data_results(req, quantizer.dtype, _sds((rows, -(-cols // 32)), e8m0),
-                          _sds((cols, -(-rows // 32)), e8m0)) + [_sds((), np.float32)]
-  layout = _layout(req, "jaxquant_quantize_mxfp8", (X_DIMS,), (("m", 1), ("k", 32)),
-                   (("k", 1), ("m", 32)), tail=((),), reduce=((0, ("m", "k")),))
+  row_scale, col_scale, row_dims, col_dims = _block_scales(req, quantizer)
+  results = _data_results(req, quantizer.dtype, row_scale, col_scale) + [_sds((), np.float32)]
+  layout = _layout(req, "jaxquant_quantize_mxfp8", (X_DIMS,), row_dims, col_dims, tail=((),),
+                   reduce=((0, ("m", "k")),))
   outs = calls.call("jaxquant_quantize_mxfp8", results, req.x2d, layout=layout,
                     rowwise=req.rowwise, columnwise=req.columnwise)
   row, row_scale, col, col_scale = _split(req, outs, with_scales=True)
@@ -173,15 +183,11 @@ def _mxfp8(req: Request, quantizer: MXFP8Quantizer) -> Pair:
 # ------------------------------------------ Float8Block ---------------------------------------
 
 def _fp8_block(req: Request, quantizer: Float8BlockQuantizer) -> Pair:
-  rows, cols = req.shape
   block_2d = quantizer.block == (128, 128)
-  nr, nc = -(-rows // 128), -(-cols // 128)
-  row_scale = _sds((nr, nc) if block_2d else (rows, nc), np.float32)
-  col_scale = _sds((nc, nr) if block_2d else (cols, nr), np.float32)
+  row_scale, col_scale, row_dims, col_dims = _block_scales(req, quantizer)
   results = _data_results(req, quantizer.dtype, row_scale, col_scale) + [_sds((), np.float32)]
-  br = 128 if block_2d else 1
-  layout = _layout(req, "jaxquant_quantize_fp8_block", (X_DIMS,), (("m", br), ("k", 128)),
-                   (("k", br), ("m", 128)), tail=((),), reduce=((0, ("m", "k")),))
+  layout = _layout(req, "jaxquant_quantize_fp8_block", (X_DIMS,), row_dims, col_dims,
+                   tail=((),), reduce=((0, ("m", "k")),))
   outs = calls.call("jaxquant_quantize_fp8_block", results, req.x2d, layout=layout,
                     rowwise=req.rowwise,
                     columnwise=req.columnwise, block_2d=block_2d,
@@ -218,19 +224,15 @@ def _key(words: Optional[jax.Array], stochastic: bool) -> jax.Array:
 
 
 def _nvfp4(req: Request, q: NVFP4Quantizer) -> Pair:
-  rows, cols = req.shape
-  br = 16 if q.block_2d else 1
   row_amax, col_amax = _nvfp4_amax(req, q)
-  e4m3 = jnp.float8_e4m3fn
-  row_scale = _sds((-(-rows // br), -(-cols // 16)), e4m3)
-  col_scale = _sds((-(-cols // br), -(-rows // 16)), e4m3)
+  row_scale, col_scale, row_dims, col_dims = _block_scales(req, q)
   results = _data_results(req, jnp.float4_e2m1fn, row_scale, col_scale)
   amax_dims = lambda a, axis: ((axis, 1),) if a.ndim else ()  # per row, or per tensor
   key_dims = ((None, 1),)
   layout = _layout(req, "jaxquant_quantize_nvfp4",
                    (X_DIMS, amax_dims(row_amax, "m"), amax_dims(col_amax, "k"), key_dims,
                     key_dims),
-                   (("m", br), ("k", 16)), (("k", br), ("m", 16)),
+                   row_dims, col_dims,
                    keys=((3, "m", "k"), (4, "k", "m")) if q.stochastic_rounding else ())
   outs = calls.call("jaxquant_quantize_nvfp4", results, req.x2d, row_amax, col_amax,
                     _key(req.row_key_words, q.stochastic_rounding),
@@ -244,26 +246,35 @@ def _nvfp4(req: Request, q: NVFP4Quantizer) -> Pair:
 
 # ------------------------------------------- registry -----------------------------------------
 
-KERNEL_FORMATS: dict[type, Callable[[Request, Quantizer], Pair]] = {
-    Float8CurrentScalingQuantizer: lambda req, q: _fp8_tensor(req, q, delayed=False),
-    Float8DelayedScalingQuantizer: lambda req, q: _fp8_tensor(req, q, delayed=True),
-    MXFP8Quantizer: _mxfp8,
-    Float8BlockQuantizer: _fp8_block,
-    NVFP4Quantizer: _nvfp4,
+# The wrapper of each FFI quantize family a format names (`Format.quantize_kernel`).
+KERNEL_FORMATS: dict[str, Callable[[Request, Quantizer], Pair]] = {
+    "fp8-current": lambda req, q: _fp8_tensor(req, q, delayed=False),
+    "fp8-delayed": lambda req, q: _fp8_tensor(req, q, delayed=True),
+    "mxfp8": _mxfp8,
+    "fp8-block": _fp8_block,
+    "nvfp4": _nvfp4,
 }
+
+
+def kernel_reason(quantizer: Quantizer) -> Optional[str]:
+  """Why no FFI quantize kernel serves `quantizer`'s format (None: one does)."""
+  if format_of(quantizer).quantize_kernel(quantizer) not in KERNEL_FORMATS:
+    return f"no FFI quantize kernel for {type(quantizer).__name__}"
+  return None
 
 
 def unsupported(x2d, quantizer: Quantizer, *, rowwise: bool, columnwise: bool) -> Optional[str]:
   """None when a kernel serves this quantize, else the reason (the reference path is taken)."""
-  if type(quantizer) not in KERNEL_FORMATS:
-    return f"no FFI quantize kernel for {type(quantizer).__name__}"
+  reason = kernel_reason(quantizer)
+  if reason is not None:
+    return reason
   if x2d.ndim != 2 or 0 in x2d.shape:
     return f"the FFI kernels need a non-empty 2-D matrix; got shape {tuple(x2d.shape)}"
   if np.dtype(x2d.dtype) not in HIGH_PRECISION_DTYPES:
     return f"the FFI kernels read bfloat16/float16/float32, not {np.dtype(x2d.dtype).name}"
   if max(x2d.shape) > _MAX_DIM:
     return f"shape {tuple(x2d.shape)} has a dimension >= 2^31"
-  if (isinstance(quantizer, NVFP4Quantizer) and quantizer.rht and columnwise
+  if (columnwise and format_of(quantizer).uses_rht(quantizer, "columnwise")
       and x2d.shape[0] % 16):
     return "NVFP4 rht needs a row count that is a multiple of 16"
   return None
@@ -277,4 +288,4 @@ def quantize_single(x2d, quantizer: Quantizer, *, rowwise: bool, columnwise: boo
   if reason is not None:
     raise ValueError(f"FFI quantize cannot serve {quantizer}: {reason}")
   req = Request(x2d, rowwise, columnwise, orig_dtype, row_key_words, col_key_words, state)
-  return KERNEL_FORMATS[type(quantizer)](req, quantizer)
+  return KERNEL_FORMATS[format_of(quantizer).quantize_kernel(quantizer)](req, quantizer)

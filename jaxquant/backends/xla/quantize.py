@@ -27,12 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxquant.formats import format_of
 from jaxquant.formats.base import tensor_amax
 from jaxquant.numerics import scale_from_amax, spec_for_dtype
 from jaxquant.numerics.division import ieee_div
 from jaxquant.numerics.minifloat import MinifloatSpec
-from jaxquant.quantizers import (HIGH_PRECISION_DTYPES, Float8CurrentScalingQuantizer,
-                                 Float8DelayedScalingQuantizer, Quantizer)
+from jaxquant.quantizers import HIGH_PRECISION_DTYPES, Quantizer
 from jaxquant.state import DelayedScalingState, quantize_scale
 from jaxquant.tensors import ScaledTensor
 
@@ -55,8 +55,6 @@ def columnwise_mode() -> str:
     raise ValueError(f"JAXQUANT_XLA_COLUMNWISE={value!r}; expected one of {COLUMNWISE_MODES}")
   return value
 
-_SERVED = (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer)
-
 # Where the automatic choice takes this path over the FFI kernel, and why: {platform: {quantizer
 # type: reason}}. Empty: measured in the training step of bench/e2e.py on an H100 (d_model 2048
 # LM, bench/RESULTS.md "End-to-end training step"), the XLA-fused quantize was no faster than
@@ -70,7 +68,7 @@ _AUTO: dict[str, dict[type, str]] = {}
 def unsupported(x2d, quantizer: Quantizer, *, rowwise: bool, columnwise: bool) -> Optional[str]:
   """None when this path serves the quantize, else why not."""
   del rowwise, columnwise  # both directions come from the same fusion
-  if not isinstance(quantizer, _SERVED):
+  if not format_of(quantizer).xla_fused(quantizer):
     return (f"no XLA-fused form for {type(quantizer).__name__} (only per-tensor FP8: "
             "Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer)")
   if x2d.ndim != 2:
@@ -98,7 +96,7 @@ def cast_sat(v: jax.Array, spec: MinifloatSpec) -> jax.Array:
 def _scale(x2d, quantizer, state) -> tuple[jax.Array, jax.Array]:
   """(scale, amax) of per-tensor FP8: from this tensor's amax, or the delayed state's scale."""
   amax = tensor_amax(x2d)
-  if isinstance(quantizer, Float8DelayedScalingQuantizer):
+  if format_of(quantizer).stateful(quantizer):  # delayed scaling
     if not isinstance(state, DelayedScalingState):
       raise ValueError("state: Float8DelayedScalingQuantizer needs its DelayedScalingState "
                        f"(jaxquant.init_state(quantizer)); got {type(state).__name__}")

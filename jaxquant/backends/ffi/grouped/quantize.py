@@ -27,13 +27,18 @@ import numpy as np
 from jaxquant.backends.ffi import calls
 from jaxquant.backends.ffi import quantize as single
 from jaxquant.backends.ffi.grouped import support
+from jaxquant.formats import format_of
 from jaxquant.formats.base import tensor_amax
 from jaxquant.grouping.layout import TokenLayout
 from jaxquant.grouping.tensors import GroupedScaledTensor
-from jaxquant.quantizers import (Float8DelayedScalingQuantizer, HybridQuantizer, NVFP4Quantizer,
-                                 Quantizer, uses_rht)
+from jaxquant.quantizers import NVFP4Quantizer, Quantizer
 from jaxquant.state import DelayedScalingState, needs_current_amax, quantize_scale
 from jaxquant.tensors import QuantizedTensor, ScaledTensor
+
+
+def _row_scaled(leaf: Quantizer) -> bool:
+  """Whether `leaf`'s amax is per row (row-scaled NVFP4): the kernel's rows are the result."""
+  return format_of(leaf).amax_layout(leaf) == "row"
 
 
 def _offsets(sizes: jax.Array) -> jax.Array:
@@ -68,7 +73,7 @@ def _delayed_scale(quantizer, state, groups: int, x2d: jax.Array, starts: jax.Ar
 def _fp8_call(x2d, starts, pstarts, quantizer, state, groups: int, length: int, rowwise: bool,
               columnwise: bool, expert_rows: int = 0):
   """(row data, col data, scale_inv [G], amax [G]) from `jaxquant_grouped_quantize_fp8`."""
-  delayed = isinstance(quantizer, Float8DelayedScalingQuantizer)
+  delayed = format_of(quantizer).stateful(quantizer)  # scales from the state
   s = (_delayed_scale(quantizer, state, groups, x2d, starts) if delayed
        else jnp.zeros((1,), jnp.float32))
   cols = x2d.shape[1]
@@ -120,7 +125,8 @@ def _nvfp4_call(x2d, starts, pstarts, quantizer: NVFP4Quantizer, groups: int, le
   outs = calls.call(support.QUANTIZE_NVFP4_TARGET, results, x2d, starts, pstarts,
                     _nvfp4_key(row_words, sr and rowwise), _nvfp4_key(col_words, sr and columnwise),
                     rowwise=rowwise, columnwise=columnwise, block_2d=quantizer.block_2d,
-                    rht=uses_rht(quantizer, "columnwise") and columnwise, stochastic=sr,
+                    rht=format_of(quantizer).uses_rht(quantizer, "columnwise") and columnwise,
+                    stochastic=sr,
                     length=np.int64(length), expert_rows=np.int64(expert_rows))
   directions = [d for d, on in (("rowwise", rowwise), ("columnwise", columnwise)) if on]
   data = {d: (outs.pop(0), outs.pop(0)) for d in directions}  # (data, scale_inv) per copy,
@@ -160,7 +166,7 @@ def quantize_tokens(x: jax.Array, sizes: jax.Array, leaf: Quantizer, direction: 
         rowwise, not rowwise, row_words=words if rowwise else None,
         col_words=None if rowwise else words).values()
     return _make(data, scale_inv, amax, sizes, leaf, orig_dtype, direction, layout,
-                 uses_rht(leaf, direction))
+                 format_of(leaf).uses_rht(leaf, direction))
   if route == "fp8":
     row, col, scale_inv, amax = _fp8_call(x, _offsets(sizes), _offsets(layout.extents(sizes)),
                                           leaf, state, layout.groups, layout.length, rowwise,
@@ -171,7 +177,7 @@ def quantize_tokens(x: jax.Array, sizes: jax.Array, leaf: Quantizer, direction: 
   row, col = single.quantize_single(mat, leaf, rowwise=rowwise, columnwise=not rowwise,
                                     orig_dtype=orig_dtype)
   t = row if rowwise else col
-  amax = t.amax if getattr(leaf, "row_scaled", False) else group_amax(x, sizes)
+  amax = t.amax if _row_scaled(leaf) else group_amax(x, sizes)
   return _make(t.data, t.scale_inv, amax, sizes, leaf, orig_dtype, direction, layout, t.rht)
 
 
@@ -184,16 +190,17 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool, colum
   (`_experts_single`). A Hybrid whose columnwise copy comes from the `rowwise_dequantized`
   source quantizes each expert's decoded rowwise copy. `words`: per direction, the
   stochastic-rounding words of each expert (`[G, 2]`) or None."""
-  if isinstance(quantizer, support._PER_TENSOR_FP8):
+  fmt = format_of(quantizer)
+  one_quantizer = fmt.halves(quantizer) is None  # one quantizer makes both copies
+  if one_quantizer and fmt.grouped_quantize_kernel(quantizer, "rowwise")[0] == "fp8":
     return _experts_fp8(w, quantizer, rowwise, columnwise, state, orig_dtype)
   words = words or {}
-  if (isinstance(quantizer, NVFP4Quantizer) and rowwise and columnwise
+  if (one_quantizer and rowwise and columnwise
       and support.expert_route(quantizer, "rowwise", tuple(w.shape))[0] == "nvfp4"):
     pair = _experts_nvfp4(w, quantizer, True, True, orig_dtype, words)
     return QuantizedTensor(pair["rowwise"], pair["columnwise"], quantizer)
-  states = state if isinstance(state, tuple) else (state, state)
-  from_rowwise = (columnwise and isinstance(quantizer, HybridQuantizer)
-                  and quantizer.columnwise_source == "rowwise_dequantized")
+  states = fmt.split_state(quantizer, state)
+  from_rowwise = columnwise and fmt.columnwise_from_rowwise(quantizer)
   expert_amax = None  # each expert's tensor amax, one pass over w shared by both copies
   copies = {}
   for index, (direction, wanted) in enumerate((("rowwise", rowwise or from_rowwise),
@@ -219,7 +226,7 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool, colum
       if source is not w:
         amax = jax.vmap(tensor_amax)(source)
       else:
-        if expert_amax is None and not getattr(leaf, "row_scaled", False):
+        if expert_amax is None and not _row_scaled(leaf):
           expert_amax = jax.vmap(tensor_amax)(w)
         amax = expert_amax
       copies[direction] = _experts_single(source, leaf, direction, orig_dtype, amax)
@@ -245,7 +252,7 @@ def _experts_nvfp4(w, leaf: NVFP4Quantizer, rowwise: bool, columnwise: bool, ori
   if columnwise:
     data, scale_inv, amax = copies["columnwise"]
     out["columnwise"] = ScaledTensor(data, scale_inv, amax, leaf, orig_dtype,
-                                     uses_rht(leaf, "columnwise"))
+                                     format_of(leaf).uses_rht(leaf, "columnwise"))
   return out
 
 
@@ -277,5 +284,5 @@ def _experts_single(w: jax.Array, leaf: Quantizer, direction: str, orig_dtype,
     regroup = lambda a: a.reshape(groups, a.shape[0] // groups, *a.shape[1:])
   else:
     regroup = lambda a: jnp.swapaxes(a.reshape(a.shape[0], groups, a.shape[1] // groups), 0, 1)
-  amax = regroup(t.amax) if getattr(leaf, "row_scaled", False) else expert_amax
+  amax = regroup(t.amax) if _row_scaled(leaf) else expert_amax
   return ScaledTensor(regroup(t.data), regroup(t.scale_inv), amax, leaf, orig_dtype, t.rht)

@@ -69,10 +69,7 @@ from jaxquant.backends.ffi import registry
 from jaxquant.backends.ffi.grouped import bf16, decoded, sm90_configs
 from jaxquant.backends.platform import compute_capability
 from jaxquant.backends.platform import current_platform as _platform
-from jaxquant.quantizers import (Float8BlockQuantizer, Float8CurrentScalingQuantizer,
-                                 Float8DelayedScalingQuantizer, HybridQuantizer,
-                                 IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer)
-from jaxquant.state import needs_current_amax
+from jaxquant.formats import format_of
 
 QUANTIZE_TARGET_PREFIX = "jaxquant_grouped_quantize"
 GEMM_SM90_TARGET = "jaxquant_grouped_gemm_sm90"
@@ -94,7 +91,6 @@ AMAX_GATED_TARGET = "jaxquant_grouped_amax_gated"
 GEMM_TARGET = "jaxquant_grouped_gemm"
 CPU_MAX_MACS = 1 << 24  # the CPU handler is a plain loop: small problems only
 _MAX_DIM = 2**31 - 1
-_PER_TENSOR_FP8 = (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer)
 OUT_DTYPES = (np.dtype("bfloat16"), np.dtype("float16"), np.dtype("float32"))
 
 
@@ -119,7 +115,7 @@ def _missing(*targets: str) -> Optional[str]:
 def _fp8_targets(leaf) -> tuple[str, ...]:
   """The targets per-tensor FP8 `leaf` runs: delayed scaling with a just-in-time first scale
   also the gated amax (`jaxquant.backends.ffi.grouped.quantize._delayed_scale`)."""
-  if isinstance(leaf, Float8DelayedScalingQuantizer) and needs_current_amax(leaf):
+  if format_of(leaf).needs_current_amax(leaf):
     return QUANTIZE_FP8_TARGET, AMAX_GATED_TARGET
   return (QUANTIZE_FP8_TARGET,)
 
@@ -127,23 +123,22 @@ def _fp8_targets(leaf) -> tuple[str, ...]:
 def fp8_kernel_note(leaf) -> str:
   """What `jaxquant.explain` appends to an FFI per-tensor FP8 grouped quantize: the launches
   that run."""
-  if not isinstance(leaf, Float8DelayedScalingQuantizer):
+  fmt = format_of(leaf)
+  if not fmt.stateful(leaf):  # current scaling
     return f"kernel: {QUANTIZE_FP8_TARGET} (an amax pass, then the quantize)"
   note = (f"kernel: {QUANTIZE_FP8_TARGET} (scales from the state: no amax pass, the quantize "
           "records each group's amax)")
-  if needs_current_amax(leaf):
+  if fmt.needs_current_amax(leaf):
     note += (f" after {AMAX_GATED_TARGET} (reads x only while some group's scale is 0: the "
              "just-in-time first scale)")
   return note
 
 
 def _single_kernel_reason(leaf, direction: str) -> Optional[str]:
-  if type(leaf) not in single_quantize.KERNEL_FORMATS:
-    return f"no FFI quantize kernel for {type(leaf).__name__}"
-  return None
+  return single_quantize.kernel_reason(leaf)
 
 
-def _nvfp4_shape_reason(leaf: NVFP4Quantizer, direction: str, shape) -> Optional[str]:
+def _nvfp4_shape_reason(leaf, direction: str, shape) -> Optional[str]:
   """Why `jaxquant_grouped_quantize_nvfp4` cannot take tokens / weights of `shape` (None: it can)."""
   if shape is None:
     return None
@@ -162,27 +157,18 @@ def quantize_route(quantizer, direction: str,
   """(route, reason): route "fp8" (the grouped FP8 kernel), "nvfp4" (the grouped NVFP4 kernel)
   or "single" (XLA gathers the padded layout, the single-tensor kernel quantizes it,
   `jaxquant_grouped_amax` gives the per-group amax); reason is None when a route serves the
-  case. `shape` (tokens `[T, C]`), when given, is checked against the kernel's limits."""
-  if isinstance(quantizer, _PER_TENSOR_FP8):
+  case (the route is the format's, `Format.grouped_quantize_kernel`; the reason adds what this
+  process lacks). `shape` (tokens `[T, C]`), when given, is checked against the kernel's
+  limits."""
+  route, reason = format_of(quantizer).grouped_quantize_kernel(quantizer, direction)
+  if route == "fp8":
     return "fp8", _missing(*_fp8_targets(quantizer))
-  if isinstance(quantizer, (MXFP8Quantizer, Float8BlockQuantizer)):
+  if route == "single":
     return "single", _missing(AMAX_TARGET) or _single_kernel_reason(quantizer, direction)
-  if isinstance(quantizer, NVFP4Quantizer):
-    if not quantizer.row_scaled:
-      return "nvfp4", (_missing(QUANTIZE_NVFP4_TARGET)
-                       or _nvfp4_shape_reason(quantizer, direction, shape))
-    if direction == "columnwise":
-      return None, ("row-scaled NVFP4's columnwise copy has one second-level scale per (group, "
-                    "feature); no grouped kernel computes those amaxes yet, the reference "
-                    "quantizes all groups in one program")
-    if quantizer.stochastic_rounding:
-      return None, ("row-scaled NVFP4 with stochastic rounding draws each group's bits from "
-                    "its own key; the row-scaled route runs the single-tensor kernel with one "
-                    "key, so the reference quantizes all groups in one program")
-    if quantizer.block_2d:
-      return None, "row-scaled NVFP4 with 16x16 blocks has no grouped kernel path"
-    return "single", _missing(AMAX_TARGET) or _single_kernel_reason(quantizer, direction)
-  return None, f"no grouped quantize kernel for {type(quantizer).__name__}"
+  if route == "nvfp4":
+    return "nvfp4", (_missing(QUANTIZE_NVFP4_TARGET)
+                     or _nvfp4_shape_reason(quantizer, direction, shape))
+  return None, reason
 
 
 def quantize_unsupported(quantizer, direction: str, shape=None) -> Optional[str]:
@@ -196,15 +182,7 @@ def expert_rows_multiple(leaf, direction: str) -> Optional[int]:
   `direction` copy spans two experts when `[G, rows, cols]` is quantized as one
   `[G * rows, cols]` matrix by the single-tensor kernel; None when that kernel cannot give each
   expert its own result (per-tensor / per-expert amaxes, stochastic rounding, RHT)."""
-  if isinstance(leaf, MXFP8Quantizer):
-    return 1 if direction == "rowwise" else 32
-  if isinstance(leaf, Float8BlockQuantizer):
-    return leaf.block[0] if direction == "rowwise" else leaf.block[1] if leaf.block[0] == 1 \
-        else max(leaf.block)
-  if (isinstance(leaf, NVFP4Quantizer) and leaf.row_scaled and direction == "rowwise"
-      and not (leaf.stochastic_rounding or leaf.block_2d or leaf.rht)):
-    return 1  # every row its own amax and 1x16 blocks
-  return None
+  return format_of(leaf).expert_rows_multiple(leaf, direction)
 
 
 def expert_route(quantizer, direction: str, w_shape=None) -> tuple[Optional[str], Optional[str]]:
@@ -215,17 +193,17 @@ def expert_route(quantizer, direction: str, w_shape=None) -> tuple[Optional[str]
   `rowwise_dequantized` needs the rowwise copy served too (it is decoded by XLA in between)."""
   if w_shape is not None and w_shape[0] * w_shape[1] > _MAX_DIM:
     return None, f"expert weights: {w_shape[0]} x {w_shape[1]} rows is >= 2^31"
-  if (isinstance(quantizer, HybridQuantizer) and direction == "columnwise"
-      and quantizer.columnwise_source == "rowwise_dequantized"):
+  if direction == "columnwise" and format_of(quantizer).columnwise_from_rowwise(quantizer):
     # the columnwise copy quantizes each expert's decoded rowwise copy: both must be served
     reason = expert_route(quantizer, "rowwise", w_shape)[1]
     if reason is not None:
       return None, ("expert weights: columnwise_source='rowwise_dequantized' decodes the "
                     f"rowwise copy, which takes the reference: {reason}")
   leaf = quantizer.for_direction(direction)
-  if isinstance(leaf, _PER_TENSOR_FP8):
+  route = format_of(leaf).grouped_quantize_kernel(leaf, direction)[0]
+  if route == "fp8":
     return "fp8", _missing(*_fp8_targets(leaf))
-  if isinstance(leaf, NVFP4Quantizer) and not leaf.row_scaled:
+  if route == "nvfp4":
     # one amax per expert: the grouped NVFP4 kernel with every expert a group of `rows` rows
     reason = _missing(QUANTIZE_NVFP4_TARGET)
     if reason is None and w_shape is not None:
@@ -267,15 +245,7 @@ def gemm_scaling(operand) -> Optional[int]:
   q = getattr(operand, "quantizer", None)
   if getattr(operand, "scale_inv", None) is None:
     return None
-  if isinstance(q, _PER_TENSOR_FP8):
-    return 0
-  if isinstance(q, MXFP8Quantizer):
-    return 1
-  if isinstance(q, NVFP4Quantizer):
-    return 3 if q.block_2d else 2
-  if isinstance(q, Float8BlockQuantizer) and q.pow2_scale:  # exact in bf16 only with 2^k scales
-    return 5 if tuple(q.block) == (128, 128) else 4
-  return None
+  return format_of(q).grouped_gemm_scaling(q)
 
 
 def _decodes_exactly(a, b) -> bool:
@@ -295,10 +265,8 @@ def gemm_unsupported(a, b, out_dtype=None) -> Optional[str]:
   for name, operand in (("a", a), ("b", b)):
     if gemm_scaling(operand) is None:
       q = getattr(operand, "quantizer", None)
-      what = (type(q).__name__ if q is not None and not isinstance(q, IdentityQuantizer)
-              else "a high-precision operand")
-      if isinstance(q, Float8BlockQuantizer):
-        what += " with pow2_scale=False (its decoded values are not exact in bfloat16)"
+      what = ("a high-precision operand" if q is None
+              else format_of(q).grouped_gemm_operand(q))
       return (f"{name} is {what}: the grouped GEMM kernel takes per-tensor FP8, MXFP8, NVFP4 "
               "and power-of-two Float8Block operands (the reference runs jax.lax.ragged_dot)"
               + (f"; the bfloat16 CUTLASS kernel: {bf16_reason}" if bf16_reason else ""))
@@ -311,7 +279,7 @@ def gemm_unsupported(a, b, out_dtype=None) -> Optional[str]:
     m, k = a.shape
     n = b.shape[0]
   for name, operand in (("a", a), ("b", b)):
-    if isinstance(operand.quantizer, NVFP4Quantizer) and k % 2:
+    if format_of(operand.quantizer).elements_per_byte(operand.quantizer) > 1 and k % 2:
       return f"{name} is NVFP4 with an odd contraction length {k} (rows share bytes)"
   if max(m, n, k) > _MAX_DIM:
     return f"a GEMM dimension is >= 2^31 ({m}, {n}, {k})"
@@ -392,7 +360,9 @@ def _sm90_block_reason(a, b) -> Optional[str]:
 
 def _block_of(operand) -> str:
   q = getattr(operand, "quantizer", None)
-  return f"block {q.block}" if isinstance(q, Float8BlockQuantizer) else "not Float8Block"
+  if q is None or format_of(q).gemm_family(q) != "fp8-block":
+    return "not Float8Block"
+  return f"block {q.block}"
 
 
 def sm90_unsupported(a, b, out_dtype=None, bias=None) -> Optional[str]:
@@ -496,7 +466,7 @@ def sm90_wgrad_block(x_quantizer, dy_quantizer) -> int:
   starts; block formats already need more), else 1."""
   if registry.unserved_reason(_platform()) is not None:
     return 1
-  if (isinstance(x_quantizer, _PER_TENSOR_FP8) and isinstance(dy_quantizer, _PER_TENSOR_FP8)
-      and _sm90_device_reason() is None):
+  per_tensor = all(format_of(q).scale_layout(q) == "tensor" for q in (x_quantizer, dy_quantizer))
+  if per_tensor and _sm90_device_reason() is None:
     return SM90_WGRAD_BLOCK
   return bf16.ALIGN if bf16.device_reason() is None else 1
