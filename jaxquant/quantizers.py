@@ -1,8 +1,9 @@
 """Quantizer descriptions: one frozen, hashable dataclass per format.
 
-A quantizer holds no arrays; it is static under `jit` and says *how* to quantize. The math
-lives in `jaxquant.formats` (one module per format, registered by quantizer class); stateful
-quantizers (delayed scaling) describe their state here and keep it outside (`jaxquant.state`).
+A quantizer holds no arrays; it is static under `jit` and says *how* to quantize. The math and
+every fact the layers ask about a format (blocks, scale layout, state, kernels) live in its
+`jaxquant.formats` object (`jaxquant.formats.format_of(quantizer)`), registered by quantizer
+class; stateful quantizers (delayed scaling) keep their state outside (`jaxquant.state`).
 Every invalid option combination raises `ValueError` at construction, naming the option.
 """
 
@@ -232,11 +233,3 @@ class HybridQuantizer(Quantizer):
     _check_direction(direction)
     return self.rowwise if direction == "rowwise" else self.columnwise
 
-
-def is_identity(quantizer: Quantizer) -> bool:
-  return isinstance(quantizer, IdentityQuantizer)
-
-
-def uses_rht(quantizer: Quantizer, direction: str) -> bool:
-  """NVFP4 with `rht=True` transforms its columnwise copy (the wgrad operand) only."""
-  return isinstance(quantizer, NVFP4Quantizer) and quantizer.rht and direction == "columnwise"

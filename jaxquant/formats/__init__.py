@@ -8,8 +8,9 @@ rejected with a reason, by every layer.
 
 from jaxquant.formats.base import (Format, QuantizeContext, dequantize_scaled, format_of,
                                    register, registered, unregister)
-from jaxquant.formats import float8_block, float8_tensor, identity, mxfp8, nvfp4  # registers
-from jaxquant.formats import hybrid  # registers; after the formats its halves use
+# Importing a format module registers its format; the Hybrid's delegates to the others.
+from jaxquant.formats import float8_block, float8_tensor, identity, mxfp8, nvfp4  # noqa: F401
+from jaxquant.formats import hybrid  # noqa: F401
 
 __all__ = ["Format", "QuantizeContext", "dequantize_scaled", "format_of", "register",
            "registered", "unregister"]
