@@ -1,4 +1,5 @@
-"""The format registry: one `Format` object per quantizer class, the home of every format fact.
+"""The format registry: one `Format` object per quantizer class, the home of every format fact
+(docs/design.md §4 "Formats").
 
 A `Format` holds a format's reference math (`quantize`, `dequantize_raw`, `gemm_factor`,
 `grouped_quantize`) and answers every question the layers above ask about it, so no layer
