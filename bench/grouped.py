@@ -14,7 +14,10 @@ Cases (rows T are routed token-expert assignments, i.e. tokens x top-k, sorted b
   64 experts: T = 16384 (2048 tokens, top-8), K = 2048 -> N = 1408 (Qwen1.5-MoE-style fc1)
 Group sizes are a seeded multinomial draw (balanced routing, uneven groups). One step =
 y, vjp = jax.vjp(apply, variables, x); vjp(dy): the forward grouped GEMM, dgrad and wgrad and
-every quantize / state update the recipe needs, jitted as one program. Time = median over
+every quantize / state update the recipe needs, jitted as one program. Every step is timed with
+bf16 parameters and again with float32 parameters (", float32 params": Flax's default; the
+weights are quantized from float32 and get float32 gradients; without a recipe the module
+casts them to bf16 each step). Time = median over
 repeats of (R back-to-back steps) / R after warm-up. A delayed-scaling model is timed in the
 state training runs it in from step 2 on: its `"_overwrite_with_gradient"` state after one step
 (every group has a scale, so the just-in-time first scale's gated amax does not read x). The
@@ -91,6 +94,9 @@ def run_case(experts: int, spec, args, card: str) -> list[dict]:
     if args.recipes and name not in args.recipes:
       continue
     models[f"jaxquant {name}"] = jq.flax.GroupedDense(**common, recipe=make())
+  if not args.no_float32_params:  # Flax's default parameters: float32 kernels, bf16 compute
+    for name, model in list(models.items()):
+      models[f"{name}, float32 params"] = model.clone(param_dtype=jnp.float32)
   flops = 3 * 2 * t * k * n
   rows, base = [], None
   timing = dict(repeats=args.repeats, calls=args.calls, warmup=args.warmup)
@@ -326,6 +332,9 @@ def main(argv=None) -> int:
                       help="also time the grouped NVFP4 quantize next to the single-tensor one")
   parser.add_argument("--profile-dir", default=None,
                       help="also print each jaxquant step's GPU kernel split (jax.profiler)")
+  parser.add_argument("--no-float32-params", action="store_true",
+                      help="time the steps with bf16 parameters only (default: each row also "
+                           "with float32 parameters, Flax's default, quantized from float32)")
   parser.add_argument("--no-steps", action="store_true",
                       help="skip the GroupedDense step table (with --gemms / --quantize)")
   args = parser.parse_args(argv)
@@ -361,6 +370,14 @@ def main(argv=None) -> int:
       print(f"| {r['experts']} | {r['case']} | {r['ms']:.2f} | {r['tflops']:.0f} | "
             f"{vs_ragged} | {vs_dense} | {r['gemm_paths']} | "
             f"{r['quantize_paths']} |")
+  suffix, costs = ", float32 params", []
+  by_case = {(r["experts"], r["case"]): r["ms"] for r in results}
+  for (experts, case), ms in by_case.items():
+    base = by_case.get((experts, case.removesuffix(suffix)))
+    if case.endswith(suffix) and base:
+      costs.append(f"{experts} experts {case.removesuffix(suffix)}: {ms / base:.3f}x")
+  if costs:
+    print("\nfloat32-params step / bf16-params step: " + "; ".join(costs))
   reasons = sorted({r["why"] for r in results if r["why"]})
   if reasons:
     print("\nwhy a slower path (reference, or the mma.sync kernel): " + " | ".join(reasons))
