@@ -254,3 +254,62 @@ def test_weight_copies_swap_with_the_transpose_exactly_where_claimed(rng, prng_k
     same = jax.tree_util.tree_map(lambda a, b: bool(jnp.array_equal(a, b)),
                                   stored.columnwise.data, transposed.rowwise.data)
     assert not same, f"{case}: the copies agree here, so the predicate could claim them"
+
+
+def _every_module():
+  """(name, init(x) -> variables, apply(variables, x)) of every module kind with a quantized
+  weight, float32 parameters and bf16 compute, under per-tensor FP8."""
+  recipe = RECIPES["fp8_current"]
+  linen = {
+      "DenseGeneral": jf.DenseGeneral((4, N // 4), dtype=jnp.bfloat16, recipe=recipe),
+      "LayerNormDense": jf.LayerNormDense(N, dtype=jnp.bfloat16, recipe=recipe),
+      "LayerNormMLP": jf.LayerNormMLP(N, activations="swiglu", dtype=jnp.bfloat16,
+                                      recipe=recipe),
+  }
+  cases = {name: (lambda x, m=m: m.init(jax.random.key(1), x),
+                  lambda v, x, m=m: m.apply(v, x)) for name, m in linen.items()}
+  import flax.linen as nn
+  for name, m in (("quantize_dense nn.Dense", nn.Dense(N, dtype=jnp.bfloat16)),
+                  ("quantize_dense nn.Einsum", nn.Einsum((K, N), "tk,kn->tn",
+                                                         dtype=jnp.bfloat16))):
+    def init(x, m=m):
+      with jf.quantize_dense(recipe):
+        return m.init(jax.random.key(1), x)
+
+    def apply(v, x, m=m):
+      with jf.quantize_dense(recipe):
+        return m.apply(v, x)
+
+    cases[name] = (init, apply)
+  for name, make in (("nnx.LinearGeneral", lambda: nnx.LinearGeneral(
+      K, (4, N // 4), dtype=jnp.bfloat16, rngs=nnx.Rngs(1))),
+                     ("nnx.Einsum", lambda: nnx.Einsum("tk,kn->tn", (K, N), dtype=jnp.bfloat16,
+                                                        rngs=nnx.Rngs(1)))):
+    def init(x, make=make):
+      return nnx.split(jn.quantize_model(make(), recipe)[0])
+
+    def apply(state, x):
+      return nnx.merge(*state)(x)
+
+    cases[name] = (init, apply)
+  return cases
+
+
+@pytest.mark.parametrize("module", ["DenseGeneral", "LayerNormDense", "LayerNormMLP",
+                                    "quantize_dense nn.Dense", "quantize_dense nn.Einsum",
+                                    "nnx.LinearGeneral", "nnx.Einsum"])
+def test_every_module_quantizes_its_float32_kernel(rng, monkeypatch, module):
+  """Every module with a quantized weight hands its float32 kernel to the quantize (none casts
+  it to the bf16 compute dtype first) and gets a float32 gradient for it."""
+  init, apply = _every_module()[module]
+  x, _, _ = _inputs(rng)
+  state = init(x)
+  recorded = _record_weight_quantizes(monkeypatch)
+  y, vjp = jax.vjp(apply, state, x)
+  grads = vjp(jnp.ones_like(y))[0]
+  assert recorded, "no weight quantize was recorded"
+  assert all(source.dtype == jnp.float32 for source, *_ in recorded), [
+      source.dtype for source, *_ in recorded]
+  kernels = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(grads)
+             if "kernel" in jax.tree_util.keystr(path)]
+  assert kernels and all(k.dtype == jnp.float32 for k in kernels), [k.dtype for k in kernels]
