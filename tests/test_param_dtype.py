@@ -182,9 +182,11 @@ def _compiled_step_text(model, variables, x, sizes, dy) -> str:
 
 
 def _arrays_of_shape(hlo: str, dtype: str, shape) -> list[str]:
-  """HLO instructions producing a `dtype` array of exactly `shape`."""
-  pattern = re.compile(rf"=\s*{dtype}\[{','.join(map(str, shape))}\]")
-  return [line.strip()[:160] for line in hlo.splitlines() if pattern.search(line)]
+  """HLO instructions producing a `dtype` array of exactly `shape` (alone or in a tuple; a
+  compiled module prints its operands without shapes)."""
+  pattern = re.compile(rf"\b{dtype}\[{','.join(map(str, shape))}\]")
+  return [line.strip()[:160] for line in hlo.splitlines()
+          if " = " in line and pattern.search(line.split(" = ", 1)[1])]
 
 
 @pytest.mark.parametrize("name", ["fp8_current", "fp8_delayed", "mxfp8"])
