@@ -11,6 +11,7 @@ realistic:
     python bench/moe_block.py                          # both cases, bf16 and FP8 (a GPU)
     python bench/moe_block.py --trace /tmp/moe_trace   # + the GPU time of each part
     python bench/moe_block.py --experts 64 --recipes bf16 fp8_delayed --json out.json
+    python bench/moe_block.py --before --trace /tmp/moe_trace  # + the pre-issue-23 block
     python bench/moe_block.py --tiny                   # smoke check at tiny sizes (CPU)
 
 One step = `y, vjp = jax.vjp(block.apply, variables, x); vjp(dy)`, jitted (both weight and input
@@ -39,6 +40,7 @@ import re
 import shutil
 import sys
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,10 +73,49 @@ EXPERT_WORK = ("expert GEMMs", "quantization")
 TARGET_SHARE = 0.20
 
 
-def make_block(experts: int, top_k: int, d_model: int, hidden: int, recipe_name: str):
+class PlainPermutationMoE(moe.MoEMLP):
+  """The block as it was before issue 23 (`--before`): two argsorts, the rows gathered and
+  unsorted by plain indexing (autodiff's scatter-adds in the backward), a bincount, the combine
+  in bf16. Same parameters as `MoEMLP`, same scopes."""
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    cfg = self.config
+    experts, top_k = cfg.moe
+    batch, seq, d_model = x.shape
+    tokens = x.reshape(-1, d_model)
+    with jax.named_scope(moe.SCOPES["router"]):
+      logits = nn.Dense(experts, use_bias=False, dtype=jnp.float32, name="router")(
+          tokens.astype(jnp.float32))
+      probs = jax.nn.softmax(logits, axis=-1)
+    with jax.named_scope(moe.SCOPES["route"]):
+      weights, chosen = jax.lax.top_k(probs, top_k)
+      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+      expert_ids = chosen.reshape(-1)
+      order = jnp.argsort(expert_ids, stable=True)
+      group_sizes = jnp.bincount(expert_ids, length=experts).astype(jnp.int32)
+    with jax.named_scope(moe.SCOPES["dispatch"]):
+      routed = tokens[order // top_k]
+    with jax.named_scope(moe.SCOPES["experts"]):
+      h = self._experts(self._hidden(d_model), "fc1", False)(routed, group_sizes)
+    with jax.named_scope(moe.SCOPES["activation"]):
+      h = nn.gelu(h)
+    with jax.named_scope(moe.SCOPES["experts"]):
+      out = self._experts(d_model, "fc2", False)(h, group_sizes)
+    with jax.named_scope(moe.SCOPES["combine"]):
+      out = out[jnp.argsort(order)].reshape(-1, top_k, d_model)
+      y = jnp.sum(out * weights[..., None].astype(out.dtype), axis=1)
+    with jax.named_scope(moe.SCOPES["router"]):
+      aux = moe.load_balancing_loss(probs, expert_ids, experts)
+    return moe.add_aux_loss(y, cfg.moe_aux_weight * aux).reshape(batch, seq, d_model)
+
+
+def make_block(experts: int, top_k: int, d_model: int, hidden: int, recipe_name: str,
+               before: bool = False):
   config = LMConfig(d_model=d_model, heads=1, mlp_ratio=1, dtype=jnp.bfloat16,
                     moe=(experts, top_k))
-  return moe.MoEMLP(config, recipes.make(recipe_name), hidden=hidden)
+  return (PlainPermutationMoE if before else moe.MoEMLP)(config, recipes.make(recipe_name),
+                                                          hidden=hidden)
 
 
 def step_fn(block):
@@ -235,8 +276,12 @@ def run_case(experts: int, spec, args, card: str) -> list[dict]:
   print(f"\n{experts} experts top-{top_k} ({what}): {tokens} tokens, d_model {d_model}, hidden "
         f"{hidden}; bf16 compute, float32 params", flush=True)
   rows = []
-  for name in args.recipes:
-    block = make_block(experts, top_k, d_model, hidden, name)
+  variants = [(name, False) for name in args.recipes]
+  if args.before:
+    variants += [(name, True) for name in args.recipes]
+  for name, before in variants:
+    block = make_block(experts, top_k, d_model, hidden, name, before)
+    label = f"{name} (before)" if before else name
     variables = jax.jit(block.init)(jax.random.key(0), x)
     step = step_fn(block)
     if jq.flax.OVERWRITE_WITH_GRADIENT in variables:  # time step 2 on, not step 1
@@ -246,17 +291,17 @@ def run_case(experts: int, spec, args, card: str) -> list[dict]:
       compiled_text = step.lower(variables, x, dy, key).compile().as_text()
       sec = bench(step, variables, x, dy, key, **args.timing)
     except Exception as e:  # noqa: BLE001 - report and go on with the other rows
-      print(f"  {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+      print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
       continue
     row = dict(experts=experts, top_k=top_k, tokens=tokens, d_model=d_model, hidden=hidden,
-               recipe=name, ms=sec * 1e3, expert_tflops=flops / sec / 1e12, card=card)
-    print(f"  {name:22s} {sec * 1e3:9.3f} ms  (expert GEMM FLOPs at {row['expert_tflops']:.0f} "
+               recipe=label, ms=sec * 1e3, expert_tflops=flops / sec / 1e12, card=card)
+    print(f"  {label:22s} {sec * 1e3:9.3f} ms  (expert GEMM FLOPs at {row['expert_tflops']:.0f} "
           "TFLOP/s of block time)", flush=True)
     op_names = hlo_op_names(compiled_text)
     if args.tiny or args.coverage:
       print(f"    scopes in the compiled HLO's op_name metadata: {scope_coverage(op_names)}")
     if args.trace:
-      logdir = os.path.join(args.trace, f"{experts}e_{name}")
+      logdir = os.path.join(args.trace, f"{experts}e_{name}{'_before' if before else ''}")
       split = trace_split(step, (variables, x, dy, key), logdir, op_names)
       row["split"] = split
       print_split(split)
@@ -309,6 +354,9 @@ def main(argv=None) -> int:
                       help="tiny sizes, one timed call (a CPU smoke check, not a benchmark)")
   parser.add_argument("--trace", default=None, metavar="DIR",
                       help="profile a few steps per row into DIR and print the GPU time by part")
+  parser.add_argument("--before", action="store_true",
+                      help="also time the block's permutation as it was before issue 23 "
+                           "(argsort twice, plain indexing, bf16 combine) for comparison")
   parser.add_argument("--coverage", action="store_true",
                       help="print how many HLO instructions carry each part's scope")
   parser.add_argument("--seed", type=int, default=0)
