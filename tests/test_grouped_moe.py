@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -184,3 +185,30 @@ def test_the_block_keeps_bf16_results_of_the_plain_permutation(rng):
   want = jnp.sum(out * weights[..., None].astype(out.dtype), axis=1).reshape(x.shape)
   a, b = np.asarray(y, np.float32), np.asarray(want, np.float32)
   np.testing.assert_allclose(a, b, rtol=0, atol=2 * 2**-8 * float(np.abs(b).max()))
+
+
+def test_the_block_sorts_once_and_moves_rows_without_scatters():
+  """The MoE block's step (forward and backward) sorts the assignments once and moves token
+  rows by gathers only: its one scatter of T*k elements is the inverse permutation (unique
+  indices: no atomics), and no scatter writes rows of d_model features (autodiff of plain
+  indexing would scatter-add the dispatch's and the unsort's gradients)."""
+  moe, model = _example("lm.moe"), _example("lm.model")
+  d_model, tokens, top_k = 48, 64, 2
+  cfg = model.LMConfig(d_model=d_model, heads=2, mlp_ratio=2, dtype=jnp.bfloat16,
+                       moe=(4, top_k))
+  layer = moe.MoEMLP(cfg)
+  x = jax.ShapeDtypeStruct((2, tokens // 2, d_model), jnp.bfloat16)
+  variables = jax.eval_shape(layer.init, jax.random.key(0), x)
+
+  def step(v, x):
+    y, vjp = jax.vjp(layer.apply, v, x)
+    return vjp(y)
+
+  hlo = jax.jit(step).lower(variables, x).as_text(dialect="hlo")
+  assignments = tokens * top_k
+  sorts = [l for l in hlo.splitlines() if " sort(" in l and f"[{assignments}]" in l]
+  scatters = [l.split(" = ", 1)[1] for l in hlo.splitlines() if " scatter(" in l]
+  assert len(sorts) == 1, sorts
+  assert not [s for s in scatters if re.match(rf"\w+\[[\d,]*{d_model}\]", s)], scatters
+  (inverse,) = [s for s in scatters if s.startswith(f"s32[{assignments}]")]
+  assert "unique_indices=true" in inverse
