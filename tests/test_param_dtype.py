@@ -189,7 +189,9 @@ def _arrays_of_shape(hlo: str, dtype: str, shape) -> list[str]:
           if " = " in line and pattern.search(line.split(" = ", 1)[1])]
 
 
-@pytest.mark.parametrize("name", ["fp8_current", "fp8_delayed", "mxfp8"])
+# Per-tensor FP8 only: an MXFP8 / NVFP4 GEMM on CUDA decodes its quantized weights to bf16
+# (`dequant-bf16`), a bf16 array of the kernel's shape that is not a convert of the kernel.
+@pytest.mark.parametrize("name", ["fp8_current", "fp8_delayed"])
 def test_a_float32_params_grouped_step_has_no_bf16_copy_of_the_kernel(rng, name):
   """The compiled float32-params GroupedDense step holds no bf16 array of the kernel's shape
   (the convert pass, or a bf16 weight gradient) nor a transposed float32 copy of the kernel."""
@@ -204,7 +206,7 @@ def test_a_float32_params_grouped_step_has_no_bf16_copy_of_the_kernel(rng, name)
   assert _arrays_of_shape(hlo, "f32", (G, K, N)), "expected the float32 kernel gradient"
 
 
-@pytest.mark.parametrize("name", ["fp8_current", "mxfp8"])
+@pytest.mark.parametrize("name", ["fp8_current", "fp8_delayed"])
 def test_a_float32_params_dense_step_has_no_bf16_copy_of_the_kernel(rng, name):
   model = jf.Dense(N, use_bias=False, dtype=jnp.bfloat16, recipe=RECIPES[name])
   x, _, dy = _inputs(rng)
