@@ -2,7 +2,9 @@
 `jaxquant.flax.GroupedDense` under each built-in recipe and the MoE hybrid recipe, and without
 a recipe (the bfloat16 CUTLASS grouped GEMMs where they run), vs bf16 `jax.lax.ragged_dot` (the
 same no-recipe GroupedDense traced under JAXQUANT_BACKEND=reference: ragged_dot and its
-autodiff).
+autodiff), and PyTorch's `torch._grouped_mm` (the grouped GEMM torchtitan's MoE uses; bf16,
+fwd + bwd, same shapes and group sizes, same process, run first; the row is skipped with the
+reason where torch or its CUDA device is missing).
 
     python bench/grouped.py                    # 8 and 64 experts at LLM sizes (a GPU)
     python bench/grouped.py --tiny             # smoke check at tiny sizes (runs on CPU)
@@ -18,7 +20,10 @@ Cases (rows T are routed token-expert assignments, i.e. tokens x top-k, sorted b
   64 experts: T = 16384 (2048 tokens, top-8), K = 2048 -> N = 1408 (Qwen1.5-MoE-style fc1)
 Group sizes are a seeded multinomial draw (balanced routing, uneven groups). One step =
 y, vjp = jax.vjp(apply, variables, x); vjp(dy): the forward grouped GEMM, dgrad and wgrad and
-every quantize / state update the recipe needs, jitted as one program. Time = median over
+every quantize / state update the recipe needs, jitted as one program. Every step is timed with
+bf16 parameters and again with float32 parameters (", float32 params": Flax's default; the
+weights are quantized from float32 and get float32 gradients; without a recipe the module
+casts them to bf16 each step). Time = median over
 repeats of (R back-to-back steps) / R after warm-up. A delayed-scaling model is timed in the
 state training runs it in from step 2 on: its `"_overwrite_with_gradient"` state after one step
 (every group has a scale, so the just-in-time first scale's gated amax does not read x). The
@@ -98,7 +103,7 @@ def group_sizes(rng, tokens: int, experts: int) -> np.ndarray:
   return rng.multinomial(tokens, np.full(experts, 1.0 / experts)).astype(np.int32)
 
 
-def run_case(experts: int, spec, args, card: str) -> list[dict]:
+def run_case(experts: int, spec, args, card: str, torch_result=None) -> list[dict]:
   groups, t, k, n, what = spec
   rng = np.random.default_rng(args.seed)
   sizes = jnp.asarray(group_sizes(rng, t, groups))
@@ -117,12 +122,19 @@ def run_case(experts: int, spec, args, card: str) -> list[dict]:
     if args.recipes and name not in args.recipes:
       continue
     models[f"jaxquant {name}"] = jq.flax.GroupedDense(**common, recipe=make())
+  if not args.no_float32_params:  # Flax's default parameters: float32 kernels, bf16 compute
+    for name, model in list(models.items()):
+      models[f"{name}, float32 params"] = model.clone(param_dtype=jnp.float32)
   flops = 3 * 2 * t * k * n
   rows, base = [], None
   timing = dict(repeats=args.repeats, calls=args.calls, warmup=args.warmup)
   dense_row = dense_step_peer(t, k, n, x, dy, timing, flops, groups, card)
   if dense_row is not None:
     rows.append(dense_row)
+  if torch_result is not None:
+    row = torch_row(groups, t, k, n, flops, torch_result, dense_row, card)
+    if row is not None:
+      rows.append(row)
   for name, model in models.items():
     variables = jax.jit(model.init)(jax.random.key(0), x, sizes)
     step = step_fn(model)
@@ -175,6 +187,89 @@ def print_profile(step, step_args, profile_dir: str, name: str, steps: int = 3) 
         f"ms, other {split['other_ms']:.3f} ms per step; top kernels:", flush=True)
   for kernel, ms, kind in split["top"][:14]:
     print(f"      {ms:8.3f} ms  {kind:9s} {kernel[:110]}", flush=True)
+
+
+TORCH_GROUP_ALIGN = 8  # rows per token group for torch._grouped_mm bf16 (torchtitan's minimum)
+
+
+def torch_grouped_mm_step(t: int, k: int, n: int, sizes: np.ndarray, seed: int,
+                          timing) -> tuple[float | None, str]:
+  """(seconds, note) of PyTorch's `torch._grouped_mm` bf16 step on the same shapes and group
+  sizes: forward (rows x each group's `[K, N]`, the weights stored `[G, N, K]` and passed
+  transposed, as torchtitan's MoE does) and both gradients through autograd, timed with CUDA
+  events (median over repeats of back-to-back steps, after warm-up); (None, why) where torch,
+  its CUDA device or `_grouped_mm` is missing or the call fails. Runs before JAX starts on the
+  GPU (`main`), so JAX's preallocated pool does not starve it, and frees its memory after.
+
+  Every group is padded to a multiple of `TORCH_GROUP_ALIGN` rows first, as torchtitan pads its
+  token groups for bf16 (`TOKEN_GROUP_ALIGNMENT_SIZE_M = 8`): the wgrad contracts over each
+  group's tokens, whose offsets must be 16-byte aligned, and a misaligned offset trips a
+  device-side assert that would end this process's CUDA context. The padded rows (at most 7 a
+  group) are part of the timed work; the FLOPs stay those of the T real rows."""
+  try:
+    import torch
+  except ImportError as e:
+    return None, f"torch is not importable ({e})"
+  if not torch.cuda.is_available():
+    return None, f"torch {torch.__version__} sees no CUDA device"
+  if not hasattr(torch, "_grouped_mm"):
+    return None, f"torch {torch.__version__} has no torch._grouped_mm"
+  try:
+    sec, rows = _time_torch_grouped_mm(torch, t, k, n, sizes, seed, timing)
+  except Exception as e:  # noqa: BLE001 - report and go on with the JAX rows
+    return None, f"torch._grouped_mm failed: {type(e).__name__}: {str(e)[:300]}"
+  finally:
+    torch.cuda.empty_cache()  # the step's tensors are gone: hand their memory back
+  return sec, (f"torch {torch.__version__} on {torch.cuda.get_device_name()}; groups padded "
+               f"to {TORCH_GROUP_ALIGN} rows: {rows} rows for {t}")
+
+
+def _time_torch_grouped_mm(torch, t, k, n, sizes, seed, timing) -> tuple[float, int]:
+  """(median seconds per step, padded rows) of `torch_grouped_mm_step`'s step."""
+  gen = torch.Generator(device="cuda").manual_seed(seed)
+  randn = lambda *shape: torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+  padded = -(-np.asarray(sizes, np.int64) // TORCH_GROUP_ALIGN) * TORCH_GROUP_ALIGN
+  rows = int(padded.sum())
+  x = randn(rows, k).requires_grad_()
+  w = randn(len(sizes), n, k).requires_grad_()
+  dy = randn(rows, n)
+  offs = torch.as_tensor(np.cumsum(padded), dtype=torch.int32, device="cuda")
+
+  def step():
+    y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs, out_dtype=torch.bfloat16)
+    return torch.autograd.grad(y, (x, w), dy)
+
+  for _ in range(timing["warmup"]):
+    step()
+  torch.cuda.synchronize()
+  times = []
+  for _ in range(timing["repeats"]):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(timing["calls"]):
+      step()
+    end.record()
+    end.synchronize()
+    times.append(start.elapsed_time(end) / 1e3 / timing["calls"])
+  return float(np.median(times)), rows
+
+
+def torch_row(experts: int, t, k, n, flops, result, dense_row, card) -> dict | None:
+  """The `torch._grouped_mm` step as a table row (None, after printing why, when skipped)."""
+  sec, note = result
+  label = "PyTorch torch._grouped_mm bf16"
+  if sec is None:
+    print(f"  {label}: skipped: {note}", flush=True)
+    return None
+  row = dict(experts=experts, case=label, tokens=t, k=k, n=n, ms=sec * 1e3,
+             tflops=flops / sec / 1e12, speedup_vs_bf16=float("nan"), gemm_paths="torch",
+             quantize_paths="", why="", card=card, note=note)
+  if dense_row is not None:
+    row["speedup_vs_dense_step"] = dense_row["ms"] / row["ms"]
+  vs = f"{row['speedup_vs_dense_step']:.2f}x dense" if dense_row is not None else ""
+  print(f"  {label:38s} {sec * 1e3:9.3f} ms  {row['tflops']:7.1f} TFLOP/s  {vs} ({note})",
+        flush=True)
+  return row
 
 
 def dense_step_peer(t, k, n, x, dy, timing, flops, groups, card) -> dict | None:
@@ -397,6 +492,11 @@ def main(argv=None) -> int:
                       help="also time the grouped NVFP4 quantize next to the single-tensor one")
   parser.add_argument("--profile-dir", default=None,
                       help="also print each jaxquant step's GPU kernel split (jax.profiler)")
+  parser.add_argument("--no-torch", action="store_true",
+                      help="skip the PyTorch torch._grouped_mm bf16 row")
+  parser.add_argument("--no-float32-params", action="store_true",
+                      help="time the steps with bf16 parameters only (default: each row also "
+                           "with float32 parameters, Flax's default, quantized from float32)")
   parser.add_argument("--no-steps", action="store_true",
                       help="skip the GroupedDense step table (with --gemms / --quantize)")
   args = parser.parse_args(argv)
@@ -405,16 +505,24 @@ def main(argv=None) -> int:
   for config in args.sm90_configs or []:
     sm90_configs.parse(config)  # an unknown name fails here, not after the first timings
   args.repeats, args.calls, args.warmup = (1, 1, 1) if args.tiny else (5, 5, 2)
+  cases = TINY if args.tiny else CASES
+  torch_results = {}  # before JAX starts on the GPU: see torch_grouped_mm_step
+  if not args.no_steps and not args.no_torch:
+    for experts in args.experts:
+      groups, t, k, n, _ = cases[experts]
+      sizes = group_sizes(np.random.default_rng(args.seed), t, groups)  # run_case's draw
+      torch_results[experts] = torch_grouped_mm_step(
+          t, k, n, sizes, args.seed, dict(repeats=args.repeats, calls=args.calls,
+                                          warmup=args.warmup))
   device = jax.devices()[0]
   card = getattr(device, "device_kind", str(device))
   print(f"device: {card}; jax {jax.__version__}", flush=True)
-  cases = TINY if args.tiny else CASES
   results = []
   gemm_rows = []
   quantize_rows = []
   for experts in args.experts:
     if not args.no_steps:
-      results += run_case(experts, cases[experts], args, card)
+      results += run_case(experts, cases[experts], args, card, torch_results.get(experts))
     if args.gemms:
       gemm_rows += run_gemms(experts, cases[experts], args, card)
     if args.quantize:
@@ -432,6 +540,14 @@ def main(argv=None) -> int:
       print(f"| {r['experts']} | {r['case']} | {r['ms']:.2f} | {r['tflops']:.0f} | "
             f"{vs_ragged} | {vs_dense} | {r['gemm_paths']} | "
             f"{r['quantize_paths']} |")
+  suffix, costs = ", float32 params", []
+  by_case = {(r["experts"], r["case"]): r["ms"] for r in results}
+  for (experts, case), ms in by_case.items():
+    base = by_case.get((experts, case.removesuffix(suffix)))
+    if case.endswith(suffix) and base:
+      costs.append(f"{experts} experts {case.removesuffix(suffix)}: {ms / base:.3f}x")
+  if costs:
+    print("\nfloat32-params step / bf16-params step: " + "; ".join(costs))
   reasons = sorted({r["why"] for r in results if r["why"]})
   if reasons:
     print("\nwhy a slower path (reference, or the mma.sync kernel): " + " | ".join(reasons))

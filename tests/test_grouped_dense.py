@@ -265,11 +265,13 @@ def test_bad_arguments_are_rejected(args, error, match):
     jax.eval_shape(lambda x, w, b: jq.grouped_dense(x, w, sizes, b, quantizers), x, w, b)
 
 
-@pytest.mark.parametrize("name", ["fp8_current", "fp8_delayed"])
-def test_per_tensor_fp8_experts_are_the_transposed_kernels_quantize(rng, prng_key, name):
-  """Per-tensor FP8 quantizes the `[G, K, N]` kernel as it is and swaps its copies (no
-  transpose of the weights first): the step is bit for bit the one built from
-  `quantize_experts` of the transposed kernel `[G, N, K]`, forward and both gradients."""
+@pytest.mark.parametrize("name", ["fp8_current", "fp8_delayed", "mxfp8", "fp8_block"])
+def test_swappable_experts_are_the_transposed_kernels_quantize(rng, prng_key, name):
+  """A weight format whose copies swap with the transpose (per-tensor FP8, MXFP8, Float8Block,
+  NVFP4 without RHT or stochastic rounding on the weight: tests/test_param_dtype.py) quantizes
+  the `[G, K, N]` kernel as it is and swaps its copies (no transpose of the weights first): the
+  step is bit for bit the one built from `quantize_experts` of the transposed kernel
+  `[G, N, K]`, forward and both gradients."""
   quantizers = DenseQuantizers.from_recipe(RECIPES[name], "grouped_linear", "experts")
   sizes = jnp.asarray(_sizes(rng))
   x = jnp.asarray(rng.standard_normal((T, K)), jnp.bfloat16)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -115,3 +116,99 @@ def test_train_lm_rejects_a_malformed_moe():
   for value in ("8", "2,3", "a,b"):
     with pytest.raises(SystemExit):
       train_lm.main(["--moe", value])
+
+
+def test_the_sort_its_inverse_and_the_counts_are_argsort_and_bincount(rng):
+  moe = _example("lm.moe")
+  ids = jnp.asarray(rng.integers(0, 5, size=300), jnp.int32)
+  order = moe.sort_by_expert(ids, 5)
+  np.testing.assert_array_equal(np.asarray(order), np.argsort(np.asarray(ids), kind="stable"))
+  np.testing.assert_array_equal(np.asarray(moe.inverse_permutation(order)),
+                                np.argsort(np.asarray(order)))
+  np.testing.assert_array_equal(np.asarray(moe.expert_counts(ids, 5)),
+                                np.bincount(np.asarray(ids), minlength=5))
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_dispatch_and_combine_are_the_plain_gathers_with_gather_gradients(rng, top_k):
+  """`dispatch` and `combine` compute `tokens[order // k]` and the unsorted weighted sum, and
+  their custom gradients (gathers) equal autodiff's of the plain forms (scatter-adds) within
+  float32 rounding of the k-term sums."""
+  moe = _example("lm.moe")
+  tokens_n, experts, d = 40, 6, 24
+  probs = jax.nn.softmax(jnp.asarray(rng.standard_normal((tokens_n, experts)), jnp.float32))
+  order, _, weights, _ = moe.route(probs, top_k)
+  inverse = moe.inverse_permutation(order)
+  x = jnp.asarray(rng.standard_normal((tokens_n, d)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((d, d)), jnp.float32)
+  c = jnp.asarray(rng.standard_normal((tokens_n, d)), jnp.float32)
+
+  def ours(x, weights):
+    rows = moe.dispatch(x, order, inverse, top_k)
+    return jnp.sum(moe.combine(jnp.tanh(rows @ w), weights, order, inverse, top_k) * c)
+
+  def plain(x, weights):
+    rows = jnp.tanh(x[order // top_k] @ w)
+    back = rows[jnp.argsort(order)].reshape(tokens_n, top_k, d)
+    return jnp.sum(jnp.sum(back * weights[..., None], axis=1) * c)
+
+  (got, got_grads), (want, want_grads) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(
+      x, weights) for f in (ours, plain))
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for a, b in zip(got_grads, want_grads):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                               atol=1e-6 * float(np.abs(np.asarray(b)).max()))
+  np.testing.assert_array_equal(np.asarray(moe.dispatch(x, order, inverse, top_k)),
+                                np.asarray(x)[np.asarray(order) // top_k])
+
+
+def test_the_block_keeps_bf16_results_of_the_plain_permutation(rng):
+  """The bf16 MoE block gives the output of the plain form (gather, argsort unsort, bf16
+  weighted sum) within bf16 rounding: the only change is the combine's float32 sum."""
+  moe, model = _example("lm.moe"), _example("lm.model")
+  cfg = model.LMConfig(d_model=32, heads=2, mlp_ratio=2, dtype=jnp.bfloat16, moe=(4, 2))
+  layer = moe.MoEMLP(cfg)
+  x = jnp.asarray(rng.standard_normal((2, 24, 32)), jnp.bfloat16)
+  variables = layer.init(jax.random.key(0), x)
+  y = layer.apply(variables, x)
+  p = variables["params"]
+  tokens = x.reshape(-1, 32)
+  probs = jax.nn.softmax(tokens.astype(jnp.float32) @ p["router"]["kernel"], axis=-1)
+  weights, chosen = jax.lax.top_k(probs, 2)
+  weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  order = jnp.argsort(chosen.reshape(-1), stable=True)
+  sizes = jnp.bincount(chosen.reshape(-1), length=4).astype(jnp.int32)
+  rows = tokens[order // 2]
+  k1, k2 = (p[n]["kernel"].astype(jnp.bfloat16) for n in ("fc1", "fc2"))
+  out = jax.lax.ragged_dot(jax.nn.gelu(jax.lax.ragged_dot(rows, k1, sizes)), k2, sizes)
+  out = out[jnp.argsort(order)].reshape(-1, 2, 32)
+  want = jnp.sum(out * weights[..., None].astype(out.dtype), axis=1).reshape(x.shape)
+  a, b = np.asarray(y, np.float32), np.asarray(want, np.float32)
+  np.testing.assert_allclose(a, b, rtol=0, atol=2 * 2**-8 * float(np.abs(b).max()))
+
+
+def test_the_block_sorts_once_and_moves_rows_without_scatters():
+  """The MoE block's step (forward and backward) sorts the assignments once and moves token
+  rows by gathers only: its one scatter of T*k elements is the inverse permutation (unique
+  indices: no atomics), and no scatter writes rows of d_model features (autodiff of plain
+  indexing would scatter-add the dispatch's and the unsort's gradients)."""
+  moe, model = _example("lm.moe"), _example("lm.model")
+  d_model, tokens, top_k = 48, 64, 2
+  cfg = model.LMConfig(d_model=d_model, heads=2, mlp_ratio=2, dtype=jnp.bfloat16,
+                       moe=(4, top_k))
+  layer = moe.MoEMLP(cfg)
+  x = jax.ShapeDtypeStruct((2, tokens // 2, d_model), jnp.bfloat16)
+  variables = jax.eval_shape(layer.init, jax.random.key(0), x)
+
+  def step(v, x):
+    y, vjp = jax.vjp(layer.apply, v, x)
+    return vjp(y)
+
+  hlo = jax.jit(step).lower(variables, x).as_text(dialect="hlo")
+  assignments = tokens * top_k
+  sorts = [l for l in hlo.splitlines() if " sort(" in l and f"[{assignments}]" in l]
+  scatters = [l.split(" = ", 1)[1] for l in hlo.splitlines() if " scatter(" in l]
+  assert len(sorts) == 1, sorts
+  assert not [s for s in scatters if re.match(rf"\w+\[[\d,]*{d_model}\]", s)], scatters
+  (inverse,) = [s for s in scatters if s.startswith(f"s32[{assignments}]")]
+  assert "unique_indices=true" in inverse

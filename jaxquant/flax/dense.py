@@ -75,5 +75,7 @@ class Dense(nn.Module):
       bias_axes = tuple(self.kernel_axes)[-1:]
       bias = self.param("bias", logical_init(self.bias_init, bias_axes),
                         (self.features,), self.param_dtype)
-    inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+    inputs, _, bias = nn.dtypes.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+    # The kernel stays in param_dtype: a quantized weight is read from it (an unquantized
+    # contraction casts it as Flax does; see `jaxquant.dense`).
     return quantized_contraction(self, inputs, kernel, bias, precision=self.precision)

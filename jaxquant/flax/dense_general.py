@@ -176,6 +176,7 @@ def dense_general_contraction(module: nn.Module, inputs: jax.Array, *,
     bias = module.param("bias", logical_init(
         _flat_init(module.bias_init, n_batch, None, n_features), bias_axes),
                         batch_shape + features, module.param_dtype)
+  param_kernel = kernel  # quantized weights are read in the parameter dtype (jaxquant.dense)
   inputs, kernel, bias = promote_dtype(inputs, kernel, bias, dtype=module.dtype)
 
   quantizers = module_quantizers(module, recipe=recipe)
@@ -210,4 +211,4 @@ def dense_general_contraction(module: nn.Module, inputs: jax.Array, *,
     key = None if key is None else jax.random.split(key, batch_shape)
     for _ in range(n_batch):
       contract = jax.vmap(contract)
-  return contract(inputs, kernel, bias, key, states)
+  return contract(inputs, param_kernel, bias, key, states)

@@ -75,7 +75,8 @@ def einsum_contraction(module: nn.Module, inputs: jax.Array, einsum_str: Optiona
   if module.use_bias:
     bias = module.param("bias", module.bias_init,
                         [module.shape[k_term.index(c)] for c in bias_terms], module.param_dtype)
-  inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
+  # the kernel stays in param_dtype: quantized weights are read from it (jaxquant.dense)
+  inputs, _, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
   batch = [c for c in k_term if c in x_term and c in out]
   features = [c for c in k_term if c not in x_term]
   if bias is not None:

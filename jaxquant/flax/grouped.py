@@ -84,8 +84,11 @@ class GroupedDense(nn.Module):
     if self.use_bias:
       bias = self.param("bias", logical_init(self.bias_init, kernel_axes[::2]),
                         (self.num_groups, self.features), self.param_dtype)
+    param_kernel = kernel
     inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
     quantizers = module_quantizers(self, MODULE_TYPE)
+    if quantizers is not None:  # quantized from param_dtype (see the class docstring)
+      kernel = param_kernel
     layout = self._layout(kernel_shape)
     if layout is not None:
       return self._sharded(layout, inputs, kernel, group_sizes, bias, quantizers)

@@ -58,7 +58,8 @@ def _quantized_dense_call(module: nn.Dense, inputs: jax.Array, recipe: Recipe) -
   bias = None
   if module.use_bias:
     bias = module.param("bias", module.bias_init, (module.features,), module.param_dtype)
-  inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
+  inputs, _, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
+  # the kernel stays in param_dtype, as jaxquant.flax.Dense's
   return quantized_contraction(module, inputs, kernel, bias, precision=module.precision,
                                recipe=recipe)
 

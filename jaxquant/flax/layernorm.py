@@ -149,8 +149,8 @@ class LayerNormDense(nn.Module):
     if self.use_bias:
       bias = self.param("bias", logical_init(_flat_init(self.bias_init, 0, None, len(features)),
                                              kernel_axes[1:]), features, self.param_dtype)
-    x, kernel, bias = nn.dtypes.promote_dtype(ln_out, kernel, bias, dtype=self.dtype)
-    y = quantized_contraction(self, x, kernel, bias, precision=self.precision)
+    x, _, bias = nn.dtypes.promote_dtype(ln_out, kernel, bias, dtype=self.dtype)
+    y = quantized_contraction(self, x, kernel, bias, precision=self.precision)  # as Dense's
     return (y, ln_out) if self.return_layernorm_output else y
 
 

@@ -160,6 +160,15 @@ class Format:
     direction: per-tensor scales), so `jaxquant.ops.transpose` can make it."""
     return False
 
+  def copies_swap_with_transpose(self, quantizer: Quantizer) -> bool:
+    """Whether `quantize(W^T)`'s (rowwise, columnwise) copies are `quantize(W)`'s (columnwise,
+    rowwise) bit for bit, so a weight can be quantized as it is stored and its copies swapped.
+
+    By the spec a columnwise copy is the rowwise quantize of the transpose, so this holds unless
+    the columnwise copy is transformed (RHT) or the direction picks the rounding bits
+    (stochastic rounding draws per direction and position)."""
+    return not (self.uses_rht(quantizer, "columnwise") or self.needs_key(quantizer))
+
   def exact_in_bf16(self, quantizer: Quantizer) -> bool:
     """Whether every decoded value (before the GEMM factor) is exact in bfloat16."""
     return True

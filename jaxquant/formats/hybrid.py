@@ -103,6 +103,9 @@ class HybridFormat(Format):
       return None
     return tuple(format_of(q).init_state(q) for q in quantizer.leaves())
 
+  def copies_swap_with_transpose(self, quantizer) -> bool:
+    return False  # a format per direction: the copies are not one quantize
+
   def variants(self):
     return (HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(rht=True, stochastic_rounding=True)),
             HybridQuantizer(NVFP4Quantizer(row_scaled=True), MXFP8Quantizer(),

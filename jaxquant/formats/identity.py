@@ -67,6 +67,9 @@ class IdentityFormat(Format):
   def grouped_gemm_operand(self, quantizer) -> str:
     return "a high-precision operand"
 
+  def copies_swap_with_transpose(self, quantizer) -> bool:
+    return False  # no bytes to share: the transpose stays
+
   def variants(self):
     return (IdentityQuantizer(), IdentityQuantizer(jnp.bfloat16))
 

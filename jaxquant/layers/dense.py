@@ -18,6 +18,14 @@ reduce-scattered over the FSDP axes; otherwise the partitioned op's float32 psum
 its quantized storage all-gathered over the FSDP axes (the residual keeps the local shard and
 the backward gathers it again), or gathered in high precision first where a shard would split a
 block; `jaxquant.explain` reports which.
+
+Parameter dtype (float32 parameters, bfloat16 compute: Flax's default): the kernel may arrive in
+its parameter dtype rather than `x`'s. A weight copy the recipe quantizes is quantized from that
+dtype directly (the quantize kernels read float32; no separate convert pass over the weights,
+as TransformerEngine treats fp32 master weights), and the weight gradient is produced in it by
+the wgrad GEMM (float32 output). A direction an `IdentityQuantizer()` keeps in high precision is
+cast to `x`'s dtype (the compute dtype), as is the kernel of an unquantized contraction, so
+those GEMMs are the ones of a promoted kernel.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxquant.layers import collective_gemm
@@ -123,6 +132,33 @@ def runs_unquantized(quantizers: Optional[DenseQuantizers],
   return True
 
 
+def compute_dtype_weight(quantizer: Quantizer, kernel_dtype, compute_dtype) -> Quantizer:
+  """The weight quantizer for a kernel kept in `kernel_dtype` (its parameter dtype) under
+  `compute_dtype`: every `IdentityQuantizer()` leaf (which keeps its input's dtype) becomes
+  `IdentityQuantizer(compute_dtype)`, so a direction kept in high precision reaches its GEMM in
+  the compute dtype, as a promoted kernel would; quantized leaves read the kernel as it is.
+  Unchanged when the two dtypes agree."""
+  if np.dtype(kernel_dtype) == np.dtype(compute_dtype):
+    return quantizer
+
+  def cast(leaf):
+    if format_of(leaf).high_precision and leaf.dtype is None:
+      return IdentityQuantizer(compute_dtype)
+    return leaf
+
+  halves = format_of(quantizer).halves(quantizer)
+  if halves is not None:
+    return dataclasses.replace(quantizer, rowwise=cast(halves[0]), columnwise=cast(halves[1]))
+  return cast(quantizer)
+
+
+def copies_swap_with_transpose(quantizer: Quantizer) -> bool:
+  """Whether a `[K, N]` kernel can be quantized as it is stored and its two copies swapped
+  instead of transposing it first (a full read and write of the weights each step): the
+  format's `copies_swap_with_transpose`."""
+  return format_of(quantizer).copies_swap_with_transpose(quantizer)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Config:
   quantizers: DenseQuantizers
@@ -199,10 +235,17 @@ def _forward(config: _Config, x, kernel, bias, key, states, *, need_dgrad: bool,
   qx = ops.quantize(x2d, q.input, rowwise=True, columnwise=need_wgrad, key=key_x,
                     state=state_x, role=roles[0])
   qx = config.constrain_storage(qx, q.input, plan and plan.x2d)
-  w2d = config.constrain(kernel.reshape(k, n).T, plan and config.weight_spec)
-  qw = ops.quantize(w2d, q.weight, rowwise=True, columnwise=need_dgrad, key=key_w,
-                    state=state_w, role=roles[1])
-  qw = config.constrain_storage(qw, q.weight, plan and config.weight_spec)
+  if plan is None and copies_swap_with_transpose(q.weight):
+    # The kernel [K, N] quantized as stored: its columnwise copy [N, K] is the forward operand,
+    # its rowwise copy dgrad's (the same bytes as quantizing W^T, without materializing W^T).
+    kn = ops.quantize(kernel.reshape(k, n), q.weight, rowwise=need_dgrad, columnwise=True,
+                      key=key_w, state=state_w, role=roles[1])
+    qw = QuantizedTensor(kn.columnwise, kn.rowwise, q.weight)
+  else:
+    w2d = config.constrain(kernel.reshape(k, n).T, plan and config.weight_spec)
+    qw = ops.quantize(w2d, q.weight, rowwise=True, columnwise=need_dgrad, key=key_w,
+                      state=state_w, role=roles[1])
+    qw = config.constrain_storage(qw, q.weight, plan and config.weight_spec)
   bias = None if bias is None else bias.reshape(n)
   w_row = config.gathered_weight(qw).rowwise
   if plan is not None and plan.known and plan.x_k_axes and (
@@ -307,8 +350,11 @@ def _data_parallel_wgrad(config: _Config, x_col, dy_col, swap: bool):
   plan = config.plan
   scatter_k = tuple(a for a in plan.k_axes if a in plan.fsdp_axes)
   scatter_n = tuple(a for a in plan.n_axes if a in plan.fsdp_axes)
+  # Partial sums in the compute dtype by default (x's), as for a kernel promoted to it: a
+  # float32 parameter's gradient moves the bytes of the bf16 model's, then widens.
+  reduce_dtype = plan.reduce_dtype if plan.reduce_dtype is not None else config.x_dtype
   common = dict(mesh=plan.mesh, k=plan.row_axes, out_dtype=config.kernel_dtype,
-                reduce_dtype=plan.reduce_dtype, role=config.gemm_label("wgrad"),
+                reduce_dtype=reduce_dtype, role=config.gemm_label("wgrad"),
                 precision=config.precision)
   if swap:
     return collective_gemm.reduced_gemm(
@@ -336,8 +382,11 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
   """Quantized `x @ kernel + bias` with a custom backward pass.
 
   Args:
-    x: `[..., K1..Kc]` activations (bfloat16/float16/float32).
-    kernel: `[K1..Kc, N1..Nn]` weights in the same dtype as `x` (promote first).
+    x: `[..., K1..Kc]` activations (bfloat16/float16/float32), in the compute dtype.
+    kernel: `[K1..Kc, N1..Nn]` weights in `x`'s dtype or in their parameter dtype (float32
+      parameters under bf16 compute): quantized copies are read from that dtype directly and
+      the kernel's gradient comes in it; Identity directions and an unquantized contraction
+      use the kernel cast to `x`'s dtype.
     bias: optional `[N1..Nn]`.
     quantizers: the `DenseQuantizers` for input, weight and grad_output (None, or three
       `IdentityQuantizer()`s without `sharding`: no quantization, a plain `dot_general` exactly
@@ -374,6 +423,7 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
     raise TypeError(f"quantizers: expected DenseQuantizers or None, got "
                     f"{type(quantizers).__name__}")
   if runs_unquantized(quantizers, sharding):
+    kernel = kernel.astype(x.dtype)  # a parameter-dtype kernel: Flax's promotion
     y = jax.lax.dot_general(x, kernel, ((tuple(range(x.ndim - contracting_dims, x.ndim)),
                                          tuple(range(contracting_dims))), ((), ())),
                             precision=precision)
@@ -394,6 +444,8 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
     _sharding.check_blocks_fit(quantizers.input, (rows, k), plan.x2d, plan.mesh, name="x")
     _sharding.check_blocks_fit(quantizers.grad_output, (rows, n), plan.y2d, plan.mesh,
                                name="grad_output")
+  quantizers = dataclasses.replace(
+      quantizers, weight=compute_dtype_weight(quantizers.weight, kernel.dtype, x.dtype))
   config = _Config(quantizers, precision, x.dtype, kernel.dtype,
                    None if bias is None else bias.dtype, tuple(batch_shape),
                    tuple(contract_shape), tuple(out_features), plan)

@@ -23,7 +23,10 @@ Semantics the issue left open, decided here:
 - delayed scaling keeps a state per expert (`jaxquant.grouped.init_state(quantizer, G)`; the
   Flax module keeps `[G]`-shaped variables); an empty group records amax 0;
 - shapes are static under `jit` although `group_sizes` is traced: T, K, N, G fix every shape, and
-  a padded copy has `b * floor((T + G (b - 1)) / b)` token positions.
+  a padded copy has `b * floor((T + G (b - 1)) / b)` token positions;
+- a kernel in its parameter dtype (float32 under bf16 compute) is quantized from that dtype and
+  gets its gradient in it, Identity directions are cast to `x`'s dtype, as `jaxquant.dense`
+  does (every expert exactly as its own Dense).
 """
 
 from __future__ import annotations
@@ -35,14 +38,15 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxquant.backends.ffi.grouped import ops as grouped_kernels
 from jaxquant.grouping import formats
 from jaxquant.layers import grouped_plain
 from jaxquant.ops import grouped as grouped_ops
 from jaxquant.grouping.layout import TokenLayout, clip_sizes
 from jaxquant.grouping.state import init_state as init_group_state
 from jaxquant.grouping.state import update_state
-from jaxquant.layers.dense import RESIDUAL_NAMES, TENSOR_TYPES, DenseQuantizers
-from jaxquant.formats import format_of
+from jaxquant.layers.dense import (RESIDUAL_NAMES, TENSOR_TYPES, DenseQuantizers,
+                                   compute_dtype_weight, copies_swap_with_transpose)
 from jaxquant.tensors import QuantizedTensor
 
 MODULE_TYPE = "grouped_linear"
@@ -112,18 +116,32 @@ def _quantize_weights(kernel, q: DenseQuantizers, need_dgrad: bool, keys, state)
   """The experts' weights with the forward's copy `[G, N, K]` as `rowwise` (and dgrad's
   `[G, K, N]` as `columnwise`).
 
-  Per-tensor FP8 (one scale per expert, nothing that depends on the direction) quantizes the
-  `[G, K, N]` kernel as it is and swaps the two copies: the same bytes as quantizing its
-  transpose, without XLA materializing that transpose first (a full read and write of the
-  weights each step). Other formats block or transform along a direction, so they quantize
-  the transposed kernel."""
-  if format_of(q.weight).transposable(q.weight):
+  Where the copies are the same bytes either way (`copies_swap_with_transpose`: one format, no
+  RHT, no stochastic rounding) the `[G, K, N]` kernel is quantized as it is and its two copies
+  swapped, so XLA never materializes the transpose (a full read and write of the weights each
+  step, in float32 for float32 parameters) — unless only the transposed layout has a kernel
+  (a block format whose blocks would span experts of K rows). Otherwise the transposed kernel
+  is quantized."""
+  groups, k, n = kernel.shape
+  if copies_swap_with_transpose(q.weight) and (
+      _experts_reason(q.weight, (groups, k, n), need_dgrad, True) is None
+      or _experts_reason(q.weight, (groups, n, k), True, need_dgrad) is not None):
     kn = grouped_ops.quantize_experts(kernel, q.weight, rowwise=need_dgrad, columnwise=True,
                                       keys=keys, state=state, role=q.roles[1])
     return QuantizedTensor(kn.columnwise, kn.rowwise, q.weight)
   return grouped_ops.quantize_experts(jnp.swapaxes(kernel, 1, 2), q.weight, rowwise=True,
                                       columnwise=need_dgrad, keys=keys, state=state,
                                       role=q.roles[1])
+
+
+def _experts_reason(quantizer, shape, rowwise: bool, columnwise: bool):
+  """Why no FFI kernel quantizes expert weights of `shape` in the asked directions (None: one
+  does)."""
+  for direction, on in (("rowwise", rowwise), ("columnwise", columnwise)):
+    reason = on and grouped_kernels.quantize_experts_unsupported(quantizer, shape, direction)
+    if reason:
+      return reason
+  return None
 
 
 def _primal(config, x, kernel, bias, sizes, key, states):
@@ -198,7 +216,9 @@ def grouped_dense(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array,
 
   Args:
     x: `[T, K]` tokens sorted by group (bfloat16/float16/float32).
-    kernel: `[G, K, N]`, one matrix per group, in `x`'s dtype (promote first).
+    kernel: `[G, K, N]`, one matrix per group: in `x`'s dtype, or (with quantizers) in its
+      parameter dtype, which quantized copies are read from directly and the kernel's
+      gradient comes in (Identity directions are cast to `x`'s dtype).
     group_sizes: integer `[G]` tokens per group, in order (zeros allowed; >= 0, summing to at
       most T; rows past the sum belong to no group and give zeros). Traced under `jit`.
     bias: optional `[G, N]`.
@@ -236,6 +256,8 @@ def grouped_dense(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array,
                        f"states=jaxquant.grouped_dense_states(quantizers, {groups}) (kept by "
                        "jaxquant.flax.GroupedDense)")
     states = (None, None, None)
+  quantizers = dataclasses.replace(
+      quantizers, weight=compute_dtype_weight(quantizers.weight, kernel.dtype, x.dtype))
   config = _Config(quantizers, precision, x.dtype, kernel.dtype,
                    None if bias is None else bias.dtype, x.shape[0], groups,
                    *token_blocks(quantizers))

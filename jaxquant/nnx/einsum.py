@@ -154,7 +154,8 @@ class Einsum(QuantizedContraction):
         kwargs["preferred_element_type"] = self.preferred_element_type
       y = jnp.einsum(einsum_str, inputs, kernel, precision=self.precision, **kwargs)
     else:
-      y = contract(plan, inputs, kernel, None, quantizers, key=self._key(quantizers, rngs),
+      # the kernel in its parameter dtype: quantized weights are read from it (jaxquant.dense)
+      y = contract(plan, inputs, self.kernel[...], None, quantizers, key=self._key(quantizers, rngs),
                    states=self._states(quantizers, plan.batch_shape(kernel.shape)),
                    precision=self.precision, sharding=sharding)
       y = finish_output(y, out_sharding, self.preferred_element_type)

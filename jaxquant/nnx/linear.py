@@ -109,6 +109,7 @@ class Linear(QuantizedContraction):
       if bias is not None:
         y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
       return y
-    y = dense(inputs, kernel, bias, quantizers, key=self._key(quantizers, rngs),
+    # the kernel in its parameter dtype: quantized weights are read from it (jaxquant.dense)
+    y = dense(inputs, self.kernel[...], bias, quantizers, key=self._key(quantizers, rngs),
               states=self._states(quantizers), precision=self.precision, sharding=sharding)
     return finish_output(y, out_sharding, self.preferred_element_type)

@@ -144,7 +144,8 @@ class LinearGeneral(QuantizedContraction):
         out += jnp.reshape(bias, (*expanded, *self.out_features))
       return out
     batch_shape = tuple(self.batch_axis.values())
-    y = contract(plan, inputs, kernel, bias, quantizers, key=self._key(quantizers, rngs),
+    # the kernel in its parameter dtype: quantized weights are read from it (jaxquant.dense)
+    y = contract(plan, inputs, self.kernel[...], bias, quantizers, key=self._key(quantizers, rngs),
                  states=self._states(quantizers, batch_shape), precision=self.precision,
                  sharding=sharding)
     return finish_output(y, out_sharding, self.preferred_element_type)
