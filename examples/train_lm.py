@@ -11,8 +11,9 @@ Every projection of the model (`qkv`, `proj`, `fc1`, `fc2`, `lm_head`) is a
 `jaxquant.flax.Dense` carrying the recipe; the rest (embeddings, norms, attention scores) runs in
 bfloat16 with float32 parameters. Each recipe starts from the same parameters and sees the same
 batches (by default bf16 and fp8_current: FP8 should train like bf16, and the final gap is
-printed). Writes `<out>/losses.csv` (step, recipe, train_loss, val_loss, time) and
-`<out>/losses.png`, and prints a summary table. Recipe names accept `-` for `_`
+printed). Writes `<out>/losses.csv` (step, recipe, train_loss, val_loss, time),
+`<out>/steps.csv` (every training step's loss, exact, and wall time) and `<out>/losses.png`, and
+prints a summary table. Recipe names accept `-` for `_`
 (`--recipe fp8-current`). `--checkpoint DIR` saves each recipe's run with orbax
 (`lm/checkpoint.py`: parameters, optimizer and delayed-scaling state, step, data position) and
 resumes it from there when run again with the same settings. On CPU the jaxquant ops take the
@@ -175,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
-  """Train every requested recipe; returns `{"histories", "csv", "png", "summary"}`."""
+  """Train every requested recipe; returns `{"histories", "csv", "steps_csv", "png", "summary",
+  "gaps"}` (no files, None, from processes other than process 0)."""
   parser = build_parser()
   args = parser.parse_args(argv)
   try:
