@@ -336,4 +336,5 @@ if __name__ == "__main__":
       main()
   except NotImplementedError as err:
     sys.exit(f"train_lm.py: {err}")
-  print(f"total wall time {time.perf_counter() - start:.1f}s")
+  if distributed.is_primary():
+    print(f"total wall time {time.perf_counter() - start:.1f}s")

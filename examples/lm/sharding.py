@@ -26,8 +26,8 @@ MESH_AXES = ("dp", "fsdp", "tp", "ep")
 def make_mesh(axes: dict[str, int]) -> Mesh:
   """A mesh over the first `prod(sizes)` devices, axes in the order given.
 
-  With several processes the mesh must hold every process's devices (`jax.devices()`: process
-  0's first), so the last axes are the ones within a process: `dp=2,tp=4` on two hosts of four
+  With several processes the mesh must hold every process's devices, process 0's first, so the
+  last axes are the ones within a process: `dp=2,tp=4` on two hosts of four
   GPUs keeps tensor parallelism inside each host and data parallelism across them.
   """
   unknown = [name for name in axes if name not in MESH_AXES]
@@ -35,6 +35,8 @@ def make_mesh(axes: dict[str, int]) -> Mesh:
     raise ValueError(f"--mesh: unknown axis {unknown[0]!r}; expected some of {MESH_AXES}")
   need = math.prod(axes.values())
   devices = jax.devices()
+  if jax.process_count() > 1:  # process 0's devices first, then process 1's, ...
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
   where = (f"{len(devices)} {devices[0].platform} devices over {jax.process_count()} "
            f"processes" if jax.process_count() > 1 else
            f"{len(devices)} ({devices[0].platform})")
