@@ -225,6 +225,7 @@ def test_the_launch_comes_from_flags_else_the_environment():
     (("h0:1", 2, 2), r"--process-id 2: expected 0 \.\.\. 1"),
     (("h0", 2, 0), "--coordinator 'h0': expected HOST:PORT"),
     (("h0:1", None, 1), "--coordinator and --process-id given without --num-processes"),
+    ((None, 1, 1), r"--process-id 1: expected 0 \.\.\. 0"),
 ])
 def test_an_incomplete_launch_names_the_missing_flag(flags, message):
   distributed = _example("lm.distributed")

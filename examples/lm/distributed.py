@@ -87,15 +87,20 @@ def resolve_launch(coordinator: Optional[str], num_processes: Optional[int],
   pid = _int_setting("process_id", process_id, environ)
   if init_timeout <= 0:
     raise ValueError(f"--init-timeout {init_timeout}: expected a positive number of seconds")
-  if count is None or count == 1:
+  if count is None:
     given = [FLAGS[k] for k, v in (("coordinator", coordinator), ("process_id", pid))
              if v is not None and not (k == "process_id" and v == 0)]
-    if count is None and given:
+    if given:
       raise ValueError(f"{' and '.join(given)} given without --num-processes "
                        f"(${ENV['num_processes']}): pass the number of processes of the run")
-    return Launch(coordinator, 1, 0, init_timeout)
+    return Launch(None, 1, 0, init_timeout)
   if count < 1:
     raise ValueError(f"--num-processes {count}: expected a positive number of processes")
+  if pid is not None and not 0 <= pid < count:
+    raise ValueError(f"--process-id {pid}: expected 0 ... {count - 1} "
+                     f"(--num-processes {count})")
+  if count == 1:
+    return Launch(coordinator, 1, 0, init_timeout)
   if coordinator is None:
     raise ValueError(f"--num-processes {count} needs --coordinator HOST:PORT (or "
                      f"${ENV['coordinator']}): process 0's address, the same for every process")
@@ -103,9 +108,6 @@ def resolve_launch(coordinator: Optional[str], num_processes: Optional[int],
   if pid is None:
     raise ValueError(f"--num-processes {count} needs --process-id (or ${ENV['process_id']}): "
                      f"this process's id, 0 ... {count - 1}, a different one per process")
-  if not 0 <= pid < count:
-    raise ValueError(f"--process-id {pid}: expected 0 ... {count - 1} "
-                     f"(--num-processes {count})")
   return Launch(coordinator, count, pid, init_timeout)
 
 
@@ -165,7 +167,8 @@ def _check_port_free(launch: Launch, port: int) -> None:
     except OSError as err:
       raise ValueError(f"--coordinator {launch.coordinator}: process 0 runs the coordinator "
                        f"on port {port}, which this host cannot listen on ({err}); pick a free "
-                       "port and pass the same --coordinator to every process") from None
+                       "port and pass the same --coordinator to every process (or, if another "
+                       "process 0 of this run holds it, check --process-id)") from None
 
 
 def _reachable(host: str, port: int) -> bool:
