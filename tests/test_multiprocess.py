@@ -38,10 +38,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 TRAIN_LM = str(EXAMPLES / "train_lm.py")
 # The smallest model every recipe shards over tp=4 (MXFP8's 32-long blocks on d_model / 4) and
-# fsdp=8 (one sequence per device).
+# fsdp=8 (one sequence per device). `--backend auto`: the FFI kernels' CPU handlers where the
+# extension is built (as in CI; their steps compile in half the CPU time of the pure-JAX
+# reference's, which serves where it is not built).
 TINY_LM = ["--d-model", "128", "--layers", "1", "--heads", "4", "--seq", "32", "--batch", "8",
            "--data-mb", "0.3", "--eval-batches", "1", "--no-progress", "--steps", "4",
-           "--eval-every", "2", "--lr", "1e-2", "--warmup", "1", "--checkpoint-every", "2"]
+           "--eval-every", "2", "--lr", "1e-2", "--warmup", "1", "--checkpoint-every", "2",
+           "--backend", "auto"]
 RECIPES = "fp8_current,mxfp8_fwd_nvfp4_bwd"  # FP8 current scaling, and a hybrid (NVFP4 bwd)
 MESHES = ["dp=2,tp=4", "fsdp=8"]
 RUN_TIMEOUT = 900  # seconds: a hang ends here, killed (a run takes ~1-2 min on 2 free cores)
