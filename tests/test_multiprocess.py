@@ -27,6 +27,7 @@ import importlib
 import os
 import pathlib
 import shutil
+import subprocess
 import sys
 import time
 
@@ -147,6 +148,43 @@ def test_a_checkpoint_written_by_two_processes_resumes_in_two_bit_for_bit(tmp_pa
   histories = [np.asarray(leaf) for path, leaf in want_leaves
                if "amax_history" in jax.tree_util.keystr(path)]
   assert histories and all(np.any(h > 0) for h in histories)  # the delayed state is live
+
+
+def _gpu_ids() -> list[str]:
+  """The GPUs the children may use (`$CUDA_VISIBLE_DEVICES`, else `nvidia-smi -L`), found
+  without starting a GPU backend in this process."""
+  visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+  if visible:
+    return visible
+  smi = shutil.which("nvidia-smi")
+  if smi is None:
+    return []
+  listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60).stdout
+  return [str(i) for i, line in enumerate(l for l in listed.splitlines() if l.startswith("GPU "))]
+
+
+@pytest.mark.gpu
+@pytest.mark.multiprocess
+def test_two_processes_of_one_gpu_train_like_one_process_with_two(tmp_path, seed):
+  gpus = _gpu_ids()[:2]
+  if len(gpus) < 2:
+    pytest.skip("needs 2 GPUs")
+  launch = _example("lm.launch")
+  args = [TRAIN_LM, *TINY_LM, "--recipe", "fp8_current", "--mesh", "dp=2",
+          "--seed", str(seed % 10_000)]
+  base = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "NCCL_NVLS_ENABLE": "0",
+          "PYTHONPATH": _host_devices(1)["PYTHONPATH"]}
+  with launch.LocalRun([*args, "--out", str(tmp_path / "one")], 1, cwd=str(ROOT),
+                       env_for=lambda i: {**base, "CUDA_VISIBLE_DEVICES": ",".join(gpus)}) as one:
+    _finish(one)
+  with launch.LocalRun([*args, "--out", str(tmp_path / "two")], 2, cwd=str(ROOT),
+                       env_for=lambda i: {**base, "CUDA_VISIBLE_DEVICES": gpus[i]}) as two:
+    _finish(two)
+  want = np.array(_step_losses(tmp_path / "one")["fp8_current"])
+  got = np.array(_step_losses(tmp_path / "two")["fp8_current"])
+  rel = np.abs(got - want) / np.abs(want)
+  assert rel[0] <= FIRST_STEP_RTOL and rel.max() <= LATER_STEPS_RTOL, (
+      f"2 processes {got.tolist()} vs 1 process {want.tolist()} (relative {rel.tolist()})")
 
 
 def _bad_launch(args: list[str], processes: int = 1, timeout: float = 120.0):
