@@ -3,9 +3,10 @@ bf16, Flax's own FP8 (`Fp8DirectDotGeneralOp`, `Fp8DotGeneralOp`) on the same la
 jaxquant built-in recipe through `jaxquant.flax.quantize_dense` (+ `apply_gradients`), and the
 same network written with `jaxquant.flax.LayerNormDense` / `LayerNormMLP`.
 
-    python bench/e2e.py --size d2048 --json out.json --trace-dir /tmp/traces
-    python bench/e2e.py --size d4096 --steps 30 --variants bf16,flax_fp8_direct,fp8_current
-    python bench/e2e.py --tiny                        # CPU smoke run (tiny model, 3 steps)
+    PYTHONPATH=examples python bench/e2e.py --size d2048 --json out.json --trace-dir /tmp/traces
+    PYTHONPATH=examples python bench/e2e.py --size d4096 --steps 30 \\
+        --variants bf16,flax_fp8_direct,fp8_current
+    PYTHONPATH=examples python bench/e2e.py --tiny   # CPU smoke run (tiny model, 3 steps)
 
 Per variant: step time (mean over steps `--time-from`..`--steps` of the training run, timed
 end to end with the device synchronized at both ends), tokens/s, the training loss at steps 1,

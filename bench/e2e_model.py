@@ -16,8 +16,6 @@ output, a `LayerNormMLP` for norm + MLP and a `LayerNormDense` `lm_head`; the re
 from __future__ import annotations
 
 import dataclasses
-import pathlib
-import sys
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -27,8 +25,13 @@ import numpy as np
 
 import jaxquant.flax as jqf
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-from lm import data  # noqa: E402  (examples/lm/data.py: the stdlib byte corpus)
+try:  # examples/ must be on the path: PYTHONPATH=examples (bench/run.py sets it)
+  from lm import data  # examples/lm/data.py: the stdlib byte corpus
+except ModuleNotFoundError as err:
+  if err.name not in ("lm", "train_lm", "nnx_quantize"):
+    raise
+  raise SystemExit(f"bench/e2e.py imports examples/ ({err}): run it as "
+                   "PYTHONPATH=examples python bench/e2e.py") from err
 
 
 @dataclasses.dataclass(frozen=True)

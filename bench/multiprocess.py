@@ -9,10 +9,10 @@ then reads each run's `steps.csv` (every step's loss and time, written by proces
 per recipe: the median step time after `--warmup` steps, its ratio to the 1-process run, the
 final loss and the largest relative loss difference to the 1-process run at any step.
 
-    python bench/multiprocess.py                           # 2 GPUs, fp8_current, d_model 1024
-    python bench/multiprocess.py --check                   # exit 1 past --loss-rtol / --max-slowdown
-    python bench/multiprocess.py --cpu                     # host CPU devices (a quick check)
-    python bench/multiprocess.py --recipe bf16,fp8_current -- --d-model 2048 --layers 8
+    PYTHONPATH=examples python bench/multiprocess.py          # 2 GPUs, fp8_current, d_model 1024
+    PYTHONPATH=examples python bench/multiprocess.py --check  # exit 1 past the tolerances
+    PYTHONPATH=examples python bench/multiprocess.py --cpu    # host CPU devices (a quick check)
+    PYTHONPATH=examples python bench/multiprocess.py --recipe bf16,fp8_current -- --d-model 2048
 
 Arguments after `--` go to train_lm.py after this script's model defaults (the last one wins).
 The two runs compile the same SPMD program and differ in who carries the collectives (NCCL
@@ -32,10 +32,15 @@ import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
+try:  # examples/ must be on the path: PYTHONPATH=examples (bench/run.py sets it)
+  from lm import launch, report
+except ModuleNotFoundError as err:
+  if err.name != "lm":
+    raise
+  raise SystemExit(f"bench/multiprocess.py imports examples/ ({err}): run it as "
+                   "PYTHONPATH=examples python bench/multiprocess.py") from err
 
-from lm import launch, report  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 TRAIN_LM = str(ROOT / "examples" / "train_lm.py")
 GPU_MODEL = ["--d-model", "1024", "--layers", "4", "--heads", "8", "--seq", "1024",

@@ -1,8 +1,8 @@
 """Training-step time of the NNX transformer of `examples/nnx_quantize.py`, bf16 vs the same
 model quantized with one `jaxquant.nnx.quantize_model` call, side by side on one card.
 
-    python bench/nnx_step.py                               # d_model 2048, 4 layers, seq 1024
-    python bench/nnx_step.py --recipes fp8_current,mxfp8 --json out.json
+    PYTHONPATH=examples python bench/nnx_step.py          # d_model 2048, 4 layers, seq 1024
+    PYTHONPATH=examples python bench/nnx_step.py --recipes fp8_current,mxfp8 --json out.json
 
 One step = `nnx.value_and_grad` of the next-token loss + `nnx.Optimizer` (AdamW) update, one
 `nnx.jit` program. Time = median over repeats of (R back-to-back steps) / R after warm-up.
@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +22,16 @@ from flax import nnx
 
 from timing import bench  # bench/timing.py (this folder is on sys.path when run)
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-import nnx_quantize  # noqa: E402
-from lm import recipes  # noqa: E402
+try:  # examples/ must be on the path: PYTHONPATH=examples (bench/run.py sets it)
+  import nnx_quantize
+  from lm import recipes
+except ModuleNotFoundError as err:
+  if err.name not in ("lm", "train_lm", "nnx_quantize"):
+    raise
+  raise SystemExit(f"bench/nnx_step.py imports examples/ ({err}): run it as "
+                   "PYTHONPATH=examples python bench/nnx_step.py") from err
 
-import jaxquant  # noqa: E402
+import jaxquant
 
 
 def step_time(cfg, recipe_name: str, tokens: jax.Array, args) -> dict:

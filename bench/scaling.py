@@ -10,10 +10,11 @@ records for each mesh:
     all-gather / all-to-all listed, and the ones whose result holds at least one sequence of
     activations (`seq x d_model` elements) flagged as activation all-gathers.
 
-    python bench/scaling.py --recipe bf16,fp8_current --meshes 1/dp=4/tp=4/dp=2,tp=2 \\
+    PYTHONPATH=examples python bench/scaling.py --recipe bf16,fp8_current \\
+        --meshes 1/dp=4/tp=4/dp=2,tp=2 \\
         --d-model 4096 --layers 8 --heads 32 --seq 2048 --batch 8 --remat --scan-layers \\
         --json out.json
-    python bench/scaling.py --recipe fp8_current --moe 8,2 --meshes 1/ep=4 ...  # experts over ep
+    PYTHONPATH=examples python bench/scaling.py --recipe fp8_current --moe 8,2 --meshes 1/ep=4 ...
 
 Meshes are separated by '/', axes within one by ','; "1" is one device without a mesh. Several
 recipes (comma-separated) run interleaved: each mesh runs every recipe before the next mesh,
@@ -32,7 +33,6 @@ import json
 import os
 import pathlib
 import statistics
-import sys
 import time
 from typing import Optional
 
@@ -40,16 +40,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+try:  # examples/ must be on the path: PYTHONPATH=examples (bench/run.py sets it)
+  from lm import data, recipes, sharding, training, xla_flags
+  from lm.embedding import EMBEDDING_GRADIENTS
+  from lm.model import GPT, LMConfig
+  import train_lm
+except ModuleNotFoundError as err:
+  if err.name not in ("lm", "train_lm", "nnx_quantize"):
+    raise
+  raise SystemExit(f"bench/scaling.py imports examples/ ({err}): run it as "
+                   "PYTHONPATH=examples python bench/scaling.py") from err
 
-from lm import data, recipes, sharding, training, xla_flags  # noqa: E402
-from lm.embedding import EMBEDDING_GRADIENTS  # noqa: E402
-from lm.model import GPT, LMConfig  # noqa: E402
-import train_lm  # noqa: E402
-
-import e2e_trace  # noqa: E402
-from jaxquant import hlo  # noqa: E402
-from jaxquant.explain import explain_recording  # noqa: E402
+import e2e_trace  # bench/e2e_trace.py
+from jaxquant import hlo
+from jaxquant.explain import explain_recording
 
 
 def parse_meshes(spec: str) -> list[Optional[dict[str, int]]]:

@@ -2,7 +2,7 @@
 tokens/s per device, speedup over the same recipe's 1-device run, the largest relative loss
 difference from that run over the compared steps, and what the compiled step communicates.
 
-    python bench/scaling_report.py out/*.json     # or the session's merged runs.json
+    python bench/scaling_report.py out/*.json  # scaling.py --json files (bench/run.py: jobs.tar.gz)
 """
 
 from __future__ import annotations

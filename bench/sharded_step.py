@@ -5,7 +5,8 @@ version and the warm-up. Tokens are random bytes (the step time does not depend 
 step is timed to the loss being ready, as train_lm.py does; the median of `--steps` steps after
 `--warmup` is reported.
 
-    python bench/sharded_step.py --mesh dp=2 --recipe fp8_current --json out.json
+    PYTHONPATH=examples python bench/sharded_step.py --mesh dp=2 --recipe fp8_current \\
+        --json out.json
 """
 
 from __future__ import annotations
@@ -14,18 +15,21 @@ import argparse
 import json
 import pathlib
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-
-from lm import recipes, sharding, training  # noqa: E402
-from lm.model import GPT, LMConfig  # noqa: E402
-import train_lm  # noqa: E402
+try:  # examples/ must be on the path: PYTHONPATH=examples (bench/run.py sets it)
+  from lm import recipes, sharding, training
+  from lm.model import GPT, LMConfig
+  import train_lm
+except ModuleNotFoundError as err:
+  if err.name not in ("lm", "train_lm", "nnx_quantize"):
+    raise
+  raise SystemExit(f"bench/sharded_step.py imports examples/ ({err}): run it as "
+                   "PYTHONPATH=examples python bench/sharded_step.py") from err
 
 
 def time_steps(model, tokens, cfg, mesh, steps: int, warmup: int) -> dict:

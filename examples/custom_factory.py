@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
-import sys
 from typing import Callable, Iterable, Optional, Sequence
 
 import jax.numpy as jnp
@@ -30,12 +28,8 @@ import jaxquant
 from jaxquant import (HybridQuantizer, IdentityQuantizer, MXFP8Quantizer, NVFP4Quantizer,
                       Quantizer, QuantizerRole)
 
-_EXAMPLES = str(pathlib.Path(__file__).resolve().parent)
-if _EXAMPLES not in sys.path:
-  sys.path.insert(0, _EXAMPLES)
-
-from lm import data, training  # noqa: E402
-from lm.model import GPT, LMConfig  # noqa: E402
+from lm import data, training
+from lm.model import GPT, LMConfig
 
 
 def make_factory(keep_in_bf16: Iterable[str] = ("lm_head",)

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import pathlib
-import sys
 from typing import Any, Callable, Optional, Sequence
 
 import flax.linen as nn
@@ -29,11 +27,7 @@ from flax.training.train_state import TrainState
 import jaxquant
 import jaxquant.flax
 
-_EXAMPLES = str(pathlib.Path(__file__).resolve().parent)
-if _EXAMPLES not in sys.path:
-  sys.path.insert(0, _EXAMPLES)
-
-from lm import recipes, training  # noqa: E402  (shared with train_lm.py)
+from lm import recipes, training  # shared with train_lm.py (examples/lm)
 
 
 class MLP(nn.Module):

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import pathlib
-import sys
 import time
 from typing import Optional, Sequence
 
@@ -31,11 +29,7 @@ from flax import nnx
 import jaxquant
 import jaxquant.nnx
 
-_EXAMPLES = str(pathlib.Path(__file__).resolve().parent)
-if _EXAMPLES not in sys.path:
-  sys.path.insert(0, _EXAMPLES)
-
-from lm import data, recipes, training  # noqa: E402  (shared with train_lm.py)
+from lm import data, recipes, training  # shared with train_lm.py (examples/lm)
 
 
 @dataclasses.dataclass(frozen=True)

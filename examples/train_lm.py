@@ -57,14 +57,9 @@ import jax.numpy as jnp
 
 from jaxquant.expert_parallel import EXCHANGES as MOE_EXCHANGES
 
-_EXAMPLES = str(pathlib.Path(__file__).resolve().parent)
-if _EXAMPLES not in sys.path:  # make `lm` importable however this file was loaded
-  sys.path.insert(0, _EXAMPLES)
-
-from lm import (checkpoint, data, distributed, recipes, report, sharding,  # noqa: E402
-                training, xla_flags)
-from lm.embedding import EMBEDDING_GRADIENTS  # noqa: E402
-from lm.model import GPT, LMConfig  # noqa: E402
+from lm import checkpoint, data, distributed, recipes, report, sharding, training, xla_flags
+from lm.embedding import EMBEDDING_GRADIENTS
+from lm.model import GPT, LMConfig
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "out"
 DEFAULT_RECIPES = "bf16,fp8_current"  # the claim to see first: FP8 trains like bf16

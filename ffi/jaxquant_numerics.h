@@ -1,4 +1,4 @@
-// jaxquant numerics: the scalar and block math of DESIGN.md section 3, for host and device.
+// jaxquant numerics: the scalar and block math of docs/design.md §5 "Numerics", host and device.
 //
 // This is the one C++ copy of the formulas in jaxquant/numerics/*.py (the spec); the CPU
 // handlers and the CUDA kernels both include it, and the tests compare both bit-for-bit with

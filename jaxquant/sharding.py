@@ -1,4 +1,5 @@
-"""Sharding of quantized storages and of the quantized Dense (DESIGN.md section 6).
+"""Sharding of quantized storages and of the quantized Dense (docs/design.md §7 "Partitioning
+and sharding").
 
 Storage specs: from the `PartitionSpec` of `x[rows, cols]` to the spec of every leaf of its
 `QuantizedTensor`. Rowwise leaves follow `(rows, cols)`; the transposed columnwise copy follows

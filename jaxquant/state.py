@@ -1,4 +1,4 @@
-"""Delayed-scaling state and its pure update (DESIGN.md section 3, "Delayed scaling").
+"""Delayed-scaling state and its pure update (docs/design.md §5 "Numerics", delayed scaling).
 
 State lives outside the quantizer so quantizers stay static and hashable. A plain quantizer's
 state is `DelayedScalingState` (or `None` when stateless); a `HybridQuantizer`'s is the pair

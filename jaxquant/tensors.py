@@ -1,7 +1,8 @@
 """Quantized storages: `ScaledTensor` (one direction, one format) and `QuantizedTensor` (both).
 
-Storage convention (DESIGN.md section 2): every quantized operand is a 2-D `[rows, cols]` matrix
-whose last axis is the GEMM's contraction axis; block scales run along `cols`; a columnwise copy
+Storage convention (docs/design.md §3 "Storage convention"): every quantized operand is a 2-D
+`[rows, cols]` matrix whose last axis is the GEMM's contraction axis; block scales run along
+`cols`; a columnwise copy
 is stored transposed. Both classes are pytrees whose arrays are the leaves and whose quantizer and
 flags are static aux data, so they pass through `jit`, `vmap`, `tree_map` and donation.
 """

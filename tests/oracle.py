@@ -1,4 +1,4 @@
-"""Independent re-derivations of DESIGN.md section 3, used as test oracles.
+"""Independent re-derivations of docs/design.md §5 "Numerics", used as test oracles.
 
 Nothing here calls jaxquant's numerics: the element casts come from `ml_dtypes` (RNE; saturation
 is obtained by clipping to +-fmax first, and NaN is mapped to the format's NaN code by hand), the
@@ -210,7 +210,7 @@ RHT_SIGNS = np.array([1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1],
 
 
 def rht_matrix64() -> np.ndarray:
-  """diag(signs) @ H16 / 4 in float64 (DESIGN.md section 3)."""
+  """diag(signs) @ H16 / 4 in float64 (docs/design.md §5 "Numerics")."""
   return np.diag(RHT_SIGNS) @ hadamard16() / 4.0
 
 

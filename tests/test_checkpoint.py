@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +22,6 @@ import orbax.checkpoint as ocp
 import pytest
 from flax.training.train_state import TrainState
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 TINY_LM = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq", "32", "--batch", "8",
            "--data-mb", "0.3", "--eval-batches", "1", "--no-progress", "--steps", "4",
            "--eval-every", "2", "--checkpoint-every", "2", "--lr", "1e-2", "--warmup", "1"]
@@ -39,8 +37,8 @@ class Preempted(Exception):
 
 
 def _example(name: str):
-  if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
+  """An example module (`train_lm`, `lm.data`, ...): pytest puts examples/ on the path
+  (pyproject.toml, `pythonpath`)."""
   return importlib.import_module(name)
 
 

@@ -2,7 +2,7 @@
 default) quantizes with the scale of the tensor's own amax, so step 1 equals current scaling bit
 for bit (quantize, `jaxquant.dense`, the Flax modules, `quantize_dense`, grouped experts);
 `first_scale="one"` keeps TransformerEngine's scale-1 start. After step 1 the history and scale
-follow DESIGN.md section 3 unchanged."""
+follow docs/design.md §5 "Numerics" unchanged."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def test_dense_step_one_equals_current_scaling(rng):
   (_, y_d), (dx_d, dk_d, db_d, new_states) = _dense_grads(jq.DelayedScaling(), x, kernel, bias, c)
   (_, y_c), (dx_c, dk_c, db_c, _) = _dense_grads(jq.Float8CurrentScaling(), x, kernel, bias, c)
   assert_same_leaves((y_d, dx_d, dk_d, db_d), (y_c, dx_c, dk_c, db_c), "delayed vs current")
-  # The update after step 1 is DESIGN.md's: scale = fmax / amax, the amax at the history's end.
+  # The update after step 1 is the spec's: scale = fmax / amax, the amax at the history's end.
   for state, tensor, fmax in zip(new_states, (x, kernel, c), (448.0, 448.0, 57344.0)):
     amax = np.float32(jnp.max(jnp.abs(tensor)))
     assert float(state.scale) == float(np.float32(fmax) / amax)

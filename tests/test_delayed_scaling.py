@@ -1,4 +1,5 @@
-"""Delayed scaling (DESIGN.md section 3): quantize with the stored scale, then update the amax
+"""Delayed scaling (docs/design.md §5 "Numerics"): quantize with the stored scale, then update
+the amax
 history and the scale; values worked out by hand step by step."""
 
 from __future__ import annotations

@@ -11,22 +11,19 @@ from __future__ import annotations
 import csv
 import dataclasses
 import importlib
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 
 import jaxquant
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 TINY_LM = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq", "32", "--batch", "8",
            "--data-mb", "0.3", "--eval-batches", "1", "--no-progress"]
 
 
 def _example(name: str):
-  if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
+  """An example module (`train_lm`, `lm.data`, ...): pytest puts examples/ on the path
+  (pyproject.toml, `pythonpath`)."""
   return importlib.import_module(name)
 
 

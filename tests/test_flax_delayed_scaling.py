@@ -1,7 +1,8 @@
 """Delayed scaling in Flax: `scale`/`amax_history` live in `"_overwrite_with_gradient"` and come
 back as their gradient, so `TrainState.apply_gradients` and `jaxquant.flax.apply_gradients`
 (a plain optax loop) both advance them; after N jitted steps they hold the values computed by
-hand from the amaxes of the tensors each step saw (DESIGN.md section 3, "Delayed scaling").
+hand from the amaxes of the tensors each step saw (docs/design.md §5 "Numerics", delayed
+scaling).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ RECIPE = jq.DelayedScaling(amax_history_len=HISTORY)
 
 
 def _hand_state(amaxes, fmax):
-  """DESIGN.md: hist[0] = amax; a = max(hist); scale = fmax / a if a is finite and > 0; roll
+  """docs/design.md §5 "Numerics": hist[0] = amax; a = max(hist); scale = fmax / a if a is
+  finite and > 0; roll
   the history by -1 and zero hist[0]. Float32 arithmetic, as the spec."""
   hist, scale = np.zeros(HISTORY, np.float32), np.float32(1.0)
   for amax in amaxes:

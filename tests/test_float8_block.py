@@ -1,5 +1,6 @@
 """Float8Block (`Float8BlockQuantizer`, DeepSeek-V3 style): FP8 with a float32 scale per (1, 128)
-block or (128, 128) tile, computed like per-tensor current scaling (DESIGN.md section 3)."""
+block or (128, 128) tile, computed like per-tensor current scaling (docs/design.md §5
+"Numerics")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Per-tensor FP8 with current scaling (`Float8CurrentScalingQuantizer`), DESIGN.md section 3
-"Scale from amax": hand-worked bytes, properties on random inputs, special values."""
+"""Per-tensor FP8 with current scaling (`Float8CurrentScalingQuantizer`), docs/design.md §5
+"Numerics" (scale from amax): hand-worked bytes, properties on random inputs, special values."""
 
 from __future__ import annotations
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,14 +19,13 @@ import jaxquant as jq
 pytestmark = pytest.mark.xfail(os.environ.get("JAXQUANT_BACKEND") == "ffi", raises=RuntimeError,
                                strict=False, reason="no grouped kernel for this case (ffi forced)")
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 TINY_LM = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq", "32", "--batch", "8",
            "--data-mb", "0.3", "--eval-batches", "1", "--no-progress"]
 
 
 def _example(name: str):
-  if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
+  """An example module (`train_lm`, `lm.data`, ...): pytest puts examples/ on the path
+  (pyproject.toml, `pythonpath`)."""
   return importlib.import_module(name)
 
 

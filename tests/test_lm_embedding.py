@@ -3,8 +3,6 @@ with the table gradient formed as a one-hot GEMM (float32 accumulation) instead 
 
 from __future__ import annotations
 
-import pathlib
-import sys
 
 import flax.linen as nn
 import jax
@@ -12,12 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
-if str(EXAMPLES) not in sys.path:
-  sys.path.insert(0, str(EXAMPLES))
-
-from lm.embedding import ONE_HOT_MAX_VOCAB, TokenEmbed  # noqa: E402
-from lm.model import LMConfig  # noqa: E402
+from lm.embedding import ONE_HOT_MAX_VOCAB, TokenEmbed  # examples/lm (pytest pythonpath)
+from lm.model import LMConfig
 
 VOCAB, FEATURES = 256, 48
 

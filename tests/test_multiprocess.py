@@ -23,17 +23,16 @@ timeout and kills what it started.
 
 from __future__ import annotations
 
-import importlib
 import os
 import pathlib
 import shutil
 import subprocess
-import sys
 import time
 
 import jax
 import numpy as np
 import pytest
+from lm import data, distributed, launch, report  # examples/lm: pytest's pythonpath
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -52,12 +51,6 @@ RUN_TIMEOUT = 900  # seconds: a hang ends here, killed (a run takes ~1-2 min on 
 FIRST_STEP_RTOL, LATER_STEPS_RTOL = 1e-6, 1e-4
 
 
-def _example(name: str):
-  if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
-  return importlib.import_module(name)
-
-
 def _host_devices(count: int) -> dict[str, str]:
   """Environment of a child with `count` host CPU devices (the suite's XLA_FLAGS kept)."""
   flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
@@ -68,13 +61,11 @@ def _host_devices(count: int) -> dict[str, str]:
 
 
 def _start(args: list[str], processes: int, devices_each: int):
-  launch = _example("lm.launch")
   return launch.LocalRun([TRAIN_LM, *args], processes, env_for=lambda i: _host_devices(
       devices_each), cwd=str(ROOT))
 
 
 def _finish(run, timeout: float = RUN_TIMEOUT, expect_success: bool = True):
-  launch = _example("lm.launch")
   results = run.wait(timeout)
   if expect_success:
     assert all(r.returncode == 0 for r in results), (
@@ -83,7 +74,6 @@ def _finish(run, timeout: float = RUN_TIMEOUT, expect_success: bool = True):
 
 
 def _step_losses(out: pathlib.Path) -> dict[str, list[float]]:
-  report = _example("lm.report")
   return {recipe: [loss for loss, _ in rows]
           for recipe, rows in report.read_steps_csv(out / "steps.csv").items()}
 
@@ -169,7 +159,6 @@ def test_two_processes_of_one_gpu_train_like_one_process_with_two(tmp_path, seed
   gpus = _gpu_ids()[:2]
   if len(gpus) < 2:
     pytest.skip("needs 2 GPUs")
-  launch = _example("lm.launch")
   args = [TRAIN_LM, *TINY_LM, "--recipe", "fp8_current", "--mesh", "dp=2",
           "--seed", str(seed % 10_000)]
   base = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "NCCL_NVLS_ENABLE": "0",
@@ -198,7 +187,6 @@ def _bad_launch(args: list[str], processes: int = 1, timeout: float = 120.0):
   finally:
     for run in runs:
       run.close()
-  launch = _example("lm.launch")
   assert all(r.returncode not in (None, 0) for r in results), (
       "expected every process to fail by itself:\n" + launch.report(results))
   return results, time.monotonic() - start
@@ -206,7 +194,7 @@ def _bad_launch(args: list[str], processes: int = 1, timeout: float = 120.0):
 
 @pytest.mark.multiprocess
 def test_processes_disagreeing_on_the_process_count_stop_naming_the_flag(tmp_path):
-  address = f"localhost:{_example('lm.launch').free_port()}"
+  address = f"localhost:{launch.free_port()}"
   results, _ = _bad_launch(lambda i: ["--coordinator", address, "--num-processes", str(2 + i),
                                       "--process-id", str(i), "--out", str(tmp_path)], 2)
   for r in results:  # both joined (process 0's count rules), then compared their settings
@@ -215,7 +203,7 @@ def test_processes_disagreeing_on_the_process_count_stop_naming_the_flag(tmp_pat
 
 @pytest.mark.multiprocess
 def test_a_process_that_never_comes_ends_the_others_at_the_init_timeout(tmp_path):
-  address = f"localhost:{_example('lm.launch').free_port()}"
+  address = f"localhost:{launch.free_port()}"
   results, seconds = _bad_launch(lambda i: ["--coordinator", address, "--num-processes", "3",
                                             "--process-id", str(i), "--init-timeout", "5",
                                             "--out", str(tmp_path)], 2)
@@ -227,7 +215,7 @@ def test_a_process_that_never_comes_ends_the_others_at_the_init_timeout(tmp_path
 
 @pytest.mark.multiprocess
 def test_an_unreachable_coordinator_is_named(tmp_path):
-  address = f"localhost:{_example('lm.launch').free_port()}"  # nobody listens there
+  address = f"localhost:{launch.free_port()}"  # nobody listens there
   (result,), seconds = _bad_launch(["--coordinator", address, "--num-processes", "2",
                                     "--process-id", "1", "--init-timeout", "3",
                                     "--out", str(tmp_path)])
@@ -238,7 +226,7 @@ def test_an_unreachable_coordinator_is_named(tmp_path):
 
 @pytest.mark.multiprocess
 def test_a_mesh_larger_than_every_process_s_devices_is_named(tmp_path):
-  address = f"localhost:{_example('lm.launch').free_port()}"
+  address = f"localhost:{launch.free_port()}"
   results, _ = _bad_launch(lambda i: ["--mesh", "dp=16", "--coordinator", address,
                                       "--num-processes", "2", "--process-id", str(i),
                                       "--out", str(tmp_path)], 2)
@@ -251,7 +239,6 @@ def test_a_mesh_larger_than_every_process_s_devices_is_named(tmp_path):
 
 
 def test_the_launch_comes_from_flags_else_the_environment():
-  distributed = _example("lm.distributed")
   env = {"JAX_COORDINATOR_ADDRESS": "h0:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
   assert distributed.resolve_launch(None, None, None, environ=env) == distributed.Launch(
       "h0:1234", 4, 3)
@@ -269,13 +256,11 @@ def test_the_launch_comes_from_flags_else_the_environment():
     ((None, 1, 1), r"--process-id 1: expected 0 \.\.\. 0"),
 ])
 def test_an_incomplete_launch_names_the_missing_flag(flags, message):
-  distributed = _example("lm.distributed")
   with pytest.raises(ValueError, match=message):
     distributed.resolve_launch(*flags, environ={})
 
 
 def test_each_process_loads_its_rows_of_the_batches_every_process_sees(rng):
-  data = _example("lm.data")
   stream = rng.integers(0, 256, size=5000).astype(np.uint8)
   rows = np.array([2, 3, 6, 7])  # e.g. one process's share of 8 rows
   seed = int(rng.integers(1 << 30))

@@ -1,5 +1,5 @@
 """MXFP8 (`MXFP8Quantizer`): 1x32 blocks along the contraction axis with E8M0 scales whose
-exponent rounds amax/fmax up (DESIGN.md section 3)."""
+exponent rounds amax/fmax up (docs/design.md §5 "Numerics")."""
 
 from __future__ import annotations
 

@@ -122,7 +122,7 @@ def test_delayed_scaling_state_advances_through_the_gradient(rng):
     step(model, optimizer, x, c)
 
   fmax = {"input": 448.0, "weight": 448.0, "grad_output": 57344.0}
-  for tensor, values in amaxes.items():  # DESIGN.md section 3, by hand
+  for tensor, values in amaxes.items():  # docs/design.md §5 "Numerics", by hand
     hist, scale = np.zeros(history, np.float32), np.float32(1.0)
     for amax in values:
       hist[0] = amax

@@ -395,7 +395,7 @@ def test_delayed_scaling_advances_under_nnx_jit(rng):
     step(holder, optimizer, x, c)
 
   fmax = {"input": 448.0, "weight": 448.0, "grad_output": 57344.0}
-  for tensor, values in amaxes.items():  # DESIGN.md section 3, by hand, for each head
+  for tensor, values in amaxes.items():  # docs/design.md §5 "Numerics", by hand, each head
     hist, scale = np.zeros((2, history), np.float32), np.ones(2, np.float32)
     for amax in values:
       hist[:, 0] = amax

@@ -2,7 +2,8 @@
 
 Scale math (scales, inverses, NVFP4's second-level scales, the delayed-scaling update) is
 per-tensor or per-block scalar work; as a loop it runs on a GPU as a `while` with one kernel
-launch per iteration (DESIGN.md section 4, "No scalar loops at run time"). A two-layer MLP of
+launch per iteration (docs/design.md §6.1 "Conventions", no scalar loops at run time). A
+two-layer MLP of
 `jaxquant.flax.Dense` is stepped with AdamW through `jaxquant.flax.apply_gradients`; its
 compiled step must hold as many `while` ops as the same step with no recipe (the model's own).
 

@@ -1,4 +1,5 @@
-"""The scalar numerics of DESIGN.md section 3 (`jaxquant.numerics`) against hand-derived values
+"""The scalar numerics of docs/design.md §5 "Numerics" (`jaxquant.numerics`) against
+hand-derived values
 and independent numpy / ml_dtypes / float64 oracles."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """NVFP4 (`NVFP4Quantizer`): E2M1 payload, E4M3 scale per 1x16 block or 16x16 tile, float32
 second-level scale per tensor or per row; RHT of the columnwise copy; stochastic rounding
-(DESIGN.md section 3)."""
+(docs/design.md §5 "Numerics")."""
 
 from __future__ import annotations
 

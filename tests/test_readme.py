@@ -46,6 +46,21 @@ def test_readme_python_blocks_are_found():
   assert README.read_text().splitlines()[first_line - 1] == source.splitlines()[0]
 
 
+def test_quick_start_is_two_commands_in_at_most_15_lines():
+  """The Quick start is the two commands a newcomer runs (the example on its built-in data, then
+  the tests) and what they do; installs for GPUs, meshes and MoE have sections of their own."""
+  text = README.read_text()
+  match = re.search(r"^## Quick start\n.*?(?=^## )", text, re.DOTALL | re.MULTILINE)
+  assert match, "README.md has no '## Quick start' section followed by another section"
+  section = match.group(0).rstrip("\n")
+  assert len(section.splitlines()) <= 15, f"Quick start has {len(section.splitlines())} lines"
+  blocks = re.findall(r"^```bash\n(.*?)^```", section, re.DOTALL | re.MULTILINE)
+  commands = [line.strip() for block in blocks for line in block.splitlines() if line.strip()]
+  assert len(commands) == 2, f"Quick start commands: {commands}"
+  assert commands[0].endswith("python examples/train_lm.py"), commands[0]  # built-in data
+  assert commands[1].startswith("python -m pytest"), commands[1]
+
+
 def test_readme_python_blocks_run_as_written(tmp_path):
   blocks = python_blocks(README.read_text())
   result = _run(_RUNNER.format(blocks=blocks, path=str(README)), tmp_path)

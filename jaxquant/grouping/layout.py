@@ -11,8 +11,8 @@ up to `round_up(n_g, b)`, so no block ever holds tokens of two groups. `group_si
 under `jit`, so the padded length must be static: `sum_g round_up(n_g, b) <= T + G (b - 1)`,
 rounded down to a multiple of `b` (`TokenLayout.length`); positions past the last group are
 zeros. Zeros change no block's amax and contribute nothing to a GEMM, which is what makes a
-group in the padded layout quantize exactly as the group alone would (DESIGN.md section 2:
-formats pad partial blocks with zeros).
+group in the padded layout quantize exactly as the group alone would (docs/design.md §3
+"Storage convention": formats pad partial blocks with zeros).
 
 Group sizes are normalized once (`clip_sizes`): negative sizes count as 0 and groups that run
 past row `T` are cut at `T`, as `jax.lax.ragged_dot` cuts them.

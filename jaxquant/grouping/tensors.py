@@ -1,7 +1,8 @@
 """Grouped storages: one quantized direction of a token matrix whose tokens belong to groups.
 
-`GroupedScaledTensor` follows the storage convention of `jaxquant.ScaledTensor` (DESIGN.md
-section 2: `[rows, cols]`, contraction axis last, a columnwise copy stored transposed) with the
+`GroupedScaledTensor` follows the storage convention of `jaxquant.ScaledTensor` (docs/design.md
+§3 "Storage convention": `[rows, cols]`, contraction axis last, a columnwise copy stored
+transposed) with the
 token axis laid out by a `TokenLayout`. What differs is what a per-tensor quantity means: it is
 per *group*, exactly what each group would hold if it were quantized on its own:
 

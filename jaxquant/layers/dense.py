@@ -1,6 +1,6 @@
 """The quantized dense contraction: a `jax.custom_vjp` over the TN storage convention.
 
-For `x[M, K]` and a Flax kernel `W[K, N]` (DESIGN.md section 2):
+For `x[M, K]` and a Flax kernel `W[K, N]` (docs/design.md §3 "Storage convention"):
   forward  y[M, N]  = x_row[M, K]  . W_row[N, K]^T     (W_row = quantized W^T)
   dgrad    dx[M, K] = dy_row[M, N] . W_col[K, N]^T     (W_col = quantized W)
   wgrad    dW[K, N] = x_col[K, M]  . dy_col[N, M]^T    (x_col = quantized x^T)

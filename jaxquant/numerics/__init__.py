@@ -1,4 +1,4 @@
-"""Scalar and block math of every format, in pure `jax.numpy` (DESIGN.md section 3).
+"""Scalar and block math of every format, in pure `jax.numpy` (docs/design.md §5 "Numerics").
 
 These functions are the numerical specification: the CUDA kernels and CPU handlers in `ffi/`
 implement the same formulas from one C++ header (`ffi/jaxquant_numerics.h`) and are tested

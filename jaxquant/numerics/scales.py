@@ -1,4 +1,4 @@
-"""Scale math shared by the formats (DESIGN.md section 3), float32 throughout.
+"""Scale math shared by the formats (docs/design.md §5 "Numerics"), float32 throughout.
 
 NaN policy (the C++ header mirrors it): amax reductions propagate NaN (`jnp.max` semantics) and
 `min`/`max` here propagate NaN too, so a NaN in a tensor is never hidden by a clamp.

@@ -1,4 +1,5 @@
-"""Public ops: `quantize`, `dequantize`, `transpose`, `gemm` (DESIGN.md section 4).
+"""Public ops: `quantize`, `dequantize`, `transpose`, `gemm` (docs/design.md §2.4 "Ops,
+dispatch and backends").
 
 Each op validates its arguments, picks the reference, FFI or (quantize only) XLA-fused
 implementation (`jaxquant.ops.dispatch`) and records the choice for `jaxquant.explain`.

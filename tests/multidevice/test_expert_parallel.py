@@ -6,7 +6,6 @@ all-to-alls, never the expert weights."""
 from __future__ import annotations
 
 import importlib
-import pathlib
 
 import flax.linen as nn
 import jax
@@ -19,13 +18,11 @@ import jaxquant as jq
 import jaxquant.backends.ffi.gemm
 import sharded
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 D, EXPERTS, TOP_K = 64, 8, 2
 
 
 @pytest.fixture
-def lm(monkeypatch):
-  monkeypatch.syspath_prepend(str(EXAMPLES))
+def lm():
   return (importlib.import_module("lm.model"), importlib.import_module("lm.moe"),
           importlib.import_module("lm.sharding"))
 

@@ -14,7 +14,6 @@ marked `gpu` run the real collective and its transpose on 2 and 4 GPUs (skipped 
 from __future__ import annotations
 
 import importlib
-import pathlib
 import re
 from typing import Optional
 
@@ -29,7 +28,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jaxquant as jq
 from jaxquant import expert_parallel
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 EXPERTS, TOP_K, D, N = 8, 2, 32, 48
 MESHES = {"ep2": {"ep": 2}, "ep4": {"ep": 4}, "ep8": {"ep": 8}, "dp2xep4": {"dp": 2, "ep": 4}}
 
@@ -161,8 +159,7 @@ def _assert_identical(results):
 
 
 @pytest.fixture
-def lm(monkeypatch):
-  monkeypatch.syspath_prepend(str(EXAMPLES))
+def lm():
   return (importlib.import_module("lm.model"), importlib.import_module("lm.moe"),
           importlib.import_module("lm.sharding"))
 

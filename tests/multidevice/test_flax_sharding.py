@@ -5,7 +5,6 @@ mapped to mesh axes by `nn.logical_axis_rules`; and `examples/train_lm.py --mesh
 from __future__ import annotations
 
 import importlib
-import pathlib
 import sys
 
 import flax.linen as nn
@@ -73,9 +72,7 @@ def test_logically_partitioned_mlp_matches_single_device(devices, rng):
     assert np.linalg.norm(got - want) <= 2e-3 * np.linalg.norm(want)
 
 
-def test_train_lm_trains_on_a_mesh(devices, tmp_path, monkeypatch):
-  examples = pathlib.Path(__file__).resolve().parents[2] / "examples"
-  monkeypatch.syspath_prepend(str(examples))
+def test_train_lm_trains_on_a_mesh(devices, tmp_path):
   train_lm = importlib.import_module("train_lm")
   mesh = "dp=2,fsdp=2,tp=2" if len(devices) >= 8 else "dp=2"
   result = train_lm.main(["--mesh", mesh, "--recipe", "fp8_current", "--steps", "8",
@@ -89,7 +86,7 @@ def test_train_lm_trains_on_a_mesh(devices, tmp_path, monkeypatch):
   assert np.isfinite(history.step_losses).all()
 
 
-def test_train_step_keeps_the_state_shardings_on_an_fsdp_mesh(devices, monkeypatch):
+def test_train_step_keeps_the_state_shardings_on_an_fsdp_mesh(devices):
   """bf16 on fsdp=4 with scanned, rematerialized blocks: left to itself, XLA returns the updated
   LayerNorm parameters sharded over `fsdp` although they came in replicated, so an ahead-of-time
   compiled step (`bench/scaling.py`) rejected the second call ("compiled for input shardings
@@ -97,8 +94,6 @@ def test_train_step_keeps_the_state_shardings_on_an_fsdp_mesh(devices, monkeypat
   pins the new state to the first state's shardings."""
   if len(jax.devices()) < 4:
     pytest.skip(f"needs 4 devices for fsdp=4, found {len(jax.devices())}")
-  examples = pathlib.Path(__file__).resolve().parents[2] / "examples"
-  monkeypatch.syspath_prepend(str(examples))
   lm_sharding = importlib.import_module("lm.sharding")
   training = importlib.import_module("lm.training")
   model_lib = importlib.import_module("lm.model")

@@ -1,7 +1,7 @@
 """The FFI GEMM: which kernel multiplies each operand pair, and the calls that run it.
 
-`C[m, n] = sum_k a[m, k] b[n, k] (+ bias[n])` on the TN storage convention (DESIGN.md sections
-2-4). Paths, as `jaxquant.explain` reports them:
+`C[m, n] = sum_k a[m, k] b[n, k] (+ bias[n])` on the TN storage convention (docs/design.md §3
+"Storage convention", §6.3 "GEMM paths"). Paths, as `jaxquant.explain` reports them:
 
   cublaslt-fp8        per-tensor FP8 x per-tensor FP8 (E4M3 x E4M3, E4M3 x E5M2, E5M2 x E4M3)
   cublaslt-fp8-block  Float8Block x Float8Block, cuBLASLt's Hopper block scaling (1x128 x 1x128,
