@@ -47,7 +47,7 @@ TINY_LM = ["--d-model", "128", "--layers", "1", "--heads", "4", "--seq", "32", "
            "--backend", "auto"]
 RECIPES = "fp8_current,mxfp8_fwd_nvfp4_bwd"  # FP8 current scaling, and a hybrid (NVFP4 bwd)
 MESHES = ["dp=2,tp=4", "fsdp=8"]
-RUN_TIMEOUT = 900  # seconds: a hang ends here, killed (a run takes ~1-2 min on 2 free cores)
+RUN_TIMEOUT = 420  # seconds: a hang ends here, killed (a run takes ~1 min on 2 free cores)
 FIRST_STEP_RTOL, LATER_STEPS_RTOL = 1e-6, 1e-4
 
 
@@ -69,7 +69,8 @@ def _finish(run, timeout: float = RUN_TIMEOUT, expect_success: bool = True):
   results = run.wait(timeout)
   if expect_success:
     assert all(r.returncode == 0 for r in results), (
-        f"a process of `{' '.join(run.processes[0].args[1:])}` failed:\n" + launch.report(results))
+        f"a process of `{' '.join(run.processes[0].args[1:])}` failed (a hung one's threads "
+        "are listed):\n" + launch.report(results, lines=250))
   return results
 
 

@@ -5,8 +5,9 @@
 each with its own environment additions (`env_for(i)`: `CUDA_VISIBLE_DEVICES`, host device
 counts), its output captured to a file. `wait` returns every process's exit status and output;
 when one fails the others get `grace` seconds to stop (a peer blocked in a collective waits for
-the runtime's heartbeat timeout otherwise), then they are killed. Leaving the `with` block kills
-whatever still runs, so no process outlives its caller.
+the runtime's heartbeat timeout otherwise), then they are killed: first with SIGABRT, on which
+Python's faulthandler (enabled in every child) prints where each thread was, then SIGKILL. Leaving
+the `with` block kills whatever still runs, so no process outlives its caller.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class LocalRun:
         child_env = dict(os.environ if env is None else env)
         child_env.update(env_for(i) if env_for else {})
         child_env.setdefault("PYTHONUNBUFFERED", "1")  # output up to a kill is kept
+        child_env.setdefault("PYTHONFAULTHANDLER", "1")  # SIGABRT prints every thread's stack
         out = open(pathlib.Path(self._logs.name) / f"process{i}.log", "w+")  # noqa: SIM115
         self._files.append(out)
         self.processes.append(subprocess.Popen(
@@ -88,6 +90,10 @@ class LocalRun:
         deadline = min(deadline, time.monotonic() + grace)
       time.sleep(0.1)
     killed = {i for i, p in enumerate(self.processes) if p.poll() is None}
+    self._signal(killed, signal.SIGABRT)  # where they hung, in their output
+    stop = time.monotonic() + 10.0
+    while any(self.processes[i].poll() is None for i in killed) and time.monotonic() < stop:
+      time.sleep(0.1)
     self.kill()
     results = []
     for i, (process, out) in enumerate(zip(self.processes, self._files, strict=True)):
@@ -96,14 +102,17 @@ class LocalRun:
       results.append(Finished(i, None if i in killed else process.returncode, out.read()))
     return results
 
-  def kill(self) -> None:
-    """Kill every process still running (and its process group) and reap them all."""
-    for process in self.processes:
-      if process.poll() is None:
+  def _signal(self, which, signum: int) -> None:
+    for i in which:
+      if self.processes[i].poll() is None:
         try:
-          os.killpg(process.pid, signal.SIGKILL)
+          os.killpg(self.processes[i].pid, signum)
         except ProcessLookupError:
           pass
+
+  def kill(self) -> None:
+    """Kill every process still running (and its process group) and reap them all."""
+    self._signal(range(len(self.processes)), signal.SIGKILL)
     for process in self.processes:
       process.wait()
 
