@@ -108,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
   p.add_argument("--warmup", type=int, default=30, help="linear warmup steps")
   p.add_argument("--weight-decay", type=float, default=0.1)
+  p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                 help="sgd: plain SGD on the same schedule, updates linear in the gradient (runs "
+                 "compared across meshes or process counts stay as close as their gradients; "
+                 "Adam turns reduction-order noise into full-size steps)")
   p.add_argument("--seed", type=int, default=0, help="parameters, batches and rounding keys")
   p.add_argument("--eval-every", type=int, default=50, help="steps between evaluations")
   p.add_argument("--eval-batches", type=int, default=4,
@@ -223,7 +227,8 @@ def run(args: argparse.Namespace, names: Sequence[str],
                     embedding_gradient=args.embedding_gradient)
   train_cfg = training.TrainConfig(steps=args.steps, lr=args.lr, warmup=args.warmup,
                                    weight_decay=args.weight_decay, eval_every=args.eval_every,
-                                   seed=args.seed, progress=primary and not args.no_progress)
+                                   seed=args.seed, progress=primary and not args.no_progress,
+                                   optimizer=args.optimizer)
   say(corpus.describe())
   say(f"model: d_model={config.d_model} layers={config.layers} heads={config.heads} "
         f"mlp_ratio={config.mlp_ratio} positions={config.positions} seq={config.seq}"
@@ -317,8 +322,8 @@ def run_settings(args: argparse.Namespace, recipe: str) -> dict:
   """What a checkpoint must have been written under to be resumed (JSON-safe): everything
   that changes the model, the batches or the optimizer's schedule."""
   keep = ("steps", "batch", "seq", "d_model", "layers", "heads", "mlp_ratio", "positions",
-          "tie_embeddings", "lr", "warmup", "weight_decay", "seed", "data_mb", "data_root",
-          "moe", "moe_aux_weight", "scan_layers")
+          "tie_embeddings", "lr", "warmup", "weight_decay", "optimizer", "seed", "data_mb",
+          "data_root", "moe", "moe_aux_weight", "scan_layers")
   settings = {k: getattr(args, k) for k in keep}
   settings["moe"] = list(settings["moe"]) if settings["moe"] is not None else None
   return {"recipe": recipe, **settings}
