@@ -4,13 +4,16 @@
     python examples/train_lm.py --recipe all         # bf16 + every built-in + every zoo recipe
     python examples/train_lm.py --recipe bf16,mxfp8,nvfp4 --steps 1000 --d-model 256 --explain
     python examples/train_lm.py --checkpoint ckpt    # saves every 50 steps; run again to resume
+    python examples/train_lm.py --mesh dp=2,tp=4 --coordinator host0:12345 --num-processes 2 \
+        --process-id 0                               # on each of 2 hosts (id 1 on the other)
 
 Every projection of the model (`qkv`, `proj`, `fc1`, `fc2`, `lm_head`) is a
 `jaxquant.flax.Dense` carrying the recipe; the rest (embeddings, norms, attention scores) runs in
 bfloat16 with float32 parameters. Each recipe starts from the same parameters and sees the same
 batches (by default bf16 and fp8_current: FP8 should train like bf16, and the final gap is
-printed). Writes `<out>/losses.csv` (step, recipe, train_loss, val_loss, time) and
-`<out>/losses.png`, and prints a summary table. Recipe names accept `-` for `_`
+printed). Writes `<out>/losses.csv` (step, recipe, train_loss, val_loss, time),
+`<out>/steps.csv` (every training step's loss, exact, and wall time) and `<out>/losses.png`, and
+prints a summary table. Recipe names accept `-` for `_`
 (`--recipe fp8-current`). `--checkpoint DIR` saves each recipe's run with orbax
 (`lm/checkpoint.py`: parameters, optimizer and delayed-scaling state, step, data position) and
 resumes it from there when run again with the same settings. On CPU the jaxquant ops take the
@@ -25,6 +28,14 @@ routed mixture of 8 experts, 2 per token (`lm/moe.py`: `jaxquant.flax.GroupedDen
 roles `("grouped_linear", ..., "fc1" | "fc2")`, a float32 router, a load-balancing loss); try it
 with `--recipe moe_nvfp4_fwd_mxfp8_bwd`; `--mesh ep=4` (or `dp=2,ep=4`) shards the experts over
 the `ep` axis and sends tokens to them with all-to-alls (`jaxquant.expert_parallel`).
+
+Several processes (one per host, or per GPU): `--coordinator HOST:PORT --num-processes N
+--process-id I` (or `$JAX_COORDINATOR_ADDRESS`, `$JAX_NUM_PROCESSES`, `$JAX_PROCESS_ID`) join
+one run through `jax.distributed` (`lm/distributed.py`); `--mesh` then spans every process's
+devices, each process loads only its rows of every batch, and process 0 alone logs and writes
+the CSVs and the plot. Every process must be launched with the same settings (checked at
+start), and `--checkpoint` must name the same directory for all (a shared filesystem across
+hosts): each process saves and restores its own shards.
 
 On GPUs the step overlaps its collectives with compute: unless `--no-xla-overlap`, the XLA flags
 of `lm/xla_flags.py` (latency-hiding scheduler, collective pipelining across the scanned
@@ -46,7 +57,7 @@ import jax.numpy as jnp
 
 from jaxquant.expert_parallel import EXCHANGES as MOE_EXCHANGES
 
-from lm import checkpoint, data, recipes, report, sharding, training, xla_flags
+from lm import checkpoint, data, distributed, recipes, report, sharding, training, xla_flags
 from lm.embedding import EMBEDDING_GRADIENTS
 from lm.model import GPT, LMConfig
 
@@ -97,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
   p.add_argument("--warmup", type=int, default=30, help="linear warmup steps")
   p.add_argument("--weight-decay", type=float, default=0.1)
+  p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                 help="sgd: plain SGD on the same schedule, updates linear in the gradient (runs "
+                 "compared across meshes or process counts stay as close as their gradients; "
+                 "Adam turns reduction-order noise into full-size steps)")
   p.add_argument("--seed", type=int, default=0, help="parameters, batches and rounding keys")
   p.add_argument("--eval-every", type=int, default=50, help="steps between evaluations")
   p.add_argument("--eval-batches", type=int, default=4,
@@ -140,6 +155,18 @@ def build_parser() -> argparse.ArgumentParser:
                  "latest checkpoint there (same settings) when it exists")
   p.add_argument("--checkpoint-every", type=int, default=50,
                  help="steps between checkpoints (and one at the last step)")
+  p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                 help="several processes: process 0's address (it runs jax.distributed's "
+                 f"coordinator there), the same for every process; default ${distributed.ENV['coordinator']}")
+  p.add_argument("--num-processes", type=int, default=None,
+                 help="several processes: how many take part in the run; default "
+                 f"${distributed.ENV['num_processes']}, else 1")
+  p.add_argument("--process-id", type=int, default=None,
+                 help="several processes: this one's id, 0 ... N-1; default "
+                 f"${distributed.ENV['process_id']}")
+  p.add_argument("--init-timeout", type=float, default=distributed.DEFAULT_INIT_TIMEOUT,
+                 help="several processes: seconds to wait for all of them to reach the "
+                 "coordinator before failing")
   p.add_argument("--no-xla-overlap", action="store_true",
                  help="leave XLA_FLAGS alone; by default the flags of lm/xla_flags.py (async "
                  "collectives overlapped with compute: latency-hiding scheduler, collective "
@@ -148,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
-  """Train every requested recipe; returns `{"histories", "csv", "png", "summary"}`."""
+  """Train every requested recipe; returns `{"histories", "csv", "steps_csv", "png", "summary",
+  "gaps"}` (no files, None, from processes other than process 0)."""
   parser = build_parser()
   args = parser.parse_args(argv)
   try:
@@ -159,12 +187,21 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
          args.checkpoint_every) < 1:
     parser.error("--steps, --batch, --seq, --eval-every, --eval-batches and "
                  "--checkpoint-every must be >= 1")
+  try:
+    launch = distributed.resolve_launch(args.coordinator, args.num_processes, args.process_id,
+                                        args.init_timeout)
+  except ValueError as err:
+    parser.error(str(err))
   previous = os.environ.get("XLA_FLAGS")
   # Read when the backend starts (the first device query below); no effect once it runs.
   xla_flags.apply_overlap_flags(not args.no_xla_overlap)
   try:
+    try:
+      distributed.initialize(launch)  # before the backend starts
+    except ValueError as err:
+      parser.error(str(err))
     with training.jaxquant_backend(args.backend or training.default_backend()):
-      return run(args, names)
+      return run(args, names, launch)
   finally:
     if previous is None:
       os.environ.pop("XLA_FLAGS", None)
@@ -172,9 +209,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
       os.environ["XLA_FLAGS"] = previous
 
 
-def run(args: argparse.Namespace, names: Sequence[str]) -> dict:
-  """Load the corpus, train each recipe in turn, write the CSV and plot, print the summary."""
+def run(args: argparse.Namespace, names: Sequence[str],
+        launch: Optional[distributed.Launch] = None) -> dict:
+  """Load the corpus, train each recipe in turn, write the CSVs and plot, print the summary
+  (process 0 alone logs and writes; the others return their histories, no files)."""
+  launch = launch or distributed.Launch()
+  primary = distributed.is_primary()
+  say = print if primary else _silent
   corpus = data.load_corpus(int(args.data_mb * 1e6), root=args.data_root)
+  distributed.check_same_settings(shared_settings(args, launch, corpus))
   config = LMConfig(seq=args.seq, d_model=args.d_model, layers=args.layers, heads=args.heads,
                     mlp_ratio=args.mlp_ratio, positions=args.positions,
                     tie_embeddings=args.tie_embeddings, dtype=jnp.bfloat16, moe=args.moe,
@@ -184,11 +227,10 @@ def run(args: argparse.Namespace, names: Sequence[str]) -> dict:
                     embedding_gradient=args.embedding_gradient)
   train_cfg = training.TrainConfig(steps=args.steps, lr=args.lr, warmup=args.warmup,
                                    weight_decay=args.weight_decay, eval_every=args.eval_every,
-                                   seed=args.seed, progress=not args.no_progress)
-  eval_sets = {"train": data.fixed_batches(corpus.train, args.batch, args.seq, args.eval_batches),
-               "val": data.fixed_batches(corpus.val, args.batch, args.seq, args.eval_batches)}
-  print(corpus.describe())
-  print(f"model: d_model={config.d_model} layers={config.layers} heads={config.heads} "
+                                   seed=args.seed, progress=primary and not args.no_progress,
+                                   optimizer=args.optimizer)
+  say(corpus.describe())
+  say(f"model: d_model={config.d_model} layers={config.layers} heads={config.heads} "
         f"mlp_ratio={config.mlp_ratio} positions={config.positions} seq={config.seq}"
         f"{'' if config.moe is None else ' moe=%d experts, top-%d' % config.moe}; "
         f"batch={args.batch} steps={args.steps} lr={args.lr}; jax {jax.__version__} on "
@@ -196,25 +238,32 @@ def run(args: argparse.Namespace, names: Sequence[str]) -> dict:
         f"recipes: {', '.join(names)}")
 
   mesh = None
+  if args.mesh is None and launch.multi_process:
+    raise ValueError(f"--mesh: a run of {launch.num_processes} processes needs a mesh over "
+                     f"all {jax.device_count()} devices, such as --mesh dp={jax.device_count()}")
   if args.mesh is not None:
     mesh = sharding.make_mesh(args.mesh)
     sharding.check_batch(mesh, args.batch)
-    print(f"mesh: {dict(mesh.shape)} over {mesh.devices.size} {jax.devices()[0].platform} "
-          f"devices; batch over {sharding.batch_axes(mesh)}")
+    say(f"mesh: {dict(mesh.shape)} over {mesh.devices.size} {jax.devices()[0].platform} "
+        f"devices ({jax.process_count()} process{'es' if jax.process_count() > 1 else ''}); "
+        f"batch over {sharding.batch_axes(mesh)}")
+  rows = sharding.process_rows(mesh, args.batch)  # None: all rows (one process)
+  eval_sets = {split: data.fixed_batches(stream, args.batch, args.seq, args.eval_batches, rows)
+               for split, stream in (("train", corpus.train), ("val", corpus.val))}
   histories = []
   for name in names:
     model = GPT(config, recipes.make(name))
-    batches = data.random_batches(corpus.train, args.batch, args.seq, seed=args.seed)
-    first = next(batches)
+    batches = data.random_batches(corpus.train, args.batch, args.seq, seed=args.seed, rows=rows)
+    first = sharding.put_batches(mesh, next(batches))
     with sharding.active(mesh):
       state = training.create_state(model, first, train_cfg, mesh)
     if name == names[0]:
       n_params = sum(x.size for x in jax.tree.leaves(state.params["params"]))
-      print(f"parameters: {n_params / 1e6:.2f} M")
+      say(f"parameters: {n_params / 1e6:.2f} M")
     if args.explain:
-      print(f"\njaxquant.explain, one training step under {name}:")
+      say(f"\njaxquant.explain, one training step under {name}:")
       with sharding.active(mesh):
-        print(training.condense(training.explain_step(model, state, first)), "\n")
+        say(training.condense(training.explain_step(model, state, first)), "\n")
     checkpointer = resumed = None
     if args.checkpoint is not None:
       checkpointer = checkpoint.Checkpointer(args.checkpoint / name, args.checkpoint_every,
@@ -224,35 +273,57 @@ def run(args: argparse.Namespace, names: Sequence[str]) -> dict:
       if resumed is not None:
         state = resumed.state
     batches = data.random_batches(corpus.train, args.batch, args.seq, seed=args.seed,
-                                  skip=resumed.batches_consumed if resumed else 0)
+                                  skip=resumed.batches_consumed if resumed else 0, rows=rows)
     try:
       with sharding.active(mesh):
         histories.append(training.train(name, model, train_cfg, batches, eval_sets, state,
-                                        log=training.tqdm.write, mesh=mesh,
+                                        log=training.tqdm.write if primary else _silent,
+                                        mesh=mesh,
                                         history=resumed.history if resumed else None,
                                         checkpointer=checkpointer))
     finally:
       if checkpointer is not None:
         checkpointer.close()
 
-  csv_path = report.write_csv(args.out / "losses.csv", histories)
-  title = (f"byte-level GPT d={config.d_model} L={config.layers} seq={config.seq} "
-           f"batch={args.batch} on stdlib .py")
-  png_path = report.plot(args.out / "losses.png", histories, title)
   summary = report.summary_table(histories)
   gaps = report.final_gaps(histories)
-  print(f"\n{summary}\n" + "".join(f"\n{line}" for line in gaps)
-        + f"\n\nwrote {csv_path} and {png_path}")
-  return {"histories": histories, "csv": csv_path, "png": png_path, "summary": summary,
-          "gaps": gaps}
+  csv_path = steps_path = png_path = None
+  if primary:
+    csv_path = report.write_csv(args.out / "losses.csv", histories)
+    steps_path = report.write_steps_csv(args.out / "steps.csv", histories)
+    title = (f"byte-level GPT d={config.d_model} L={config.layers} seq={config.seq} "
+             f"batch={args.batch} on stdlib .py")
+    png_path = report.plot(args.out / "losses.png", histories, title)
+    say(f"\n{summary}\n" + "".join(f"\n{line}" for line in gaps)
+        + f"\n\nwrote {csv_path}, {steps_path} and {png_path}")
+  return {"histories": histories, "csv": csv_path, "steps_csv": steps_path, "png": png_path,
+          "summary": summary, "gaps": gaps}
+
+
+def _silent(*args, **kwargs) -> None:
+  """Where processes other than process 0 send what process 0 prints."""
+
+
+def shared_settings(args: argparse.Namespace, launch: distributed.Launch,
+                    corpus: data.Corpus) -> dict:
+  """What every process of a run must agree on: each flag but those naming this process's own
+  id, output folder and timeouts, the launch as resolved from flags or environment, the corpus
+  bytes and JAX's version."""
+  own = ("process_id", "out", "no_progress", "explain", "init_timeout", "coordinator",
+         "num_processes")
+  settings = {"--" + k.replace("_", "-"): v for k, v in vars(args).items() if k not in own}
+  settings.update({"--coordinator": launch.coordinator, "--num-processes": launch.num_processes,
+                   "corpus (--data-root, --data-mb)": corpus.digest(),
+                   "jax version": jax.__version__})
+  return settings
 
 
 def run_settings(args: argparse.Namespace, recipe: str) -> dict:
   """What a checkpoint must have been written under to be resumed (JSON-safe): everything
   that changes the model, the batches or the optimizer's schedule."""
   keep = ("steps", "batch", "seq", "d_model", "layers", "heads", "mlp_ratio", "positions",
-          "tie_embeddings", "lr", "warmup", "weight_decay", "seed", "data_mb", "data_root",
-          "moe", "moe_aux_weight", "scan_layers")
+          "tie_embeddings", "lr", "warmup", "weight_decay", "optimizer", "seed", "data_mb",
+          "data_root", "moe", "moe_aux_weight", "scan_layers")
   settings = {k: getattr(args, k) for k in keep}
   settings["moe"] = list(settings["moe"]) if settings["moe"] is not None else None
   return {"recipe": recipe, **settings}
@@ -261,7 +332,9 @@ def run_settings(args: argparse.Namespace, recipe: str) -> dict:
 if __name__ == "__main__":
   start = time.perf_counter()
   try:
-    main()
+    with distributed.exit_on_error():  # several processes: no waiting on peers after an error
+      main()
   except NotImplementedError as err:
     sys.exit(f"train_lm.py: {err}")
-  print(f"total wall time {time.perf_counter() - start:.1f}s")
+  if distributed.is_primary():
+    print(f"total wall time {time.perf_counter() - start:.1f}s")

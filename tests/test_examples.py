@@ -44,6 +44,11 @@ def test_train_lm_writes_csv_and_plot_and_loss_falls(tmp_path, seed):
     assert float(curve[-1]["val_loss"]) < float(curve[0]["val_loss"]) - 0.3, curve
   assert (tmp_path / "losses.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert "fp8_delayed" in result["summary"] and "bf16" in result["summary"]
+  # steps.csv: every step's loss, read back to the same float.
+  steps = _example("lm.report").read_steps_csv(tmp_path / "steps.csv")
+  assert {recipe: [loss for loss, _ in rows] for recipe, rows in steps.items()} == {
+      h.recipe: h.step_losses for h in result["histories"]}
+  assert all(len(rows) == 12 for rows in steps.values())
 
 
 def test_train_lm_recipe_all_covers_every_builtin_and_zoo_recipe():

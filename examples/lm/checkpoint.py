@@ -7,9 +7,14 @@ One orbax `CheckpointManager` per recipe, in `DIR/<recipe>/`. A checkpoint holds
 - `progress`: the data position (training batches consumed), the run's settings that must not
   change across a resume, and the history so far (eval rows, per-step losses and times), as JSON.
 
+With several processes (`lm/distributed.py`) every process saves and restores together: each
+writes and reads the shards its devices hold (orbax's multi-process save), process 0 the JSON;
+the directory must be the same path on every host (a shared filesystem).
+
 Batches come from a seeded stream and each step's rounding key is `fold_in(key, step)`, so a
 run resumed from step `s` sees exactly the batches and keys steps `s+1...` would have seen: on
-CPU its losses equal an uninterrupted run's bit for bit (tests/test_checkpoint.py).
+CPU its losses equal an uninterrupted run's bit for bit (tests/test_checkpoint.py; with two
+processes, tests/test_multiprocess.py).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import sysconfig
+import zlib
 from typing import Iterator, Optional
 
 import numpy as np
@@ -42,6 +43,10 @@ class Corpus:
     return (f"corpus: {self.num_train_files} train files ({self.train.size / 1e6:.2f} MB), "
             f"{self.num_val_files} val files ({self.val.size / 1e6:.2f} MB) from {self.root}")
 
+  def digest(self) -> int:
+    """CRC32 of the train and validation bytes: processes of one run must read the same."""
+    return zlib.crc32(self.val, zlib.crc32(self.train))
+
 
 def load_corpus(max_bytes: int, val_fraction: float = 0.05,
                 root: Optional[str] = None) -> Corpus:
@@ -71,12 +76,14 @@ def load_corpus(max_bytes: int, val_fraction: float = 0.05,
                 len(chunks) - num_val, num_val, root_name)
 
 
-def random_batches(stream: np.ndarray, batch: int, seq: int, seed: int,
-                   skip: int = 0) -> Iterator[np.ndarray]:
+def random_batches(stream: np.ndarray, batch: int, seq: int, seed: int, skip: int = 0,
+                   rows: Optional[np.ndarray] = None) -> Iterator[np.ndarray]:
   """Endless `[batch, seq + 1]` int32 windows at random offsets (inputs and shifted targets).
 
   `skip`: start after that many batches of the same stream (a resumed run's data position);
   the offsets are drawn and dropped, so batch `skip + i` is the one an unbroken stream yields.
+  `rows`: yield only these rows of every batch (`[len(rows), seq + 1]`): one process's share
+  of a batch sharded over several processes; every process draws the same offsets.
   """
   if stream.size < seq + 2:
     raise ValueError(f"stream of {stream.size} bytes is too short for seq={seq}")
@@ -87,14 +94,21 @@ def random_batches(stream: np.ndarray, batch: int, seq: int, seed: int,
     rng.integers(0, stream.size - seq - 1, size=batch)
   while True:
     starts = rng.integers(0, stream.size - seq - 1, size=batch)
+    if rows is not None:
+      starts = starts[rows]
     yield np.stack([stream[s:s + seq + 1] for s in starts]).astype(np.int32)
 
 
-def fixed_batches(stream: np.ndarray, batch: int, seq: int, num_batches: int) -> np.ndarray:
-  """`[num_batches, batch, seq + 1]` windows evenly spread over `stream` (a fixed eval set)."""
+def fixed_batches(stream: np.ndarray, batch: int, seq: int, num_batches: int,
+                  rows: Optional[np.ndarray] = None) -> np.ndarray:
+  """`[num_batches, batch, seq + 1]` windows evenly spread over `stream` (a fixed eval set);
+  with `rows`, only those rows of each batch (`[num_batches, len(rows), seq + 1]`)."""
   count = num_batches * batch
   if stream.size < seq + 2:
     raise ValueError(f"stream of {stream.size} bytes is too short for seq={seq}")
   starts = np.linspace(0, stream.size - seq - 1, num=count).astype(np.int64)
-  windows = np.stack([stream[s:s + seq + 1] for s in starts]).astype(np.int32)
-  return windows.reshape(num_batches, batch, seq + 1)
+  starts = starts.reshape(num_batches, batch)
+  if rows is not None:
+    starts = starts[:, rows]
+  windows = np.stack([stream[s:s + seq + 1] for s in starts.reshape(-1)]).astype(np.int32)
+  return windows.reshape(num_batches, starts.shape[1], seq + 1)

@@ -9,6 +9,7 @@ from typing import Sequence
 from .training import History
 
 CSV_COLUMNS = ("step", "recipe", "train_loss", "val_loss", "time")
+STEP_COLUMNS = ("step", "recipe", "loss", "seconds")
 
 
 def write_csv(path: pathlib.Path, histories: Sequence[History]) -> pathlib.Path:
@@ -22,6 +23,29 @@ def write_csv(path: pathlib.Path, histories: Sequence[History]) -> pathlib.Path:
         writer.writerow({**row, "train_loss": f"{row['train_loss']:.6f}",
                          "val_loss": f"{row['val_loss']:.6f}", "time": f"{row['time']:.3f}"})
   return path
+
+
+def write_steps_csv(path: pathlib.Path, histories: Sequence[History]) -> pathlib.Path:
+  """One row per training step and recipe: step, recipe, loss (Python's shortest repr, which
+  reads back to the same float: runs compare bit for bit), seconds (the step's wall time)."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with path.open("w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=STEP_COLUMNS)
+    writer.writeheader()
+    for history in histories:
+      for i, (loss, seconds) in enumerate(zip(history.step_losses, history.step_times, strict=True)):
+        writer.writerow({"step": i + 1, "recipe": history.recipe, "loss": repr(loss),
+                         "seconds": f"{seconds:.6f}"})
+  return path
+
+
+def read_steps_csv(path: pathlib.Path) -> dict[str, list[tuple[float, float]]]:
+  """`write_steps_csv`'s file as `{recipe: [(loss, seconds), ...]}` in step order."""
+  runs: dict[str, list[tuple[float, float]]] = {}
+  with pathlib.Path(path).open(newline="") as f:
+    for row in csv.DictReader(f):
+      runs.setdefault(row["recipe"], []).append((float(row["loss"]), float(row["seconds"])))
+  return runs
 
 
 def smooth(values: Sequence[float], beta: float = 0.9) -> list[float]:

@@ -24,15 +24,28 @@ MESH_AXES = ("dp", "fsdp", "tp", "ep")
 
 
 def make_mesh(axes: dict[str, int]) -> Mesh:
-  """A mesh over the first `prod(sizes)` devices, axes in the order given."""
+  """A mesh over the first `prod(sizes)` devices, axes in the order given.
+
+  With several processes the mesh must hold every process's devices, process 0's first, so the
+  last axes are the ones within a process: `dp=2,tp=4` on two hosts of four
+  GPUs keeps tensor parallelism inside each host and data parallelism across them.
+  """
   unknown = [name for name in axes if name not in MESH_AXES]
   if unknown:
     raise ValueError(f"--mesh: unknown axis {unknown[0]!r}; expected some of {MESH_AXES}")
   need = math.prod(axes.values())
   devices = jax.devices()
+  if jax.process_count() > 1:  # process 0's devices first, then process 1's, ...
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+  where = (f"{len(devices)} {devices[0].platform} devices over {jax.process_count()} "
+           f"processes" if jax.process_count() > 1 else
+           f"{len(devices)} ({devices[0].platform})")
   if need > len(devices):
-    raise ValueError(f"--mesh {axes}: needs {need} devices, found {len(devices)} "
-                     f"({devices[0].platform})")
+    raise ValueError(f"--mesh {axes}: needs {need} devices, found {where}")
+  if jax.process_count() > 1 and need != len(devices):
+    raise ValueError(f"--mesh {axes}: holds {need} devices, but a run of several processes "
+                     f"trains on all of them: found {where}; give axes whose sizes multiply "
+                     f"to {len(devices)}")
   return Mesh(np.array(devices[:need]).reshape(tuple(axes.values())), tuple(axes))
 
 
@@ -77,9 +90,27 @@ def state_shardings(abstract_state, mesh: Mesh):
   return nn.logical_to_mesh_sharding(specs, mesh, logical_rules(mesh))
 
 
+def process_rows(mesh: Optional[Mesh], batch: int) -> Optional[np.ndarray]:
+  """The rows of a global `[batch, ...]` batch that this process's devices hold (sorted), or
+  None for all of them (no mesh, or one process): what this process loads of every batch."""
+  if mesh is None or jax.process_count() == 1:
+    return None
+  shards = NamedSharding(mesh, P(batch_axes(mesh))).addressable_devices_indices_map((batch,))
+  rows = set()
+  for index in shards.values():
+    rows.update(range(*index[0].indices(batch)))
+  return np.array(sorted(rows), np.int64)
+
+
 def put_batches(mesh: Optional[Mesh], tokens: np.ndarray, leading: int = 0):
-  """`tokens[..., batch, seq]` on the devices, the batch axis over the batch shards."""
+  """`tokens[..., batch, seq]` on the devices, the batch axis over the batch shards.
+
+  With several processes `tokens` holds this process's rows only (`process_rows`) and the
+  global batch is assembled from every process's rows.
+  """
   if mesh is None:
     return jax.numpy.asarray(tokens)
-  spec = P(*([None] * leading), batch_axes(mesh), None)
-  return jax.device_put(tokens, NamedSharding(mesh, spec))
+  sharding = NamedSharding(mesh, P(*([None] * leading), batch_axes(mesh), None))
+  if jax.process_count() > 1:
+    return jax.make_array_from_process_local_data(sharding, tokens)
+  return jax.device_put(tokens, sharding)

@@ -194,8 +194,10 @@ def train(recipe_name: str, model: nn.Module, cfg: TrainConfig, batches: Iterato
     recipe_name: label of the run.
     model: the Flax model (its recipe is already set).
     cfg: training hyperparameters.
-    batches: iterator of `[batch, seq + 1]` int32 training windows.
-    eval_sets: `{"train": ..., "val": ...}` fixed `[num, batch, seq + 1]` evaluation windows.
+    batches: iterator of `[batch, seq + 1]` int32 training windows (with several processes,
+      this process's rows of each: `lm.sharding.process_rows`).
+    eval_sets: `{"train": ..., "val": ...}` fixed `[num, batch, seq + 1]` evaluation windows
+      (this process's rows, likewise).
     state: initial `TrainState` (from `create_state`).
     log: where eval lines go (tqdm-safe by default).
     mesh: with --mesh, the mesh the batches are sharded over (trace inside
