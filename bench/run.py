@@ -211,7 +211,11 @@ class Runner:
     bin_dir = self.work / "bin"
     bin_dir.mkdir()
     for name in ("python", "python3"):
-      (bin_dir / name).symlink_to(sys.executable)
+      # A script, not a symlink: a symlinked venv interpreter outside its venv loses the
+      # venv's site-packages (the GPU machine's jax, pytest and torch live in one).
+      shim = bin_dir / name
+      shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+      shim.chmod(0o755)
     self.env = dict(os.environ)
     for key, value in ENVIRONMENT.items():
       self.env.setdefault(key, value)
