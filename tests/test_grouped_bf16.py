@@ -383,7 +383,9 @@ def _plain_step(groups, tokens, k, n, rng, use_bias=True):
       y = jax.lax.ragged_dot(x, p["kernel"], sizes)
       if use_bias:
         group = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(tokens), side="right")
-        y = y + jnp.concatenate([p["bias"], jnp.zeros((1, n), p["bias"].dtype)])[group]
+        rows = jnp.concatenate([p["bias"], jnp.zeros((1, n), p["bias"].dtype)])
+        rows = rows.astype(jnp.float32)[group]  # cast before the gather: dbias sums in float32
+        y = (y.astype(jnp.float32) + rows).astype(y.dtype)
       return y
 
     y, vjp = jax.vjp(f, p, x)

@@ -199,11 +199,15 @@ _grouped_dense.defvjp(_fwd, _bwd, symbolic_zeros=True)
 
 def _plain(x, kernel, group_sizes, bias, precision):
   """No recipe: `jax.lax.ragged_dot` (and its own autodiff; on the bfloat16 CUTLASS kernel where
-  it runs, `grouped_plain`), plus the per-group bias."""
+  it runs, `grouped_plain`), plus the per-group bias. The bias is added in float32 and rounded
+  once (the same bits as a bfloat16 add), so its gradient sums each group's rows in float32, as
+  the quantized path's `segment_sum` does: a bfloat16 scatter-add of thousands of rows (autodiff
+  of a bfloat16 add) lost up to 3% of a sum, in an order that varied between programs."""
   y = grouped_plain.ragged_matmul(x, kernel, group_sizes, precision)
   if bias is not None:
     group, _, _ = TokenLayout(x.shape[0], kernel.shape[0]).positions(group_sizes)
-    y = y + jnp.concatenate([bias, jnp.zeros_like(bias[:1])])[group].astype(y.dtype)
+    rows = jnp.concatenate([bias, jnp.zeros_like(bias[:1])]).astype(jnp.float32)[group]
+    y = (y.astype(jnp.float32) + rows).astype(y.dtype)
   return y
 
 
