@@ -7,7 +7,9 @@ the other (never side by side, so the step times are comparable):
     seeing GPU i only (`CUDA_VISIBLE_DEVICES=i`);
 then reads each run's `steps.csv` (every step's loss and time, written by process 0) and prints
 per recipe: the median step time after `--warmup` steps, its ratio to the 1-process run, the
-final loss and the largest relative loss difference to the 1-process run at any step.
+final loss, the relative loss difference to the 1-process run at step 1 and the largest over
+the first `--compare-steps` steps (what `--check` holds to: summation order), and, for the
+record, the largest over the whole run with the first step past `--loss-rtol`.
 
     PYTHONPATH=examples python bench/multiprocess.py          # 2 GPUs, fp8_current, d_model 1024
     PYTHONPATH=examples python bench/multiprocess.py --check  # exit 1 past the tolerances
@@ -18,6 +20,9 @@ Arguments after `--` go to train_lm.py after this script's model defaults (the l
 The two runs compile the same SPMD program and differ in who carries the collectives (NCCL
 within one process or between processes; on CPU, XLA's in-process collectives or gloo), so the
 losses should agree to float32 summation order (two-term sums are exact whatever the order).
+Over a long run at a high learning rate such a difference grows like any perturbation of a
+chaotic trajectory (and an FP8 code rounded the other way makes it a step), so only the first
+steps say whether the two runs compute the same thing; later steps say how far they drift.
 NCCL's NVLink multicast is left off (`NCCL_NVLS_ENABLE=0` unless set).
 """
 
@@ -60,8 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
                  help="host CPU devices (JAX_PLATFORMS=cpu) instead of GPUs")
   p.add_argument("--warmup", type=int, default=5, help="steps left out of the median step time")
   p.add_argument("--timeout", type=float, default=500.0, help="seconds per configuration")
-  p.add_argument("--loss-rtol", type=float, default=1e-4,
-                 help="--check: largest relative loss difference allowed at any step")
+  p.add_argument("--compare-steps", type=int, default=4,
+                 help="--check: steps whose losses must agree to --loss-rtol")
+  p.add_argument("--first-rtol", type=float, default=1e-6,
+                 help="--check: relative loss difference allowed at step 1 (same parameters)")
+  p.add_argument("--loss-rtol", type=float, default=1e-5,
+                 help="--check: relative loss difference allowed over the first --compare-steps")
   p.add_argument("--max-slowdown", type=float, default=1.05,
                  help="--check: largest step-time ratio of N processes to 1 process")
   p.add_argument("--check", action="store_true",
@@ -97,8 +106,9 @@ def run_config(argv: list[str], processes: int, env_for, timeout: float) -> None
     sys.exit(f"{processes} process(es) failed:\n{launch.report(results)}")
 
 
-def summarize(runs: dict[str, dict], warmup: int) -> list[dict]:
-  """Per recipe and configuration: median step ms, ratio and loss difference to the first."""
+def summarize(runs: dict[str, dict], warmup: int, compare_steps: int,
+              loss_rtol: float) -> list[dict]:
+  """Per recipe and configuration: median step ms, ratio and loss differences to the first."""
   rows = []
   base_label = next(iter(runs))
   for recipe in runs[base_label]:
@@ -109,10 +119,14 @@ def summarize(runs: dict[str, dict], warmup: int) -> list[dict]:
       times = [s for _, s in steps[recipe]][warmup:] or [s for _, s in steps[recipe]]
       step_ms = 1e3 * statistics.median(times)
       base_ms = base_ms or step_ms
-      diff = max(abs(a - b) / abs(b) for a, b in zip(losses, base_losses, strict=True))
+      rel = [abs(a - b) / abs(b) for a, b in zip(losses, base_losses, strict=True)]
+      past = next((i + 1 for i, r in enumerate(rel) if r > loss_rtol), None)
       rows.append({"recipe": recipe, "config": label, "step_ms": step_ms,
                    "vs_1_process": step_ms / base_ms, "final_loss": losses[-1],
-                   "max_rel_loss_diff": diff, "steps": len(losses)})
+                   "first_rel_loss_diff": rel[0],
+                   "early_rel_loss_diff": max(rel[:compare_steps]),
+                   "max_rel_loss_diff": max(rel), "first_step_past_rtol": past,
+                   "steps": len(losses), "losses": losses})
   return rows
 
 
@@ -143,22 +157,28 @@ def main() -> None:
       run_config(argv, processes, env_for, args.timeout)
       print(f"  done in {time.perf_counter() - start:.0f} s", flush=True)
       runs[label] = report.read_steps_csv(out / "steps.csv")
-  rows = summarize(runs, args.warmup)
-  header = (f"{'recipe':22s} {'configuration':26s} {'step ms':>9s} {'vs 1 proc':>9s} "
-            f"{'final loss':>11s} {'max rel loss diff':>17s}")
+  rows = summarize(runs, args.warmup, args.compare_steps, args.loss_rtol)
+  k = args.compare_steps
+  header = (f"{'recipe':14s} {'configuration':22s} {'step ms':>8s} {'vs 1 proc':>9s} "
+            f"{'final loss':>10s} {'step 1':>9s} {f'steps 1-{k}':>9s} {'all steps':>9s} "
+            f"{'past rtol':>9s}")
   print("\n" + header + "\n" + "-" * len(header))
   for r in rows:
-    print(f"{r['recipe']:22s} {r['config']:26s} {r['step_ms']:9.2f} {r['vs_1_process']:8.3f}x "
-          f"{r['final_loss']:11.6f} {r['max_rel_loss_diff']:17.2e}")
-  print(f"(median over steps {args.warmup + 1}-{rows[0]['steps']}; loss difference: the "
-        "largest over all steps, relative to the 1-process run)")
+    print(f"{r['recipe']:14s} {r['config']:22s} {r['step_ms']:8.2f} {r['vs_1_process']:8.3f}x "
+          f"{r['final_loss']:10.6f} {r['first_rel_loss_diff']:9.1e} "
+          f"{r['early_rel_loss_diff']:9.1e} {r['max_rel_loss_diff']:9.1e} "
+          f"{str(r['first_step_past_rtol'] or '-'):>9s}")
+  print(f"(median over steps {args.warmup + 1}-{rows[0]['steps']}; loss differences relative "
+        f"to the 1-process run; 'past rtol': the first step past --loss-rtol {args.loss_rtol})")
   if args.json is not None:
     args.json.write_text(json.dumps({"rows": rows, "argv": sys.argv[1:]}, indent=1))
-  failed = [r for r in rows if r["max_rel_loss_diff"] > args.loss_rtol
+  failed = [r for r in rows if r["first_rel_loss_diff"] > args.first_rtol
+            or r["early_rel_loss_diff"] > args.loss_rtol
             or r["vs_1_process"] > args.max_slowdown]
   if args.check and failed:
-    sys.exit(f"--check: past --loss-rtol {args.loss_rtol} or --max-slowdown "
-             f"{args.max_slowdown}: {[(r['recipe'], r['config']) for r in failed]}")
+    sys.exit(f"--check: past --first-rtol {args.first_rtol}, --loss-rtol {args.loss_rtol} over "
+             f"{k} steps or --max-slowdown {args.max_slowdown}: "
+             f"{[(r['recipe'], r['config']) for r in failed]}")
 
 
 if __name__ == "__main__":
