@@ -181,13 +181,20 @@ def scope_of(text: str) -> str | None:
   return max(found)[1] if found else None
 
 
+# Kernel-name marks of jaxquant's grouped GEMMs (CUTLASS's grouped kernel and its setup, the
+# mma.sync kernels): in this block only the experts run them.
+GROUPED_GEMM_KERNELS = ("GroupProblemShape", "jqgrouped::sm90::", "grouped_gemm")
+
+
 def part_of(kernel: str, op_name: str | None) -> tuple[str, bool]:
   """(part, placed by a scope?) of one kernel launched by the op with `op_name`."""
   scope = scope_of(op_name) if op_name else None
   kind = e2e_trace.classify(kernel)
-  if scope is None:
+  if scope is None:  # e.g. kernels replayed from an XLA command buffer (no op of their own)
     if kind == "quantize":  # jaxquant's kernels serve only the experts in this block
       return "quantization", False
+    if any(mark in kernel for mark in GROUPED_GEMM_KERNELS):  # so do its grouped GEMMs
+      return "expert GEMMs", False
     return "other", False
   part = SCOPE_PARTS[scope]
   if part != "experts":
