@@ -17,13 +17,15 @@ from jaxquant.backends import xla as _xla
 from jaxquant.numerics.random_bits import key_words
 from jaxquant.backends.reference import ops as reference
 from jaxquant.ops import dispatch
-from jaxquant.quantizers import (HIGH_PRECISION_DTYPES, HybridQuantizer, IdentityQuantizer,
-                                 NVFP4Quantizer, Quantizer, uses_rht)
+from jaxquant.quantizers import (HIGH_PRECISION_DTYPES, Float8DelayedScalingQuantizer,
+                                 HybridQuantizer, IdentityQuantizer, NVFP4Quantizer, Quantizer,
+                                 uses_rht)
+from jaxquant.state import delayed_scaling_update
 from jaxquant.tensors import QuantizedTensor, ScaledTensor
 
 Operand = Union[ScaledTensor, jax.Array]
 
-__all__ = ["quantize", "dequantize", "transpose", "gemm"]
+__all__ = ["quantize", "dequantize", "transpose", "gemm", "update_state"]
 
 
 def _as_matrix(x: jax.Array) -> jax.Array:
@@ -129,6 +131,35 @@ def quantize(x: jax.Array, quantizer: Quantizer, *, rowwise: bool = True,
     _, col = _single(source, quantizer.columnwise, rowwise=False, columnwise=True,
                      state=col_state, **dict(common, key=key_col))
   return QuantizedTensor(row if rowwise else None, col, quantizer)
+
+
+def update_state(quantizer: Quantizer, state: Any, qtensor: QuantizedTensor, *,
+                 role: Any = None) -> Any:
+  """`jaxquant.update_state` (the state after `qtensor = quantize(x, quantizer, state=state)`)
+  on the selected implementation: the FFI's `jaxquant_delayed_update` kernel, one call per
+  state, where the extension is built, else the reference (`jaxquant.state`); bit-identical.
+  The choice is recorded for `jaxquant.explain` as a "delayed-update" decision."""
+  if state is None or not quantizer.stateful:
+    return state
+  if isinstance(quantizer, HybridQuantizer):
+    row_state, col_state = state
+    return (_update_leaf(quantizer.rowwise, row_state, qtensor.rowwise, role),
+            _update_leaf(quantizer.columnwise, col_state, qtensor.columnwise, role))
+  scaled = qtensor.rowwise if qtensor.rowwise is not None else qtensor.columnwise
+  return _update_leaf(quantizer, state, scaled, role)
+
+
+def _update_leaf(quantizer: Quantizer, state: Any, scaled: Optional[ScaledTensor], role: Any):
+  if not isinstance(quantizer, Float8DelayedScalingQuantizer) or scaled is None:
+    return state
+  ffi = dispatch.ffi_module()
+  reason = dispatch.ffi_missing_reason() if ffi is None else ffi.delayed_update_unsupported()
+  path, reason = dispatch.choose("delayed-scaling update", reason)
+  _explain.record(_explain.Decision("delayed-update", role, str(quantizer),
+                                    path if path == "reference" else ffi.path_name(), reason))
+  if path == "ffi":
+    return ffi.delayed_update(state, scaled.amax, quantizer)
+  return delayed_scaling_update(state, scaled.amax, quantizer)
 
 
 def dequantize(t: Union[QuantizedTensor, ScaledTensor], dtype=jnp.float32) -> jax.Array:

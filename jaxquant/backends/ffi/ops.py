@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from jaxquant.backends.ffi import delayed as _delayed
 from jaxquant.backends.ffi import gemm as _gemm
 from jaxquant.backends.ffi import quantize as _quantize
 from jaxquant.backends.ffi import registry as _registry
@@ -64,3 +65,12 @@ def gemm_path_reason(a, b) -> str:
 
 def gemm(a, b, *, out_dtype, bias=None, precision=None, **kwargs):
   return _gemm.gemm(a, b, out_dtype=out_dtype, bias=bias, precision=precision, **kwargs)
+
+
+def delayed_update_unsupported() -> Optional[str]:
+  return _registry.unserved_reason(_platform())
+
+
+def delayed_update(state, amax, quantizer):
+  """Same contract as `jaxquant.state.delayed_scaling_update`."""
+  return _delayed.update(state, amax, quantizer)
