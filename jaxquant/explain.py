@@ -60,6 +60,17 @@ def explain_recording() -> Iterator[Report]:
     _ACTIVE.reset(token)
 
 
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+  """Record nothing in this block: for abstract traces that only ask for shapes (e.g. the
+  storage layout of a copy that is not made), whose decisions did not happen."""
+  token = _ACTIVE.set(None)
+  try:
+    yield
+  finally:
+    _ACTIVE.reset(token)
+
+
 # Each `explain` call traces under a fresh value of this jit-cache-sensitive context, so jitted
 # functions that were traced before are traced again and their decisions recorded.
 _EXPLAIN_CALL = jax.make_user_context(default_value=0)
