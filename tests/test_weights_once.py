@@ -258,3 +258,27 @@ def test_share_input_quantization_reuses_only_the_same_input_object(seed, core_b
     assert sum(d.path == "shared" for d in report) == want
   _, b = jax.jit(lambda x: two(x, True))(x)
   np.testing.assert_array_equal(np.asarray(b), np.asarray(jq.dense(x, w2, quantizers=quantizers)))
+
+
+@pytest.mark.parametrize("module", ["dense_general_batch", "layernorm_mlp_swiglu", "quantize_dense"])
+def test_cached_weights_give_the_uncached_values_gradients_and_states(module, seed, core_backend):
+  """A pass that reads its weights from `quantize_weights` computes what one that quantizes
+  them itself does: values, parameter gradients and the new delayed-scaling states, bit for
+  bit (a DenseGeneral with batch_dims caches one weight per batch element)."""
+  x = jax.random.normal(jax.random.key(seed), (3, 16, 32), jnp.bfloat16)
+  recipe = jq.DelayedScaling()
+  context = lambda: jqf.quantize_dense(recipe) if module == "quantize_dense" else _no_scope()
+  model = {"dense_general_batch": jqf.DenseGeneral((4, 8), batch_dims=(0,), recipe=recipe),
+           "layernorm_mlp_swiglu": jqf.LayerNormMLP(48, activations="swiglu", recipe=recipe,
+                                                   dtype=jnp.bfloat16),
+           "quantize_dense": nn.Dense(24, dtype=jnp.bfloat16)}[module]
+  with context():
+    variables = jax.jit(model.init)(jax.random.key(seed + 1), x)
+    weights = jax.jit(lambda v: jqf.quantize_weights(model.apply, v, x))(variables)
+    assert weights, "no weight was cached"
+    grad = jax.jit(jax.value_and_grad(
+        lambda v, w: model.apply({**v, **w}, x).astype(jnp.float32).sum()))
+    cached, uncached = grad(variables, weights), grad(variables, {})
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a),
+                                                                    np.asarray(b)),
+                         cached, uncached)

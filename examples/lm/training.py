@@ -319,6 +319,8 @@ def train(recipe_name: str, model: nn.Module, cfg: TrainConfig, batches: Iterato
     if due:
       history.compile_time = history.step_times[0]
       checkpointer.save(state, history, batches_consumed=step)
+    if pending is None:  # evaluated or saved: the next step's time starts now
+      last_done = time.perf_counter()
   if pending is not None:
     finish(*pending)
   bar.close()
