@@ -326,6 +326,21 @@ JQ_HD float scale_from_amax(float amax, float fmax, bool pow2_scale, float amax_
   return scale;
 }
 
+// state.py's delayed-scaling scale from an amax `a`: `fmax / a / 2^margin` clamped to FLT_MAX
+// where `a` is finite and > 0, else `fallback` (1 for the just-in-time first scale, the stored
+// scale in the update). The division by 2^margin is skipped at margin 0 (exact either way).
+// "Finite and > 0" is read off the bits: a float compare would see a subnormal amax as 0 under
+// the CPU handlers' inherited DAZ, where XLA's compare does not.
+JQ_HD bool is_zero(float x) { return (bits_of(x) & 0x7FFFFFFFu) == 0; }
+
+JQ_HD float delayed_scale(float a, float fmax, int32_t margin, float fallback) {
+  const uint32_t b = bits_of(a);
+  if ((b >> 31) != 0 || b == 0 || (b & 0x7F800000u) == 0x7F800000u) return fallback;
+  float scale = div_f32(fmax, a);
+  if (margin != 0) scale = div_f32(scale, float_of(uint32_t(127 + (margin < 128 ? margin : 128)) << 23));
+  return scale > kFltMax ? kFltMax : scale;
+}
+
 // scales.e8m0_from_amax: MXFP8 biased block exponent in [0, 255]. `inv_fmax` = float32(1/fmax).
 JQ_HD uint32_t e8m0_from_amax(float block_amax, float inv_fmax) {
   const float s = block_amax * inv_fmax;

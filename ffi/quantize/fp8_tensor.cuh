@@ -19,6 +19,10 @@ struct Fp8TensorParams {
   const float* s;
   uint8_t *row, *col;
   float *scale_inv, *amax;
+  // Delayed scaling's just-in-time first scale: where the stored scale `*s` is 0 ("none yet"),
+  // the scale of this amax (`delayed_scale(*first_amax, fmax, margin, 1)`); null: `*s` as is.
+  const float* first_amax = nullptr;
+  int32_t margin = 0;
 };
 
 template <typename In>
@@ -34,7 +38,8 @@ __global__ void __launch_bounds__(kThreads) fp8_tensor_kernel(const Fp8TensorPar
   const int tid = threadIdx.x;
   const TileIndex t = tile_index(p.C, G::TR, G::TC);
   const float fmax = jq::spec_of(p.fmt).fmax;
-  const float scale = p.delayed ? *p.s : jq::scale_from_amax(*p.s, fmax, p.pow2_scale, p.amax_epsilon);
+  float scale = p.delayed ? *p.s : jq::scale_from_amax(*p.s, fmax, p.pow2_scale, p.amax_epsilon);
+  if (p.first_amax != nullptr && jq::is_zero(scale)) scale = jq::delayed_scale(*p.first_amax, fmax, p.margin, 1.0f);
   const int lr = tid / G::TPR, lc = (tid % G::TPR) * 8;
   alignas(16) In raw[G::NP][8];
 #pragma unroll

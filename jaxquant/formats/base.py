@@ -222,6 +222,11 @@ class Format:
     """Whether a stateful quantize needs the tensor's amax before its scale is known."""
     return False
 
+  def state_update_kernel(self, quantizer: Quantizer) -> Optional[str]:
+    """The FFI kernel that runs `update_state` ("delayed-update"), or None (the update above
+    runs as XLA operations)."""
+    return None
+
   # -------------------------------------------- kernels ---------------------------------------
 
   def quantize_kernel(self, quantizer: Quantizer) -> Optional[str]:
