@@ -133,6 +133,9 @@ class _Config:
   contract_shape: tuple[int, ...]  # trailing axes of x, flattened into the contraction
   out_shape: tuple[int, ...]  # trailing axes of the kernel and the output
   plan: Optional[_sharding.DensePlan] = None  # specs under a mesh (None: unsharded/unknown)
+  # What replaces the output and quantizes the output gradient (the fused activation of an MLP,
+  # jaxquant.layers.fused_activation.ActivationEpilogue), or None.
+  epilogue: Any = None
 
   def constrain(self, value, spec):
     """`value` constrained to `spec` of the plan (unchanged without a plan or a spec)."""
@@ -185,7 +188,7 @@ def _value(primal):
 
 
 def _forward(config: _Config, x, kernel, bias, key, states, *, need_dgrad: bool,
-             need_wgrad: bool):
+             need_wgrad: bool, x_quantized=None):
   q = config.quantizers
   k, n = math.prod(config.contract_shape), math.prod(config.out_shape)
   key_x, key_w, _ = _keys(key)
@@ -194,9 +197,12 @@ def _forward(config: _Config, x, kernel, bias, key, states, *, need_dgrad: bool,
   plan = config.plan
   if plan is not None:
     _record_plan(config)
-  x2d = config.constrain(x.reshape(-1, k), plan and plan.x2d)
-  qx = ops.quantize(x2d, q.input, rowwise=True, columnwise=need_wgrad, key=key_x,
-                    state=state_x, role=roles[0])
+  if x_quantized is None:
+    x2d = config.constrain(x.reshape(-1, k), plan and plan.x2d)
+    qx = ops.quantize(x2d, q.input, rowwise=True, columnwise=need_wgrad, key=key_x,
+                      state=state_x, role=roles[0])
+  else:  # written by the fused producer of x (jaxquant.layers.fused_norm / fused_activation)
+    qx = x_quantized
   qx = config.constrain_storage(qx, q.input, plan and plan.x2d)
   w2d = config.constrain(kernel.reshape(k, n).T, plan and config.weight_spec)
   qw = ops.quantize(w2d, q.weight, rowwise=True, columnwise=need_dgrad, key=key_w,
@@ -232,35 +238,51 @@ def _record_plan(config: _Config) -> None:
                                       plan.rows_note))
 
 
-def _primal(config, x, kernel, bias, key, states):
-  y, _, _ = _forward(config, x, kernel, bias, key, states, need_dgrad=False, need_wgrad=False)
-  return y
+def _primal(config, x, kernel, bias, key, states, x_quantized):
+  y, _, _ = _forward(config, x, kernel, bias, key, states, need_dgrad=False, need_wgrad=False,
+                     x_quantized=x_quantized)
+  return y if config.epilogue is None else config.epilogue.outputs(y)
 
 
-def _fwd(config, x, kernel, bias, key, states):
+def _fwd(config, x, kernel, bias, key, states, x_quantized):
   need_dgrad, need_wgrad = x.perturbed, kernel.perturbed
-  x, kernel, bias, key, states = (_value(x), _value(kernel), _value(bias), _value(key),
-                                  jax.tree_util.tree_map(_value, states))
+  x, kernel, bias, key, states, x_quantized = (
+      _value(x), _value(kernel), _value(bias), _value(key),
+      jax.tree_util.tree_map(_value, states), jax.tree_util.tree_map(_value, x_quantized))
   y, qx, qw = _forward(config, x, kernel, bias, key, states, need_dgrad=need_dgrad,
-                       need_wgrad=need_wgrad)
+                       need_wgrad=need_wgrad, x_quantized=x_quantized)
   q = config.quantizers
   new_states = (update_state(q.input, states[0], qx), update_state(q.weight, states[1], qw),
                 states[2])
   x_col = jax.tree_util.tree_map(lambda a: checkpoint_name(a, RESIDUAL_NAMES[0]), qx.columnwise)
   w_col = jax.tree_util.tree_map(lambda a: checkpoint_name(a, RESIDUAL_NAMES[1]), qw.columnwise)
-  return y, (x_col, w_col, key, new_states)
+  if config.epilogue is None:
+    return y, (x_col, w_col, key, new_states, None)
+  return config.epilogue.outputs(y), (x_col, w_col, key, new_states, y)
 
 
 def _bwd(config, residuals, dy):
-  x_col, w_col, key, states = residuals
+  x_col, w_col, key, states, y = residuals
   q = config.quantizers
   _, _, key_g = _keys(key)
   roles = q.roles
   plan = config.plan
-  dy_nd = dy
-  dy = config.constrain(dy.reshape(-1, math.prod(config.out_shape)), plan and plan.y2d)
-  dqy = ops.quantize(dy, q.grad_output, rowwise=w_col is not None,
-                     columnwise=x_col is not None, key=key_g, state=states[2], role=roles[2])
+  if config.epilogue is not None:  # dy is the epilogue's cotangent; it quantizes dy itself
+    dqy, dbias = config.epilogue.gradient(
+        dy, y, q.grad_output, states[2], rowwise=w_col is not None, columnwise=x_col is not None,
+        dbias=config.bias_dtype is not None, key=key_g, role=roles[2])
+    dbias = None if dbias is None else dbias.reshape(config.out_shape).astype(config.bias_dtype)
+  else:
+    dy_nd = dy
+    dy = config.constrain(dy.reshape(-1, math.prod(config.out_shape)), plan and plan.y2d)
+    dqy = ops.quantize(dy, q.grad_output, rowwise=w_col is not None,
+                       columnwise=x_col is not None, key=key_g, state=states[2], role=roles[2])
+    dbias = None
+    if config.bias_dtype is not None:
+      # The same reduction autodiff of `y + bias` performs, so Identity matches nn.Dense exactly.
+      batch_axes = tuple(range(len(config.batch_shape)))
+      dbias = jax.lax.reduce(dy_nd, jnp.zeros((), dy_nd.dtype), jax.lax.add, batch_axes)
+      dbias = dbias.astype(config.bias_dtype)
   dqy = config.constrain_storage(dqy, q.grad_output, plan and plan.y2d)
   dx = dkernel = None
   if w_col is not None:
@@ -290,14 +312,8 @@ def _bwd(config, residuals, dy):
                          role=config.gemm_label("wgrad"), precision=config.precision)
     dkernel = config.constrain(dkernel, plan and plan.kernel2d)
     dkernel = dkernel.reshape(*config.contract_shape, *config.out_shape)
-  dbias = None
-  if config.bias_dtype is not None:
-    # The same reduction autodiff of `y + bias` performs, so Identity matches nn.Dense exactly.
-    batch_axes = tuple(range(len(config.batch_shape)))
-    dbias = jax.lax.reduce(dy_nd, jnp.zeros((), dy_nd.dtype), jax.lax.add, batch_axes)
-    dbias = dbias.astype(config.bias_dtype)
   new_states = (states[0], states[1], update_state(q.grad_output, states[2], dqy))
-  return dx, dkernel, dbias, None, new_states
+  return dx, dkernel, dbias, None, new_states, None
 
 
 def _data_parallel_wgrad(config: _Config, x_col, dy_col, swap: bool):
@@ -331,7 +347,8 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
           quantizers: Optional[DenseQuantizers] = None, *, key: Optional[jax.Array] = None,
           states: Optional[tuple] = None, contracting_dims: int = 1,
           precision: Any = None,
-          sharding: Optional[_sharding.DenseSharding] = None) -> jax.Array:
+          sharding: Optional[_sharding.DenseSharding] = None,
+          x_quantized: Optional[QuantizedTensor] = None, epilogue: Any = None) -> jax.Array:
   """Quantized `x @ kernel + bias` with a custom backward pass.
 
   Args:
@@ -351,9 +368,15 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
       (None: no constraints, XLA propagation decides). A spec whose shards would split a
       scaling block raises `ValueError`; FSDP kernel axes (those that also shard x's rows) are
       gathered after quantization where exact (see `jaxquant.sharding.plan_dense`).
+    x_quantized: x already quantized by `quantizers.input`, both directions (a fused producer
+      wrote it: `jaxquant.layers.fused_norm`); `x` then gives only the shape, the dtype and the
+      path of x's gradient.
+    epilogue: `jaxquant.layers.fused_activation.ActivationEpilogue`: the layer returns what
+      the epilogue makes of its output, and the epilogue quantizes the output gradient (fused
+      with the activation's derivative).
 
   Returns:
-    `[..., N1..Nn]` in `x`'s dtype.
+    `[..., N1..Nn]` in `x`'s dtype (with an epilogue: the epilogue's outputs).
   """
   if contracting_dims < 1 or contracting_dims > min(x.ndim, kernel.ndim):
     raise ValueError(f"contracting_dims={contracting_dims} must be between 1 and "
@@ -372,6 +395,8 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
   if quantizers is not None and not isinstance(quantizers, DenseQuantizers):
     raise TypeError(f"quantizers: expected DenseQuantizers or None, got "
                     f"{type(quantizers).__name__}")
+  if x_quantized is not None or epilogue is not None:
+    _check_fusion(quantizers, x_quantized, x, contracting_dims)
   if runs_unquantized(quantizers, sharding):
     y = jax.lax.dot_general(x, kernel, ((tuple(range(x.ndim - contracting_dims, x.ndim)),
                                          tuple(range(contracting_dims))), ((), ())),
@@ -395,5 +420,24 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
                                name="grad_output")
   config = _Config(quantizers, precision, x.dtype, kernel.dtype,
                    None if bias is None else bias.dtype, tuple(batch_shape),
-                   tuple(contract_shape), tuple(out_features), plan)
-  return _dense_nd(config, x, kernel, bias, key, tuple(states))
+                   tuple(contract_shape), tuple(out_features), plan, epilogue)
+  return _dense_nd(config, x, kernel, bias, key, tuple(states), x_quantized)
+
+
+def _check_fusion(quantizers, x_quantized, x, contracting_dims) -> None:
+  """A pre-quantized input or an epilogue needs quantizers, and x_quantized must be x's."""
+  if quantizers is None:
+    raise ValueError("x_quantized / epilogue: the fused producers quantize; pass quantizers")
+  if x_quantized is None:
+    return
+  if not isinstance(x_quantized, QuantizedTensor) or x_quantized.rowwise is None:
+    raise TypeError("x_quantized: expected a QuantizedTensor with its rowwise copy, got "
+                    f"{type(x_quantized).__name__}")
+  if x_quantized.quantizer != quantizers.input:
+    raise ValueError(f"x_quantized: quantized by {x_quantized.quantizer}, but the input role's "
+                     f"quantizer is {quantizers.input}")
+  k = math.prod(x.shape[x.ndim - contracting_dims:])
+  rows = math.prod(x.shape[:x.ndim - contracting_dims])
+  if tuple(x_quantized.rowwise.shape) != (rows, k):
+    raise ValueError(f"x_quantized: rowwise copy {tuple(x_quantized.rowwise.shape)}, expected "
+                     f"{(rows, k)} for x {tuple(x.shape)}")
