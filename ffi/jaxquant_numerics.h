@@ -594,7 +594,7 @@ JQ_HD float exp_f32(float x) {
   p = mul_rn(p, r) + 1.0f;
   const int ni = is_nan(n) ? 0 : static_cast<int>(n);
   const int n1 = ni < -126 ? -126 : (ni > 127 ? 127 : ni);
-  return (p * exp2i(n1)) * exp2i(ni - n1);
+  return mul_rn(p * exp2i(n1), exp2i(ni - n1));  // the callers add 1
 }
 
 // Activation kinds of the fused kernels (the `act` attribute); activations.ACTIVATIONS order.

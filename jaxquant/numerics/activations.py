@@ -8,7 +8,8 @@ exact power-of-two scaling. `ffi/jaxquant_numerics.h` mirrors every operation in
 exp(x) (`exp_f32`): x clamped to [-104, 89] (NaN stays NaN); n = round_half_even(x * log2(e));
 r = (x - n * LN2_HI) - mul_rn(n, LN2_LO) (LN2_HI has 9 significant bits, so n * LN2_HI is
 exact); p = 1 + r (1 + r (1/2 + ... r / 5040)) by Horner with mul_rn; exp = (p * 2^n1) * 2^n2,
-n1 = clip(n, -126, 127), n2 = n - n1 (two normal factors, so a subnormal result rounds once).
+n1 = clip(n, -126, 127), n2 = n - n1 (two normal factors, so a subnormal result rounds once;
+the last product is a mul_rn: every caller adds 1 to it).
 
 The "x * sigmoid(v)" family, one rounding for the value:
   silu(x)       = x / (1 + exp(-x))
@@ -71,7 +72,8 @@ def exp_f32(x) -> jnp.ndarray:
     p = mul_rn(p, r) + c
   ni = jnp.where(jnp.isnan(n), jnp.float32(0.0), n).astype(jnp.int32)
   n1 = jnp.clip(ni, -126, 127)
-  return (p * exp2i(n1)) * exp2i(ni - n1)
+  # mul_rn: the callers add 1 to the result, and the last product must round on its own.
+  return mul_rn(p * exp2i(n1), exp2i(ni - n1))
 
 
 def _relu(x):
