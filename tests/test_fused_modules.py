@@ -53,7 +53,7 @@ def _apply(module, variables, x):
 
 
 def _both(module_cls, rng, recipe, **kw):
-  fused = module_cls(recipe=recipe, dtype=jnp.bfloat16, **kw)
+  fused = module_cls(recipe=recipe, dtype=jnp.bfloat16, fuse_producers=True, **kw)
   unfused = module_cls(recipe=recipe, dtype=jnp.bfloat16, fuse_producers=False, **kw)
   x = _x(rng)
   variables = jax.jit(fused.init)(jax.random.key(0), x)
@@ -126,7 +126,7 @@ def test_delayed_scaling_states_follow_the_fused_outputs(rng):
 
 def test_remat_recomputes_the_fused_mlp_bit_for_bit(rng):
   module = jf.LayerNormMLP(128, activations="swiglu", dtype=jnp.bfloat16,
-                           recipe=RECIPES["current"])
+                           recipe=RECIPES["current"], fuse_producers=True)
   x = _x(rng)
   variables = jax.jit(module.init)(jax.random.key(0), x)
   loss = _loss(module)
@@ -144,7 +144,8 @@ def _report(module, x):
 
 
 def test_explain_names_the_fused_norm_and_activations(rng):
-  report = _report(jf.LayerNormMLP(128, activations="swiglu", recipe=RECIPES["mxfp8"]), _x(rng))
+  report = _report(jf.LayerNormMLP(128, activations="swiglu", recipe=RECIPES["mxfp8"],
+                                   fuse_producers=True), _x(rng))
   details = [d.detail for d in report if d.op == "quantize"]
   assert any(d.startswith("fused layernorm+quantize rowwise+columnwise: MXFP8") for d in details)
   assert any(d.startswith("fused activation silu gated+quantize") for d in details)
@@ -154,7 +155,7 @@ def test_explain_names_the_fused_norm_and_activations(rng):
 
 def test_explain_says_why_nvfp4_is_not_fused(rng):
   nvfp4 = jq.CustomRecipe(lambda role: jq.NVFP4Quantizer())
-  report = _report(jf.LayerNormDense(64, recipe=nvfp4), _x(rng))
+  report = _report(jf.LayerNormDense(64, recipe=nvfp4, fuse_producers=True), _x(rng))
   unfused = [d for d in report if d.op == "producer"]
   assert len(unfused) == 1 and unfused[0].path == "unfused"
   assert unfused[0].detail == "layernorm, then quantize"
@@ -162,8 +163,8 @@ def test_explain_says_why_nvfp4_is_not_fused(rng):
 
 
 def test_explain_says_why_an_activation_is_not_fused(rng):
-  report = _report(jf.LayerNormMLP(128, activations="gelu_exact", recipe=RECIPES["current"]),
-                   _x(rng))
+  report = _report(jf.LayerNormMLP(128, activations="gelu_exact", recipe=RECIPES["current"],
+                                   fuse_producers=True), _x(rng))
   unfused = {d.detail: d.reason for d in report if d.op == "producer"}
   assert set(unfused) == {"activation, then quantize", "activation gradient, then quantize"}
   assert all("'gelu_exact' has no fused kernel" in r for r in unfused.values())
@@ -178,8 +179,21 @@ def test_fuse_producers_false_records_no_fusion(rng):
 
 def test_identity_recipe_keeps_flax_arithmetic_and_records_nothing(rng):
   identity = jq.CustomRecipe(lambda role: jq.IdentityQuantizer())
-  report = _report(jf.LayerNormMLP(128, recipe=identity), _x(rng))
+  report = _report(jf.LayerNormMLP(128, recipe=identity, fuse_producers=True), _x(rng))
   assert not [d for d in report if d.op == "producer" or "fused" in d.detail]
+
+
+def test_by_default_the_platform_decides(rng):
+  """fuse_producers=None: fused where the CUDA kernels are built; on CPU unfused, and said."""
+  report = _report(jf.LayerNormDense(64, recipe=RECIPES["current"]), _x(rng))
+  reason = fused_ops.auto_fusion_reason()
+  fused = [d for d in report if d.detail.startswith("fused layernorm")]
+  if reason is None:
+    assert fused
+  else:
+    assert not fused
+    unfused = [d for d in report if d.op == "producer"]
+    assert len(unfused) == 1 and unfused[0].reason == reason
 
 
 # ------------------------------------------- errors -------------------------------------------

@@ -10,6 +10,10 @@ decided on its own and `jaxquant.explain` records every one that does not happen
 kernels, an activation without one (a callable, "gelu_exact", more than two gates), a sharding
 that splits the normalized axis or the MLP's features.
 
+By default (`fuse_producers=None`) the modules fuse where the CUDA kernels are built; on CPU the
+fused handlers are slower than XLA's producers (`fuse_producers=True` takes them anyway, as the
+tests do; False never fuses).
+
 Parameters and delayed-scaling variables are exactly the unfused modules' (same names, shapes,
 initializers, scopes), so a checkpoint and a recipe change move freely between both paths; the
 normalization's and activation's values follow the fused spec (`jaxquant.numerics`) instead
@@ -36,7 +40,7 @@ from jaxquant.layers.fused_activation import (ActivationConfig, ActivationEpilog
                                               activation_routed_hp, jax_activation)
 from jaxquant.layers.fused_norm import NormConfig, norm_quantized, out_dtypes
 from jaxquant.numerics import activations as _act
-from jaxquant.ops.fused import fusion_unsupported
+from jaxquant.ops.fused import auto_fusion_reason, fusion_unsupported
 
 # Gated shorthands with a fused kernel: the activation of the first half (the second is linear).
 FUSED_GATED = _act.GATED
@@ -73,6 +77,13 @@ def _spec_entry(spec, index: int):
     return None
   entries = tuple(spec)
   return entries[index] if -len(entries) <= index < len(entries) else None
+
+
+def platform_reason(fuse_producers: Optional[bool]) -> Optional[str]:
+  """Why a module's `fuse_producers` setting keeps the producers unfused here, or None.
+  None (the default): fused where the CUDA kernels are built (`auto_fusion_reason`); True:
+  wherever the formats allow (CPU handlers, or the reference composition)."""
+  return None if fuse_producers else auto_fusion_reason()
 
 
 def norm_fusion_reason(quantizers: Optional[DenseQuantizers], sharding) -> Optional[str]:
@@ -121,7 +132,7 @@ def layernorm_dense(module: nn.Module, inputs: jax.Array, spec: NormSpec, scale,
   if quantizers is None or quantizers.unquantized:
     return None  # nothing is quantized: Flax's norm and contraction
   sharding = module_sharding(module, kernel.shape, kernel.dtype)
-  reason = norm_fusion_reason(quantizers, sharding)
+  reason = norm_fusion_reason(quantizers, sharding) or platform_reason(module.fuse_producers)
   if reason is not None:
     _unfused(quantizers.roles[0], spec.norm_type, reason)
     return None
@@ -206,8 +217,11 @@ def mlp_quantizers(module: nn.Module) -> Optional[tuple[DenseQuantizers, DenseQu
   if q1.unquantized and q2.unquantized:
     return None
   candidates = (q1.input, q1.grad_output, q2.input)
-  if all(fusion_unsupported(q) is not None for q in candidates):
-    _unfused(q1.roles[0], module.norm_type, fusion_unsupported(q1.input))
+  reason = platform_reason(module.fuse_producers)
+  if reason is None and all(fusion_unsupported(q) is not None for q in candidates):
+    reason = fusion_unsupported(q1.input)
+  if reason is not None:
+    _unfused(q1.roles[0], module.norm_type, reason)
     return None
   return q1, q2
 

@@ -129,7 +129,8 @@ class LayerNormDense(nn.Module):
     kernel_axes, input_axes, reduce_dtype: sharding under a mesh, as `jaxquant.flax.Dense`'s
       (`kernel_axes` names `(in, *features)`; the bias takes the feature names).
     fuse_producers: let the normalization kernel write the quantized input where the input
-      format has fused kernels (`jaxquant.flax.fusion`); False: normalize, then quantize.
+      format has fused kernels (`jaxquant.flax.fusion`): None (default) where the CUDA kernels
+      are built, True also on CPU (its handlers are slower than XLA there), False never.
   """
 
   features: Union[int, Sequence[int]]
@@ -151,7 +152,7 @@ class LayerNormDense(nn.Module):
   kernel_axes: tuple = ()
   input_axes: tuple = ()
   reduce_dtype: Optional[Any] = None
-  fuse_producers: bool = True
+  fuse_producers: Optional[bool] = None
 
   @nn.compact
   def __call__(self, inputs: jax.Array):
@@ -170,7 +171,7 @@ class LayerNormDense(nn.Module):
       bias = self.param("bias", logical_init(_flat_init(self.bias_init, 0, None, len(features)),
                                              kernel_axes[1:]), features, self.param_dtype)
     fused = None
-    if self.fuse_producers:
+    if self.fuse_producers is not False:
       fused = fusion.layernorm_dense(self, inputs, _norm_spec(self), scale, ln_bias, kernel,
                                      bias, write_y=self.return_layernorm_output)
     if fused is not None:  # the norm kernel wrote the quantized input (jaxquant.flax.fusion)
@@ -214,8 +215,8 @@ class LayerNormMLP(nn.Module):
       `(hidden, out)` of `fc2`'s (a gated `fc1` gets an unsharded middle axis).
     reduce_dtype: dtype of the partial-sum reductions of K-sharded GEMMs, as `Dense`'s.
     fuse_producers: let the normalization and activation kernels write the quantized copies
-      the dense layers read where the formats have fused kernels (`jaxquant.flax.fusion`);
-      False: the unfused passes.
+      the dense layers read where the formats have fused kernels (`jaxquant.flax.fusion`):
+      None (default) where the CUDA kernels are built, True also on CPU, False never.
   """
 
   intermediate_dim: int = 2048
@@ -242,7 +243,7 @@ class LayerNormMLP(nn.Module):
   kernel_axes_1: tuple = ()
   kernel_axes_2: tuple = ()
   reduce_dtype: Optional[Any] = None
-  fuse_producers: bool = True
+  fuse_producers: Optional[bool] = None
 
   @nn.compact
   def __call__(self, inputs: jax.Array):
@@ -257,7 +258,7 @@ class LayerNormMLP(nn.Module):
                   bias_init=self.bias_init, recipe=self.recipe, reduce_dtype=self.reduce_dtype)
     axes_1 = tuple(self.kernel_axes_1)
     gated_axes = axes_1[:1] + (None,) + axes_1[1:] if axes_1 else ()
-    if self.fuse_producers and fusion.mlp_quantizers(self) is not None:  # jaxquant.flax.fusion
+    if self.fuse_producers is not False and fusion.mlp_quantizers(self) is not None:  # jaxquant.flax.fusion
       features_1 = ((len(functions), self.intermediate_dim) if len(functions) > 1
                     else (self.intermediate_dim,))
       part1 = fusion.DenseParts(features_1, name=self.fc1_name,

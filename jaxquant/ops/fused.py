@@ -11,7 +11,8 @@ decision with the path taken and why.
 
 `fusion_unsupported(quantizer)` says whether a format has fused kernels at all (per-tensor FP8,
 current and delayed; MXFP8; Float8Block). For the others the layers run the producer and the
-quantize separately and record why ("<producer>, then quantize").
+quantize separately and record why ("<producer>, then quantize"); `auto_fusion_reason()` says
+whether the layers fuse by default on this platform (where the CUDA kernels are built).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 
 from jaxquant.explain import Decision, record
 from jaxquant.backends.ffi import fused as _ffi
+from jaxquant.backends.ffi import registry
 from jaxquant.backends.producers import Inputs, Producer
 from jaxquant.backends.reference import fused as _reference
 from jaxquant.numerics.reductions import pairwise_sum
@@ -34,7 +36,7 @@ from jaxquant.state import needs_current_amax
 from jaxquant.tensors import QuantizedTensor
 
 __all__ = ["NormQuantized", "activation_grad_quantize", "activation_quantize",
-           "fusion_unsupported", "norm_quantize"]
+           "auto_fusion_reason", "fusion_unsupported", "norm_quantize"]
 
 
 def fusion_unsupported(quantizer: Quantizer) -> Optional[str]:
@@ -45,6 +47,29 @@ def fusion_unsupported(quantizer: Quantizer) -> Optional[str]:
   if type(quantizer) not in _ffi.FORMATS:
     return (f"no fused kernel quantizes {type(quantizer).__name__} (per-tensor FP8, MXFP8 and "
             "Float8Block have one)")
+  return None
+
+
+def auto_fusion_reason() -> Optional[str]:
+  """None when the layers take the fused producers by default on this platform, else why not.
+
+  They do where the CUDA kernels are built: one pass instead of a producer pass and a quantize
+  pass. The CPU handlers exist so CI runs the fused path; they are plain loops, slower than
+  XLA's own producer, so on CPU (and wherever the kernels are missing, since the reference
+  composition is slower still) the layers fuse only when asked (`fuse_producers=True`)."""
+  if dispatch.requested_backend() == "reference":
+    return "JAXQUANT_BACKEND=reference"
+  platform = dispatch.current_platform()
+  if platform != "cuda":
+    return (f"on {platform} the fused producers' handlers are slower than XLA's producer and "
+            "the quantize kernels (fuse_producers=True takes them)")
+  ffi = dispatch.ffi_module()
+  if ffi is None:
+    return dispatch.ffi_missing_reason()
+  missing = [t for t in _ffi.TARGETS if t not in registry.registered_targets(platform)]
+  if missing:
+    return (f"the jaxquant FFI extension has no fused producer targets ({', '.join(missing)}); "
+            "rebuild it")
   return None
 
 
