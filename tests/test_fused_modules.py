@@ -213,3 +213,39 @@ def test_dense_rejects_x_quantized_of_another_quantizer(rng):
   other = jq.ops.quantize(x, jq.Float8CurrentScalingQuantizer())
   with pytest.raises(ValueError, match="x_quantized: quantized by Float8CurrentScaling"):
     jq.dense(x, kernel, None, quantizers, x_quantized=other)
+
+
+# ---------------------------------- the fused norm's backward ---------------------------------
+
+@pytest.mark.parametrize("norm_type,zero_centered", [("layernorm", False), ("layernorm", True),
+                                                     ("rmsnorm", False)])
+def test_fused_norm_gradients_are_the_norms_own(norm_type, zero_centered, rng):
+  """`norm_quantized`'s backward (float32, from the saved statistics) against autodiff of the
+  normalization written with jax.numpy (the spec's exact division and square root are integer
+  code, which autodiff cannot see through), for x, the scale and the bias."""
+  from jaxquant.layers.fused_norm import NormConfig, norm_quantized
+
+  x = _x(rng, (4, 32, 96), jnp.float32)
+  scale = jnp.asarray(rng.uniform(-0.5, 0.5, 96), jnp.float32)
+  bias = jnp.asarray(rng.standard_normal(96), jnp.float32) if norm_type == "layernorm" else None
+  dy = jnp.asarray(rng.standard_normal((4, 32, 96)), jnp.float32)
+  config = NormConfig(norm_type, 1e-5, zero_centered, np.dtype(jnp.float32),
+                      np.dtype(jnp.float32), jq.Float8CurrentScalingQuantizer(), write_y=True)
+
+  def fused(x, scale, bias):
+    return norm_quantized(x, scale, bias, None, config)[0]
+
+  def plain(x, scale, bias):
+    d = x - jnp.mean(x, -1, keepdims=True) if norm_type == "layernorm" else x
+    y = d / jnp.sqrt(jnp.mean(jnp.square(d), -1, keepdims=True) + 1e-5)
+    y = y * (scale + 1 if zero_centered else scale)
+    return y if bias is None else y + bias
+
+  args = (x, scale, bias)
+  got_y, fused_vjp = jax.vjp(fused, *args)
+  want_y, plain_vjp = jax.vjp(plain, *args)
+  np.testing.assert_allclose(np.asarray(got_y), np.asarray(want_y), rtol=1e-5, atol=1e-5)
+  for got, want in zip(fused_vjp(dy), plain_vjp(dy)):
+    if want is None:
+      continue
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
