@@ -196,6 +196,21 @@ def test_by_default_the_platform_decides(rng):
     assert len(unfused) == 1 and unfused[0].reason == reason
 
 
+def test_the_environment_switches_the_default(rng, monkeypatch):
+  monkeypatch.setenv("JAXQUANT_FUSE_PRODUCERS", "off")
+  report = _report(jf.LayerNormDense(64, recipe=RECIPES["current"]), _x(rng))
+  assert [d.reason for d in report if d.op == "producer"] == ["JAXQUANT_FUSE_PRODUCERS=off"]
+  monkeypatch.setenv("JAXQUANT_FUSE_PRODUCERS", "on")
+  report = _report(jf.LayerNormDense(64, recipe=RECIPES["current"]), _x(rng))
+  assert [d for d in report if d.detail.startswith("fused layernorm")]
+  report = _report(jf.LayerNormDense(64, recipe=RECIPES["current"], fuse_producers=False),
+                   _x(rng))
+  assert not [d for d in report if "fused" in d.detail]  # the module's setting wins
+  monkeypatch.setenv("JAXQUANT_FUSE_PRODUCERS", "sometimes")
+  with pytest.raises(ValueError, match="JAXQUANT_FUSE_PRODUCERS='sometimes'"):
+    _report(jf.LayerNormDense(64, recipe=RECIPES["current"]), _x(rng))
+
+
 # ------------------------------------------- errors -------------------------------------------
 
 def test_fused_norm_rejects_a_format_without_kernels(rng):

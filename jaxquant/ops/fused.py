@@ -18,6 +18,7 @@ whether the layers fuse by default on this platform (where the CUDA kernels are 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Optional
 
 import jax
@@ -56,7 +57,16 @@ def auto_fusion_reason() -> Optional[str]:
   They do where the CUDA kernels are built: one pass instead of a producer pass and a quantize
   pass. The CPU handlers exist so CI runs the fused path; they are plain loops, slower than
   XLA's own producer, so on CPU (and wherever the kernels are missing, since the reference
-  composition is slower still) the layers fuse only when asked (`fuse_producers=True`)."""
+  composition is slower still) the layers fuse only when asked (`fuse_producers=True`).
+  `JAXQUANT_FUSE_PRODUCERS=off` keeps them unfused, `on` fuses wherever the formats allow
+  (A/B timings without touching a model; a module's explicit `fuse_producers` wins)."""
+  setting = os.environ.get("JAXQUANT_FUSE_PRODUCERS", "auto").strip().lower() or "auto"
+  if setting not in ("auto", "on", "off"):
+    raise ValueError(f"JAXQUANT_FUSE_PRODUCERS={setting!r}; expected 'auto', 'on' or 'off'")
+  if setting == "off":
+    return "JAXQUANT_FUSE_PRODUCERS=off"
+  if setting == "on":
+    return None
   if dispatch.requested_backend() == "reference":
     return "JAXQUANT_BACKEND=reference"
   platform = dispatch.current_platform()
