@@ -37,7 +37,7 @@ from jaxquant.flax.quantization import (logical_init, module_key, module_path,
 from jaxquant.layers.dense import DenseQuantizers, dense
 from jaxquant.layers.fused_activation import (ActivationConfig, ActivationEpilogue,
                                               activation_quantized, activation_routed,
-                                              activation_routed_hp, jax_activation)
+                                              activation_routed_hp)
 from jaxquant.layers.fused_norm import NormConfig, norm_quantized, out_dtypes
 from jaxquant.numerics import activations as _act
 from jaxquant.ops.fused import auto_fusion_reason, fusion_unsupported
@@ -297,4 +297,4 @@ def layernorm_mlp(module: nn.Module, inputs: jax.Array, spec: NormSpec, scale, b
 
 __all__ = ["DenseParts", "NormSpec", "Parts", "fused_activation", "layernorm_dense",
            "layernorm_mlp", "mlp_fusion_plan", "mlp_quantizers", "norm_fusion_reason",
-           "jax_activation"]
+           "platform_reason"]
