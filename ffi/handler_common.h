@@ -240,6 +240,33 @@ struct Fp8TensorArgs {
   int32_t margin = 0;
 };
 
+// The results of jaxquant_quantize_fp8 for an R x C matrix (flags already set in `a`), read
+// from `r` in order; shared with the fused targets (ffi/fused), which read more around them.
+inline ffi::Error read_fp8_tensor_results(const char* t, RetReader& r, int64_t R, int64_t C,
+                                          Fp8TensorArgs* a) {
+  void* p;
+  ffi::DataType row_type = ffi::DataType::INVALID, col_type = ffi::DataType::INVALID;
+  if (a->rowwise) {
+    JQ_RETURN_IF_ERROR(r.next("rowwise data", kFp8Types, {R, C}, &p, &row_type));
+    a->row_data = (uint8_t*)p;
+  }
+  if (a->columnwise) {
+    JQ_RETURN_IF_ERROR(r.next("columnwise data", kFp8Types, {C, R}, &p, &col_type));
+    a->col_data = (uint8_t*)p;
+  }
+  if (a->rowwise && a->columnwise && row_type != col_type) {
+    return invalid(t, "the rowwise and columnwise data dtypes differ");
+  }
+  a->fmt = fp8_of(a->rowwise ? row_type : col_type);
+  JQ_RETURN_IF_ERROR(r.next("scale_inv", {ffi::DataType::F32}, {}, &p));
+  a->scale_inv = (float*)p;
+  if (a->delayed) {
+    JQ_RETURN_IF_ERROR(r.next("amax", {ffi::DataType::F32}, {}, &p));
+    a->amax = (float*)p;
+  }
+  return ffi::Error::Success();
+}
+
 inline ffi::Error decode_fp8_tensor(ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::RemainingRets rets,
                                     bool rowwise, bool columnwise, bool delayed, bool pow2_scale,
                                     float amax_epsilon, Fp8TensorArgs* a,
@@ -251,26 +278,7 @@ inline ffi::Error decode_fp8_tensor(ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::Rem
   a->pow2_scale = pow2_scale; a->amax_epsilon = amax_epsilon;
   a->s = static_cast<const float*>(s.untyped_data());
   RetReader r(t, rets);
-  void* p;
-  ffi::DataType row_type = ffi::DataType::INVALID, col_type = ffi::DataType::INVALID;
-  if (rowwise) {
-    JQ_RETURN_IF_ERROR(r.next("rowwise data", kFp8Types, {a->x.rows, a->x.cols}, &p, &row_type));
-    a->row_data = (uint8_t*)p;
-  }
-  if (columnwise) {
-    JQ_RETURN_IF_ERROR(r.next("columnwise data", kFp8Types, {a->x.cols, a->x.rows}, &p, &col_type));
-    a->col_data = (uint8_t*)p;
-  }
-  if (rowwise && columnwise && row_type != col_type) {
-    return invalid(t, "the rowwise and columnwise data dtypes differ");
-  }
-  a->fmt = fp8_of(rowwise ? row_type : col_type);
-  JQ_RETURN_IF_ERROR(r.next("scale_inv", {ffi::DataType::F32}, {}, &p));
-  a->scale_inv = (float*)p;
-  if (delayed) {
-    JQ_RETURN_IF_ERROR(r.next("amax", {ffi::DataType::F32}, {}, &p));
-    a->amax = (float*)p;
-  }
+  JQ_RETURN_IF_ERROR(read_fp8_tensor_results(t, r, a->x.rows, a->x.cols, a));
   return r.done();
 }
 
@@ -357,15 +365,11 @@ struct Mxfp8Args {
   float* amax = nullptr;
 };
 
-inline ffi::Error decode_mxfp8(ffi::AnyBuffer x, ffi::RemainingRets rets, bool rowwise,
-                               bool columnwise, Mxfp8Args* a) {
-  const char* t = "jaxquant_quantize_mxfp8";
-  JQ_RETURN_IF_ERROR(decode_input(t, x, &a->x));
-  JQ_RETURN_IF_ERROR(need_direction(t, rowwise, columnwise));
-  a->rowwise = rowwise; a->columnwise = columnwise;
-  const int64_t R = a->x.rows, C = a->x.cols;
+// The results of jaxquant_quantize_mxfp8 for an R x C matrix (directions set in `a`).
+inline ffi::Error read_mxfp8_results(const char* t, RetReader& r, int64_t R, int64_t C,
+                                     Mxfp8Args* a) {
+  const bool rowwise = a->rowwise, columnwise = a->columnwise;
   const auto e8m0 = {ffi::DataType::F8E8M0FNU};
-  RetReader r(t, rets);
   void* p;
   ffi::DataType row_type = ffi::DataType::INVALID, col_type = ffi::DataType::INVALID;
   if (rowwise) {
@@ -386,6 +390,17 @@ inline ffi::Error decode_mxfp8(ffi::AnyBuffer x, ffi::RemainingRets rets, bool r
   a->fmt = fp8_of(rowwise ? row_type : col_type);
   JQ_RETURN_IF_ERROR(r.next("amax", {ffi::DataType::F32}, {}, &p));
   a->amax = (float*)p;
+  return ffi::Error::Success();
+}
+
+inline ffi::Error decode_mxfp8(ffi::AnyBuffer x, ffi::RemainingRets rets, bool rowwise,
+                               bool columnwise, Mxfp8Args* a) {
+  const char* t = "jaxquant_quantize_mxfp8";
+  JQ_RETURN_IF_ERROR(decode_input(t, x, &a->x));
+  JQ_RETURN_IF_ERROR(need_direction(t, rowwise, columnwise));
+  a->rowwise = rowwise; a->columnwise = columnwise;
+  RetReader r(t, rets);
+  JQ_RETURN_IF_ERROR(read_mxfp8_results(t, r, a->x.rows, a->x.cols, a));
   return r.done();
 }
 
@@ -404,17 +419,11 @@ struct Fp8BlockArgs {
   float *row_scale = nullptr, *col_scale = nullptr, *amax = nullptr;
 };
 
-inline ffi::Error decode_fp8_block(ffi::AnyBuffer x, ffi::RemainingRets rets, bool rowwise,
-                                   bool columnwise, bool block_2d, bool pow2_scale,
-                                   float amax_epsilon, Fp8BlockArgs* a) {
-  const char* t = "jaxquant_quantize_fp8_block";
-  JQ_RETURN_IF_ERROR(decode_input(t, x, &a->x));
-  JQ_RETURN_IF_ERROR(need_direction(t, rowwise, columnwise));
-  a->rowwise = rowwise; a->columnwise = columnwise; a->block_2d = block_2d;
-  a->pow2_scale = pow2_scale; a->amax_epsilon = amax_epsilon;
-  const int64_t R = a->x.rows, C = a->x.cols;
+// The results of jaxquant_quantize_fp8_block for an R x C matrix (flags set in `a`).
+inline ffi::Error read_fp8_block_results(const char* t, RetReader& r, int64_t R, int64_t C,
+                                         Fp8BlockArgs* a) {
+  const bool rowwise = a->rowwise, columnwise = a->columnwise, block_2d = a->block_2d;
   const auto f32 = {ffi::DataType::F32};
-  RetReader r(t, rets);
   void* p;
   ffi::DataType row_type = ffi::DataType::INVALID, col_type = ffi::DataType::INVALID;
   if (rowwise) {
@@ -443,6 +452,19 @@ inline ffi::Error decode_fp8_block(ffi::AnyBuffer x, ffi::RemainingRets rets, bo
   a->fmt = fp8_of(rowwise ? row_type : col_type);
   JQ_RETURN_IF_ERROR(r.next("amax", f32, {}, &p));
   a->amax = (float*)p;
+  return ffi::Error::Success();
+}
+
+inline ffi::Error decode_fp8_block(ffi::AnyBuffer x, ffi::RemainingRets rets, bool rowwise,
+                                   bool columnwise, bool block_2d, bool pow2_scale,
+                                   float amax_epsilon, Fp8BlockArgs* a) {
+  const char* t = "jaxquant_quantize_fp8_block";
+  JQ_RETURN_IF_ERROR(decode_input(t, x, &a->x));
+  JQ_RETURN_IF_ERROR(need_direction(t, rowwise, columnwise));
+  a->rowwise = rowwise; a->columnwise = columnwise; a->block_2d = block_2d;
+  a->pow2_scale = pow2_scale; a->amax_epsilon = amax_epsilon;
+  RetReader r(t, rets);
+  JQ_RETURN_IF_ERROR(read_fp8_block_results(t, r, a->x.rows, a->x.cols, a));
   return r.done();
 }
 

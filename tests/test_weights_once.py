@@ -25,6 +25,7 @@ import jaxquant as jq
 import jaxquant.flax as jqf
 from jaxquant import hlo
 from jaxquant.backends.ffi import registry
+from jaxquant.layers.operands import Operand
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 if str(EXAMPLES) not in sys.path:
@@ -261,22 +262,39 @@ def test_share_input_quantization_reuses_only_the_same_input_object(seed, core_b
   np.testing.assert_array_equal(np.asarray(b), np.asarray(jq.dense(x, w2, quantizers=quantizers)))
 
 
-@pytest.mark.parametrize("module", ["dense_general_batch", "layernorm_mlp_swiglu", "quantize_dense"])
+CACHED_MODULES = ["dense_general_batch", "layernorm_mlp_swiglu", "quantize_dense",
+                  "layernorm_dense_fused", "layernorm_mlp_swiglu_fused"]
+
+
+@pytest.mark.parametrize("module", CACHED_MODULES)
 def test_cached_weights_give_the_uncached_values_gradients_and_states(module, seed, core_backend):
   """A pass that reads its weights from `quantize_weights` computes what one that quantizes
   them itself does: values, parameter gradients and the new delayed-scaling states, bit for
-  bit (a DenseGeneral with batch_dims caches one weight per batch element)."""
+  bit (a DenseGeneral with batch_dims caches one weight per batch element; the fused-producer
+  paths of LayerNormDense / LayerNormMLP cache each of their dense layers' weights too)."""
   x = jax.random.normal(jax.random.key(seed), (3, 16, 32), jnp.bfloat16)
   recipe = jq.DelayedScaling()
   context = lambda: jqf.quantize_dense(recipe) if module == "quantize_dense" else _no_scope()
   model = {"dense_general_batch": jqf.DenseGeneral((4, 8), batch_dims=(0,), recipe=recipe),
            "layernorm_mlp_swiglu": jqf.LayerNormMLP(48, activations="swiglu", recipe=recipe,
                                                    dtype=jnp.bfloat16),
-           "quantize_dense": nn.Dense(24, dtype=jnp.bfloat16)}[module]
+           "quantize_dense": nn.Dense(24, dtype=jnp.bfloat16),
+           "layernorm_dense_fused": jqf.LayerNormDense(24, recipe=recipe, dtype=jnp.bfloat16,
+                                                       fuse_producers=True),
+           "layernorm_mlp_swiglu_fused": jqf.LayerNormMLP(
+               48, activations="swiglu", recipe=recipe, dtype=jnp.bfloat16,
+               fuse_producers=True)}[module]
   with context():
     variables = jax.jit(model.init)(jax.random.key(seed + 1), x)
     weights = jax.jit(lambda v: jqf.quantize_weights(model.apply, v, x))(variables)
     assert weights, "no weight was cached"
+    if module.endswith("_fused"):
+      cached = [leaf for leaf in jax.tree_util.tree_leaves(
+          weights, is_leaf=lambda a: isinstance(a, Operand)) if isinstance(leaf, Operand)]
+      assert len(cached) == (2 if "mlp" in module else 1)
+      report = jq.explain(lambda v: model.apply(v, x), variables)
+      assert any(d.op == "quantize" and d.detail.startswith("fused") for d in report), (
+          "the fused producers did not run")
     grad = jax.jit(jax.value_and_grad(
         lambda v, w: model.apply({**v, **w}, x).astype(jnp.float32).sum()))
     cached, uncached = grad(variables, weights), grad(variables, {})

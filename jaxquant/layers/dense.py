@@ -176,6 +176,9 @@ class _Config:
   contract_shape: tuple[int, ...]  # trailing axes of x, flattened into the contraction
   out_shape: tuple[int, ...]  # trailing axes of the kernel and the output
   plan: Optional[_sharding.DensePlan] = None  # specs under a mesh (None: unsharded/unknown)
+  # What replaces the output and quantizes the output gradient (the fused activation of an MLP,
+  # jaxquant.layers.fused_activation.ActivationEpilogue), or None.
+  epilogue: Any = None
 
   def constrain(self, value, spec):
     """`value` constrained to `spec` of the plan (unchanged without a plan or a spec)."""
@@ -245,16 +248,23 @@ def _maker(config: _Config, tensor_type: str) -> operands.Make:
   return make
 
 
-def _input_operand(config: _Config, x, kernel, key, state) -> operands.Operand:
-  """x's storage: made here (the columnwise copy only if the kernel is differentiated), or
-  shared with earlier contractions of the same x (`jaxquant.layers.shared_inputs`)."""
+def _input_operand(config: _Config, x, kernel, key, state,
+                   x_quantized: Optional[QuantizedTensor] = None) -> operands.Operand:
+  """x's storage: written by a fused producer (`x_quantized`: `jaxquant.layers.fused_norm` /
+  `fused_activation`), made here (the columnwise copy only if the kernel is differentiated),
+  or shared with earlier contractions of the same x (`jaxquant.layers.shared_inputs`)."""
+  q = config.quantizers
+  if x_quantized is not None:
+    qtensor = config.constrain_storage(x_quantized, q.input, config.plan and config.plan.x2d)
+    update = lambda t, s: ops.update_state(q.input, s, t, role=q.roles[0])
+    return operands.given_operand(qtensor, update, state, names=operands.INPUT_NAMES)
   k = math.prod(config.contract_shape)
   make = lambda probe: operands.quantize_operand(
       _maker(config, "input"), x.reshape(-1, k), names=operands.INPUT_NAMES, probe=probe,
       state=state, key=key)
   if key is not None or not shared_inputs.active():
     return make(kernel)
-  q, plan = config.quantizers, config.plan
+  plan = config.plan
   share_key = (q.input, tuple(x.shape), config.contract_shape,
                None if plan is None else (plan.x2d, plan.mesh))
   operand, reused = shared_inputs.shared_operand(x, share_key, state, lambda: make(None))
@@ -329,7 +339,8 @@ def _record_plan(config: _Config) -> None:
 
 
 def _primal(config, x, kernel, bias, key, states, qx, qw):
-  return _forward(config, x, bias, qx, qw)
+  y = _forward(config, x, bias, qx, qw)
+  return y if config.epilogue is None else config.epilogue.outputs(y)
 
 
 def _fwd(config, x, kernel, bias, key, states, qx, qw):
@@ -339,7 +350,9 @@ def _fwd(config, x, kernel, bias, key, states, qx, qw):
   new_states = (qx.state, qw.state, states[2])
   x_col = qx.columnwise if need_wgrad else None
   w_col = qw.columnwise if need_dgrad else None
-  return y, (x_col, w_col, key, new_states)
+  if config.epilogue is None:
+    return y, (x_col, w_col, key, new_states, None)
+  return config.epilogue.outputs(y), (x_col, w_col, key, new_states, y)
 
 
 def _unwrap(tree):
@@ -347,17 +360,29 @@ def _unwrap(tree):
 
 
 def _bwd(config, residuals, dy):
-  x_col, w_col, key, states = residuals
+  x_col, w_col, key, states, y = residuals
   x_col = None if x_col is None else x_col.restore()
   w_col = None if w_col is None else w_col.restore()
   q = config.quantizers
   _, _, key_g = _keys(key)
   roles = q.roles
   plan = config.plan
-  dy_nd = dy
-  dy = config.constrain(dy.reshape(-1, math.prod(config.out_shape)), plan and plan.y2d)
-  dqy = ops.quantize(dy, q.grad_output, rowwise=w_col is not None,
-                     columnwise=x_col is not None, key=key_g, state=states[2], role=roles[2])
+  if config.epilogue is not None:  # dy is the epilogue's cotangent; it quantizes dy itself
+    dqy, dbias = config.epilogue.gradient(
+        dy, y, q.grad_output, states[2], rowwise=w_col is not None, columnwise=x_col is not None,
+        dbias=config.bias_dtype is not None, key=key_g, role=roles[2])
+    dbias = None if dbias is None else dbias.reshape(config.out_shape).astype(config.bias_dtype)
+  else:
+    dy_nd = dy
+    dy = config.constrain(dy.reshape(-1, math.prod(config.out_shape)), plan and plan.y2d)
+    dqy = ops.quantize(dy, q.grad_output, rowwise=w_col is not None,
+                       columnwise=x_col is not None, key=key_g, state=states[2], role=roles[2])
+    dbias = None
+    if config.bias_dtype is not None:
+      # The same reduction autodiff of `y + bias` performs, so Identity matches nn.Dense exactly.
+      batch_axes = tuple(range(len(config.batch_shape)))
+      dbias = jax.lax.reduce(dy_nd, jnp.zeros((), dy_nd.dtype), jax.lax.add, batch_axes)
+      dbias = dbias.astype(config.bias_dtype)
   dqy = config.constrain_storage(dqy, q.grad_output, plan and plan.y2d)
   dx = dkernel = None
   if w_col is not None:
@@ -387,12 +412,6 @@ def _bwd(config, residuals, dy):
                          role=config.gemm_label("wgrad"), precision=config.precision)
     dkernel = config.constrain(dkernel, plan and plan.kernel2d)
     dkernel = dkernel.reshape(*config.contract_shape, *config.out_shape)
-  dbias = None
-  if config.bias_dtype is not None:
-    # The same reduction autodiff of `y + bias` performs, so Identity matches nn.Dense exactly.
-    batch_axes = tuple(range(len(config.batch_shape)))
-    dbias = jax.lax.reduce(dy_nd, jnp.zeros((), dy_nd.dtype), jax.lax.add, batch_axes)
-    dbias = dbias.astype(config.bias_dtype)
   new_states = (states[0], states[1],
                 ops.update_state(q.grad_output, states[2], dqy, role=roles[2]))
   # No cotangent for the quantized operands: the kernel and x gradients above are theirs.
@@ -447,7 +466,8 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
           states: Optional[tuple] = None, contracting_dims: int = 1,
           precision: Any = None,
           sharding: Optional[_sharding.DenseSharding] = None,
-          weight: Optional[operands.Operand] = None) -> jax.Array:
+          weight: Optional[operands.Operand] = None,
+          x_quantized: Optional[QuantizedTensor] = None, epilogue: Any = None) -> jax.Array:
   """Quantized `x @ kernel + bias` with a custom backward pass.
 
   Args:
@@ -474,9 +494,16 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
       accumulation's micro-batches); None: quantized here. Either way the weight is quantized
       outside this function's custom_vjp, its copies named `operands.WEIGHT_NAMES` for remat
       policies (`remat_policy`), and the kernel's gradient is the contraction's.
+    x_quantized: x already quantized by `quantizers.input`, both directions (a fused producer
+      wrote it: `jaxquant.layers.fused_norm`); `x` then gives only the shape, the dtype and the
+      path of x's gradient. It becomes the input operand as it is (the input state's update
+      reads its amax).
+    epilogue: `jaxquant.layers.fused_activation.ActivationEpilogue`: the layer returns what
+      the epilogue makes of its output, and the epilogue quantizes the output gradient (fused
+      with the activation's derivative).
 
   Returns:
-    `[..., N1..Nn]` in `x`'s dtype.
+    `[..., N1..Nn]` in `x`'s dtype (with an epilogue: the epilogue's outputs).
   """
   if contracting_dims < 1 or contracting_dims > min(x.ndim, kernel.ndim):
     raise ValueError(f"contracting_dims={contracting_dims} must be between 1 and "
@@ -495,6 +522,8 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
   if quantizers is not None and not isinstance(quantizers, DenseQuantizers):
     raise TypeError(f"quantizers: expected DenseQuantizers or None, got "
                     f"{type(quantizers).__name__}")
+  if x_quantized is not None or epilogue is not None:
+    _check_fusion(quantizers, x_quantized, x, contracting_dims)
   if runs_unquantized(quantizers, sharding):
     kernel = kernel.astype(x.dtype)  # a parameter-dtype kernel: Flax's promotion
     y = jax.lax.dot_general(x, kernel, ((tuple(range(x.ndim - contracting_dims, x.ndim)),
@@ -521,11 +550,11 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
       quantizers, weight=compute_dtype_weight(quantizers.weight, kernel.dtype, x.dtype))
   config = _Config(quantizers, precision, x.dtype, kernel.dtype,
                    None if bias is None else bias.dtype, tuple(batch_shape),
-                   tuple(contract_shape), tuple(out_features), plan)
+                   tuple(contract_shape), tuple(out_features), plan, epilogue)
   if plan is not None:
     _record_plan(config)
   key_x, key_w, _ = _keys(key)
-  qx = _input_operand(config, x, kernel, key_x, states[0])
+  qx = _input_operand(config, x, kernel, key_x, states[0], x_quantized)
   if weight is None:
     weight = _weight_operand(config, kernel, key_w, states[1], probe=x)
   elif not isinstance(weight, operands.Operand) or weight.quantizer != quantizers.weight:
@@ -534,6 +563,29 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
                     + (f" under {weight.quantizer}" if isinstance(weight, operands.Operand)
                        else ""))
   return _dense_nd(config, x, kernel, bias, key, tuple(states), qx, weight)
+
+
+def _check_fusion(quantizers, x_quantized, x, contracting_dims) -> None:
+  """A pre-quantized input or an epilogue needs quantizers, and x_quantized must be x's."""
+  if quantizers is None:
+    raise ValueError("x_quantized / epilogue: the fused producers quantize; pass quantizers")
+  if x_quantized is None:
+    return
+  if (not isinstance(x_quantized, QuantizedTensor) or x_quantized.rowwise is None
+      or x_quantized.columnwise is None):
+    raise TypeError("x_quantized: expected a QuantizedTensor with both copies (rowwise and "
+                    f"columnwise), got {type(x_quantized).__name__}"
+                    + (f" with rowwise={x_quantized.rowwise is not None}, columnwise="
+                       f"{x_quantized.columnwise is not None}"
+                       if isinstance(x_quantized, QuantizedTensor) else ""))
+  if x_quantized.quantizer != quantizers.input:
+    raise ValueError(f"x_quantized: quantized by {x_quantized.quantizer}, but the input role's "
+                     f"quantizer is {quantizers.input}")
+  k = math.prod(x.shape[x.ndim - contracting_dims:])
+  rows = math.prod(x.shape[:x.ndim - contracting_dims])
+  if tuple(x_quantized.rowwise.shape) != (rows, k):
+    raise ValueError(f"x_quantized: rowwise copy {tuple(x_quantized.rowwise.shape)}, expected "
+                     f"{(rows, k)} for x {tuple(x.shape)}")
 
 
 def prepare_weight(x: jax.Array, kernel: jax.Array, quantizers: DenseQuantizers, *,

@@ -8,7 +8,9 @@ storages in. Being outside is what lets
   forward rule that is not one of its residuals breaks JAX's remat: an `AssertionError` in
   `_flatten_bwd`, bench/RESULTS.md issue 8.)
 - a caller prepare the weight once and reuse it (gradient accumulation: `prepare_weight`);
-- several contractions of one input share its quantization (`jaxquant.layers.shared_inputs`).
+- several contractions of one input share its quantization (`jaxquant.layers.shared_inputs`);
+- a fused producer (normalization, activation) hand its quantized output in as the input
+  operand (`given_operand`).
 
 Directions: the rowwise copy is always made; the columnwise copy only when the backward will
 read it, which is known inside the contraction's `custom_vjp` (is the other operand
@@ -185,3 +187,13 @@ def quantize_operand(make: Make, value: jax.Array, *, names: tuple[str, str], pr
   else:
     operand = jax.lax.stop_gradient(_by_need(make, probe, value, state, key))
   return operand.named(names)
+
+
+def given_operand(qtensor: QuantizedTensor, update: Callable[[QuantizedTensor, Any], Any],
+                  state: Any, *, names: tuple[str, str]) -> Operand:
+  """An operand another kernel already quantized, both copies (a fused producer's output:
+  `jaxquant.layers.fused_norm`, `fused_activation`), with the quantizer's state after it,
+  `update(qtensor, state)`. No gradient flows through it (the producer's own custom_vjp carries
+  x's), nor through the state update; named as a made one."""
+  qtensor, state = jax.lax.stop_gradient((qtensor, state))
+  return Operand.of(qtensor, update(qtensor, state)).named(names)
