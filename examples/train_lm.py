@@ -144,7 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
                  "real rows (dropless, GPU), fixed-size all_to_all buffers, or auto (fixed-size: "
                  "XLA's ragged all-to-all measured slower; jaxquant.explain says which ran)")
   p.add_argument("--remat", action="store_true",
-                 help="recompute each block's activations in the backward pass (large models)")
+                 help="recompute each block's activations in the backward pass (large models); "
+                 "the quantized weights are kept (jaxquant.remat_policy): each weight is "
+                 "quantized once per step")
+  p.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                 help="split each batch into N micro-batches and sum their gradients; each "
+                 "weight is quantized once per step (jaxquant.flax.quantize_weights)")
   p.add_argument("--embedding-gradient", choices=EMBEDDING_GRADIENTS, default="auto",
                  help="token embedding gradient: a one-hot GEMM ('auto' up to 4096 ids) or "
                       "nn.Embed's scatter-add (slow on GPUs for small vocabularies)")
@@ -184,9 +189,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   except ValueError as err:
     parser.error(str(err))
   if min(args.steps, args.batch, args.seq, args.eval_every, args.eval_batches,
-         args.checkpoint_every) < 1:
-    parser.error("--steps, --batch, --seq, --eval-every, --eval-batches and "
-                 "--checkpoint-every must be >= 1")
+         args.checkpoint_every, args.grad_accum) < 1:
+    parser.error("--steps, --batch, --seq, --eval-every, --eval-batches, "
+                 "--checkpoint-every and --grad-accum must be >= 1")
+  if args.batch % args.grad_accum:
+    parser.error(f"--grad-accum {args.grad_accum} must divide --batch {args.batch}")
   try:
     launch = distributed.resolve_launch(args.coordinator, args.num_processes, args.process_id,
                                         args.init_timeout)
@@ -228,7 +235,7 @@ def run(args: argparse.Namespace, names: Sequence[str],
   train_cfg = training.TrainConfig(steps=args.steps, lr=args.lr, warmup=args.warmup,
                                    weight_decay=args.weight_decay, eval_every=args.eval_every,
                                    seed=args.seed, progress=primary and not args.no_progress,
-                                   optimizer=args.optimizer)
+                                   optimizer=args.optimizer, grad_accum=args.grad_accum)
   say(corpus.describe())
   say(f"model: d_model={config.d_model} layers={config.layers} heads={config.heads} "
         f"mlp_ratio={config.mlp_ratio} positions={config.positions} seq={config.seq}"

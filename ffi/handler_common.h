@@ -7,6 +7,7 @@
 // naming the target, the buffer, what was passed and what is expected.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <sstream>
@@ -235,12 +236,41 @@ struct Fp8TensorArgs {
   uint8_t* col_data = nullptr;
   float* scale_inv = nullptr;
   float* amax = nullptr;  // delayed only
+  const float* first_amax = nullptr;  // jaxquant_quantize_fp8_delayed: the just-in-time scale's
+  int32_t margin = 0;
 };
+
+// The results of jaxquant_quantize_fp8 for an R x C matrix (flags already set in `a`), read
+// from `r` in order; shared with the fused targets (ffi/fused), which read more around them.
+inline ffi::Error read_fp8_tensor_results(const char* t, RetReader& r, int64_t R, int64_t C,
+                                          Fp8TensorArgs* a) {
+  void* p;
+  ffi::DataType row_type = ffi::DataType::INVALID, col_type = ffi::DataType::INVALID;
+  if (a->rowwise) {
+    JQ_RETURN_IF_ERROR(r.next("rowwise data", kFp8Types, {R, C}, &p, &row_type));
+    a->row_data = (uint8_t*)p;
+  }
+  if (a->columnwise) {
+    JQ_RETURN_IF_ERROR(r.next("columnwise data", kFp8Types, {C, R}, &p, &col_type));
+    a->col_data = (uint8_t*)p;
+  }
+  if (a->rowwise && a->columnwise && row_type != col_type) {
+    return invalid(t, "the rowwise and columnwise data dtypes differ");
+  }
+  a->fmt = fp8_of(a->rowwise ? row_type : col_type);
+  JQ_RETURN_IF_ERROR(r.next("scale_inv", {ffi::DataType::F32}, {}, &p));
+  a->scale_inv = (float*)p;
+  if (a->delayed) {
+    JQ_RETURN_IF_ERROR(r.next("amax", {ffi::DataType::F32}, {}, &p));
+    a->amax = (float*)p;
+  }
+  return ffi::Error::Success();
+}
 
 inline ffi::Error decode_fp8_tensor(ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::RemainingRets rets,
                                     bool rowwise, bool columnwise, bool delayed, bool pow2_scale,
-                                    float amax_epsilon, Fp8TensorArgs* a) {
-  const char* t = "jaxquant_quantize_fp8";
+                                    float amax_epsilon, Fp8TensorArgs* a,
+                                    const char* t = "jaxquant_quantize_fp8") {
   JQ_RETURN_IF_ERROR(decode_input(t, x, &a->x));
   JQ_RETURN_IF_ERROR(need_direction(t, rowwise, columnwise));
   JQ_RETURN_IF_ERROR(expect(t, delayed ? "scale" : "amax", s, {ffi::DataType::F32}, {}));
@@ -248,27 +278,79 @@ inline ffi::Error decode_fp8_tensor(ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::Rem
   a->pow2_scale = pow2_scale; a->amax_epsilon = amax_epsilon;
   a->s = static_cast<const float*>(s.untyped_data());
   RetReader r(t, rets);
-  void* p;
-  ffi::DataType row_type = ffi::DataType::INVALID, col_type = ffi::DataType::INVALID;
-  if (rowwise) {
-    JQ_RETURN_IF_ERROR(r.next("rowwise data", kFp8Types, {a->x.rows, a->x.cols}, &p, &row_type));
-    a->row_data = (uint8_t*)p;
-  }
-  if (columnwise) {
-    JQ_RETURN_IF_ERROR(r.next("columnwise data", kFp8Types, {a->x.cols, a->x.rows}, &p, &col_type));
-    a->col_data = (uint8_t*)p;
-  }
-  if (rowwise && columnwise && row_type != col_type) {
-    return invalid(t, "the rowwise and columnwise data dtypes differ");
-  }
-  a->fmt = fp8_of(rowwise ? row_type : col_type);
-  JQ_RETURN_IF_ERROR(r.next("scale_inv", {ffi::DataType::F32}, {}, &p));
-  a->scale_inv = (float*)p;
-  if (delayed) {
-    JQ_RETURN_IF_ERROR(r.next("amax", {ffi::DataType::F32}, {}, &p));
-    a->amax = (float*)p;
-  }
+  JQ_RETURN_IF_ERROR(read_fp8_tensor_results(t, r, a->x.rows, a->x.cols, a));
   return r.done();
+}
+
+// ---------------------------------------------------------------------------------------------
+// jaxquant_quantize_fp8_delayed(x, scale, first_amax) -> [row_data], [col_data], scale_inv, amax
+//   delayed scaling with the just-in-time first scale: where the stored scale is 0 ("none yet")
+//   the kernel quantizes with `delayed_scale(first_amax, fmax, margin, 1)` (first_amax from the
+//   gated amax pass), so no scale arithmetic runs in XLA before it.
+// ---------------------------------------------------------------------------------------------
+
+inline ffi::Error decode_fp8_delayed(ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::AnyBuffer first_amax,
+                                     ffi::RemainingRets rets, bool rowwise, bool columnwise,
+                                     int32_t margin, Fp8TensorArgs* a) {
+  const char* t = "jaxquant_quantize_fp8_delayed";
+  JQ_RETURN_IF_ERROR(decode_fp8_tensor(x, s, rets, rowwise, columnwise, true, false, 0.0f, a, t));
+  JQ_RETURN_IF_ERROR(expect(t, "first_amax", first_amax, {ffi::DataType::F32}, {}));
+  if (margin < 0) return invalid(t, "margin must be >= 0; got " + std::to_string(margin));
+  a->first_amax = static_cast<const float*>(first_amax.untyped_data());
+  a->margin = margin;
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------
+// jaxquant_delayed_update(history [..., L], scale [...], amax [...]) -> history', scale'
+//   state.delayed_scaling_update for a batch of states: hist[0] = amax; a = max(hist) (or amax
+//   when most_recent); scale' = delayed_scale(a, fmax, margin, scale); history' = hist rolled by
+//   -1 with its first entry zeroed.
+// ---------------------------------------------------------------------------------------------
+
+struct DelayedUpdateArgs {
+  int64_t batch = 0, length = 0;
+  const float *history = nullptr, *scale = nullptr, *amax = nullptr;
+  float *new_history = nullptr, *new_scale = nullptr;
+};
+
+inline ffi::Error decode_delayed_update(ffi::AnyBuffer history, ffi::AnyBuffer scale,
+                                        ffi::AnyBuffer amax, ffi::Result<ffi::AnyBuffer> new_history,
+                                        ffi::Result<ffi::AnyBuffer> new_scale, float fmax,
+                                        int32_t margin, DelayedUpdateArgs* a) {
+  const char* t = "jaxquant_delayed_update";
+  auto dims = history.dimensions();
+  if (dims.size() < 1 || history.element_type() != ffi::DataType::F32 || dims.back() < 1) {
+    return invalid(t, std::string("history is ") + dtype_name(history.element_type()) +
+                          dims_str(dims) + "; expected float32 [..., L] with L >= 1");
+  }
+  if (!(fmax > 0.0f)) return invalid(t, "fmax must be > 0");
+  if (margin < 0) return invalid(t, "margin must be >= 0; got " + std::to_string(margin));
+  int64_t batch = 1;
+  for (size_t i = 0; i + 1 < dims.size(); ++i) batch *= dims[i];
+  for (auto [what, buf] : {std::pair<const char*, const ffi::AnyBuffer*>{"scale", &scale},
+                           {"amax", &amax}, {"the new scale", &*new_scale}}) {
+    auto got = buf->dimensions();
+    bool ok = buf->element_type() == ffi::DataType::F32 && got.size() + 1 == dims.size();
+    for (size_t i = 0; ok && i < got.size(); ++i) ok = got[i] == dims[i];
+    if (!ok) {
+      return invalid(t, std::string(what) + " is " + dtype_name(buf->element_type()) +
+                            dims_str(got) + "; expected float32 of the history's leading shape " +
+                            dims_str(dims.first(dims.size() - 1)));
+    }
+  }
+  auto out = new_history->dimensions();
+  if (new_history->element_type() != ffi::DataType::F32 || !(out == dims)) {
+    return invalid(t, "the new history must be float32 of the history's shape " + dims_str(dims));
+  }
+  a->batch = batch;
+  a->length = dims.back();
+  a->history = static_cast<const float*>(history.untyped_data());
+  a->scale = static_cast<const float*>(scale.untyped_data());
+  a->amax = static_cast<const float*>(amax.untyped_data());
+  a->new_history = static_cast<float*>(new_history->untyped_data());
+  a->new_scale = static_cast<float*>(new_scale->untyped_data());
+  return ffi::Error::Success();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -283,15 +365,11 @@ struct Mxfp8Args {
   float* amax = nullptr;
 };
 
-inline ffi::Error decode_mxfp8(ffi::AnyBuffer x, ffi::RemainingRets rets, bool rowwise,
-                               bool columnwise, Mxfp8Args* a) {
-  const char* t = "jaxquant_quantize_mxfp8";
-  JQ_RETURN_IF_ERROR(decode_input(t, x, &a->x));
-  JQ_RETURN_IF_ERROR(need_direction(t, rowwise, columnwise));
-  a->rowwise = rowwise; a->columnwise = columnwise;
-  const int64_t R = a->x.rows, C = a->x.cols;
+// The results of jaxquant_quantize_mxfp8 for an R x C matrix (directions set in `a`).
+inline ffi::Error read_mxfp8_results(const char* t, RetReader& r, int64_t R, int64_t C,
+                                     Mxfp8Args* a) {
+  const bool rowwise = a->rowwise, columnwise = a->columnwise;
   const auto e8m0 = {ffi::DataType::F8E8M0FNU};
-  RetReader r(t, rets);
   void* p;
   ffi::DataType row_type = ffi::DataType::INVALID, col_type = ffi::DataType::INVALID;
   if (rowwise) {
@@ -312,6 +390,17 @@ inline ffi::Error decode_mxfp8(ffi::AnyBuffer x, ffi::RemainingRets rets, bool r
   a->fmt = fp8_of(rowwise ? row_type : col_type);
   JQ_RETURN_IF_ERROR(r.next("amax", {ffi::DataType::F32}, {}, &p));
   a->amax = (float*)p;
+  return ffi::Error::Success();
+}
+
+inline ffi::Error decode_mxfp8(ffi::AnyBuffer x, ffi::RemainingRets rets, bool rowwise,
+                               bool columnwise, Mxfp8Args* a) {
+  const char* t = "jaxquant_quantize_mxfp8";
+  JQ_RETURN_IF_ERROR(decode_input(t, x, &a->x));
+  JQ_RETURN_IF_ERROR(need_direction(t, rowwise, columnwise));
+  a->rowwise = rowwise; a->columnwise = columnwise;
+  RetReader r(t, rets);
+  JQ_RETURN_IF_ERROR(read_mxfp8_results(t, r, a->x.rows, a->x.cols, a));
   return r.done();
 }
 
@@ -330,17 +419,11 @@ struct Fp8BlockArgs {
   float *row_scale = nullptr, *col_scale = nullptr, *amax = nullptr;
 };
 
-inline ffi::Error decode_fp8_block(ffi::AnyBuffer x, ffi::RemainingRets rets, bool rowwise,
-                                   bool columnwise, bool block_2d, bool pow2_scale,
-                                   float amax_epsilon, Fp8BlockArgs* a) {
-  const char* t = "jaxquant_quantize_fp8_block";
-  JQ_RETURN_IF_ERROR(decode_input(t, x, &a->x));
-  JQ_RETURN_IF_ERROR(need_direction(t, rowwise, columnwise));
-  a->rowwise = rowwise; a->columnwise = columnwise; a->block_2d = block_2d;
-  a->pow2_scale = pow2_scale; a->amax_epsilon = amax_epsilon;
-  const int64_t R = a->x.rows, C = a->x.cols;
+// The results of jaxquant_quantize_fp8_block for an R x C matrix (flags set in `a`).
+inline ffi::Error read_fp8_block_results(const char* t, RetReader& r, int64_t R, int64_t C,
+                                         Fp8BlockArgs* a) {
+  const bool rowwise = a->rowwise, columnwise = a->columnwise, block_2d = a->block_2d;
   const auto f32 = {ffi::DataType::F32};
-  RetReader r(t, rets);
   void* p;
   ffi::DataType row_type = ffi::DataType::INVALID, col_type = ffi::DataType::INVALID;
   if (rowwise) {
@@ -369,6 +452,19 @@ inline ffi::Error decode_fp8_block(ffi::AnyBuffer x, ffi::RemainingRets rets, bo
   a->fmt = fp8_of(rowwise ? row_type : col_type);
   JQ_RETURN_IF_ERROR(r.next("amax", f32, {}, &p));
   a->amax = (float*)p;
+  return ffi::Error::Success();
+}
+
+inline ffi::Error decode_fp8_block(ffi::AnyBuffer x, ffi::RemainingRets rets, bool rowwise,
+                                   bool columnwise, bool block_2d, bool pow2_scale,
+                                   float amax_epsilon, Fp8BlockArgs* a) {
+  const char* t = "jaxquant_quantize_fp8_block";
+  JQ_RETURN_IF_ERROR(decode_input(t, x, &a->x));
+  JQ_RETURN_IF_ERROR(need_direction(t, rowwise, columnwise));
+  a->rowwise = rowwise; a->columnwise = columnwise; a->block_2d = block_2d;
+  a->pow2_scale = pow2_scale; a->amax_epsilon = amax_epsilon;
+  RetReader r(t, rets);
+  JQ_RETURN_IF_ERROR(read_fp8_block_results(t, r, a->x.rows, a->x.cols, a));
   return r.done();
 }
 

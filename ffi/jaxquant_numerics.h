@@ -326,6 +326,21 @@ JQ_HD float scale_from_amax(float amax, float fmax, bool pow2_scale, float amax_
   return scale;
 }
 
+// state.py's delayed-scaling scale from an amax `a`: `fmax / a / 2^margin` clamped to FLT_MAX
+// where `a` is finite and > 0, else `fallback` (1 for the just-in-time first scale, the stored
+// scale in the update). The division by 2^margin is skipped at margin 0 (exact either way).
+// "Finite and > 0" is read off the bits: a float compare would see a subnormal amax as 0 under
+// the CPU handlers' inherited DAZ, where XLA's compare does not.
+JQ_HD bool is_zero(float x) { return (bits_of(x) & 0x7FFFFFFFu) == 0; }
+
+JQ_HD float delayed_scale(float a, float fmax, int32_t margin, float fallback) {
+  const uint32_t b = bits_of(a);
+  if ((b >> 31) != 0 || b == 0 || (b & 0x7F800000u) == 0x7F800000u) return fallback;
+  float scale = div_f32(fmax, a);
+  if (margin != 0) scale = div_f32(scale, float_of(uint32_t(127 + (margin < 128 ? margin : 128)) << 23));
+  return scale > kFltMax ? kFltMax : scale;
+}
+
 // scales.e8m0_from_amax: MXFP8 biased block exponent in [0, 255]. `inv_fmax` = float32(1/fmax).
 JQ_HD uint32_t e8m0_from_amax(float block_amax, float inv_fmax) {
   const float s = block_amax * inv_fmax;
@@ -419,6 +434,223 @@ JQ_HD uint32_t sr_row_hash(uint32_t k0, uint32_t row) { return lowbias32(row * 0
 JQ_HD float sr_uniform(uint32_t row_hash, uint32_t k1, uint32_t col) {
   const uint32_t h = lowbias32(row_hash ^ (col * 0x85EBCA6Bu + k1));
   return static_cast<float>(h >> 8) * 0x1p-24f;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fused producers (ffi/fused): normalization and activation values, in the exact float32 order
+// of jaxquant/numerics/{exact,reductions,normalization,activations}.py.
+//
+// Compiled without FMA contraction on both sides, so every product below rounds on its own;
+// `mul_rn` marks the products that feed an addition, where the pure-JAX spec adds a run-time
+// zero to stop XLA's contraction (the value is the same: `a * b`, a product of -0 gives +0).
+// ---------------------------------------------------------------------------------------------
+
+JQ_HD float mul_rn(float a, float b) { return a * b + 0.0f; }
+
+// exact.ieee_sqrt: correctly rounded square root from integer operations (host), so XLA:CPU's
+// flush-to-zero mode cannot touch it; the device uses the IEEE instruction (-ftz=false).
+JQ_HD float sqrt_host(float x) {
+  const uint32_t bits = bits_of(x), magnitude = bits & 0x7FFFFFFFu, inf = 0x7F800000u;
+  if (magnitude > inf || ((bits >> 31) && magnitude != 0)) return float_of(0x7FC00000u);
+  if (magnitude == inf || magnitude == 0) return x;
+  uint32_t mantissa;
+  int32_t exponent;
+  normalize_f32(magnitude, &mantissa, &exponent);
+  int32_t unbiased = exponent - 127;
+  const bool odd = (unbiased & 1) != 0;
+  if (odd) mantissa <<= 1;  // [2^23, 2^25)
+  const int32_t half_exponent = (unbiased - (odd ? 1 : 0)) / 2;  // even: exact
+  uint32_t root = 0, remainder = 0;
+  for (int step = 24; step >= 0; --step) {  // radicand mantissa * 2^25, two bits a step
+    const int offset = 2 * step - 25;
+    const uint32_t pair = offset >= 0 ? (mantissa >> offset) & 3u : (mantissa << -offset) & 3u;
+    remainder = (remainder << 2) | pair;
+    const uint32_t trial = (root << 2) | 1u;
+    const bool take = remainder >= trial;
+    if (take) remainder -= trial;
+    root = (root << 1) | (take ? 1u : 0u);
+  }
+  uint32_t kept = root >> 1;
+  if ((root & 1u) && (remainder != 0 || (kept & 1u))) ++kept;
+  return float_of((static_cast<uint32_t>(half_exponent + 126) << 23) + kept);
+}
+
+JQ_HD float sqrt_f32(float x) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(x);
+#else
+  return sqrt_host(x);
+#endif
+}
+
+// jnp.round (half to even) of |v| < 2^22, any sign; NaN stays NaN.
+JQ_HD float round_half_even(float v) {
+#if defined(__CUDA_ARCH__)
+  return rintf(v);
+#else
+  return float_of(bits_of(rint_nonneg(abs_f(v))) | (bits_of(v) & 0x80000000u));
+#endif
+}
+
+// Output dtypes of the fused producers (the value is rounded to it before quantizing).
+enum class OutType : int { kBF16 = 0, kF16 = 1, kF32 = 2 };
+
+// XLA's float32 -> bfloat16 conversion: round to nearest even; NaN -> quiet NaN with its sign.
+JQ_HD uint32_t bf16_bits_rne(float x) {
+  const uint32_t b = bits_of(x);
+  if (is_nan(x)) return ((b >> 16) & 0x8000u) | 0x7FC0u;
+  return (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+}
+
+// XLA's float32 -> float16 conversion: round to nearest even, subnormal halves, overflow to
+// inf; NaN keeps its sign and top payload bits, quieted.
+JQ_HD uint32_t f16_bits_rne(float x) {
+  const uint32_t b = bits_of(x), sign = (b >> 16) & 0x8000u, magnitude = b & 0x7FFFFFFFu;
+  if (magnitude > 0x7F800000u) return sign | 0x7E00u | ((magnitude & 0x7FFFFFu) >> 13);
+  if (magnitude >= 0x477FF000u) return sign | 0x7C00u;  // rounds to >= 65520: inf
+  const int32_t e = static_cast<int32_t>(magnitude >> 23) - 127;
+  if (e >= -14) {  // normal half: drop 13 mantissa bits
+    const uint32_t m = magnitude + 0xFFFu + ((magnitude >> 13) & 1u);
+    return sign | (((m >> 13) - (112u << 10)) & 0x7FFFu);
+  }
+  if (e < -25) return sign;  // below half the smallest subnormal (2^-25): zero
+  // Subnormal half: value = mant * 2^(e - 23), in units of 2^-24: shift right by (-14 - e) + 13.
+  const uint32_t mant = (magnitude & 0x7FFFFFu) | 0x800000u;
+  const int shift = -1 - e;  // 14 .. 24
+  const uint32_t kept = mant >> shift, dropped = mant & ((1u << shift) - 1u), half = 1u << (shift - 1);
+  const uint32_t rounded = kept + ((dropped > half || (dropped == half && (kept & 1u))) ? 1u : 0u);
+  return sign | rounded;
+}
+
+// The float32 value of x rounded to `out` (host; the kernels convert with the CUDA intrinsics).
+JQ_HD float round_to_host(OutType out, float x) {
+  if (out == OutType::kBF16) return float_of(bf16_bits_rne(x) << 16);
+  if (out == OutType::kF16) return f16_bits_to_float(static_cast<uint16_t>(f16_bits_rne(x)));
+  return x;
+}
+
+// normalization.norm_apply, one element.
+JQ_HD float norm_value(float x, float mean, float rsigma, float g, float b, bool layernorm,
+                       bool has_scale, bool has_bias) {
+  const float d = layernorm ? x - mean : x;
+  if (!has_bias) {
+    const float t = d * rsigma;
+    return has_scale ? t * g : t;
+  }
+  if (!has_scale) return mul_rn(d, rsigma) + b;
+  return mul_rn(d * rsigma, g) + b;
+}
+
+// normalization.norm_statistics' last step: rsigma = 1 / sqrt(var + eps).
+JQ_HD float rsigma_of(float var, float eps) { return div_f32(1.0f, sqrt_f32(var + eps)); }
+
+// reductions.row_sum's chunk: 8 consecutive values summed left to right.
+JQ_HD float chunk_sum8(const float* v) {
+  float s = v[0] + v[1];
+#pragma unroll
+  for (int i = 2; i < 8; ++i) s = s + v[i];
+  return s;
+}
+
+// Pairwise (neighbours first) merging of a stream of partial sums, the binary-counter way:
+// after pushing 2^L partials, `levels[L]` holds their pairwise sum.
+struct PairwiseStack {
+  float levels[40];
+  uint64_t count = 0;
+  JQ_HD void push(float c) {
+    int level = 0;
+    uint64_t n = ++count;
+    while ((n & 1u) == 0) {
+      c = levels[level] + c;
+      n >>= 1;
+      ++level;
+    }
+    levels[level] = c;
+  }
+};
+
+// reductions.row_sum of v[0..k) on the host (values already float32): chunks of 8 (zero
+// padded), padded with zero chunks to a power of two, pairwise.
+inline float row_sum_host(const float* v, int64_t k) {
+  const int64_t chunks = (k + 7) / 8;
+  int64_t padded = 1;
+  int levels = 0;
+  while (padded < chunks) { padded <<= 1; ++levels; }
+  PairwiseStack stack;
+  for (int64_t i = 0; i < padded; ++i) {
+    float c[8];
+    for (int j = 0; j < 8; ++j) c[j] = (8 * i + j < k) ? v[8 * i + j] : 0.0f;
+    stack.push(chunk_sum8(c));
+  }
+  return stack.levels[levels];
+}
+
+// exp, activations and their derivatives (activations.py). Constants are the float32 values
+// of the Python ones.
+constexpr float kLog2e = 0x1.715476p+0f;
+constexpr float kLn2Hi = 0x1.63p-1f;  // 0.693359375: n * kLn2Hi is exact
+constexpr float kLn2Lo = -0x1.bd0106p-13f;
+constexpr float kGeluC1 = 0x1.988454p+0f;   // 2 sqrt(2 / pi)
+constexpr float kGeluC2 = 0x1.2444f2p-4f;   // 2 sqrt(2 / pi) * 0.044715
+constexpr float kGeluC3 = 0x1.b6676cp-3f;   // 3 * kGeluC2
+constexpr float kQuickGeluC = 0x1.b3b646p+0f;  // 1.702
+
+JQ_HD float exp_f32(float x) {
+  const float xc = min_prop(max_prop(x, -104.0f), 89.0f);
+  const float n = round_half_even(xc * kLog2e);
+  const float r = (xc - n * kLn2Hi) - mul_rn(n, kLn2Lo);
+  float p = 0x1.a01a02p-13f;  // 1/5040, then Horner down to 1
+  p = mul_rn(p, r) + 0x1.6c16c2p-10f;
+  p = mul_rn(p, r) + 0x1.111112p-7f;
+  p = mul_rn(p, r) + 0x1.555556p-5f;
+  p = mul_rn(p, r) + 0x1.555556p-3f;
+  p = mul_rn(p, r) + 0.5f;
+  p = mul_rn(p, r) + 1.0f;
+  p = mul_rn(p, r) + 1.0f;
+  const int ni = is_nan(n) ? 0 : static_cast<int>(n);
+  const int n1 = ni < -126 ? -126 : (ni > 127 ? 127 : ni);
+  return mul_rn(p * exp2i(n1), exp2i(ni - n1));  // the callers add 1
+}
+
+// Activation kinds of the fused kernels (the `act` attribute); activations.ACTIVATIONS order.
+enum class Act : int { kGelu = 0, kSilu = 1, kRelu = 2, kQuickGelu = 3, kSquaredRelu = 4 };
+
+JQ_HD float relu_value(float x) { return x > 0.0f ? x : (is_nan(x) ? x : 0.0f); }
+
+// (v, q) of the x * sigmoid(v) family: the sigmoid's argument and q = x * dv/dx.
+JQ_HD void sigmoid_argument(Act a, float x, float* v, float* q) {
+  if (a == Act::kSilu) {
+    *v = x;
+    *q = x;
+  } else if (a == Act::kQuickGelu) {
+    *v = x * kQuickGeluC;
+    *q = *v;
+  } else {
+    const float w = x * x;
+    *v = x * (mul_rn(kGeluC2, w) + kGeluC1);
+    *q = x * (mul_rn(kGeluC3, w) + kGeluC1);
+  }
+}
+
+JQ_HD float act_value(Act a, float x) {
+  if (a == Act::kRelu) return relu_value(x);
+  if (a == Act::kSquaredRelu) {
+    const float r = relu_value(x);
+    return r * r;
+  }
+  float v, q;
+  sigmoid_argument(a, x, &v, &q);
+  return div_f32(x, exp_f32(-v) + 1.0f);
+}
+
+// The incoming gradient g times act'(x).
+JQ_HD float act_backward(Act a, float g, float x) {
+  if (a == Act::kRelu) return x > 0.0f ? g : 0.0f;
+  if (a == Act::kSquaredRelu) return x > 0.0f ? g * (x * 2.0f) : 0.0f;
+  float v, q;
+  sigmoid_argument(a, x, &v, &q);
+  const float s = div_f32(1.0f, exp_f32(-v) + 1.0f);
+  return g * (s * (mul_rn(q, 1.0f - s) + 1.0f));
 }
 
 }  // namespace jq

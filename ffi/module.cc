@@ -10,6 +10,7 @@
 
 #include <string>
 
+#include "fused/registrations.h"
 #include "gemm/registrations.h"
 #include "grouped/registrations.h"
 #include "quantize/handlers.h"
@@ -24,14 +25,20 @@ nb::dict table(const std::vector<jqffi::Target>& targets) {
   return d;
 }
 
+void add(nb::dict& d, const std::vector<jqffi::Target>& targets) {
+  for (const jqffi::Target& t : targets) d[t.name] = nb::capsule(t.handler);
+}
+
 }  // namespace
 
 NB_MODULE(_jaxquant_ffi, m) {
   m.def("registrations", []() {
     nb::dict platforms;
     nb::dict cpu = table(jqffi::cpu_targets()), cuda;
+    add(cpu, jqffi::fused_cpu_targets());  // ffi/fused
 #ifdef JAXQUANT_WITH_CUDA
     cuda = table(jqffi::cuda_targets());
+    add(cuda, jqffi::fused_cuda_targets());
 #endif
     jaxquant_gemm::RegisterGemmTargets(cpu, cuda);  // ffi/gemm
     jqgrouped::RegisterGroupedTargets(cpu, cuda);   // ffi/grouped

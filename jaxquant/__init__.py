@@ -9,7 +9,8 @@ modules and `jaxquant.nnx` the Flax NNX ones. Both are imported on first attribu
 import importlib
 
 from jaxquant import factories, formats, ops
-from jaxquant.layers.dense import DenseQuantizers, dense
+from jaxquant.layers.dense import DenseQuantizers, dense, prepare_weight, remat_policy
+from jaxquant.layers.shared_inputs import share_input_quantization
 from jaxquant import grouped
 from jaxquant.layers.grouped_dense import grouped_dense
 from jaxquant.layers.grouped_dense import init_states as grouped_dense_states
@@ -51,4 +52,5 @@ __all__ = [
     "DelayedScalingState", "init_state", "delayed_scaling_update", "update_state", "explain",
     "explain_recording", "Decision", "Report", "factories", "formats", "ops", "recipes",
     "dense", "DenseQuantizers", "grouped", "grouped_dense", "grouped_dense_states",
+    "prepare_weight", "remat_policy", "share_input_quantization",
 ]

@@ -18,7 +18,7 @@ import jax
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-  op: str  # "quantize" | "gemm" | "transpose"
+  op: str  # "quantize" | "gemm" | "transpose" | "state-update"
   role: Any  # QuantizerRole, a description string, or None
   detail: str  # quantizer(s) and direction(s)
   path: str  # implementation taken, e.g. "reference", "ffi-cuda", "cublaslt-fp8", "dequant-bf16"
@@ -56,6 +56,17 @@ def explain_recording() -> Iterator[Report]:
   token = _ACTIVE.set(report)
   try:
     yield report
+  finally:
+    _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+  """Record nothing in this block: for abstract traces that only ask for shapes (e.g. the
+  storage layout of a copy that is not made), whose decisions did not happen."""
+  token = _ACTIVE.set(None)
+  try:
+    yield
   finally:
     _ACTIVE.reset(token)
 

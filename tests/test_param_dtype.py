@@ -269,6 +269,10 @@ def _every_module():
       "LayerNormDense": jf.LayerNormDense(N, dtype=jnp.bfloat16, recipe=recipe),
       "LayerNormMLP": jf.LayerNormMLP(N, activations="swiglu", dtype=jnp.bfloat16,
                                       recipe=recipe),
+      "LayerNormDense fused": jf.LayerNormDense(N, dtype=jnp.bfloat16, recipe=recipe,
+                                                fuse_producers=True),
+      "LayerNormMLP fused": jf.LayerNormMLP(N, activations="swiglu", dtype=jnp.bfloat16,
+                                            recipe=recipe, fuse_producers=True),
   }
   cases = {name: (lambda x, m=m: m.init(jax.random.key(1), x),
                   lambda v, x, m=m: m.apply(v, x)) for name, m in linen.items()}
@@ -300,6 +304,7 @@ def _every_module():
 
 
 @pytest.mark.parametrize("module", ["DenseGeneral", "LayerNormDense", "LayerNormMLP",
+                                    "LayerNormDense fused", "LayerNormMLP fused",
                                     "quantize_dense nn.Dense", "quantize_dense nn.Einsum",
                                     "nnx.LinearGeneral", "nnx.Einsum"])
 def test_every_module_quantizes_its_float32_kernel(rng, monkeypatch, module):

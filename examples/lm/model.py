@@ -48,7 +48,9 @@ class LMConfig:
       (fixed-size buffers: XLA's ragged all-to-all of the real rows measured slower on H100s),
       "ragged" or "fixed" (`jaxquant.expert_parallel.EXCHANGES`).
     remat: recompute each block's activations in the backward pass (`nn.remat`): the memory of
-      one block instead of all of them, for large models (seq 2048 x d_model 4096).
+      one block instead of all of them, for large models (seq 2048 x d_model 4096). The
+      quantized weights are kept (`jaxquant.remat_policy`), so the recomputed forward does
+      not quantize them again.
     scan_layers: run the blocks as one `nn.scan` over stacked parameters (`blocks/...`, leading
       axis `layers`): compile time independent of depth. Same math, different parameter tree.
     embedding_gradient: how the token embedding's gradient is formed (`lm.embedding`):
@@ -169,8 +171,12 @@ class ScannedBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, _) -> tuple[jax.Array, None]:
-    block = nn.remat(Block) if self.config.remat else Block
-    return block(self.config, self.recipe, name="block")(x), None
+    return _block_class(self.config)(self.config, self.recipe, name="block")(x), None
+
+
+def _block_class(cfg: LMConfig) -> type:
+  """`Block`, rematerialized under `cfg.remat` with the quantized weights kept."""
+  return nn.remat(Block, policy=jaxquant.remat_policy()) if cfg.remat else Block
 
 
 def blocks(cfg: LMConfig, recipe: Optional[jaxquant.Recipe], x: jax.Array) -> jax.Array:
@@ -178,11 +184,11 @@ def blocks(cfg: LMConfig, recipe: Optional[jaxquant.Recipe], x: jax.Array) -> ja
   if cfg.scan_layers:
     scanned = nn.scan(ScannedBlock, length=cfg.layers,
                       variable_axes={"params": 0, "_overwrite_with_gradient": 0,
-                                     "intermediates": 0},
+                                     "intermediates": 0, jaxquant.flax.WEIGHT_CACHE: 0},
                       split_rngs={"params": True, "quantize": True},
                       metadata_params={nn.PARTITION_NAME: "layers"})
     return scanned(cfg, recipe, name="blocks")(x, None)[0]
-  block = nn.remat(Block) if cfg.remat else Block
+  block = _block_class(cfg)
   for i in range(cfg.layers):
     x = block(cfg, recipe, name=f"block_{i}")(x)
   return x

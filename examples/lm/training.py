@@ -37,6 +37,7 @@ class TrainConfig:
   seed: int = 0
   progress: bool = True
   optimizer: str = "adamw"  # or "sgd": updates linear in the gradient (bench/scaling.py's check)
+  grad_accum: int = 1  # micro-batches per step (gradients summed, each weight quantized once)
 
 
 @dataclasses.dataclass
@@ -140,23 +141,78 @@ def create_state(model: nn.Module, tokens: np.ndarray, cfg: TrainConfig,
   return nn.meta.unbox(jax.jit(init, out_shardings=shardings)(tokens))
 
 
-def make_steps(model: nn.Module, state: Optional[TrainState] = None) -> tuple[Callable, Callable]:
+def accumulated_value_and_grad(model: nn.Module, variables, tokens: jax.Array, key: jax.Array,
+                               micro_batches: int):
+  """(loss, gradients) of `next_token_loss` over `tokens`, from `micro_batches` equal
+  micro-batches: the mean of their losses and gradients (the full batch's, up to float32
+  summation order, where the quantization of one sequence does not depend on the others).
+
+  Each weight is quantized once for all micro-batches (`jaxquant.flax.quantize_weights`, as
+  TransformerEngine caches weights on the first micro-batch), which also advances each
+  weight's delayed-scaling state once; the input and gradient states advance micro-batch by
+  micro-batch, as separate steps would. Micro-batch `i` takes rows `i, i + n, ...`, so under
+  data parallelism every device works on each micro-batch. Its quantize key is
+  `fold_in(key, i)`.
+  """
+  batch = tokens.shape[0]
+  if batch % micro_batches:
+    raise ValueError(f"grad_accum={micro_batches} must divide the batch size {batch}")
+  micro = jnp.swapaxes(tokens.reshape(batch // micro_batches, micro_batches,
+                                      *tokens.shape[1:]), 0, 1)
+  overwrite = jaxquant.flax.OVERWRITE_WITH_GRADIENT
+  weights = jaxquant.flax.quantize_weights(model.apply, variables, micro[0, :, :-1],
+                                           rngs={"quantize": key})
+
+  def micro_step(carry, xs):
+    grad_sum, loss_sum, scaling_state = carry
+    tokens_i, i = xs
+    current = dict(variables)
+    if scaling_state is not None:
+      current[overwrite] = scaling_state
+    loss, grads = jax.value_and_grad(
+        lambda v: next_token_loss(model, {**v, **weights}, tokens_i,
+                                  jax.random.fold_in(key, i)))(current)
+    grad_sum = jax.tree_util.tree_map(jnp.add, grad_sum, grads["params"])
+    return (grad_sum, loss_sum + loss, grads.get(overwrite)), None
+
+  zeros = jax.tree_util.tree_map(jnp.zeros_like, variables["params"])
+  (grad_sum, loss_sum, scaling_state), _ = jax.lax.scan(
+      micro_step, (zeros, jnp.float32(0.0), variables.get(overwrite)),
+      (micro, jnp.arange(micro_batches)))
+  grads = {"params": jax.tree_util.tree_map(lambda g: g / micro_batches, grad_sum)}
+  if scaling_state is not None:
+    grads[overwrite] = scaling_state
+  return loss_sum / micro_batches, grads
+
+
+def make_steps(model: nn.Module, state: Optional[TrainState] = None, grad_accum: int = 1,
+               step_keys: bool = False) -> tuple[Callable, Callable]:
   """`(train_step, eval_loss)`, both jitted.
 
   train_step(state, tokens, key) -> (state, loss); eval_loss(variables, batches, key) -> loss
   averaged over `batches[num, batch, seq + 1]`. Given the (sharded) initial `state`, the new
   state keeps its shardings: otherwise XLA may pick others for the outputs (a replicated
   LayerNorm scale comes back sharded over `fsdp`, say), and the next call, compiled for the
-  first state's, rejects them.
+  first state's, rejects them. With `grad_accum > 1` the step sums the gradients of that many
+  micro-batches (`accumulated_value_and_grad`). The state is donated: its buffers become the
+  new state's, without a copy. With `step_keys`, `key` is the run's base key and the step's
+  own is `fold_in(key, state.step + 1)`, derived on the device (not by an eager op per step).
   """
+  if grad_accum < 1:
+    raise ValueError(f"grad_accum={grad_accum}; expected a positive number of micro-batches")
   loss_fn = lambda variables, tokens, key: next_token_loss(model, variables, tokens, key)
   out_shardings = None
   if state is not None:
     out_shardings = (jax.tree_util.tree_map(lambda a: a.sharding, state), None)
 
-  @functools.partial(jax.jit, out_shardings=out_shardings)
+  @functools.partial(jax.jit, out_shardings=out_shardings, donate_argnums=(0,))
   def train_step(state: TrainState, tokens: jax.Array, key: jax.Array):
-    loss, grads = jax.value_and_grad(loss_fn)(state.params, tokens, key)
+    if step_keys:
+      key = jax.random.fold_in(key, state.step + 1)
+    if grad_accum == 1:
+      loss, grads = jax.value_and_grad(loss_fn)(state.params, tokens, key)
+    else:
+      loss, grads = accumulated_value_and_grad(model, state.params, tokens, key, grad_accum)
     return state.apply_gradients(grads=grads), loss
 
   @jax.jit
@@ -207,7 +263,8 @@ def train(recipe_name: str, model: nn.Module, cfg: TrainConfig, batches: Iterato
       `batches` must then start at the checkpoint's data position (batch `state.step + 1`).
   """
   from lm.sharding import put_batches  # noqa: PLC0415
-  train_step, eval_loss = make_steps(model, state if mesh is not None else None)
+  train_step, eval_loss = make_steps(model, state if mesh is not None else None,
+                                     grad_accum=cfg.grad_accum, step_keys=True)
   eval_key = jax.random.key(cfg.seed + 2)
   eval_arrays = {split: put_batches(mesh, b, leading=1) for split, b in eval_sets.items()}
   first_step = int(state.step)
@@ -232,22 +289,42 @@ def train(recipe_name: str, model: nn.Module, cfg: TrainConfig, batches: Iterato
   bar = tqdm(range(first_step + 1, cfg.steps + 1), desc=recipe_name, disable=not cfg.progress,
              dynamic_ncols=True, leave=False, mininterval=0.5, initial=first_step,
              total=cfg.steps)
-  for step in bar:
-    tokens = next(batches)
-    t0 = time.perf_counter()
-    state, loss = train_step(state, put_batches(mesh, tokens),
-                             jax.random.fold_in(base_key, step))
-    loss = float(loss)  # waits for the step: honest per-step timing
-    history.step_times.append(time.perf_counter() - t0)
+  # The loss of a step is read after the next step is dispatched, so the device always has a
+  # step queued while the host waits (reading it at once left the device idle for the host's
+  # dispatch of every step). Step times are the intervals between finished steps.
+  pending: Optional[tuple[int, jax.Array]] = None
+  last_done = time.perf_counter()
+
+  def finish(step: int, loss: jax.Array) -> None:
+    nonlocal last_done
+    loss = float(loss)  # waits for that step
+    now = time.perf_counter()
+    history.step_times.append(now - last_done)
+    last_done = now
     history.step_losses.append(loss)
     if not np.isfinite(loss):
       raise FloatingPointError(f"[{recipe_name}] loss is {loss} at step {step}")
-    bar.set_postfix(loss=f"{loss:.3f}")
+    bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+
+  for step in bar:
+    tokens = next(batches)
+    state, loss = train_step(state, put_batches(mesh, tokens), base_key)
+    if pending is not None:
+      finish(*pending)
+    pending = (step, loss)
+    due = checkpointer is not None and checkpointer.due(step, cfg.steps)
+    if step % cfg.eval_every == 0 or step == cfg.steps or due:
+      finish(*pending)
+      pending = None
     if step % cfg.eval_every == 0 or step == cfg.steps:
       evaluate(step)
-    if checkpointer is not None and checkpointer.due(step, cfg.steps):
+    if due:
       history.compile_time = history.step_times[0]
       checkpointer.save(state, history, batches_consumed=step)
+    if pending is None:  # evaluated or saved: the next step's time starts now
+      last_done = time.perf_counter()
+  if pending is not None:
+    finish(*pending)
   bar.close()
   history.compile_time = history.step_times[0] if history.step_times else 0.0
   return history

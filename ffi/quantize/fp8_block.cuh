@@ -10,23 +10,24 @@ namespace {
 // ============================================================================================
 
 struct Fp8BlockParams {
-  const void* x;
-  int64_t R, C;
-  bool vec_in, vec_row, vec_col, do_row, do_col, block_2d, pow2_scale;
+  int64_t R, C;  // the quantized matrix (the producer's values)
+  bool vec_row, vec_col, do_row, do_col, block_2d, pow2_scale;
   float amax_epsilon;
   jq::Fp8 fmt;
   uint8_t *row, *col;
   float *row_scale, *col_scale, *amax;
+  float* col_sums = nullptr;  // [ceil(R/128), C] per-tile column sums (fused dact's bias gradient)
 };
 
-template <typename In>
-__global__ void __launch_bounds__(kThreads) fp8_block_kernel(const Fp8BlockParams p) {
+template <typename P>
+__global__ void __launch_bounds__(kThreads) fp8_block_kernel(const Fp8BlockParams p, const P prod) {
+  using In = typename P::Out;
   using G = FP8Tile<In>;
   static_assert(G::TPR == 16 && G::NJ == 8, "a tile row is one 1x128 block; 8 lanes a column");
   extern __shared__ __align__(16) unsigned char smem[];
   In* tile = reinterpret_cast<In*>(smem);
   __shared__ uint32_t red[kThreads / 32];
-  const In* x = static_cast<const In*>(p.x);
+  const bool column_phase = p.do_col || p.col_sums != nullptr;
   const int tid = threadIdx.x;
   const TileIndex t = tile_index(p.C, G::TR, G::TC);
   const float fmax = jq::spec_of(p.fmt).fmax;
@@ -34,12 +35,12 @@ __global__ void __launch_bounds__(kThreads) fp8_block_kernel(const Fp8BlockParam
   const int lr = tid / G::TPR, lc = (tid % G::TPR) * 8;
   alignas(16) In raw[G::NP][8];
 #pragma unroll
-  for (int pp = 0; pp < G::NP; ++pp) load8(x, p.R, p.C, t.r0 + pp * G::RPP + lr, t.c0 + lc, p.vec_in, raw[pp]);
+  for (int pp = 0; pp < G::NP; ++pp) prod.load8(t.r0 + pp * G::RPP + lr, t.c0 + lc, raw[pp]);
   uint32_t row_m[G::NP];
   uint32_t amax = 0;
 #pragma unroll
   for (int pp = 0; pp < G::NP; ++pp) {
-    if (p.do_col) tile_store8<G>(tile, pp * G::RPP + lr, lc, raw[pp]);
+    if (column_phase) tile_store8<G>(tile, pp * G::RPP + lr, lc, raw[pp]);
     uint32_t m = 0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) m = max(m, jq::abs_bits(to_float(raw[pp][i])));
@@ -71,13 +72,14 @@ __global__ void __launch_bounds__(kThreads) fp8_block_kernel(const Fp8BlockParam
       }
     }
   }
-  if (!p.do_col) return;
+  if (!column_phase) return;
 #pragma unroll
   for (int it = 0; it < G::ITERS; ++it) {
     const ColumnSlot<G> slot(it);
     const int64_t c = t.c0 + slot.cl, rr = t.r0 + 16 * slot.j;
     float w[16];
     tile_column16<G>(tile, 16 * slot.j, slot.cl, w);
+    if (p.col_sums) column_tile_sum<G>(w, slot.j, c, t.r0 / G::TR, p.C, p.col_sums);
     uint32_t m = 0;
 #pragma unroll
     for (int i = 0; i < 16; ++i) m = max(m, jq::abs_bits(w[i]));
@@ -85,7 +87,7 @@ __global__ void __launch_bounds__(kThreads) fp8_block_kernel(const Fp8BlockParam
     for (int o = 1; o < G::NJ; o <<= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));  // 128 rows
     const float scale = p.block_2d ? tile_scale
                                    : jq::scale_from_amax(__uint_as_float(m), fmax, p.pow2_scale, p.amax_epsilon);
-    if (c >= p.C || rr >= p.R) continue;
+    if (!p.do_col || c >= p.C || rr >= p.R) continue;
     if (p.block_2d) {
       if (tid == 0) p.col_scale[(t.c0 / 128) * col_nb + t.r0 / 128] = jq::rcp_f32(scale);
     } else if (slot.j == 0) {

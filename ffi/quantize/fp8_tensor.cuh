@@ -10,39 +10,45 @@ namespace {
 // ============================================================================================
 
 struct Fp8TensorParams {
-  const void* x;
-  int64_t R, C;
-  bool vec_in, vec_row, vec_col;
+  int64_t R, C;  // the quantized matrix (the producer's values)
+  bool vec_row, vec_col;
   bool do_row, do_col, delayed, pow2_scale;
   float amax_epsilon;
   jq::Fp8 fmt;
   const float* s;
   uint8_t *row, *col;
   float *scale_inv, *amax;
+  float* col_sums = nullptr;  // [ceil(R/128), C] per-tile column sums (fused dact's bias gradient)
+  // Delayed scaling's just-in-time first scale: where the stored scale `*s` is 0 ("none yet"),
+  // the scale of this amax (`delayed_scale(*first_amax, fmax, margin, 1)`); null: `*s` as is.
+  const float* first_amax = nullptr;
+  int32_t margin = 0;
 };
 
 template <typename In>
 using FP8Tile = Geometry<In, 128, 128>;
 
-template <typename In>
-__global__ void __launch_bounds__(kThreads) fp8_tensor_kernel(const Fp8TensorParams p) {
+template <typename P>
+__global__ void __launch_bounds__(kThreads) fp8_tensor_kernel(const Fp8TensorParams p, const P prod) {
+  using In = typename P::Out;
   using G = FP8Tile<In>;
   extern __shared__ __align__(16) unsigned char smem[];
   In* tile = reinterpret_cast<In*>(smem);
   __shared__ uint32_t red[kThreads / 32];
-  const In* x = static_cast<const In*>(p.x);
+  const bool column_phase = p.do_col || p.col_sums != nullptr;
   const int tid = threadIdx.x;
   const TileIndex t = tile_index(p.C, G::TR, G::TC);
   const float fmax = jq::spec_of(p.fmt).fmax;
-  const float scale = p.delayed ? *p.s : jq::scale_from_amax(*p.s, fmax, p.pow2_scale, p.amax_epsilon);
+  float scale = p.delayed ? *p.s : jq::scale_from_amax(*p.s, fmax, p.pow2_scale, p.amax_epsilon);
+  if (p.first_amax != nullptr && jq::is_zero(scale)) scale = jq::delayed_scale(*p.first_amax, fmax, p.margin, 1.0f);
   const int lr = tid / G::TPR, lc = (tid % G::TPR) * 8;
   alignas(16) In raw[G::NP][8];
 #pragma unroll
-  for (int pp = 0; pp < G::NP; ++pp) load8(x, p.R, p.C, t.r0 + pp * G::RPP + lr, t.c0 + lc, p.vec_in, raw[pp]);
+  for (int pp = 0; pp < G::NP; ++pp) prod.load8(t.r0 + pp * G::RPP + lr, t.c0 + lc, raw[pp]);
   uint32_t amax = 0;
 #pragma unroll
   for (int pp = 0; pp < G::NP; ++pp) {
-    if (p.do_col) tile_store8<G>(tile, pp * G::RPP + lr, lc, raw[pp]);
+    if (column_phase) tile_store8<G>(tile, pp * G::RPP + lr, lc, raw[pp]);
     float v[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -61,15 +67,16 @@ __global__ void __launch_bounds__(kThreads) fp8_tensor_kernel(const Fp8TensorPar
     if (tid == 0) atomic_max_float(p.amax, amax);
   }
   if (blockIdx.x == 0 && tid == 0) *p.scale_inv = jq::rcp_f32(scale);
-  if (!p.do_col) return;
+  if (!column_phase) return;
   __syncthreads();
 #pragma unroll
   for (int it = 0; it < G::ITERS; ++it) {
     const ColumnSlot<G> slot(it);
     const int64_t c = t.c0 + slot.cl, rr = t.r0 + 16 * slot.j;
-    if (c >= p.C || rr >= p.R) continue;
     float w[16];
     tile_column16<G>(tile, 16 * slot.j, slot.cl, w);
+    if (p.col_sums) column_tile_sum<G>(w, slot.j, c, t.r0 / G::TR, p.C, p.col_sums);
+    if (!p.do_col || c >= p.C || rr >= p.R) continue;
     uint32_t q[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {

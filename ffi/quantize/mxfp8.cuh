@@ -10,12 +10,12 @@ namespace {
 // ============================================================================================
 
 struct Mxfp8Params {
-  const void* x;
-  int64_t R, C;
-  bool vec_in, vec_row, vec_col, do_row, do_col;
+  int64_t R, C;  // the quantized matrix (the producer's values)
+  bool vec_row, vec_col, do_row, do_col;
   jq::Fp8 fmt;
   uint8_t *row, *row_scale, *col, *col_scale;
   float* amax;
+  float* col_sums = nullptr;  // [ceil(R/128), C] per-tile column sums (fused dact's bias gradient)
 };
 
 __device__ __forceinline__ uint32_t mxfp8_codes4(const float* v, jq::Mxfp8Factors f, uint32_t e, jq::Fp8 fmt) {
@@ -23,13 +23,14 @@ __device__ __forceinline__ uint32_t mxfp8_codes4(const float* v, jq::Mxfp8Factor
   return jq::encode_fp8x4(v[0] * f.a * f.b, v[1] * f.a * f.b, v[2] * f.a * f.b, v[3] * f.a * f.b, fmt);
 }
 
-template <typename In>
-__global__ void __launch_bounds__(kThreads) mxfp8_kernel(const Mxfp8Params p) {
+template <typename P>
+__global__ void __launch_bounds__(kThreads) mxfp8_kernel(const Mxfp8Params p, const P prod) {
+  using In = typename P::Out;
   using G = FP8Tile<In>;
   extern __shared__ __align__(16) unsigned char smem[];
   In* tile = reinterpret_cast<In*>(smem);
   __shared__ uint32_t red[kThreads / 32];
-  const In* x = static_cast<const In*>(p.x);
+  const bool column_phase = p.do_col || p.col_sums != nullptr;
   const int tid = threadIdx.x;
   const TileIndex t = tile_index(p.C, G::TR, G::TC);
   const float inv_fmax = jq::inv_fmax_of(p.fmt);
@@ -37,11 +38,11 @@ __global__ void __launch_bounds__(kThreads) mxfp8_kernel(const Mxfp8Params p) {
   const int lr = tid / G::TPR, lc = (tid % G::TPR) * 8;
   alignas(16) In raw[G::NP][8];
 #pragma unroll
-  for (int pp = 0; pp < G::NP; ++pp) load8(x, p.R, p.C, t.r0 + pp * G::RPP + lr, t.c0 + lc, p.vec_in, raw[pp]);
+  for (int pp = 0; pp < G::NP; ++pp) prod.load8(t.r0 + pp * G::RPP + lr, t.c0 + lc, raw[pp]);
   uint32_t amax = 0;
 #pragma unroll
   for (int pp = 0; pp < G::NP; ++pp) {
-    if (p.do_col) tile_store8<G>(tile, pp * G::RPP + lr, lc, raw[pp]);
+    if (column_phase) tile_store8<G>(tile, pp * G::RPP + lr, lc, raw[pp]);
     float v[8];
     uint32_t m = 0;
 #pragma unroll
@@ -66,7 +67,7 @@ __global__ void __launch_bounds__(kThreads) mxfp8_kernel(const Mxfp8Params p) {
     amax = cta_max(amax, red);
     if (tid == 0) atomic_max_float(p.amax, amax);
   }
-  if (!p.do_col) return;
+  if (!column_phase) return;
   __syncthreads();
 #pragma unroll
   for (int it = 0; it < G::ITERS; ++it) {
@@ -74,11 +75,12 @@ __global__ void __launch_bounds__(kThreads) mxfp8_kernel(const Mxfp8Params p) {
     const int64_t c = t.c0 + slot.cl, rr = t.r0 + 16 * slot.j;
     float w[16];
     tile_column16<G>(tile, 16 * slot.j, slot.cl, w);
+    if (p.col_sums) column_tile_sum<G>(w, slot.j, c, t.r0 / G::TR, p.C, p.col_sums);
     uint32_t m = 0;
 #pragma unroll
     for (int i = 0; i < 16; ++i) m = max(m, jq::abs_bits(w[i]));
     m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));  // chunks j, j^1 = one 32-row block
-    if (c >= p.C || rr >= p.R) continue;
+    if (!p.do_col || c >= p.C || rr >= p.R) continue;
     const uint32_t e = jq::e8m0_from_amax(__uint_as_float(m), inv_fmax);
     const jq::Mxfp8Factors f = jq::mxfp8_factors(e);
     if ((slot.j & 1) == 0) p.col_scale[c * col_nb + rr / 32] = uint8_t(e);

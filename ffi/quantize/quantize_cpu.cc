@@ -12,6 +12,7 @@
 #include "handler_common.h"
 #include "quantize/handlers.h"
 #include "quantize/nvfp4_cpu.h"
+#include "quantize/quantize_cpu.h"
 
 namespace jqffi {
 namespace {
@@ -19,20 +20,12 @@ namespace {
 using jq::bits_of;
 using jq::float_of;
 
-float load(const Input& x, int64_t i) {
-  switch (x.type) {
-    case In::kBF16: return float_of(uint32_t(static_cast<const uint16_t*>(x.data)[i]) << 16);
-    case In::kF16: return jq::f16_bits_to_float(static_cast<const uint16_t*>(x.data)[i]);
-    default: return static_cast<const float*>(x.data)[i];
-  }
-}
-
 Matrix direction_matrix(const Input& x, bool transposed, bool rht) {
   Matrix m{std::vector<float>(static_cast<size_t>(x.rows * x.cols)),
            transposed ? x.cols : x.rows, transposed ? x.rows : x.cols};
   for (int64_t r = 0; r < x.rows; ++r) {
     for (int64_t c = 0; c < x.cols; ++c) {
-      const float value = load(x, r * x.cols + c);
+      const float value = input_value(x, r * x.cols + c);
       if (transposed) m.v[c * x.rows + r] = value; else m.v[r * x.cols + c] = value;
     }
   }
@@ -82,8 +75,15 @@ ffi::Error AmaxGatedCpu(ffi::AnyBuffer x, ffi::AnyBuffer gate, ffi::RemainingRet
 
 // --------------------------------------- FP8 per tensor --------------------------------------
 
-void fp8_with_scale(const Matrix& m, float scale, jq::Fp8 fmt, uint8_t* out) {
-  for (int64_t i = 0; i < m.rows * m.cols; ++i) out[i] = uint8_t(jq::encode_fp8(m.v[i] * scale, fmt));
+ffi::Error quantize_fp8_with(const Fp8TensorArgs& a, float scale) {
+  if (a.rowwise) fp8_with_scale(direction_matrix(a.x, false, false), scale, a.fmt, a.row_data);
+  if (a.columnwise) fp8_with_scale(direction_matrix(a.x, true, false), scale, a.fmt, a.col_data);
+  *a.scale_inv = jq::rcp_f32(scale);
+  if (a.delayed) {
+    const Matrix m = direction_matrix(a.x, false, false);
+    *a.amax = float_of(amax_bits_of_range(m, 0, m.rows, 0, m.cols));
+  }
+  return ffi::Error::Success();
 }
 
 ffi::Error QuantizeFp8Cpu(ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::RemainingRets rets,
@@ -93,33 +93,42 @@ ffi::Error QuantizeFp8Cpu(ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::RemainingRets
   JQ_RETURN_IF_ERROR(decode_fp8_tensor(x, s, rets, rowwise, columnwise, delayed, pow2_scale,
                                        amax_epsilon, &a));
   const float fmax = jq::spec_of(a.fmt).fmax;
-  const float scale = delayed ? *a.s : jq::scale_from_amax(*a.s, fmax, pow2_scale, amax_epsilon);
-  if (rowwise) fp8_with_scale(direction_matrix(a.x, false, false), scale, a.fmt, a.row_data);
-  if (columnwise) fp8_with_scale(direction_matrix(a.x, true, false), scale, a.fmt, a.col_data);
-  *a.scale_inv = jq::rcp_f32(scale);
-  if (delayed) {
-    const Matrix m = direction_matrix(a.x, false, false);
-    *a.amax = float_of(amax_bits_of_range(m, 0, m.rows, 0, m.cols));
+  return quantize_fp8_with(a, delayed ? *a.s : jq::scale_from_amax(*a.s, fmax, pow2_scale, amax_epsilon));
+}
+
+ffi::Error QuantizeFp8DelayedCpu(ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::AnyBuffer first_amax,
+                                 ffi::RemainingRets rets, bool rowwise, bool columnwise,
+                                 int32_t margin) {
+  Fp8TensorArgs a;
+  JQ_RETURN_IF_ERROR(decode_fp8_delayed(x, s, first_amax, rets, rowwise, columnwise, margin, &a));
+  float scale = *a.s;
+  if (jq::is_zero(scale)) scale = jq::delayed_scale(*a.first_amax, jq::spec_of(a.fmt).fmax, margin, 1.0f);
+  return quantize_fp8_with(a, scale);
+}
+
+// ------------------------------------ delayed-scaling update ---------------------------------
+
+ffi::Error DelayedUpdateCpu(ffi::AnyBuffer history, ffi::AnyBuffer scale, ffi::AnyBuffer amax,
+                            ffi::Result<ffi::AnyBuffer> new_history,
+                            ffi::Result<ffi::AnyBuffer> new_scale, float fmax, int32_t margin,
+                            bool most_recent) {
+  DelayedUpdateArgs a;
+  JQ_RETURN_IF_ERROR(decode_delayed_update(history, scale, amax, new_history, new_scale, fmax,
+                                           margin, &a));
+  const int64_t L = a.length;
+  for (int64_t b = 0; b < a.batch; ++b) {
+    const float* h = a.history + b * L;
+    float* out = a.new_history + b * L;
+    const float am = a.amax[b];
+    uint32_t m = jq::abs_bits(am);  // max |hist| with hist[0] = amax, NaN-propagating
+    for (int64_t j = 1; j < L; ++j) m = std::max(m, jq::abs_bits(h[j]));
+    a.new_scale[b] = jq::delayed_scale(most_recent ? am : float_of(m), fmax, margin, a.scale[b]);
+    for (int64_t i = 0; i < L; ++i) out[i] = i == 0 ? 0.0f : (i + 1 == L ? am : h[i + 1]);
   }
   return ffi::Error::Success();
 }
 
 // -------------------------------------------- MXFP8 ------------------------------------------
-
-void mxfp8_matrix(const Matrix& m, jq::Fp8 fmt, uint8_t* data, uint8_t* scale) {
-  const int64_t nb = ceil_div(m.cols, 32);
-  for (int64_t r = 0; r < m.rows; ++r) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const float amax = float_of(amax_bits_of_range(m, r, r + 1, 32 * b, 32 * b + 32));
-      const uint32_t e = jq::e8m0_from_amax(amax, jq::inv_fmax_of(fmt));
-      scale[r * nb + b] = uint8_t(e);
-      const jq::Mxfp8Factors f = jq::mxfp8_factors(e);
-      for (int64_t c = 32 * b; c < std::min(32 * b + 32, m.cols); ++c) {
-        data[r * m.cols + c] = e == 255 ? uint8_t(0x7F) : uint8_t(jq::encode_fp8(m.at(r, c) * f.a * f.b, fmt));
-      }
-    }
-  }
-}
 
 ffi::Error QuantizeMxfp8Cpu(ffi::AnyBuffer x, ffi::RemainingRets rets, bool rowwise,
                             bool columnwise) {
@@ -133,25 +142,6 @@ ffi::Error QuantizeMxfp8Cpu(ffi::AnyBuffer x, ffi::RemainingRets rets, bool roww
 }
 
 // ------------------------------------------ Float8Block --------------------------------------
-
-void fp8_block_matrix(const Matrix& m, int64_t block_rows, const Fp8BlockArgs& a, uint8_t* data,
-                      float* scale_inv) {
-  const float fmax = jq::spec_of(a.fmt).fmax;
-  const int64_t nbr = ceil_div(m.rows, block_rows), nbc = ceil_div(m.cols, 128);
-  for (int64_t br = 0; br < nbr; ++br) {
-    for (int64_t bc = 0; bc < nbc; ++bc) {
-      const int64_t r0 = br * block_rows, c0 = bc * 128;
-      const float amax = float_of(amax_bits_of_range(m, r0, r0 + block_rows, c0, c0 + 128));
-      const float scale = jq::scale_from_amax(amax, fmax, a.pow2_scale, a.amax_epsilon);
-      scale_inv[br * nbc + bc] = jq::rcp_f32(scale);
-      for (int64_t r = r0; r < std::min(r0 + block_rows, m.rows); ++r) {
-        for (int64_t c = c0; c < std::min(c0 + 128, m.cols); ++c) {
-          data[r * m.cols + c] = uint8_t(jq::encode_fp8(m.at(r, c) * scale, a.fmt));
-        }
-      }
-    }
-  }
-}
 
 ffi::Error QuantizeFp8BlockCpu(ffi::AnyBuffer x, ffi::RemainingRets rets, bool rowwise,
                                bool columnwise, bool block_2d, bool pow2_scale,
@@ -258,6 +248,27 @@ XLA_FFI_DEFINE_HANDLER(kQuantizeFp8Cpu, QuantizeFp8Cpu,
                            .Attr<bool>("pow2_scale")
                            .Attr<float>("amax_epsilon"));
 
+XLA_FFI_DEFINE_HANDLER(kQuantizeFp8DelayedCpu, QuantizeFp8DelayedCpu,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .RemainingRets()
+                           .Attr<bool>("rowwise")
+                           .Attr<bool>("columnwise")
+                           .Attr<int32_t>("margin"));
+
+XLA_FFI_DEFINE_HANDLER(kDelayedUpdateCpu, DelayedUpdateCpu,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Attr<float>("fmax")
+                           .Attr<int32_t>("margin")
+                           .Attr<bool>("most_recent"));
+
 XLA_FFI_DEFINE_HANDLER(kQuantizeMxfp8Cpu, QuantizeMxfp8Cpu,
                        ffi::Ffi::Bind()
                            .Arg<ffi::AnyBuffer>()
@@ -308,6 +319,8 @@ std::vector<Target> cpu_targets() {
       {"jaxquant_amax", reinterpret_cast<void*>(kAmaxCpu)},
       {"jaxquant_amax_gated", reinterpret_cast<void*>(kAmaxGatedCpu)},
       {"jaxquant_quantize_fp8", reinterpret_cast<void*>(kQuantizeFp8Cpu)},
+      {"jaxquant_quantize_fp8_delayed", reinterpret_cast<void*>(kQuantizeFp8DelayedCpu)},
+      {"jaxquant_delayed_update", reinterpret_cast<void*>(kDelayedUpdateCpu)},
       {"jaxquant_quantize_mxfp8", reinterpret_cast<void*>(kQuantizeMxfp8Cpu)},
       {"jaxquant_quantize_fp8_block", reinterpret_cast<void*>(kQuantizeFp8BlockCpu)},
       {"jaxquant_quantize_nvfp4", reinterpret_cast<void*>(kQuantizeNvfp4Cpu)},

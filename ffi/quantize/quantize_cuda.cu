@@ -34,6 +34,7 @@
 #include "quantize/fp8_block.cuh"
 #include "quantize/nvfp4.cuh"
 #include "quantize/transpose.cuh"
+#include "quantize/delayed_update.cuh"
 #include "quantize/encoder_check.cuh"
 
 namespace jqffi {
@@ -42,29 +43,6 @@ namespace {
 // ============================================================================================
 // Handlers.
 // ============================================================================================
-
-ffi::Error launch_status(const char* target, cudaError_t e = cudaSuccess) {
-  if (e == cudaSuccess) e = cudaGetLastError();
-  if (e != cudaSuccess) return ffi::Error::Internal(std::string(target) + ": CUDA error: " + cudaGetErrorString(e));
-  return ffi::Error::Success();
-}
-
-ffi::Error clear(cudaStream_t stream, void* p, size_t bytes) {
-  if (p && cudaMemsetAsync(p, 0, bytes, stream) != cudaSuccess) return launch_status("cudaMemsetAsync");
-  return ffi::Error::Success();
-}
-
-template <typename F>
-ffi::Error by_input_type(In type, F&& f) {
-  switch (type) {
-    case In::kBF16: f(BF16{}); break;
-    case In::kF16: f(F16{}); break;
-    default: f(float{}); break;
-  }
-  return ffi::Error::Success();
-}
-
-bool vec_input(const Input& x) { return aligned(x.data, 16) && x.cols % 8 == 0; }
 
 ffi::Error AmaxLaunch(cudaStream_t stream, ffi::AnyBuffer x, const float* gate, ffi::RemainingRets rets,
                       int32_t outputs) {
@@ -106,17 +84,55 @@ ffi::Error QuantizeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
   Fp8TensorArgs a;
   JQ_RETURN_IF_ERROR(decode_fp8_tensor(x, s, rets, rowwise, columnwise, delayed, pow2_scale, amax_epsilon, &a));
   JQ_RETURN_IF_ERROR(clear(stream, a.amax, 4));
-  Fp8TensorParams p{a.x.data, a.x.rows, a.x.cols, vec_input(a.x),
+  Fp8TensorParams p{a.x.rows, a.x.cols,
                     aligned(a.row_data, 8) && a.x.cols % 8 == 0, aligned(a.col_data, 16) && a.x.rows % 16 == 0,
                     rowwise, columnwise, delayed, pow2_scale, amax_epsilon, a.fmt, a.s,
                     a.row_data, a.col_data, a.scale_inv, a.amax};
   cudaError_t e = cudaSuccess;
   by_input_type(a.x.type, [&](auto tag) {
-    using G = FP8Tile<decltype(tag)>;
-    e = launch_tiles(fp8_tensor_kernel<decltype(tag)>, num_tiles(a.x.rows, a.x.cols, G::TR, G::TC),
-                     columnwise ? G::kSmemBytes : 0, stream, p);
+    using T = decltype(tag);
+    using G = FP8Tile<T>;
+    const Direct<T> prod{static_cast<const T*>(a.x.data), a.x.rows, a.x.cols, vec_input(a.x)};
+    e = launch_tiles(fp8_tensor_kernel<Direct<T>>, num_tiles(a.x.rows, a.x.cols, G::TR, G::TC),
+                     columnwise ? G::kSmemBytes : 0, stream, p, prod);
   });
   return launch_status("jaxquant_quantize_fp8", e);
+}
+
+ffi::Error QuantizeFp8DelayedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s,
+                                  ffi::AnyBuffer first_amax, ffi::RemainingRets rets, bool rowwise,
+                                  bool columnwise, int32_t margin) {
+  Fp8TensorArgs a;
+  JQ_RETURN_IF_ERROR(decode_fp8_delayed(x, s, first_amax, rets, rowwise, columnwise, margin, &a));
+  JQ_RETURN_IF_ERROR(clear(stream, a.amax, 4));
+  Fp8TensorParams p{a.x.rows, a.x.cols,
+                    aligned(a.row_data, 8) && a.x.cols % 8 == 0, aligned(a.col_data, 16) && a.x.rows % 16 == 0,
+                    rowwise, columnwise, true, false, 0.0f, a.fmt, a.s,
+                    a.row_data, a.col_data, a.scale_inv, a.amax, /*col_sums=*/nullptr,
+                    a.first_amax, a.margin};
+  cudaError_t e = cudaSuccess;
+  by_input_type(a.x.type, [&](auto tag) {
+    using T = decltype(tag);
+    using G = FP8Tile<T>;
+    const Direct<T> prod{static_cast<const T*>(a.x.data), a.x.rows, a.x.cols, vec_input(a.x)};
+    e = launch_tiles(fp8_tensor_kernel<Direct<T>>, num_tiles(a.x.rows, a.x.cols, G::TR, G::TC),
+                     columnwise ? G::kSmemBytes : 0, stream, p, prod);
+  });
+  return launch_status("jaxquant_quantize_fp8_delayed", e);
+}
+
+ffi::Error DelayedUpdateCuda(cudaStream_t stream, ffi::AnyBuffer history, ffi::AnyBuffer scale,
+                             ffi::AnyBuffer amax, ffi::Result<ffi::AnyBuffer> new_history,
+                             ffi::Result<ffi::AnyBuffer> new_scale, float fmax, int32_t margin,
+                             bool most_recent) {
+  DelayedUpdateArgs a;
+  JQ_RETURN_IF_ERROR(decode_delayed_update(history, scale, amax, new_history, new_scale, fmax,
+                                           margin, &a));
+  if (a.batch == 0) return ffi::Error::Success();
+  DelayedUpdateParams p{a.history, a.scale, a.amax, a.new_history, a.new_scale, a.length,
+                        fmax, margin, most_recent};
+  delayed_update_kernel<<<unsigned(a.batch), kThreads, 0, stream>>>(p);
+  return launch_status("jaxquant_delayed_update");
 }
 
 ffi::Error QuantizeMxfp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets rets, bool rowwise,
@@ -124,14 +140,16 @@ ffi::Error QuantizeMxfp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Remaini
   Mxfp8Args a;
   JQ_RETURN_IF_ERROR(decode_mxfp8(x, rets, rowwise, columnwise, &a));
   JQ_RETURN_IF_ERROR(clear(stream, a.amax, 4));
-  Mxfp8Params p{a.x.data, a.x.rows, a.x.cols, vec_input(a.x),
+  Mxfp8Params p{a.x.rows, a.x.cols,
                 aligned(a.row_data, 8) && a.x.cols % 8 == 0, aligned(a.col_data, 16) && a.x.rows % 16 == 0,
                 rowwise, columnwise, a.fmt, a.row_data, a.row_scale, a.col_data, a.col_scale, a.amax};
   cudaError_t e = cudaSuccess;
   by_input_type(a.x.type, [&](auto tag) {
-    using G = FP8Tile<decltype(tag)>;
-    e = launch_tiles(mxfp8_kernel<decltype(tag)>, num_tiles(a.x.rows, a.x.cols, G::TR, G::TC),
-                     columnwise ? G::kSmemBytes : 0, stream, p);
+    using T = decltype(tag);
+    using G = FP8Tile<T>;
+    const Direct<T> prod{static_cast<const T*>(a.x.data), a.x.rows, a.x.cols, vec_input(a.x)};
+    e = launch_tiles(mxfp8_kernel<Direct<T>>, num_tiles(a.x.rows, a.x.cols, G::TR, G::TC),
+                     columnwise ? G::kSmemBytes : 0, stream, p, prod);
   });
   return launch_status("jaxquant_quantize_mxfp8", e);
 }
@@ -141,15 +159,17 @@ ffi::Error QuantizeFp8BlockCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Rema
   Fp8BlockArgs a;
   JQ_RETURN_IF_ERROR(decode_fp8_block(x, rets, rowwise, columnwise, block_2d, pow2_scale, amax_epsilon, &a));
   JQ_RETURN_IF_ERROR(clear(stream, a.amax, 4));
-  Fp8BlockParams p{a.x.data, a.x.rows, a.x.cols, vec_input(a.x),
+  Fp8BlockParams p{a.x.rows, a.x.cols,
                    aligned(a.row_data, 8) && a.x.cols % 8 == 0, aligned(a.col_data, 16) && a.x.rows % 16 == 0,
                    rowwise, columnwise, block_2d, pow2_scale, amax_epsilon, a.fmt,
                    a.row_data, a.col_data, a.row_scale, a.col_scale, a.amax};
   cudaError_t e = cudaSuccess;
   by_input_type(a.x.type, [&](auto tag) {
-    using G = FP8Tile<decltype(tag)>;
-    e = launch_tiles(fp8_block_kernel<decltype(tag)>, num_tiles(a.x.rows, a.x.cols, G::TR, G::TC),
-                     columnwise ? G::kSmemBytes : 0, stream, p);
+    using T = decltype(tag);
+    using G = FP8Tile<T>;
+    const Direct<T> prod{static_cast<const T*>(a.x.data), a.x.rows, a.x.cols, vec_input(a.x)};
+    e = launch_tiles(fp8_block_kernel<Direct<T>>, num_tiles(a.x.rows, a.x.cols, G::TR, G::TC),
+                     columnwise ? G::kSmemBytes : 0, stream, p, prod);
   });
   return launch_status("jaxquant_quantize_fp8_block", e);
 }
@@ -251,6 +271,31 @@ XLA_FFI_DEFINE_HANDLER(kQuantizeFp8Cuda, QuantizeFp8Cuda,
                            .Attr<float>("amax_epsilon"),
                        {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER(kQuantizeFp8DelayedCuda, QuantizeFp8DelayedCuda,
+                       ffi::Ffi::Bind()
+                           .Ctx<Stream>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .RemainingRets()
+                           .Attr<bool>("rowwise")
+                           .Attr<bool>("columnwise")
+                           .Attr<int32_t>("margin"),
+                       {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER(kDelayedUpdateCuda, DelayedUpdateCuda,
+                       ffi::Ffi::Bind()
+                           .Ctx<Stream>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Attr<float>("fmax")
+                           .Attr<int32_t>("margin")
+                           .Attr<bool>("most_recent"),
+                       {ffi::Traits::kCmdBufferCompatible});
+
 XLA_FFI_DEFINE_HANDLER(kQuantizeMxfp8Cuda, QuantizeMxfp8Cuda,
                        ffi::Ffi::Bind()
                            .Ctx<Stream>()
@@ -310,6 +355,8 @@ std::vector<Target> cuda_targets() {
       {"jaxquant_amax", reinterpret_cast<void*>(kAmaxCuda)},
       {"jaxquant_amax_gated", reinterpret_cast<void*>(kAmaxGatedCuda)},
       {"jaxquant_quantize_fp8", reinterpret_cast<void*>(kQuantizeFp8Cuda)},
+      {"jaxquant_quantize_fp8_delayed", reinterpret_cast<void*>(kQuantizeFp8DelayedCuda)},
+      {"jaxquant_delayed_update", reinterpret_cast<void*>(kDelayedUpdateCuda)},
       {"jaxquant_quantize_mxfp8", reinterpret_cast<void*>(kQuantizeMxfp8Cuda)},
       {"jaxquant_quantize_fp8_block", reinterpret_cast<void*>(kQuantizeFp8BlockCuda)},
       {"jaxquant_quantize_nvfp4", reinterpret_cast<void*>(kQuantizeNvfp4Cuda)},

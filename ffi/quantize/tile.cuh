@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <string>
 
 #include "handler_common.h"
 
@@ -174,15 +175,70 @@ inline unsigned num_tiles(int64_t R, int64_t C, int TR, int TC) {
 
 inline bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
+// Host helpers of the handlers.
+inline ffi::Error launch_status(const char* target, cudaError_t e = cudaSuccess) {
+  if (e == cudaSuccess) e = cudaGetLastError();
+  if (e != cudaSuccess) return ffi::Error::Internal(std::string(target) + ": CUDA error: " + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+// Zeroes an output that is reduced with atomics (a no-op for a null pointer).
+inline ffi::Error clear(cudaStream_t stream, void* p, size_t bytes) {
+  if (p && cudaMemsetAsync(p, 0, bytes, stream) != cudaSuccess) return launch_status("cudaMemsetAsync");
+  return ffi::Error::Success();
+}
+
+// Calls f with a value of the element type of `type`.
+template <typename F>
+ffi::Error by_input_type(In type, F&& f) {
+  switch (type) {
+    case In::kBF16: f(BF16{}); break;
+    case In::kF16: f(F16{}); break;
+    default: f(float{}); break;
+  }
+  return ffi::Error::Success();
+}
+
+inline bool vec_input(const Input& x) { return aligned(x.data, 16) && x.cols % 8 == 0; }
+
 // Launches a tile kernel with `smem` bytes of dynamic shared memory (opting in above 48 KiB).
-template <typename Kernel, typename Params>
-cudaError_t launch_tiles(Kernel kernel, unsigned tiles, int smem, cudaStream_t stream, const Params& p) {
+template <typename Kernel, typename... Args>
+cudaError_t launch_tiles(Kernel kernel, unsigned tiles, int smem, cudaStream_t stream, const Args&... args) {
   if (smem > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
   }
-  kernel<<<tiles, kThreads, smem, stream>>>(p);
+  kernel<<<tiles, kThreads, smem, stream>>>(args...);
   return cudaGetLastError();
+}
+
+// What the FP8-format tile kernels quantize: a producer gives the 8 values of the matrix being
+// quantized at (r, c .. c+7) in its element type `Out` (zeros outside [R, C]); the tile and the
+// column phase keep that type. `Direct` reads them from x (the quantize targets); the fused
+// producers (ffi/fused) compute them from a normalization's or an activation's inputs.
+template <typename In>
+struct Direct {
+  using Out = In;
+  const In* x;
+  int64_t R, C;
+  bool vec;
+  __device__ __forceinline__ void load8(int64_t r, int64_t c, In* out) const {
+    jqffi::load8(x, R, C, r, c, vec, out);
+  }
+};
+
+// The column phase's share of reductions.column_tile_sums (a bias gradient): the 16 values a
+// thread holds, summed top to bottom, then the NJ chunks of the column pairwise by xor shuffles
+// 1, 2, 4 (neighbours first). Every lane must call it (shuffles); `out` is [tiles, C].
+template <typename G>
+__device__ __forceinline__ void column_tile_sum(const float* w, int j, int64_t c, int64_t tile_row, int64_t C,
+                                                float* out) {
+  float s = w[0] + w[1];
+#pragma unroll
+  for (int i = 2; i < 16; ++i) s = s + w[i];
+#pragma unroll
+  for (int o = 1; o < G::NJ; o <<= 1) s = s + __shfl_xor_sync(0xFFFFFFFFu, s, o);
+  if (j == 0 && c < C) out[tile_row * C + c] = s;
 }
 
 }  // namespace

@@ -5,7 +5,8 @@ namesakes, plus `recipe`), `LayerNormDense`, `LayerNormMLP`, `GroupedDense` (mix
 experts); `quantize_dense(recipe)` swaps the `nn.Dense`, `nn.DenseGeneral` and `nn.Einsum`
 layers of an unmodified model.
 `apply_gradients` is the optax step that keeps the delayed-scaling state of the
-`"_overwrite_with_gradient"` collection right.
+`"_overwrite_with_gradient"` collection right; `quantize_weights` quantizes every weight once
+for several passes (gradient accumulation).
 """
 
 from jaxquant.flax.dense import Dense
@@ -14,9 +15,10 @@ from jaxquant.flax.grouped import GroupedDense
 from jaxquant.flax.interception import quantize_dense
 from jaxquant.flax.layernorm import (ACTIVATIONS, GATED_ACTIVATIONS, LayerNormDense,
                                      LayerNormMLP)
-from jaxquant.flax.quantization import OVERWRITE_WITH_GRADIENT, QUANTIZE_RNG
-from jaxquant.flax.training import apply_gradients, init_optimizer
+from jaxquant.flax.quantization import OVERWRITE_WITH_GRADIENT, QUANTIZE_RNG, WEIGHT_CACHE
+from jaxquant.flax.training import apply_gradients, init_optimizer, quantize_weights
 
 __all__ = ["Dense", "DenseGeneral", "GroupedDense", "LayerNormDense", "LayerNormMLP",
            "quantize_dense", "apply_gradients", "init_optimizer", "ACTIVATIONS",
-           "GATED_ACTIVATIONS", "OVERWRITE_WITH_GRADIENT", "QUANTIZE_RNG"]
+           "GATED_ACTIVATIONS", "OVERWRITE_WITH_GRADIENT", "QUANTIZE_RNG", "WEIGHT_CACHE",
+           "quantize_weights"]

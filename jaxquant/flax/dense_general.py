@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant.flax.quantization import (logical_init, module_key, module_quantizers,
-                                        module_sharding, module_states)
-from jaxquant.layers.dense import dense, runs_unquantized
+                                        module_sharding, module_states, module_weight)
+from jaxquant.layers.dense import dense, prepare_weight, runs_unquantized
 from jaxquant.recipes import Recipe
 
 default_kernel_init = nn.initializers.lecun_normal()
@@ -203,12 +203,17 @@ def dense_general_contraction(module: nn.Module, inputs: jax.Array, *,
   key = module_key(module, quantizers)
   states = module_states(module, quantizers, batch_shape=batch_shape)
 
-  def contract(x, w, b, k, s):
+  def prepare(x, w, k, s):
+    return prepare_weight(x, w, quantizers, state=None if s is None else s[1], key=k,
+                          contracting_dims=n_axis, sharding=sharding)
+
+  def contract(x, w, b, k, s, weight):
     return dense(x, w, b, quantizers, key=k, states=s, contracting_dims=n_axis,
-                 precision=module.precision, sharding=sharding)
+                 precision=module.precision, sharding=sharding, weight=weight)
 
   if n_batch:
     key = None if key is None else jax.random.split(key, batch_shape)
     for _ in range(n_batch):
-      contract = jax.vmap(contract)
-  return contract(inputs, param_kernel, bias, key, states)
+      prepare, contract = jax.vmap(prepare), jax.vmap(contract)
+  weight = module_weight(module, lambda: prepare(inputs, param_kernel, key, states))
+  return contract(inputs, param_kernel, bias, key, states, weight)

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 
 from jaxquant.explain import Decision, record
 from jaxquant.flax.quantization import (module_key, module_name, module_path,
-                                        module_quantizers, module_states)
+                                        module_quantizers, module_states,
+                                        record_uncached_weight)
 from jaxquant.layers.dense import runs_unquantized
 from jaxquant.layers.einsum import ContractionPlan, UnsupportedEinsum, contract, plan_einsum
 from jaxquant.recipes import Recipe
@@ -83,5 +84,6 @@ def einsum_contraction(module: nn.Module, inputs: jax.Array, einsum_str: Optiona
     bias = jnp.transpose(bias, tuple(bias_terms.index(c) for c in batch + features))
   batch_shape = tuple(module.shape[k_term.index(c)] for c in batch)
   states = module_states(module, quantizers, batch_shape=batch_shape)
+  record_uncached_weight(module, quantizers, f"nn.Einsum {equation!r}")
   return contract(plan, inputs, kernel, bias, quantizers, key=module_key(module, quantizers),
                   states=states, precision=module.precision)

@@ -11,7 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxquant import sharding as _sharding
 from jaxquant.flax.quantization import (init_axis_names, logical_init, module_key,
-                                        module_quantizers, module_states)
+                                        module_quantizers, module_states,
+                                        record_uncached_weight)
 from jaxquant.layers.grouped_dense import MODULE_TYPE, grouped_dense
 from jaxquant.recipes import Recipe
 
@@ -89,6 +90,7 @@ class GroupedDense(nn.Module):
     quantizers = module_quantizers(self, MODULE_TYPE)
     if quantizers is not None:  # quantized from param_dtype (see the class docstring)
       kernel = param_kernel
+      record_uncached_weight(self, quantizers, "GroupedDense")
     layout = self._layout(kernel_shape)
     if layout is not None:
       return self._sharded(layout, inputs, kernel, group_sizes, bias, quantizers)

@@ -11,7 +11,10 @@ are `nn.DenseGeneral`s. Roles are named after the layer: `name` is its short nam
 `"Dense_0"`), `path` its full module path (`"encoder/attention/query"`). Delayed-scaling state
 is added to the `"_overwrite_with_gradient"` collection, and stochastic rounding uses the
 `"quantize"` stream, as for `jaxquant.flax.Dense`. An `nn.Einsum` whose equation is not a plain
-contraction stays Flax's, and `jaxquant.explain` reports it.
+contraction stays Flax's, and `jaxquant.explain` reports it. Each
+`nn.MultiHeadDotProductAttention` call runs inside `share_input_quantization()`: its `query`,
+`key` and `value` projections of one input quantize it once where the quantizers allow
+(stateless and equal, see `jaxquant.layers.shared_inputs`); XLA does not merge the FFI calls.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import jax.numpy as jnp
 from jaxquant.flax.dense_general import dense_general_contraction
 from jaxquant.flax.einsum import einsum_contraction
 from jaxquant.flax.quantization import check_recipe, quantized_contraction
+from jaxquant.layers.shared_inputs import share_input_quantization
 from jaxquant.recipes import Recipe
 
 
@@ -67,7 +71,12 @@ def _quantized_dense_call(module: nn.Dense, inputs: jax.Array, recipe: Recipe) -
 def _interceptor(next_fun, args, kwargs, context):
   swap = _SWAP.value  # read at call time: the innermost quantize_dense wins
   module = context.module
-  if swap is None or context.method_name != "__call__" or not _no_custom_dot_general(module):
+  if swap is None or context.method_name != "__call__":
+    return next_fun(*args, **kwargs)
+  if type(module) is nn.MultiHeadDotProductAttention and swap.dense_general:
+    with share_input_quantization():  # q, k, v of one input: one quantization
+      return next_fun(*args, **kwargs)
+  if not _no_custom_dot_general(module):
     return next_fun(*args, **kwargs)
   # Exact types only: a subclass may override `__call__`.
   if type(module) is nn.Dense and swap.dense:

@@ -3,7 +3,10 @@
 As in TransformerEngine, the norm and the dense layers form one module so a recipe sees the
 whole block; each contraction still goes through `jaxquant.dense` with roles
 `("linear", tensor_type, name)`: the module's own name for `LayerNormDense`, `fc1`/`fc2` (or
-the configured names) for `LayerNormMLP`.
+the configured names) for `LayerNormMLP`. Where the recipe's formats have fused kernels, the
+normalization writes the first dense layer's quantized input, and in `LayerNormMLP` the
+activation writes `fc2`'s and its gradient `fc1`'s quantized output gradient
+(`jaxquant.flax.fusion`; `jaxquant.explain` says which ran and why not where one did not).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import jax.numpy as jnp
 
 from jaxquant.flax.dense import Dense
 from jaxquant.flax.dense_general import DenseGeneral, _as_tuple, _flat_init
-from jaxquant.flax.norm import check_norm_type, normalize
+from jaxquant.flax import fusion
+from jaxquant.flax.norm import apply_norm, check_norm_type, norm_parameters
 from jaxquant.flax.quantization import logical_init, quantized_contraction
 from jaxquant.recipes import Recipe
 
@@ -78,6 +82,23 @@ def activation_functions(activations: Union[str, Callable, Sequence[Union[str, C
   return tuple(functions)
 
 
+def _norm_parameter_options(module: nn.Module) -> dict:
+  return dict(use_scale=module.use_scale, use_bias=module.use_norm_bias,
+              zero_centered_gamma=module.zero_centered_gamma, scale_init=module.scale_init,
+              bias_init=module.norm_bias_init, param_dtype=module.param_dtype)
+
+
+def _norm_spec(module: nn.Module) -> fusion.NormSpec:
+  return fusion.NormSpec(module.norm_type, module.epsilon, module.zero_centered_gamma,
+                         module.dtype)
+
+
+def _apply_norm(module: nn.Module, x: jax.Array, scale, bias) -> jax.Array:
+  """The unfused normalization (Flax's arithmetic)."""
+  return apply_norm(x, scale, bias, norm_type=module.norm_type, epsilon=module.epsilon,
+                    zero_centered_gamma=module.zero_centered_gamma, dtype=module.dtype)
+
+
 class LayerNormDense(nn.Module):
   """LayerNorm (or RMSNorm) followed by a quantized dense layer over the last axis.
 
@@ -107,6 +128,9 @@ class LayerNormDense(nn.Module):
     recipe: quantization recipe; None: the innermost `jaxquant.autocast`, or no quantization.
     kernel_axes, input_axes, reduce_dtype: sharding under a mesh, as `jaxquant.flax.Dense`'s
       (`kernel_axes` names `(in, *features)`; the bias takes the feature names).
+    fuse_producers: let the normalization kernel write the quantized input where the input
+      format has fused kernels (`jaxquant.flax.fusion`): None (default) where the CUDA kernels
+      are built, True also on CPU (its handlers are slower than XLA there), False never.
   """
 
   features: Union[int, Sequence[int]]
@@ -128,6 +152,7 @@ class LayerNormDense(nn.Module):
   kernel_axes: tuple = ()
   input_axes: tuple = ()
   reduce_dtype: Optional[Any] = None
+  fuse_producers: Optional[bool] = None
 
   @nn.compact
   def __call__(self, inputs: jax.Array):
@@ -137,11 +162,7 @@ class LayerNormDense(nn.Module):
     if kernel_axes and len(kernel_axes) != 1 + len(features):
       raise ValueError(f"kernel_axes={kernel_axes}: expected {1 + len(features)} names "
                        "(in, *features)")
-    ln_out = normalize(self, inputs, norm_type=self.norm_type, epsilon=self.epsilon,
-                       use_scale=self.use_scale, use_bias=self.use_norm_bias,
-                       zero_centered_gamma=self.zero_centered_gamma,
-                       scale_init=self.scale_init, bias_init=self.norm_bias_init,
-                       dtype=self.dtype, param_dtype=self.param_dtype)
+    scale, ln_bias = norm_parameters(self, inputs.shape[-1], **_norm_parameter_options(self))
     kernel = self.param("kernel", logical_init(_flat_init(self.kernel_init, 0, 1, len(features)),
                                                kernel_axes),
                         (inputs.shape[-1],) + features, self.param_dtype)
@@ -149,6 +170,14 @@ class LayerNormDense(nn.Module):
     if self.use_bias:
       bias = self.param("bias", logical_init(_flat_init(self.bias_init, 0, None, len(features)),
                                              kernel_axes[1:]), features, self.param_dtype)
+    fused = None
+    if self.fuse_producers is not False:
+      fused = fusion.layernorm_dense(self, inputs, _norm_spec(self), scale, ln_bias, kernel,
+                                     bias, write_y=self.return_layernorm_output)
+    if fused is not None:  # the norm kernel wrote the quantized input (jaxquant.flax.fusion)
+      y, ln_out = fused
+      return (y, ln_out) if self.return_layernorm_output else y
+    ln_out = _apply_norm(self, inputs, scale, ln_bias)
     x, _, bias = nn.dtypes.promote_dtype(ln_out, kernel, bias, dtype=self.dtype)
     y = quantized_contraction(self, x, kernel, bias, precision=self.precision)  # as Dense's
     return (y, ln_out) if self.return_layernorm_output else y
@@ -185,6 +214,9 @@ class LayerNormMLP(nn.Module):
     kernel_axes_1, kernel_axes_2: logical names `(in, hidden)` of `fc1`'s kernel and
       `(hidden, out)` of `fc2`'s (a gated `fc1` gets an unsharded middle axis).
     reduce_dtype: dtype of the partial-sum reductions of K-sharded GEMMs, as `Dense`'s.
+    fuse_producers: let the normalization and activation kernels write the quantized copies
+      the dense layers read where the formats have fused kernels (`jaxquant.flax.fusion`):
+      None (default) where the CUDA kernels are built, True also on CPU, False never.
   """
 
   intermediate_dim: int = 2048
@@ -211,6 +243,7 @@ class LayerNormMLP(nn.Module):
   kernel_axes_1: tuple = ()
   kernel_axes_2: tuple = ()
   reduce_dtype: Optional[Any] = None
+  fuse_producers: Optional[bool] = None
 
   @nn.compact
   def __call__(self, inputs: jax.Array):
@@ -219,21 +252,35 @@ class LayerNormMLP(nn.Module):
       raise ValueError(f"fc1_name and fc2_name are both {self.fc1_name!r}; the two dense layers "
                        "need distinct names")
     functions = activation_functions(self.activations)
-    ln_out = normalize(self, inputs, norm_type=self.norm_type, epsilon=self.epsilon,
-                       use_scale=self.use_scale, use_bias=self.use_norm_bias,
-                       zero_centered_gamma=self.zero_centered_gamma,
-                       scale_init=self.scale_init, bias_init=self.norm_bias_init,
-                       dtype=self.dtype, param_dtype=self.param_dtype)
+    scale, ln_bias = norm_parameters(self, inputs.shape[-1], **_norm_parameter_options(self))
     common = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
                   precision=self.precision, kernel_init=self.kernel_init,
                   bias_init=self.bias_init, recipe=self.recipe, reduce_dtype=self.reduce_dtype)
     axes_1 = tuple(self.kernel_axes_1)
+    gated_axes = axes_1[:1] + (None,) + axes_1[1:] if axes_1 else ()
+    if self.fuse_producers is not False and fusion.mlp_quantizers(self) is not None:  # jaxquant.flax.fusion
+      features_1 = ((len(functions), self.intermediate_dim) if len(functions) > 1
+                    else (self.intermediate_dim,))
+      fc1 = fusion.DenseParts(features_1, name=self.fc1_name,
+                              kernel_axes=gated_axes if len(functions) > 1 else axes_1,
+                              input_axes=tuple(self.input_axes), **common)
+      fc2 = fusion.DenseParts((inputs.shape[-1],), name=self.fc2_name,
+                              kernel_axes=tuple(self.kernel_axes_2),
+                              input_axes=tuple(self.hidden_axes), **common)
+      part1, part2 = fc1(inputs.shape[-1]), fc2(self.intermediate_dim)
+      y, ln_out = fusion.layernorm_mlp(
+          self, inputs, _norm_spec(self), scale, ln_bias, part1, part2,
+          fusion.mlp_fusion_plan(self, part1, part2), functions=functions,
+          write_y=self.return_layernorm_output,
+          apply_norm=lambda x: _apply_norm(self, x, scale, ln_bias),
+          weights=(fc1.quantized_weight, fc2.quantized_weight))
+      return (y, ln_out) if self.return_layernorm_output else y
+    ln_out = _apply_norm(self, inputs, scale, ln_bias)
     if len(functions) == 1:
       hidden = functions[0](Dense(self.intermediate_dim, name=self.fc1_name,
                                   kernel_axes=axes_1, input_axes=tuple(self.input_axes),
                                   **common)(ln_out))
     else:
-      gated_axes = axes_1[:1] + (None,) + axes_1[1:] if axes_1 else ()
       gates = DenseGeneral((len(functions), self.intermediate_dim), name=self.fc1_name,
                            kernel_axes=gated_axes, input_axes=tuple(self.input_axes),
                            **common)(ln_out)

@@ -10,24 +10,31 @@ Modules only map roles to quantizers (the recipe does the choosing, `jaxquant.de
   attribute, or the names `nn.with_logical_partitioning` boxed into `kernel_init`) and the
   input's (`input_axes`) become mesh-axis specs through the active `nn.logical_axis_rules`,
   and reach `jaxquant.dense` as a `DenseSharding`.
+- quantized weight: from the `"jaxquant_weights"` collection when it holds one (gradient
+  accumulation reuses one quantization per optimizer step, see
+  `jaxquant.flax.quantize_weights`); while that collection is mutable the module quantizes its
+  weight in both directions and stores it there.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxquant import explain as _explain
 from jaxquant import sharding as _sharding
 from jaxquant.formats import format_of
-from jaxquant.layers.dense import TENSOR_TYPES, DenseQuantizers, dense
+from jaxquant.layers.dense import TENSOR_TYPES, DenseQuantizers, dense, prepare_weight
+from jaxquant.layers.operands import Operand
 from jaxquant.recipes import Recipe, current_recipe
 from jaxquant.state import DelayedScalingState
 
 OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 QUANTIZE_RNG = "quantize"
+WEIGHT_CACHE = "jaxquant_weights"  # quantized weights, one per module ("weight")
 
 
 def check_recipe(recipe: Any, owner: str) -> Optional[Recipe]:
@@ -204,6 +211,34 @@ def module_sharding(module: nn.Module, kernel_shape, dtype,
                                  reduce_dtype=module_reduce_dtype(module))
 
 
+def caching_weights(module: nn.Module) -> bool:
+  """Whether this apply stores the quantized weights (`quantize_weights`): the collection is
+  mutable, outside `init` (whose outputs are the initial variables, not a step's weights)."""
+  return module.is_mutable_collection(WEIGHT_CACHE) and not module.is_initializing()
+
+
+def record_uncached_weight(module: nn.Module, quantizers: DenseQuantizers, what: str) -> None:
+  """While weights are being cached (`quantize_weights`), tell `jaxquant.explain` that this
+  contraction has no cached form: it quantizes its weight in every pass."""
+  if caching_weights(module):
+    _explain.record(_explain.Decision(
+        "weight-cache", quantizers.roles[1], what, "not-cached",
+        f"{what} has no cached weight: quantized again in every micro-batch"))
+
+
+def module_weight(module: nn.Module, prepare: Callable[[], Operand]) -> Optional[Operand]:
+  """The module's quantized weight from the `"jaxquant_weights"` collection; or, while that
+  collection is being filled, `prepare()` stored there; else None (the contraction quantizes
+  its weight itself)."""
+  if module.has_variable(WEIGHT_CACHE, "weight"):
+    return module.get_variable(WEIGHT_CACHE, "weight")
+  if caching_weights(module):
+    weight = prepare()
+    module.put_variable(WEIGHT_CACHE, "weight", weight)
+    return weight
+  return None
+
+
 def quantized_contraction(module: nn.Module, inputs: jax.Array, kernel: jax.Array,
                           bias: Optional[jax.Array], *, contracting_dims: int = 1,
                           precision: Any = None, recipe: Optional[Recipe] = None,
@@ -214,6 +249,10 @@ def quantized_contraction(module: nn.Module, inputs: jax.Array, kernel: jax.Arra
   if quantizers is None:
     return dense(inputs, kernel, bias, contracting_dims=contracting_dims, precision=precision)
   sharding = module_sharding(module, kernel.shape, kernel.dtype)
-  return dense(inputs, kernel, bias, quantizers, key=module_key(module, quantizers),
-               states=module_states(module, quantizers), contracting_dims=contracting_dims,
-               precision=precision, sharding=sharding)
+  key, states = module_key(module, quantizers), module_states(module, quantizers)
+  weight = module_weight(module, lambda: prepare_weight(
+      inputs, kernel, quantizers, state=None if states is None else states[1], key=key,
+      contracting_dims=contracting_dims, sharding=sharding))
+  return dense(inputs, kernel, bias, quantizers, key=key, states=states,
+               contracting_dims=contracting_dims, precision=precision, sharding=sharding,
+               weight=weight)

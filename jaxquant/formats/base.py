@@ -46,6 +46,8 @@ DIRECTIONS = ("rowwise", "columnwise")
 SCALE_LAYOUTS = ("none", "tensor", "block")  # no scale (Identity), one per tensor, per block
 AMAX_LAYOUTS = ("none", "tensor", "row")  # no amax, one per tensor, one per row (row-scaled)
 RHT_CHUNK = 16  # the random Hadamard transform mixes chunks of 16 along the contraction axis
+# The FFI quantize families whose tile kernels also serve the fused producers (`ffi/fused`).
+FUSED_PRODUCER_FAMILIES = ("fp8-current", "fp8-delayed", "mxfp8", "fp8-block")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,12 +224,27 @@ class Format:
     """Whether a stateful quantize needs the tensor's amax before its scale is known."""
     return False
 
+  def state_update_kernel(self, quantizer: Quantizer) -> Optional[str]:
+    """The FFI kernel that runs `update_state` ("delayed-update"), or None (the update above
+    runs as XLA operations)."""
+    return None
+
   # -------------------------------------------- kernels ---------------------------------------
 
   def quantize_kernel(self, quantizer: Quantizer) -> Optional[str]:
     """The FFI quantize family that serves it ("fp8-current", "fp8-delayed", "mxfp8",
     "fp8-block", "nvfp4"), or None (the reference quantizes it)."""
     raise self._undefined("quantize_kernel")
+
+  def fused_producer_kernel(self, quantizer: Quantizer) -> Optional[str]:
+    """The quantize family the fused producer kernels (`ffi/fused`: a normalization or an
+    activation that writes the quantized copies of its output) serve it with, or None. They
+    reuse the tile kernels of `FUSED_PRODUCER_FAMILIES`; a quantizer with a format per direction
+    (a Hybrid) or without storage has none."""
+    if self.halves(quantizer) is not None or self.high_precision:
+      return None
+    family = self.quantize_kernel(quantizer)
+    return family if family in FUSED_PRODUCER_FAMILIES else None
 
   def xla_fused(self, quantizer: Quantizer) -> bool:
     """Whether the XLA-fused quantize (`jaxquant.backends.xla`) serves it."""

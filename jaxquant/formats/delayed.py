@@ -48,10 +48,20 @@ def fresh_state(quantizer: Float8DelayedScalingQuantizer) -> DelayedScalingState
 
 
 def _scale_from_amax(a: jax.Array, quantizer: Float8DelayedScalingQuantizer) -> jax.Array:
-  """`fmax / a / 2^margin`, clamped to FLT_MAX (meaningful for finite a > 0)."""
+  """`fmax / a / 2^margin`, clamped to FLT_MAX (meaningful for finite a > 0). At margin 0 the
+  division by 1, exact, is not written out (each `ieee_div` is ~110 XLA operations)."""
   fmax = spec_for_dtype(quantizer.dtype).fmax
-  scale = ieee_div(ieee_div(jnp.float32(fmax), a), jnp.float32(2.0**quantizer.margin))
+  scale = ieee_div(jnp.float32(fmax), a)
+  if quantizer.margin:
+    scale = ieee_div(scale, jnp.float32(2.0**quantizer.margin))
   return jnp.minimum(scale, jnp.float32(FLT_MAX))
+
+
+def _max_abs(values: jax.Array) -> jax.Array:
+  """max |values| over the last axis by the float bits: NaN-propagating on every backend
+  (XLA:CPU's float max reduction drops NaN), as the kernels reduce."""
+  bits = jax.lax.bitcast_convert_type(values.astype(jnp.float32), jnp.uint32) & 0x7FFFFFFF
+  return jax.lax.bitcast_convert_type(jnp.max(bits, axis=-1), jnp.float32)
 
 
 def _usable(a: jax.Array) -> jax.Array:
@@ -82,14 +92,15 @@ def delayed_scaling_update(state: DelayedScalingState, amax: jax.Array,
                            quantizer: Float8DelayedScalingQuantizer) -> DelayedScalingState:
   """One step of delayed scaling, after quantizing a tensor whose amax was `amax`.
 
-  `hist[0] = amax`; `a = max(hist)` ("max") or `hist[0]` ("most_recent"); if `a` is finite and
-  > 0 the new scale is `fmax / a / 2^margin` (clamped to FLT_MAX), else the old one is kept; then
-  the history rolls by -1 and `hist[0]` is zeroed.
+  `hist[0] = amax`; `a = max(hist)` ("max", NaN-propagating) or `hist[0]` ("most_recent"); if
+  `a` is finite and > 0 the new scale is `fmax / a / 2^margin` (clamped to FLT_MAX), else the
+  old one is kept; then the history rolls by -1 and `hist[0]` is zeroed. (`jaxquant.ops.
+  update_state` runs this as one FFI kernel where the extension is built.)
   """
   if not isinstance(quantizer, Float8DelayedScalingQuantizer):
     raise TypeError(f"quantizer: expected Float8DelayedScalingQuantizer, got {quantizer!r}")
   hist = state.amax_history.at[0].set(amax.astype(jnp.float32))
-  a = jnp.max(hist) if quantizer.amax_compute_algo == "max" else hist[0]
+  a = _max_abs(hist) if quantizer.amax_compute_algo == "max" else hist[0]
   scale = jnp.where(_usable(a), _scale_from_amax(a, quantizer), state.scale)
   hist = jnp.roll(hist, -1).at[0].set(0.0)
   return DelayedScalingState(scale.astype(jnp.float32), hist)

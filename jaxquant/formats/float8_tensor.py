@@ -133,6 +133,9 @@ class Float8DelayedFormat(Float8TensorFormat):
   def needs_current_amax(self, quantizer) -> bool:
     return needs_current_amax(quantizer)
 
+  def state_update_kernel(self, quantizer) -> str:
+    return "delayed-update"
+
   def quantize_kernel(self, quantizer) -> str:
     return "fp8-delayed"
 

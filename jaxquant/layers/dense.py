@@ -4,10 +4,15 @@ For `x[M, K]` and a Flax kernel `W[K, N]` (docs/design.md §3 "Storage conventio
   forward  y[M, N]  = x_row[M, K]  . W_row[N, K]^T     (W_row = quantized W^T)
   dgrad    dx[M, K] = dy_row[M, N] . W_col[K, N]^T     (W_col = quantized W)
   wgrad    dW[K, N] = x_col[K, M]  . dy_col[N, M]^T    (x_col = quantized x^T)
-The forward saves only the quantized columnwise operands (tagged with `checkpoint_name`), and
-only those a backward GEMM will use: no dgrad operand when x needs no gradient, no wgrad operand
-when W needs none. Delayed-scaling states are differentiable inputs whose "gradient" is their
-updated value (Flax's `_overwrite_with_gradient` convention).
+x and W are quantized before the custom_vjp (`jaxquant.layers.operands`): their copies carry
+`checkpoint_name`s, so `remat_policy()` keeps the quantized weights and a rematerialized
+forward does not quantize them again; a weight quantized once by `prepare_weight` can serve
+every micro-batch of a gradient-accumulation step; and contractions of one input share its
+quantization inside `shared_inputs.share_input_quantization()`. The forward saves only the
+quantized columnwise operands, and only those a backward GEMM will use: no dgrad operand when x
+needs no gradient, no wgrad operand when W needs none (nor are those copies made). Delayed-
+scaling states are differentiable inputs whose "gradient" is their updated value (Flax's
+`_overwrite_with_gradient` convention).
 
 Sharding (`sharding=DenseSharding(x=..., kernel=...)`, see `jaxquant.sharding`): x, y, dy, dx,
 dW and every storage are constrained to the specs `plan_dense` derives, so the partitioned ops
@@ -37,9 +42,9 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
+from jax.custom_derivatives import CustomVJPPrimal
 
-from jaxquant.layers import collective_gemm
+from jaxquant.layers import collective_gemm, operands, shared_inputs
 from jaxquant import explain as _explain
 from jaxquant import ops
 from jaxquant import sharding as _sharding
@@ -47,10 +52,11 @@ from jaxquant.formats import format_of
 from jaxquant.quantizers import IdentityQuantizer, Quantizer
 from jaxquant.recipes import Recipe
 from jaxquant.roles import QuantizerRole
-from jaxquant.state import init_state, update_state
+from jaxquant.state import init_state
 from jaxquant.tensors import QuantizedTensor
 
-RESIDUAL_NAMES = ("jaxquant_input_columnwise", "jaxquant_weight_columnwise")
+# The checkpoint names of the copies the backward reads (x^T for wgrad, W for dgrad).
+RESIDUAL_NAMES = (operands.INPUT_NAMES[1], operands.WEIGHT_NAMES[1])
 TENSOR_TYPES = ("input", "weight", "grad_output")
 
 
@@ -170,6 +176,9 @@ class _Config:
   contract_shape: tuple[int, ...]  # trailing axes of x, flattened into the contraction
   out_shape: tuple[int, ...]  # trailing axes of the kernel and the output
   plan: Optional[_sharding.DensePlan] = None  # specs under a mesh (None: unsharded/unknown)
+  # What replaces the output and quantizes the output gradient (the fused activation of an MLP,
+  # jaxquant.layers.fused_activation.ActivationEpilogue), or None.
+  epilogue: Any = None
 
   def constrain(self, value, spec):
     """`value` constrained to `spec` of the plan (unchanged without a plan or a spec)."""
@@ -221,44 +230,97 @@ def _value(primal):
   return None if primal is None else primal.value
 
 
-def _forward(config: _Config, x, kernel, bias, key, states, *, need_dgrad: bool,
-             need_wgrad: bool):
+def _maker(config: _Config, tensor_type: str) -> operands.Make:
+  """How `config`'s dense quantizes its input or weight: the role's quantizer, the plan's
+  sharding constraints around it, and the state it leaves."""
   q = config.quantizers
-  k, n = math.prod(config.contract_shape), math.prod(config.out_shape)
-  key_x, key_w, _ = _keys(key)
-  state_x, state_w, _ = states
-  roles = q.roles
+  quantizer, role = q.quantizer(tensor_type), q.roles[TENSOR_TYPES.index(tensor_type)]
   plan = config.plan
-  if plan is not None:
-    _record_plan(config)
-  x2d = config.constrain(x.reshape(-1, k), plan and plan.x2d)
-  qx = ops.quantize(x2d, q.input, rowwise=True, columnwise=need_wgrad, key=key_x,
-                    state=state_x, role=roles[0])
-  qx = config.constrain_storage(qx, q.input, plan and plan.x2d)
-  if plan is None and copies_swap_with_transpose(q.weight):
-    # The kernel [K, N] quantized as stored: its columnwise copy [N, K] is the forward operand,
-    # its rowwise copy dgrad's (the same bytes as quantizing W^T, without materializing W^T).
-    kn = ops.quantize(kernel.reshape(k, n), q.weight, rowwise=need_dgrad, columnwise=True,
-                      key=key_w, state=state_w, role=roles[1])
-    qw = QuantizedTensor(kn.columnwise, kn.rowwise, q.weight)
+  spec = None if plan is None else (plan.x2d if tensor_type == "input" else config.weight_spec)
+
+  def make(value2d, state, key, columnwise):
+    value2d = config.constrain(value2d, spec)
+    qtensor = ops.quantize(value2d, quantizer, rowwise=True, columnwise=columnwise, key=key,
+                           state=state, role=role)
+    qtensor = config.constrain_storage(qtensor, quantizer, spec)
+    return qtensor, ops.update_state(quantizer, state, qtensor, role=role)
+
+  return make
+
+
+def _input_operand(config: _Config, x, kernel, key, state,
+                   x_quantized: Optional[QuantizedTensor] = None) -> operands.Operand:
+  """x's storage: written by a fused producer (`x_quantized`: `jaxquant.layers.fused_norm` /
+  `fused_activation`), made here (the columnwise copy only if the kernel is differentiated),
+  or shared with earlier contractions of the same x (`jaxquant.layers.shared_inputs`)."""
+  q = config.quantizers
+  if x_quantized is not None:
+    qtensor = config.constrain_storage(x_quantized, q.input, config.plan and config.plan.x2d)
+    update = lambda t, s: ops.update_state(q.input, s, t, role=q.roles[0])
+    return operands.given_operand(qtensor, update, state, names=operands.INPUT_NAMES)
+  k = math.prod(config.contract_shape)
+  make = lambda probe: operands.quantize_operand(
+      _maker(config, "input"), x.reshape(-1, k), names=operands.INPUT_NAMES, probe=probe,
+      state=state, key=key)
+  if key is not None or not shared_inputs.active():
+    return make(kernel)
+  plan = config.plan
+  share_key = (q.input, tuple(x.shape), config.contract_shape,
+               None if plan is None else (plan.x2d, plan.mesh))
+  operand, reused = shared_inputs.shared_operand(x, share_key, state, lambda: make(None))
+  if reused:
+    _explain.record(_explain.Decision(
+        "quantize", q.roles[0], f"rowwise+columnwise: {q.input}", "shared",
+        "the same input, quantized the same way by an earlier contraction in this scope"))
+  return operand
+
+
+def _swapped_maker(config: _Config) -> operands.Make:
+  """How a kernel `[K, N]` is quantized as it is stored (`copies_swap_with_transpose`): its
+  columnwise copy `[N, K]` is the forward operand, its rowwise copy dgrad's (the same bytes as
+  quantizing W^T, without materializing W^T, a full read and write of the weights)."""
+  q = config.quantizers
+  role = q.roles[TENSOR_TYPES.index("weight")]
+
+  def make(kn, state, key, backward):
+    stored = ops.quantize(kn, q.weight, rowwise=backward, columnwise=True, key=key,
+                          state=state, role=role)
+    qtensor = QuantizedTensor(stored.columnwise, stored.rowwise, q.weight)
+    return qtensor, ops.update_state(q.weight, state, qtensor, role=role)
+
+  return make
+
+
+def _weight_operand(config: _Config, kernel, key, state, probe) -> operands.Operand:
+  """W's storage, from the kernel in its parameter dtype: quantized as stored with the copies
+  swapped where the format allows it (unsharded), else W^T quantized."""
+  k, n = math.prod(config.contract_shape), math.prod(config.out_shape)
+  if config.plan is None and copies_swap_with_transpose(config.quantizers.weight):
+    make, value = _swapped_maker(config), kernel.reshape(k, n)
   else:
-    w2d = config.constrain(kernel.reshape(k, n).T, plan and config.weight_spec)
-    qw = ops.quantize(w2d, q.weight, rowwise=True, columnwise=need_dgrad, key=key_w,
-                      state=state_w, role=roles[1])
-    qw = config.constrain_storage(qw, q.weight, plan and config.weight_spec)
+    make, value = _maker(config, "weight"), kernel.reshape(k, n).T
+  return operands.quantize_operand(make, value, names=operands.WEIGHT_NAMES, probe=probe,
+                                   state=state, key=key)
+
+
+def _forward(config: _Config, x, bias, qx: operands.Operand, qw: operands.Operand):
+  q = config.quantizers
+  plan = config.plan
+  n = math.prod(config.out_shape)
   bias = None if bias is None else bias.reshape(n)
-  w_row = config.gathered_weight(qw).rowwise
+  x_row = qx.rowwise.restore()
+  w_row = config.gathered_weight(QuantizedTensor(qw.rowwise.restore(), None, q.weight)).rowwise
   if plan is not None and plan.known and plan.x_k_axes and (
       plan.x_k_axes == plan.gathered(plan.k_axes)):  # row-parallel: K sharded
     y = collective_gemm.reduced_gemm(
-        qx.rowwise, w_row, mesh=plan.mesh, rows=plan.row_axes, cols=plan.gathered(plan.n_axes),
+        x_row, w_row, mesh=plan.mesh, rows=plan.row_axes, cols=plan.gathered(plan.n_axes),
         k=plan.x_k_axes, out_dtype=x.dtype, reduce_dtype=plan.reduce_dtype, bias=bias,
         role=config.gemm_label("fprop"), precision=config.precision)
   else:
-    y = ops.gemm(qx.rowwise, w_row, out_dtype=x.dtype, bias=bias,
+    y = ops.gemm(x_row, w_row, out_dtype=x.dtype, bias=bias,
                  role=config.gemm_label("fprop"), precision=config.precision)
   y = config.constrain(y, plan and plan.y2d)
-  return y.reshape(*config.batch_shape, *config.out_shape), qx, qw
+  return y.reshape(*config.batch_shape, *config.out_shape)
 
 
 def _record_plan(config: _Config) -> None:
@@ -276,35 +338,51 @@ def _record_plan(config: _Config) -> None:
                                       plan.rows_note))
 
 
-def _primal(config, x, kernel, bias, key, states):
-  y, _, _ = _forward(config, x, kernel, bias, key, states, need_dgrad=False, need_wgrad=False)
-  return y
+def _primal(config, x, kernel, bias, key, states, qx, qw):
+  y = _forward(config, x, bias, qx, qw)
+  return y if config.epilogue is None else config.epilogue.outputs(y)
 
 
-def _fwd(config, x, kernel, bias, key, states):
+def _fwd(config, x, kernel, bias, key, states, qx, qw):
   need_dgrad, need_wgrad = x.perturbed, kernel.perturbed
-  x, kernel, bias, key, states = (_value(x), _value(kernel), _value(bias), _value(key),
-                                  jax.tree_util.tree_map(_value, states))
-  y, qx, qw = _forward(config, x, kernel, bias, key, states, need_dgrad=need_dgrad,
-                       need_wgrad=need_wgrad)
-  q = config.quantizers
-  new_states = (update_state(q.input, states[0], qx), update_state(q.weight, states[1], qw),
-                states[2])
-  x_col = jax.tree_util.tree_map(lambda a: checkpoint_name(a, RESIDUAL_NAMES[0]), qx.columnwise)
-  w_col = jax.tree_util.tree_map(lambda a: checkpoint_name(a, RESIDUAL_NAMES[1]), qw.columnwise)
-  return y, (x_col, w_col, key, new_states)
+  x, bias, key, states, qx, qw = _unwrap((x, bias, key, states, qx, qw))
+  y = _forward(config, x, bias, qx, qw)
+  new_states = (qx.state, qw.state, states[2])
+  x_col = qx.columnwise if need_wgrad else None
+  w_col = qw.columnwise if need_dgrad else None
+  if config.epilogue is None:
+    return y, (x_col, w_col, key, new_states, None)
+  return config.epilogue.outputs(y), (x_col, w_col, key, new_states, y)
+
+
+def _unwrap(tree):
+  return jax.tree_util.tree_map(_value, tree, is_leaf=lambda p: isinstance(p, CustomVJPPrimal))
 
 
 def _bwd(config, residuals, dy):
-  x_col, w_col, key, states = residuals
+  x_col, w_col, key, states, y = residuals
+  x_col = None if x_col is None else x_col.restore()
+  w_col = None if w_col is None else w_col.restore()
   q = config.quantizers
   _, _, key_g = _keys(key)
   roles = q.roles
   plan = config.plan
-  dy_nd = dy
-  dy = config.constrain(dy.reshape(-1, math.prod(config.out_shape)), plan and plan.y2d)
-  dqy = ops.quantize(dy, q.grad_output, rowwise=w_col is not None,
-                     columnwise=x_col is not None, key=key_g, state=states[2], role=roles[2])
+  if config.epilogue is not None:  # dy is the epilogue's cotangent; it quantizes dy itself
+    dqy, dbias = config.epilogue.gradient(
+        dy, y, q.grad_output, states[2], rowwise=w_col is not None, columnwise=x_col is not None,
+        dbias=config.bias_dtype is not None, key=key_g, role=roles[2])
+    dbias = None if dbias is None else dbias.reshape(config.out_shape).astype(config.bias_dtype)
+  else:
+    dy_nd = dy
+    dy = config.constrain(dy.reshape(-1, math.prod(config.out_shape)), plan and plan.y2d)
+    dqy = ops.quantize(dy, q.grad_output, rowwise=w_col is not None,
+                       columnwise=x_col is not None, key=key_g, state=states[2], role=roles[2])
+    dbias = None
+    if config.bias_dtype is not None:
+      # The same reduction autodiff of `y + bias` performs, so Identity matches nn.Dense exactly.
+      batch_axes = tuple(range(len(config.batch_shape)))
+      dbias = jax.lax.reduce(dy_nd, jnp.zeros((), dy_nd.dtype), jax.lax.add, batch_axes)
+      dbias = dbias.astype(config.bias_dtype)
   dqy = config.constrain_storage(dqy, q.grad_output, plan and plan.y2d)
   dx = dkernel = None
   if w_col is not None:
@@ -334,14 +412,10 @@ def _bwd(config, residuals, dy):
                          role=config.gemm_label("wgrad"), precision=config.precision)
     dkernel = config.constrain(dkernel, plan and plan.kernel2d)
     dkernel = dkernel.reshape(*config.contract_shape, *config.out_shape)
-  dbias = None
-  if config.bias_dtype is not None:
-    # The same reduction autodiff of `y + bias` performs, so Identity matches nn.Dense exactly.
-    batch_axes = tuple(range(len(config.batch_shape)))
-    dbias = jax.lax.reduce(dy_nd, jnp.zeros((), dy_nd.dtype), jax.lax.add, batch_axes)
-    dbias = dbias.astype(config.bias_dtype)
-  new_states = (states[0], states[1], update_state(q.grad_output, states[2], dqy))
-  return dx, dkernel, dbias, None, new_states
+  new_states = (states[0], states[1],
+                ops.update_state(q.grad_output, states[2], dqy, role=roles[2]))
+  # No cotangent for the quantized operands: the kernel and x gradients above are theirs.
+  return dx, dkernel, dbias, None, new_states, None, None
 
 
 def _data_parallel_wgrad(config: _Config, x_col, dy_col, swap: bool):
@@ -365,6 +439,19 @@ def _data_parallel_wgrad(config: _Config, x_col, dy_col, swap: bool):
       scatter_rows=scatter_k, scatter_cols=scatter_n, **common)
 
 
+def remat_policy(base: Optional[Any] = None):
+  """A `jax.checkpoint` / `flax.linen.remat` policy that keeps each dense's quantized weight
+  (both copies), so the recomputed forward of a rematerialized block reuses them: each weight
+  is quantized once per step. They cost 2 bytes per parameter (FP8) of saved memory.
+
+  Args:
+    base: another policy whose saved values are kept as well (e.g.
+      `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`); None: only the weights.
+  """
+  names = jax.checkpoint_policies.save_only_these_names(*operands.WEIGHT_NAMES)
+  return names if base is None else jax.checkpoint_policies.save_from_both_policies(base, names)
+
+
 def jaxquant_tensor(columnwise, quantizer) -> QuantizedTensor:
   """A columnwise-only `QuantizedTensor` around a saved residual."""
   return QuantizedTensor(None, columnwise, quantizer)
@@ -378,7 +465,9 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
           quantizers: Optional[DenseQuantizers] = None, *, key: Optional[jax.Array] = None,
           states: Optional[tuple] = None, contracting_dims: int = 1,
           precision: Any = None,
-          sharding: Optional[_sharding.DenseSharding] = None) -> jax.Array:
+          sharding: Optional[_sharding.DenseSharding] = None,
+          weight: Optional[operands.Operand] = None,
+          x_quantized: Optional[QuantizedTensor] = None, epilogue: Any = None) -> jax.Array:
   """Quantized `x @ kernel + bias` with a custom backward pass.
 
   Args:
@@ -401,9 +490,20 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
       (None: no constraints, XLA propagation decides). A spec whose shards would split a
       scaling block raises `ValueError`; FSDP kernel axes (those that also shard x's rows) are
       gathered after quantization where exact (see `jaxquant.sharding.plan_dense`).
+    weight: the kernel already quantized by `prepare_weight` (reused across gradient
+      accumulation's micro-batches); None: quantized here. Either way the weight is quantized
+      outside this function's custom_vjp, its copies named `operands.WEIGHT_NAMES` for remat
+      policies (`remat_policy`), and the kernel's gradient is the contraction's.
+    x_quantized: x already quantized by `quantizers.input`, both directions (a fused producer
+      wrote it: `jaxquant.layers.fused_norm`); `x` then gives only the shape, the dtype and the
+      path of x's gradient. It becomes the input operand as it is (the input state's update
+      reads its amax).
+    epilogue: `jaxquant.layers.fused_activation.ActivationEpilogue`: the layer returns what
+      the epilogue makes of its output, and the epilogue quantizes the output gradient (fused
+      with the activation's derivative).
 
   Returns:
-    `[..., N1..Nn]` in `x`'s dtype.
+    `[..., N1..Nn]` in `x`'s dtype (with an epilogue: the epilogue's outputs).
   """
   if contracting_dims < 1 or contracting_dims > min(x.ndim, kernel.ndim):
     raise ValueError(f"contracting_dims={contracting_dims} must be between 1 and "
@@ -422,6 +522,8 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
   if quantizers is not None and not isinstance(quantizers, DenseQuantizers):
     raise TypeError(f"quantizers: expected DenseQuantizers or None, got "
                     f"{type(quantizers).__name__}")
+  if x_quantized is not None or epilogue is not None:
+    _check_fusion(quantizers, x_quantized, x, contracting_dims)
   if runs_unquantized(quantizers, sharding):
     kernel = kernel.astype(x.dtype)  # a parameter-dtype kernel: Flax's promotion
     y = jax.lax.dot_general(x, kernel, ((tuple(range(x.ndim - contracting_dims, x.ndim)),
@@ -448,5 +550,74 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
       quantizers, weight=compute_dtype_weight(quantizers.weight, kernel.dtype, x.dtype))
   config = _Config(quantizers, precision, x.dtype, kernel.dtype,
                    None if bias is None else bias.dtype, tuple(batch_shape),
-                   tuple(contract_shape), tuple(out_features), plan)
-  return _dense_nd(config, x, kernel, bias, key, tuple(states))
+                   tuple(contract_shape), tuple(out_features), plan, epilogue)
+  if plan is not None:
+    _record_plan(config)
+  key_x, key_w, _ = _keys(key)
+  qx = _input_operand(config, x, kernel, key_x, states[0], x_quantized)
+  if weight is None:
+    weight = _weight_operand(config, kernel, key_w, states[1], probe=x)
+  elif not isinstance(weight, operands.Operand) or weight.quantizer != quantizers.weight:
+    raise TypeError(f"weight: expected the jaxquant.prepare_weight operand of this kernel "
+                    f"under {quantizers.weight}, got {type(weight).__name__}"
+                    + (f" under {weight.quantizer}" if isinstance(weight, operands.Operand)
+                       else ""))
+  return _dense_nd(config, x, kernel, bias, key, tuple(states), qx, weight)
+
+
+def _check_fusion(quantizers, x_quantized, x, contracting_dims) -> None:
+  """A pre-quantized input or an epilogue needs quantizers, and x_quantized must be x's."""
+  if quantizers is None:
+    raise ValueError("x_quantized / epilogue: the fused producers quantize; pass quantizers")
+  if x_quantized is None:
+    return
+  if (not isinstance(x_quantized, QuantizedTensor) or x_quantized.rowwise is None
+      or x_quantized.columnwise is None):
+    raise TypeError("x_quantized: expected a QuantizedTensor with both copies (rowwise and "
+                    f"columnwise), got {type(x_quantized).__name__}"
+                    + (f" with rowwise={x_quantized.rowwise is not None}, columnwise="
+                       f"{x_quantized.columnwise is not None}"
+                       if isinstance(x_quantized, QuantizedTensor) else ""))
+  if x_quantized.quantizer != quantizers.input:
+    raise ValueError(f"x_quantized: quantized by {x_quantized.quantizer}, but the input role's "
+                     f"quantizer is {quantizers.input}")
+  k = math.prod(x.shape[x.ndim - contracting_dims:])
+  rows = math.prod(x.shape[:x.ndim - contracting_dims])
+  if tuple(x_quantized.rowwise.shape) != (rows, k):
+    raise ValueError(f"x_quantized: rowwise copy {tuple(x_quantized.rowwise.shape)}, expected "
+                     f"{(rows, k)} for x {tuple(x.shape)}")
+
+
+def prepare_weight(x: jax.Array, kernel: jax.Array, quantizers: DenseQuantizers, *,
+                   state: Any = None, key: Optional[jax.Array] = None,
+                   contracting_dims: int = 1,
+                   sharding: Optional[_sharding.DenseSharding] = None) -> operands.Operand:
+  """The quantized weight `dense(x, kernel, ..., weight=...)` can reuse: both copies (forward
+  and dgrad), and the weight quantizer's state after this quantization.
+
+  Gradient accumulation quantizes each weight once per optimizer step with it, as
+  TransformerEngine caches the weights on the first micro-batch: the weight does not change
+  between micro-batches. `jaxquant.flax.quantize_weights` does it for a whole Flax model.
+
+  Args:
+    x: an input of the contraction (its shape places the sharding plan; values unused).
+    kernel, quantizers, contracting_dims, sharding: as `dense`.
+    state: the weight quantizer's delayed-scaling state (`quantizers.init_states()[1]`).
+    key: the dense's PRNG key (the weight's is `fold_in(key, 1)`, as in `dense`).
+  """
+  if not isinstance(quantizers, DenseQuantizers):
+    raise TypeError(f"quantizers: expected DenseQuantizers, got {type(quantizers).__name__}")
+  if quantizers.weight.stateful and state is None:
+    raise ValueError(f"state: {quantizers.weight} is stateful; pass the weight's state "
+                     "(quantizers.init_states()[1])")
+  batch_shape = x.shape[:x.ndim - contracting_dims]
+  contract_shape = tuple(kernel.shape[:contracting_dims])
+  plan = None
+  if sharding is not None:
+    plan = _sharding.plan_dense(sharding, x.shape, kernel.shape, contracting_dims,
+                                quantizers.weight, ("rowwise", "columnwise"))
+  quantizers = dataclasses.replace(  # as `dense` does: read the kernel in its parameter dtype
+      quantizers, weight=compute_dtype_weight(quantizers.weight, kernel.dtype, x.dtype))
+  config = _Config(quantizers, None, x.dtype, kernel.dtype, None, tuple(batch_shape),
+                   contract_shape, tuple(kernel.shape[contracting_dims:]), plan)
+  return _weight_operand(config, kernel, _keys(key)[1], state, probe=None)

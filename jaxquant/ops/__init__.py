@@ -24,7 +24,7 @@ from jaxquant.tensors import QuantizedTensor, ScaledTensor
 
 Operand = Union[ScaledTensor, jax.Array]
 
-__all__ = ["quantize", "dequantize", "transpose", "gemm"]
+__all__ = ["quantize", "dequantize", "transpose", "gemm", "update_state"]
 
 
 def _as_matrix(x: jax.Array) -> jax.Array:
@@ -133,6 +133,44 @@ def quantize(x: jax.Array, quantizer: Quantizer, *, rowwise: bool = True,
     _, col = _single(source, halves[1], rowwise=False, columnwise=True,
                      state=col_state, **dict(common, key=key_col))
   return QuantizedTensor(row if rowwise else None, col, quantizer)
+
+
+def update_state(quantizer: Quantizer, state: Any, qtensor: QuantizedTensor, *,
+                 role: Any = None) -> Any:
+  """`jaxquant.update_state` (the state after `qtensor = quantize(x, quantizer, state=state)`)
+  on the selected implementation: the FFI's state-update kernel the format names
+  (`Format.state_update_kernel`: `jaxquant_delayed_update` for delayed scaling, one call per
+  state) where the extension is built, else the format's reference update; bit-identical.
+  The choice is recorded for `jaxquant.explain` as a "state-update" decision."""
+  if state is None or not quantizer.stateful:
+    return state
+  fmt = format_of(quantizer)
+  halves = fmt.halves(quantizer)
+  if halves is not None:
+    row_state, col_state = fmt.split_state(quantizer, state)
+    return (_update_leaf(halves[0], row_state, qtensor.rowwise, role),
+            _update_leaf(halves[1], col_state, qtensor.columnwise, role))
+  scaled = qtensor.rowwise if qtensor.rowwise is not None else qtensor.columnwise
+  return _update_leaf(quantizer, state, scaled, role)
+
+
+def _update_leaf(quantizer: Quantizer, state: Any, scaled: Optional[ScaledTensor], role: Any):
+  fmt = format_of(quantizer)
+  if not fmt.stateful(quantizer) or scaled is None:
+    return state
+  kernel = fmt.state_update_kernel(quantizer)
+  ffi = dispatch.ffi_module()
+  if kernel is None:
+    reason = f"no FFI state-update kernel for format {fmt.name!r}"
+  else:
+    reason = (dispatch.ffi_missing_reason() if ffi is None
+              else ffi.state_update_unsupported(kernel))
+  path, reason = dispatch.choose("state update", reason)
+  _explain.record(_explain.Decision("state-update", role, str(quantizer),
+                                    path if path == "reference" else ffi.path_name(), reason))
+  if path == "ffi":
+    return ffi.state_update(kernel, state, scaled.amax, quantizer)
+  return fmt.update_state(quantizer, state, scaled.amax)
 
 
 def dequantize(t: Union[QuantizedTensor, ScaledTensor], dtype=jnp.float32) -> jax.Array:

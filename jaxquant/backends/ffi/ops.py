@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from jaxquant.backends.ffi import delayed as _delayed
 from jaxquant.backends.ffi import gemm as _gemm
 from jaxquant.backends.ffi import quantize as _quantize
 from jaxquant.backends.ffi import registry as _registry
@@ -64,3 +65,18 @@ def gemm_path_reason(a, b) -> str:
 
 def gemm(a, b, *, out_dtype, bias=None, precision=None, **kwargs):
   return _gemm.gemm(a, b, out_dtype=out_dtype, bias=bias, precision=precision, **kwargs)
+
+
+STATE_UPDATE_KERNELS = ("delayed-update",)  # `Format.state_update_kernel` names
+
+
+def state_update_unsupported(kernel: str) -> Optional[str]:
+  if kernel not in STATE_UPDATE_KERNELS:
+    return f"no FFI state-update kernel {kernel!r}; built: {STATE_UPDATE_KERNELS}"
+  return _registry.unserved_reason(_platform())
+
+
+def state_update(kernel: str, state, amax, quantizer):
+  """Same contract as the format's `update_state` (`jaxquant.formats.delayed.
+  delayed_scaling_update` for "delayed-update")."""
+  return _delayed.update(state, amax, quantizer)

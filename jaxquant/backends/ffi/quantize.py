@@ -22,7 +22,7 @@ from jaxquant.formats import format_of
 from jaxquant.formats.base import tensor_amax
 from jaxquant.quantizers import (HIGH_PRECISION_DTYPES, Float8BlockQuantizer, MXFP8Quantizer,
                                  NVFP4Quantizer, Quantizer)
-from jaxquant.state import DelayedScalingState, needs_current_amax, quantize_scale
+from jaxquant.state import DelayedScalingState
 from jaxquant.tensors import ScaledTensor
 
 Pair = tuple[Optional[ScaledTensor], Optional[ScaledTensor]]
@@ -129,11 +129,9 @@ def _fp8_tensor(req: Request, quantizer, *, delayed: bool) -> Pair:
                        "(jaxquant.init_state(quantizer)); got "
                        f"{type(req.state).__name__}")
     s = req.state.scale.astype(jnp.float32).reshape(())
-    if needs_current_amax(quantizer):  # the state may have no scale yet: take it from x's amax
-      # Gated on the state's scale: the amax pass runs only while the scale is 0 ("none yet");
-      # once a scale is stored its grid exits at once, so later steps keep the one-pass cost.
-      (amax_now,) = calls.amax(req.x2d, calls.AMAX_TENSOR, gate=s)
-      s = quantize_scale(s, amax_now, quantizer)
+    if format_of(quantizer).needs_current_amax(quantizer):
+      # the state may have no scale yet: the kernel takes it from x's amax
+      return _fp8_delayed_first_scale(req, quantizer, s)
     pow2_scale, eps = False, 0.0
   else:
     (s,) = ((tensor_amax(req.x2d),) if amax_source() == "xla"
@@ -151,6 +149,25 @@ def _fp8_tensor(req: Request, quantizer, *, delayed: bool) -> Pair:
   row, _, col, _ = _split(req, outs, with_scales=False)
   scale_inv = outs.pop(0)
   amax = outs.pop(0) if delayed else s
+  return _pair(req, quantizer, row, scale_inv, amax, col, scale_inv, amax)
+
+
+def _fp8_delayed_first_scale(req: Request, quantizer, scale: jax.Array) -> Pair:
+  """Delayed scaling whose state may have no scale yet (`first_scale="current"`): the gated
+  amax pass reads x only while the stored scale is 0, and the quantize kernel takes the scale
+  that amax gives itself (`formats.delayed.quantize_scale`'s arithmetic, on the device): no scale math in
+  XLA before the kernel."""
+  # Gated on the state's scale: the amax pass runs only while the scale is 0 ("none yet");
+  # once a scale is stored its grid exits at once, so later steps keep the one-pass cost.
+  (amax_now,) = calls.amax(req.x2d, calls.AMAX_TENSOR, gate=scale)
+  target = "jaxquant_quantize_fp8_delayed"
+  results = _data_results(req, quantizer.dtype) + [_sds((), np.float32), _sds((), np.float32)]
+  layout = _layout(req, target, (X_DIMS, (), ()), tail=((), ()), reduce=((1, ("m", "k")),))
+  outs = calls.call(target, results, req.x2d, scale, amax_now, layout=layout,
+                    rowwise=req.rowwise, columnwise=req.columnwise,
+                    margin=np.int32(quantizer.margin))
+  row, _, col, _ = _split(req, outs, with_scales=False)
+  scale_inv, amax = outs.pop(0), outs.pop(0)
   return _pair(req, quantizer, row, scale_inv, amax, col, scale_inv, amax)
 
 

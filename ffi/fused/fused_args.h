@@ -1,0 +1,229 @@
+// Argument decoding of the fused producer targets (ffi/fused/NOTES.md), shared by the CPU and
+// CUDA handlers: every buffer is checked against the producer's contract, and bad arguments get
+// InvalidArgument naming the target, the buffer, what came and what was expected.
+#pragma once
+
+#include <string>
+
+#include "handler_common.h"
+
+namespace jqffi {
+
+// What computes the matrix that is quantized (the `producer` attribute).
+enum class Producer : int32_t {
+  kLayerNorm = 1,  // x [R, C] -> norm_value(x, mean, rsigma, scale, bias)
+  kRmsNorm = 2,    // x [R, C] -> norm_value(x, -, rsigma, scale, bias)
+  kAct = 3,        // h [R, C] (gated: [R, 2C]) -> act(h) (gated: act(h0) * h1)
+  kDact = 4,       // dy [R, N], h [R, C] (C = N, gated 2N) -> dy * act'(h) (gated: dh0 | dh1)
+};
+
+inline const char* out_type_name(jq::OutType t) {
+  switch (t) {
+    case jq::OutType::kBF16: return "bfloat16";
+    case jq::OutType::kF16: return "float16";
+    default: return "float32";
+  }
+}
+
+inline ffi::DataType out_data_type(jq::OutType t) {
+  switch (t) {
+    case jq::OutType::kBF16: return ffi::DataType::BF16;
+    case jq::OutType::kF16: return ffi::DataType::F16;
+    default: return ffi::DataType::F32;
+  }
+}
+
+inline jq::OutType out_type_of(In t) {
+  return t == In::kBF16 ? jq::OutType::kBF16 : (t == In::kF16 ? jq::OutType::kF16 : jq::OutType::kF32);
+}
+
+// The producer attributes every fused target takes.
+struct ProducerAttrs {
+  int32_t producer = 0, act = 0, out_type = 0;
+  bool gated = false, has_scale = false, has_bias = false;
+};
+
+// The decoded producer: its inputs and the shape of the matrix it makes.
+struct FusedArgs {
+  Producer producer = Producer::kLayerNorm;
+  jq::Act act = jq::Act::kGelu;
+  jq::OutType out = jq::OutType::kBF16;
+  bool gated = false, has_scale = false, has_bias = false;
+  Input a, b;  // a: x (norms), h (act), dy (dact); b: h (dact)
+  const float *mean = nullptr, *rsigma = nullptr, *scale = nullptr, *bias = nullptr;
+  int64_t R = 0, C = 0;  // the produced matrix
+  int64_t N = 0;         // dact: the columns of dy (C / 2 when gated)
+
+  bool norm() const { return producer == Producer::kLayerNorm || producer == Producer::kRmsNorm; }
+  bool layernorm() const { return producer == Producer::kLayerNorm; }
+};
+
+inline ffi::Error expect_placeholder(const char* t, const char* what, const ffi::AnyBuffer& buf) {
+  return expect(t, (std::string(what) + " (unused here: a float32[] placeholder)").c_str(), buf,
+                {ffi::DataType::F32}, {});
+}
+
+// Operands of every fused target: a, b, mean, rsigma, scale, bias (unused ones are float32[]
+// placeholders).
+inline ffi::Error decode_producer(const char* t, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer mean,
+                                  ffi::AnyBuffer rsigma, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
+                                  const ProducerAttrs& at, FusedArgs* f) {
+  if (at.producer < 1 || at.producer > 4) {
+    return invalid(t, "producer=" + std::to_string(at.producer) +
+                          "; expected 1 (layernorm), 2 (rmsnorm), 3 (activation) or 4 (activation gradient)");
+  }
+  if (at.act < 0 || at.act > 4) {
+    return invalid(t, "act=" + std::to_string(at.act) +
+                          "; expected 0 (gelu), 1 (silu), 2 (relu), 3 (quick_gelu) or 4 (squared_relu)");
+  }
+  if (at.out_type < 0 || at.out_type > 2) {
+    return invalid(t, "out_type=" + std::to_string(at.out_type) + "; expected 0 (bfloat16), 1 (float16) or 2 (float32)");
+  }
+  f->producer = static_cast<Producer>(at.producer);
+  f->act = static_cast<jq::Act>(at.act);
+  f->out = static_cast<jq::OutType>(at.out_type);
+  f->gated = at.gated;
+  const auto f32 = {ffi::DataType::F32};
+  JQ_RETURN_IF_ERROR(decode_input(t, a, &f->a));
+  if (f->norm()) {
+    f->R = f->a.rows;
+    f->C = f->a.cols;
+    f->has_scale = at.has_scale;
+    f->has_bias = at.has_bias;
+    JQ_RETURN_IF_ERROR(expect_placeholder(t, "b", b));
+    if (f->layernorm()) {
+      JQ_RETURN_IF_ERROR(expect(t, "mean", mean, f32, {f->R}));
+      f->mean = static_cast<const float*>(mean.untyped_data());
+    } else {
+      JQ_RETURN_IF_ERROR(expect_placeholder(t, "mean (rmsnorm)", mean));
+    }
+    JQ_RETURN_IF_ERROR(expect(t, "rsigma", rsigma, f32, {f->R}));
+    f->rsigma = static_cast<const float*>(rsigma.untyped_data());
+    if (at.has_scale) {
+      JQ_RETURN_IF_ERROR(expect(t, "scale", scale, f32, {f->C}));
+      f->scale = static_cast<const float*>(scale.untyped_data());
+    } else {
+      JQ_RETURN_IF_ERROR(expect_placeholder(t, "scale", scale));
+    }
+    if (at.has_bias) {
+      JQ_RETURN_IF_ERROR(expect(t, "bias", bias, f32, {f->C}));
+      f->bias = static_cast<const float*>(bias.untyped_data());
+    } else {
+      JQ_RETURN_IF_ERROR(expect_placeholder(t, "bias", bias));
+    }
+    return ffi::Error::Success();
+  }
+  JQ_RETURN_IF_ERROR(expect_placeholder(t, "mean", mean));
+  JQ_RETURN_IF_ERROR(expect_placeholder(t, "rsigma", rsigma));
+  JQ_RETURN_IF_ERROR(expect_placeholder(t, "scale", scale));
+  JQ_RETURN_IF_ERROR(expect_placeholder(t, "bias", bias));
+  if (out_type_of(f->a.type) != f->out) {
+    return invalid(t, std::string("an activation keeps its input's dtype: the input is ") +
+                          out_type_name(out_type_of(f->a.type)) + ", out_type is " + out_type_name(f->out));
+  }
+  f->R = f->a.rows;
+  if (f->producer == Producer::kAct) {
+    JQ_RETURN_IF_ERROR(expect_placeholder(t, "b", b));
+    if (f->gated && f->a.cols % 2) {
+      return invalid(t, "a gated activation's input holds two halves [h0 | h1]; got " +
+                            std::to_string(f->a.cols) + " columns (expected an even number)");
+    }
+    f->C = f->gated ? f->a.cols / 2 : f->a.cols;
+    return ffi::Error::Success();
+  }
+  // Activation gradient: a = dy [R, N], b = h [R, C].
+  f->N = f->a.cols;
+  f->C = f->gated ? 2 * f->N : f->N;
+  JQ_RETURN_IF_ERROR(decode_input(t, b, &f->b));
+  if (f->b.type != f->a.type || f->b.rows != f->R || f->b.cols != f->C) {
+    return invalid(t, std::string("h is ") + out_type_name(out_type_of(f->b.type)) +
+                          dims_str({f->b.rows, f->b.cols}) + "; expected " + out_type_name(out_type_of(f->a.type)) +
+                          dims_str({f->R, f->C}) + " (dy's rows and dtype, " +
+                          (f->gated ? "twice dy's columns: [h0 | h1])" : "dy's columns)"));
+  }
+  return ffi::Error::Success();
+}
+
+// The fused quantize targets' optional results around the format's: y before, column sums after.
+struct FusedOutputs {
+  void* y = nullptr;          // [R, C] in the output dtype (write_y)
+  float* col_sums = nullptr;  // [ceil(R/128), C] (col_sums)
+};
+
+inline ffi::Error read_y(const char* t, RetReader& r, const FusedArgs& f, bool write_y, FusedOutputs* o) {
+  if (!write_y) return ffi::Error::Success();
+  if (!f.norm()) return invalid(t, "write_y: only a normalization writes its high-precision output");
+  return r.next("y", {out_data_type(f.out)}, {f.R, f.C}, &o->y);
+}
+
+inline ffi::Error read_col_sums(const char* t, RetReader& r, const FusedArgs& f, bool col_sums, FusedOutputs* o) {
+  if (!col_sums) return ffi::Error::Success();
+  if (f.producer != Producer::kDact) return invalid(t, "col_sums: only an activation gradient sums columns (dbias)");
+  void* p;
+  JQ_RETURN_IF_ERROR(r.next("column sums", {ffi::DataType::F32}, {ceil_div(f.R, 128), f.C}, &p));
+  o->col_sums = static_cast<float*>(p);
+  return ffi::Error::Success();
+}
+
+// jaxquant_norm_stats(x, scale, bias, gate) -> [mean f32[R]], rsigma f32[R], [amax f32[]]
+//   amax: 0 none, 1 the amax of the normalized output (rounded to out_type), 2 the same only
+//   when the float32[] gate is 0 (a delayed-scaling state with no scale yet), else 0.
+struct NormStatsArgs {
+  Input x;
+  bool layernorm = true, has_scale = false, has_bias = false;
+  float epsilon = 0.f;
+  int32_t amax_mode = 0;
+  jq::OutType out = jq::OutType::kBF16;
+  const float *scale = nullptr, *bias = nullptr, *gate = nullptr;
+  float *mean = nullptr, *rsigma = nullptr, *amax = nullptr;
+};
+
+inline ffi::Error decode_norm_stats(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
+                                    ffi::AnyBuffer gate, ffi::RemainingRets rets, bool rmsnorm, float epsilon,
+                                    int32_t amax_mode, int32_t out_type, bool has_scale, bool has_bias,
+                                    NormStatsArgs* a) {
+  const char* t = "jaxquant_norm_stats";
+  JQ_RETURN_IF_ERROR(decode_input(t, x, &a->x));
+  if (amax_mode < 0 || amax_mode > 2) {
+    return invalid(t, "amax=" + std::to_string(amax_mode) + "; expected 0 (none), 1 (always) or 2 (gated)");
+  }
+  if (out_type < 0 || out_type > 2) {
+    return invalid(t, "out_type=" + std::to_string(out_type) + "; expected 0 (bfloat16), 1 (float16) or 2 (float32)");
+  }
+  const auto f32 = {ffi::DataType::F32};
+  a->layernorm = !rmsnorm;
+  a->epsilon = epsilon;
+  a->amax_mode = amax_mode;
+  a->out = static_cast<jq::OutType>(out_type);
+  a->has_scale = has_scale;
+  a->has_bias = has_bias;
+  if (has_scale) {
+    JQ_RETURN_IF_ERROR(expect(t, "scale", scale, f32, {a->x.cols}));
+    a->scale = static_cast<const float*>(scale.untyped_data());
+  } else {
+    JQ_RETURN_IF_ERROR(expect_placeholder(t, "scale", scale));
+  }
+  if (has_bias) {
+    JQ_RETURN_IF_ERROR(expect(t, "bias", bias, f32, {a->x.cols}));
+    a->bias = static_cast<const float*>(bias.untyped_data());
+  } else {
+    JQ_RETURN_IF_ERROR(expect_placeholder(t, "bias", bias));
+  }
+  JQ_RETURN_IF_ERROR(expect(t, "gate", gate, f32, {}));
+  a->gate = static_cast<const float*>(gate.untyped_data());
+  RetReader r(t, rets);
+  void* p;
+  if (a->layernorm) {
+    JQ_RETURN_IF_ERROR(r.next("mean", f32, {a->x.rows}, &p));
+    a->mean = static_cast<float*>(p);
+  }
+  JQ_RETURN_IF_ERROR(r.next("rsigma", f32, {a->x.rows}, &p));
+  a->rsigma = static_cast<float*>(p);
+  if (amax_mode) {
+    JQ_RETURN_IF_ERROR(r.next("amax", f32, {}, &p));
+    a->amax = static_cast<float*>(p);
+  }
+  return r.done();
+}
+
+}  // namespace jqffi

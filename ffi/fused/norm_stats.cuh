@@ -1,0 +1,134 @@
+// The normalization statistics kernel (`jaxquant_norm_stats`) and the producer amax kernel
+// (`jaxquant_fused_amax`).
+#pragma once
+
+#include "fused/producers.cuh"
+
+namespace jqffi {
+namespace {
+
+struct NormStatsParams {
+  const void* x;
+  int64_t R, C;
+  bool vec, layernorm, has_scale, has_bias;
+  float epsilon;
+  jq::OutType out;
+  const float *scale, *bias, *gate;  // gate: null, or the delayed-scaling scale (amax only when 0)
+  float *mean, *rsigma, *amax;       // amax: null when not requested
+};
+
+// `levels` neighbours-first pairwise levels across lanes (xor 1, 2, 4, ...): every lane of a
+// group of 2^levels ends with the group's sum (a + b == b + a, so partners agree bit for bit).
+__device__ __forceinline__ float lane_pairwise(float v, int levels) {
+  for (int l = 0, o = 1; l < levels; ++l, o <<= 1) v = v + __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  return v;
+}
+
+// reductions.row_sum of term(x[c]) over one row, by one warp; every lane returns the sum. Lane l
+// holds chunk l of each 32-chunk sweep (8 consecutive elements); the sweep's chunks are summed
+// pairwise across lanes, the sweeps pairwise by a binary-counter stack. Terms past the row are
+// +0 (not term(0)): the spec pads the summed values.
+template <typename In, typename Term>
+__device__ __forceinline__ float row_sum_warp(const In* row, int64_t C, bool vec, Term term) {
+  const int lane = threadIdx.x & 31;
+  const int64_t chunks = (C + 7) / 8;
+  int64_t padded = 1;
+  int levels = 0;
+  while (padded < chunks) {
+    padded <<= 1;
+    ++levels;
+  }
+  auto chunk_sum = [&](int64_t chunk) {
+    float v[8];
+    row_floats8(row, 8 * chunk, C, vec, v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = 8 * chunk + i < C ? term(v[i]) : 0.0f;
+    return jq::chunk_sum8(v);
+  };
+  if (padded <= 32) {  // one sweep of `padded` lanes
+    const float s = lane_pairwise(chunk_sum(lane), levels);
+    return __shfl_sync(0xFFFFFFFFu, s, 0);
+  }
+  const int64_t sweeps = padded / 32;
+  jq::PairwiseStack stack;
+  for (int64_t s0 = 0; s0 < sweeps; s0 += 4) {
+    float part[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) part[u] = s0 + u < sweeps ? chunk_sum(32 * (s0 + u) + lane) : 0.0f;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      if (s0 + u < sweeps) stack.push(lane_pairwise(part[u], 5));
+    }
+  }
+  return stack.levels[levels - 5];
+}
+
+// One warp per row: mean (LayerNorm), rsigma, and the amax of the normalized output rounded to
+// the output type (a third sweep; the row is in L1/L2 by then).
+template <typename In>
+__global__ void __launch_bounds__(kThreads) norm_stats_kernel(const NormStatsParams p) {
+  __shared__ uint32_t red[kThreads / 32];
+  const int lane = threadIdx.x & 31;
+  const int64_t r = int64_t(blockIdx.x) * (kThreads / 32) + (threadIdx.x >> 5);
+  const bool want_amax = p.amax != nullptr && (p.gate == nullptr || __ldg(p.gate) == 0.0f);
+  uint32_t amax = 0;
+  if (r < p.R) {
+    const In* row = static_cast<const In*>(p.x) + r * p.C;
+    const float k = static_cast<float>(p.C);
+    float mean = 0.0f;
+    if (p.layernorm) mean = jq::div_f32(row_sum_warp(row, p.C, p.vec, [](float v) { return v; }), k);
+    const bool layernorm = p.layernorm;
+    const float var = jq::div_f32(row_sum_warp(row, p.C, p.vec,
+                                               [mean, layernorm](float v) {
+                                                 const float d = layernorm ? v - mean : v;
+                                                 return jq::mul_rn(d, d);
+                                               }),
+                                  k);
+    const float rsigma = jq::rsigma_of(var, p.epsilon);
+    if (lane == 0) {
+      if (p.mean) p.mean[r] = mean;
+      p.rsigma[r] = rsigma;
+    }
+    if (want_amax) {
+      const bool vec_params = p.vec;  // C % 8 == 0 and XLA's float32 buffers are 16-byte aligned
+      for (int64_t c = 8 * lane; c < p.C; c += 256) {
+        float xv[8], g[8] = {}, b[8] = {};
+        row_floats8(row, c, p.C, p.vec, xv);
+        if (p.has_scale) row_floats8(p.scale, c, p.C, vec_params, g);
+        if (p.has_bias) row_floats8(p.bias, c, p.C, vec_params, b);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          if (c + i >= p.C) continue;
+          const float y = jq::norm_value(xv[i], mean, rsigma, g[i], b[i], p.layernorm, p.has_scale, p.has_bias);
+          amax = max(amax, jq::abs_bits(round_to_device(p.out, y)));
+        }
+      }
+    }
+  }
+  if (want_amax) {
+    amax = cta_max(amax, red);
+    if (threadIdx.x == 0) atomic_max_float(p.amax, amax);
+  }
+}
+
+// The amax of a producer's matrix (activation / activation gradient; current scaling, or the
+// first step of delayed scaling when `gate`, the state's scale, is 0).
+template <typename P>
+__global__ void __launch_bounds__(kThreads) producer_amax_kernel(const P prod, int64_t R, int64_t C,
+                                                                 const float* gate, float* amax) {
+  if (gate != nullptr && __ldg(gate) != 0.0f) return;  // uniform across the grid
+  __shared__ uint32_t red[kThreads / 32];
+  const int64_t per_row = (C + 7) / 8, total = R * per_row;
+  uint32_t m = 0;
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < total; i += int64_t(gridDim.x) * kThreads) {
+    alignas(16) typename P::Out v[8];
+    prod.load8(i / per_row, (i % per_row) * 8, v);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) m = max(m, jq::abs_bits(to_float(v[k])));
+  }
+  m = cta_max(m, red);
+  if (threadIdx.x == 0) atomic_max_float(amax, m);
+}
+
+}  // namespace
+}  // namespace jqffi

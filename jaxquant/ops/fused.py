@@ -1,0 +1,204 @@
+"""Fused producers: a normalization or an activation that writes the quantized copies of its
+output, instead of writing it in high precision for a separate quantize pass to read.
+
+`norm_quantize`, `activation_quantize` and `activation_grad_quantize` compute the producer in
+the spec's exact float32 arithmetic (`jaxquant.numerics.normalization` / `activations`), round
+it to its dtype and quantize it: on the FFI kernels (`jaxquant.backends.ffi.fused`, one pass
+over the producer's inputs) where the extension serves the case, else as the reference
+composition (`jaxquant.backends.reference.fused`), with the same bits. `JAXQUANT_BACKEND` forces
+either, as for the other ops, and `jaxquant.explain` records a "fused <producer>+quantize"
+decision with the path taken and why.
+
+`fusion_unsupported(quantizer)` says whether a format has fused kernels at all (per-tensor FP8,
+current and delayed; MXFP8; Float8Block). For the others the layers run the producer and the
+quantize separately and record why ("<producer>, then quantize"); `auto_fusion_reason()` says
+whether the layers fuse by default on this platform (where the CUDA kernels are built).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+from jaxquant.explain import Decision, record
+from jaxquant.backends.ffi import fused as _ffi
+from jaxquant.backends.ffi import registry
+from jaxquant.backends.producers import Inputs, Producer
+from jaxquant.backends.reference import fused as _reference
+from jaxquant.numerics.reductions import pairwise_sum
+from jaxquant.ops import dispatch
+from jaxquant.formats import format_of
+from jaxquant.quantizers import Quantizer
+from jaxquant.tensors import QuantizedTensor
+
+__all__ = ["NormQuantized", "activation_grad_quantize", "activation_quantize",
+           "auto_fusion_reason", "fusion_unsupported", "norm_quantize"]
+
+
+def fusion_unsupported(quantizer: Quantizer) -> Optional[str]:
+  """None when `quantizer`'s format has fused producer kernels, else why not."""
+  fmt = format_of(quantizer)
+  if fmt.halves(quantizer) is not None:
+    return (f"{type(quantizer).__name__}: each direction has its own format, and the fused "
+            "kernels write both copies in one format")
+  if fmt.fused_producer_kernel(quantizer) is None:
+    return (f"no fused kernel quantizes {type(quantizer).__name__} (per-tensor FP8, MXFP8 and "
+            "Float8Block have one)")
+  return None
+
+
+def auto_fusion_reason() -> Optional[str]:
+  """None when the layers take the fused producers by default on this platform, else why not.
+
+  They do where the CUDA kernels are built: one pass instead of a producer pass and a quantize
+  pass. The CPU handlers exist so CI runs the fused path; they are plain loops, slower than
+  XLA's own producer, so on CPU (and wherever the kernels are missing, since the reference
+  composition is slower still) the layers fuse only when asked (`fuse_producers=True`).
+  `JAXQUANT_FUSE_PRODUCERS=off` keeps them unfused, `on` fuses wherever the formats allow
+  (A/B timings without touching a model; a module's explicit `fuse_producers` wins)."""
+  setting = os.environ.get("JAXQUANT_FUSE_PRODUCERS", "auto").strip().lower() or "auto"
+  if setting not in ("auto", "on", "off"):
+    raise ValueError(f"JAXQUANT_FUSE_PRODUCERS={setting!r}; expected 'auto', 'on' or 'off'")
+  if setting == "off":
+    return "JAXQUANT_FUSE_PRODUCERS=off"
+  if setting == "on":
+    return None
+  if dispatch.requested_backend() == "reference":
+    return "JAXQUANT_BACKEND=reference"
+  platform = dispatch.current_platform()
+  if platform != "cuda":
+    return (f"on {platform} the fused producers' handlers are slower than XLA's producer and "
+            "the quantize kernels (fuse_producers=True takes them)")
+  ffi = dispatch.ffi_module()
+  if ffi is None:
+    return dispatch.ffi_missing_reason()
+  missing = [t for t in _ffi.TARGETS if t not in registry.registered_targets(platform)]
+  if missing:
+    return (f"the jaxquant FFI extension has no fused producer targets ({', '.join(missing)}); "
+            "rebuild it")
+  return None
+
+
+def _implementation(producer: Producer, inputs: Inputs, quantizer: Quantizer):
+  """(backend module, path name, reason) for one fused call."""
+  ffi = dispatch.ffi_module()
+  reason = dispatch.ffi_missing_reason() if ffi is None else _ffi.unsupported(
+      producer, inputs, quantizer, dispatch.current_platform())
+  path, reason = dispatch.choose(f"fused {producer.kind}+quantize", reason)
+  if path == "ffi":
+    return _ffi, ffi.path_name(), reason
+  return _reference, "reference", reason
+
+
+def _record(role, producer: Producer, quantizer: Quantizer, rowwise: bool, columnwise: bool,
+            path: str, reason: str) -> None:
+  directions = "+".join(d for d, on in (("rowwise", rowwise), ("columnwise", columnwise)) if on)
+  what = producer.kind.replace("_", " ")
+  if producer.activation and not producer.norm:
+    what = f"{what} {producer.activation}{' gated' if producer.gated else ''}"
+  record(Decision("quantize", role,
+                                    f"fused {what}+quantize {directions}: {quantizer}", path,
+                                    reason))
+
+
+def _amax_mode(quantizer: Quantizer) -> int:
+  """What the statistics pass must also return: 1 the output's amax (current scaling), 2 the
+  same while a delayed-scaling state has no scale yet, 0 nothing."""
+  fmt = format_of(quantizer)
+  family = fmt.fused_producer_kernel(quantizer)
+  if family == "fp8-current":
+    return 1
+  if family == "fp8-delayed" and fmt.needs_current_amax(quantizer):
+    return 2
+  return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class NormQuantized:
+  """`norm_quantize`'s results: the quantized copies, the statistics the backward pass needs,
+  and the normalized output in high precision when it was asked for."""
+
+  quantized: QuantizedTensor
+  mean: Optional[jax.Array]
+  rsigma: jax.Array
+  y: Optional[jax.Array] = None
+
+
+def norm_quantize(x2d: jax.Array, scale: Optional[jax.Array], bias: Optional[jax.Array], *,
+                  norm_type: str, epsilon: float, out_dtype: Any, quantizer: Quantizer,
+                  rowwise: bool = True, columnwise: bool = True, state: Any = None,
+                  write_y: bool = False, orig_dtype: Any = None,
+                  role: Any = None) -> NormQuantized:
+  """LayerNorm / RMSNorm of `x2d[rows, K]` over K, quantized.
+
+  Args:
+    scale: the normalization's float32 scale `[K]` (`1 + gamma` for a zero-centered gamma), or
+      None; bias: float32 `[K]` or None.
+    norm_type: "layernorm" or "rmsnorm"; epsilon: added to the variance.
+    out_dtype: the normalized output's dtype (its values are rounded to it before quantizing).
+    quantizer: a format with fused kernels (`fusion_unsupported` is None).
+    state: the delayed-scaling state of a `Float8DelayedScalingQuantizer`.
+    write_y: also return the normalized output in `out_dtype` (something else reads it).
+    orig_dtype: the quantized tensors' `orig_dtype` (the consumer's input dtype; default
+      `out_dtype`).
+    role: label for `jaxquant.explain`.
+  """
+  reason = fusion_unsupported(quantizer)
+  if reason is not None:
+    raise ValueError(f"quantizer: {reason}")
+  producer = Producer(norm_type, out_dtype, epsilon=epsilon, has_scale=scale is not None,
+                      has_bias=bias is not None)
+  impl, path, why = _implementation(producer, Inputs(x2d), quantizer)
+  _record(role, producer, quantizer, rowwise, columnwise, path, why)
+  mode = _amax_mode(quantizer)
+  gate = state.scale if mode == 2 else None
+  mean, rsigma, amax = impl.norm_stats(x2d, scale, bias, producer, amax=mode, gate=gate)
+  inputs = Inputs(x2d, mean=mean, rsigma=rsigma, scale=scale, bias=bias)
+  fused = impl.fused_quantize(producer, inputs, quantizer, rowwise=rowwise, columnwise=columnwise,
+                              orig_dtype=np.dtype(orig_dtype or out_dtype), state=state,
+                              write_y=write_y, amax=amax)
+  return NormQuantized(QuantizedTensor(fused.rowwise, fused.columnwise, quantizer), mean, rsigma,
+                       fused.y)
+
+
+def activation_quantize(h2d: jax.Array, *, activation: str, gated: bool, quantizer: Quantizer,
+                        rowwise: bool = True, columnwise: bool = True, state: Any = None,
+                        role: Any = None) -> QuantizedTensor:
+  """`act(h)` (gated: `act(h0) * h1` of `h2d = [h0 | h1]`) quantized; the output keeps h's
+  dtype."""
+  reason = fusion_unsupported(quantizer)
+  if reason is not None:
+    raise ValueError(f"quantizer: {reason}")
+  dtype = np.dtype(h2d.dtype)
+  producer = Producer("activation", dtype, activation=activation, gated=gated)
+  inputs = Inputs(h2d)
+  impl, path, why = _implementation(producer, inputs, quantizer)
+  _record(role, producer, quantizer, rowwise, columnwise, path, why)
+  fused = impl.fused_quantize(producer, inputs, quantizer, rowwise=rowwise, columnwise=columnwise,
+                              orig_dtype=dtype, state=state)
+  return QuantizedTensor(fused.rowwise, fused.columnwise, quantizer)
+
+
+def activation_grad_quantize(dy2d: jax.Array, h2d: jax.Array, *, activation: str, gated: bool,
+                             quantizer: Quantizer, rowwise: bool = True, columnwise: bool = True,
+                             state: Any = None, dbias: bool = False,
+                             role: Any = None) -> tuple[QuantizedTensor, Optional[jax.Array]]:
+  """The gradient through the activation, `dh = dy * act'(h)` (gated: `[dh0 | dh1]`), in h's
+  dtype, quantized; with `dbias`, also the float32 sum of dh over its rows (per-tile sums in the
+  kernel, then `reductions.pairwise_sum` over the tiles)."""
+  reason = fusion_unsupported(quantizer)
+  if reason is not None:
+    raise ValueError(f"quantizer: {reason}")
+  dtype = np.dtype(h2d.dtype)
+  producer = Producer("activation_grad", dtype, activation=activation, gated=gated)
+  inputs = Inputs(dy2d, b=h2d)
+  impl, path, why = _implementation(producer, inputs, quantizer)
+  _record(role, producer, quantizer, rowwise, columnwise, path, why)
+  fused = impl.fused_quantize(producer, inputs, quantizer, rowwise=rowwise, columnwise=columnwise,
+                              orig_dtype=dtype, state=state, col_sums=dbias)
+  bias_grad = pairwise_sum(fused.col_sums, axis=0) if dbias else None
+  return QuantizedTensor(fused.rowwise, fused.columnwise, quantizer), bias_grad

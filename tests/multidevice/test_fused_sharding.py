@@ -1,0 +1,87 @@
+"""The fused producers under a mesh: the normalization kernels are partitioned over the rows
+(the sharded batch), the quantized copies come out sharded like the unfused quantize's, a
+normalized axis that is sharded takes the unfused path (said in explain), and a sharded MLP's
+activations run unfused (said too)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxquant as jq
+import jaxquant.flax as jf
+import sharded
+
+RULES = (("batch", ("dp", "fsdp")), ("length", None), ("act_embed", None), ("act_mlp", "tp"),
+         ("embed", "fsdp"), ("mlp", "tp"))
+
+
+class FusedBlock(nn.Module):
+  """A `LayerNormMLP` and a `LayerNormDense`, sharded through `input_axes` / `kernel_axes`,
+  with the fused producers asked for (`fuse_producers=True`: CPU handlers in CI)."""
+
+  recipe: jq.Recipe
+  embed_axis: str = "act_embed"
+
+  @nn.compact
+  def __call__(self, x):
+    axes = ("batch", "length", self.embed_axis)
+    x = x + jf.LayerNormMLP(512, activations="swiglu", recipe=self.recipe, input_axes=axes,
+                            hidden_axes=("batch", "length", "act_mlp"),
+                            kernel_axes_1=("embed", "mlp"), kernel_axes_2=("mlp", "embed"),
+                            fuse_producers=True, name="mlp")(x)
+    return jf.LayerNormDense(256, recipe=self.recipe, input_axes=axes,
+                             kernel_axes=("embed", "mlp"), fuse_producers=True,
+                             name="ln_dense")(x)
+
+
+RECIPES = {"current": jq.Float8CurrentScaling, "mxfp8": jq.MXFP8BlockScaling}
+
+
+@pytest.mark.parametrize("recipe_name", RECIPES)
+def test_fused_norms_partition_over_the_batch(devices, rng, recipe_name):
+  mesh = sharded.make_mesh(devices, "fsdp")
+  model = FusedBlock(RECIPES[recipe_name]())
+  x = jnp.asarray(rng.standard_normal((8, 64, 256)), jnp.float32)
+  loss = lambda v, x: jnp.mean(jnp.square(model.apply(v, x)))
+  grad_fn = jax.jit(jax.value_and_grad(loss))
+  boxed = jax.jit(model.init)(jax.random.key(0), x)
+  variables = nn.meta.unbox(boxed)
+  want_loss, want_grads = grad_fn(variables, x)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, RULES)
+    sharded_vars = jax.device_put(variables, nn.meta.unbox(shardings))
+    xs = jax.device_put(x, NamedSharding(mesh, P(("dp", "fsdp"))))
+    report = jq.explain(jax.value_and_grad(loss), sharded_vars, xs)
+    got_loss, got_grads = grad_fn(sharded_vars, xs)
+  fused = [d.detail for d in report if d.detail.startswith("fused layernorm+quantize")]
+  assert len(fused) == 2, str(report)  # the MLP's fc1 input and the LayerNormDense input
+  unfused = {d.detail: d.reason for d in report if d.op == "producer"}
+  assert set(unfused) == {"silu, then quantize", "silu gradient, then quantize"}, unfused
+  assert all("sharded LayerNormMLP" in r for r in unfused.values())
+  # Reordered float32 sums of sharded GEMMs flip a few FP8 roundings (as in test_flax_sharding).
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-4)
+  for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.linalg.norm(got - want) <= 2e-2 * np.linalg.norm(want)
+
+
+def test_a_sharded_normalized_axis_takes_the_unfused_norm(devices, rng):
+  mesh = sharded.make_mesh(devices, "tp")
+  model = jf.LayerNormDense(256, recipe=jq.Float8CurrentScaling(), fuse_producers=True,
+                            input_axes=("batch", "length", "act_mlp"),
+                            kernel_axes=("mlp", "embed"))
+  x = jnp.asarray(rng.standard_normal((8, 64, 256)), jnp.float32)
+  boxed = jax.jit(model.init)(jax.random.key(0), x)
+  variables = nn.meta.unbox(boxed)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, RULES)
+    variables = jax.device_put(variables, nn.meta.unbox(shardings))
+    xs = jax.device_put(x, NamedSharding(mesh, P(("dp", "fsdp"), None, "tp")))
+    report = jq.explain(lambda v, x: model.apply(v, x), variables, xs)
+  unfused = [d for d in report if d.op == "producer"]
+  assert len(unfused) == 1 and "the normalized axis is sharded" in unfused[0].reason
