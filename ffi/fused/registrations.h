@@ -18,8 +18,11 @@ namespace jqffi {
 std::vector<Target> fused_cpu_targets();
 
 #ifdef JAXQUANT_WITH_CUDA
-// CUDA handlers (fused/fused_cuda.cu); built when nvcc is found.
+// CUDA handlers (fused/fused_cuda.cu and one file per quantize target); built when nvcc is found.
 std::vector<Target> fused_cuda_targets();
+Target fused_quantize_fp8_cuda_target();
+Target fused_quantize_mxfp8_cuda_target();
+Target fused_quantize_fp8_block_cuda_target();
 #endif
 
 }  // namespace jqffi
