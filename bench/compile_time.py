@@ -1,6 +1,6 @@
 """Compile time and program size of `bench/e2e.py`'s training step, per variant (issue 24).
 
-    python bench/compile_time.py                                  # CPU: the d2048-like model, scaled down
+    python bench/compile_time.py      # CPU: the d2048-like model, scaled down
     python bench/compile_time.py --size d2048 --variants bf16,fp8_current,fp8_delayed   # on a GPU
 
 Per variant, in one process: trace + lower seconds (`jax.jit(step).lower(...)`, jaxquant's

@@ -35,7 +35,6 @@ import shutil
 import sys
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -183,7 +182,7 @@ def run_variant(name, cfg, args, batches, tx):
       losses.append(float(loss) if fetch else loss)  # +fetch: wait for each step's loss
     jax.block_until_ready(state)
     seconds = (time.perf_counter() - t0) / (args.steps - args.time_from)
-    losses = [float(l) for l in losses]
+    losses = [float(loss) for loss in losses]
     split = None
     if args.trace_dir and args.profile_steps:
       logdir = os.path.join(args.trace_dir, name.replace("@", "_").replace("+", "_"))
@@ -208,7 +207,8 @@ def run_variant(name, cfg, args, batches, tx):
 
 
 def print_table(rows, card, cfg, attention, data):
-  print(f"\n{card}; data {data}; d_model {cfg.d_model}, {cfg.layers} layers, {cfg.heads} heads, MLP "
+  print(f"\n{card}; data {data}; d_model {cfg.d_model}, {cfg.layers} layers, {cfg.heads} heads, "
+        f"MLP "
         f"{cfg.mlp}, seq {cfg.seq}, batch {cfg.batch}, vocab {cfg.vocab}; attention "
         f"projections quantized: {attention}")
   print("Step ratios: against the bf16 / Flax FP8 rows of the same timing mode (+fetch: the loss "
@@ -279,8 +279,8 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001 - one failing variant must not hide the others
       print(f"  {name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
       continue
-    row.update(card=card, size=args.size, attention=args.attention, data=args.data, config=cfg.__dict__ | {
-        "dtype": "bfloat16"})
+    row.update(card=card, size=args.size, attention=args.attention, data=args.data,
+               config=cfg.__dict__ | {"dtype": "bfloat16"})
     rows.append(row)
     s = row["split"] or {}
     print(f"  {name:24s} {row['step_ms']:8.2f} ms  {row['tokens_per_s']:10,.0f} tok/s  loss "

@@ -254,8 +254,8 @@ class Runner:
 
   def tail(self, log: pathlib.Path) -> list[str]:
     drop = re.compile(self.args.drop) if self.args.drop else None
-    lines = [l for l in log.read_text(errors="replace").splitlines()
-             if not (drop and drop.search(l))]
+    lines = [line for line in log.read_text(errors="replace").splitlines()
+             if not (drop and drop.search(line))]
     return lines[-self.args.tail:]
 
   # -- processes

@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
   p.add_argument("--backend", choices=training.BACKENDS, default=None,
                  help="jaxquant op implementation (JAXQUANT_BACKEND); default: $JAXQUANT_BACKEND, "
-                 "else 'reference' on CPU (faster there than the FFI's CPU handlers), 'auto' on GPU")
+                 "else 'reference' on CPU (faster there than the FFI's CPU handlers), "
+                 "'auto' on GPU")
   p.add_argument("--mesh", type=parse_mesh, default=None,
                  help="device mesh such as dp=2,tp=4, fsdp=2 or ep=4 (axes dp, fsdp, tp, ep): "
                  "data, fully-sharded data, tensor and (with --moe) expert parallelism")
@@ -162,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="steps between checkpoints (and one at the last step)")
   p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                  help="several processes: process 0's address (it runs jax.distributed's "
-                 f"coordinator there), the same for every process; default ${distributed.ENV['coordinator']}")
+                 "coordinator there), the same for every process; default "
+                 f"${distributed.ENV['coordinator']}")
   p.add_argument("--num-processes", type=int, default=None,
                  help="several processes: how many take part in the run; default "
                  f"${distributed.ENV['num_processes']}, else 1")

@@ -1,11 +1,11 @@
 """What a compiled program communicates and calls: collectives and custom calls in its HLO text.
 
 `collectives(jax.jit(f).lower(...).compile().as_text())` lists every all-gather, all-reduce,
-reduce-scatter, all-to-all, ragged-all-to-all and collective-permute (an async `-start`/`-done`
-pair counted once, by its results; a ragged-all-to-all's result is its whole receive buffer,
-an upper bound on the rows it moves). A collective XLA combined from several (a tuple-shaped
-all-reduce or reduce-scatter, as XLA:GPU's combiner passes make) is one entry holding every
-array it moves: count bytes or arrays, not entries. Used to check that a sharded step moves what the sharding promises (no
+reduce-scatter, all-to-all, ragged-all-to-all and collective-permute (an async `-start`/`-done` pair
+counted once, by its results; a ragged-all-to-all's result is its whole receive buffer, an upper
+bound on the rows it moves). A collective XLA combined from several (a tuple-shaped all-reduce or
+reduce-scatter, as XLA:GPU's combiner passes make) is one entry holding every array it moves: count
+bytes or arrays, not entries. Used to check that a sharded step moves what the sharding promises (no
 all-gather of a sharded activation, one all-reduce for a K-sharded GEMM, FP8 bytes for an FSDP
 weight gather) in the tests and in `bench/scaling.py`.
 

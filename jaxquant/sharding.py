@@ -6,11 +6,12 @@ Storage specs: from the `PartitionSpec` of `x[rows, cols]` to the spec of every 
 `(cols, rows)`; a Hybrid's halves each follow their own format; block-scale axes follow their
 data axis; per-tensor scales and amax are replicated; a row-scaled amax follows its rows.
 
-Blocks and shards: a shard boundary that would split a scaling block (or an RHT chunk: the
-format's `copy_block`) is **rejected** with a `ValueError` naming the axis, the mesh axes and the
-block (`check_blocks_fit`; the FFI ops' partitioners raise the same error at compile time). The one exception is an FSDP weight: when
-its local shard would split blocks, the weight is gathered in high precision and quantized whole
-(`plan_dense`; `jaxquant.explain` says so). Nothing is replicated silently.
+Blocks and shards: a shard boundary that would split a scaling block (or an RHT chunk: the format's
+`copy_block`) is **rejected** with a `ValueError` naming the axis, the mesh axes and the block
+(`check_blocks_fit`; the FFI ops' partitioners raise the same error at compile time). The one
+exception is an FSDP weight: when its local shard would split blocks, the weight is gathered in high
+precision and quantized whole (`plan_dense`; `jaxquant.explain` says so). Nothing is replicated
+silently.
 
 `DenseSharding` tells `jaxquant.dense` the specs of `x` and of the kernel; `plan_dense` derives
 every spec the dense needs, and which kernel axes are FSDP axes (mesh axes that shard both the

@@ -1,5 +1,6 @@
-"""The FFI GEMM (`jaxquant.backends.ffi.gemm`, targets jaxquant_gemm_fp8 / jaxquant_gemm_dequant) against
-the reference GEMM, for every format pair, bias, output dtype and NVFP4 row-scaling combination.
+"""The FFI GEMM (`jaxquant.backends.ffi.gemm`, targets jaxquant_gemm_fp8 /
+jaxquant_gemm_dequant) against the reference GEMM, for every format pair, bias, output dtype and
+NVFP4 row-scaling combination.
 
 Operands are quantized by the reference quantizers (the spec), so only the GEMM is under test.
 Inputs are fresh random matrices from the seeded `rng` fixture (seed printed, replay with
@@ -39,7 +40,6 @@ import jaxquant.flax  # noqa: F401  (jq.flax)
 import oracle
 from jaxquant.backends.ffi import gemm as ffi_gemm
 from jaxquant.backends.reference import ops as reference
-from jaxquant.ops import dispatch
 from jaxquant.state import init_state
 
 PLATFORMS = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]

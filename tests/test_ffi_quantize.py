@@ -249,7 +249,8 @@ def test_extension_serves_cpu_and_reports_path():
     jq.MXFP8Quantizer(),
     jq.HybridQuantizer(rowwise=jq.MXFP8Quantizer(),
                        columnwise=jq.NVFP4Quantizer(rht=True, stochastic_rounding=True)),
-    jq.HybridQuantizer(rowwise=jq.Float8BlockQuantizer(), columnwise=jq.Float8CurrentScalingQuantizer(),
+    jq.HybridQuantizer(rowwise=jq.Float8BlockQuantizer(),
+                       columnwise=jq.Float8CurrentScalingQuantizer(),
                        columnwise_source="rowwise_dequantized"),
 ], ids=["mxfp8", "hybrid_mxfp8_nvfp4", "hybrid_block_from_rowwise"])
 def test_public_quantize_takes_ffi_path_and_matches_reference(quantizer, rng, prng_key,

@@ -25,7 +25,8 @@ from jaxquant.numerics import activations as act
 
 pytestmark = pytest.mark.skipif(
     not registry.extension_built() or "jaxquant_fused_quantize_fp8" not in
-    registry.registered_targets("cpu"), reason="jaxquant FFI extension (with fused targets) not built")
+    registry.registered_targets("cpu"),
+    reason="jaxquant FFI extension (with fused targets) not built")
 
 PLATFORMS = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
 

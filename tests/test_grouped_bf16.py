@@ -5,7 +5,8 @@ decoded exactly to bfloat16 (MXFP8, NVFP4 row-scaled / 2-D / RHT, hybrids, mixed
 Stated bound of the kernel against float64 math on its (exact) bfloat16 operands, per output
 element, K terms summed (`_assert_within`):
 
-    |out - exact| <= 4 K 2^-24 sum_k |alpha a_k b_k| + r |exact|,  r = 2^-8 (bfloat16 out), 2^-22 (f32)
+    |out - exact| <= 4 K 2^-24 sum_k |alpha a_k b_k| + r |exact|,
+    r = 2^-8 (bfloat16 out), 2^-22 (f32)
 
 (float32 sums of K exact products in any order are within (K - 1) 2^-24 sum |a b|; the factor 4
 leaves room for the tensor cores' alignment of a k-step's products; r: one rounding of the

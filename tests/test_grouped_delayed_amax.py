@@ -91,8 +91,8 @@ def _assert_same_quantized(got, want, msg: str) -> None:
   input's NaN; the FP8 bytes and scales are still compared by bits."""
   canonical = lambda leaf: (np.where(np.isnan(leaf), np.float32(np.nan), leaf)
                             if np.asarray(leaf).dtype == np.float32 else leaf)
-  assert_same_leaves(jax.tree.map(lambda l: canonical(np.asarray(l)), got),
-                     jax.tree.map(lambda l: canonical(np.asarray(l)), want), msg)
+  assert_same_leaves(jax.tree.map(lambda leaf: canonical(np.asarray(leaf)), got),
+                     jax.tree.map(lambda leaf: canonical(np.asarray(leaf)), want), msg)
 
 
 def _amax_oracle(x: np.ndarray, sizes: np.ndarray) -> np.ndarray:

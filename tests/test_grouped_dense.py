@@ -32,7 +32,8 @@ from jaxquant.ops import dispatch
 # fallback); those cases are expected to raise that RuntimeError, every other case must pass.
 pytestmark = [pytest.mark.usefixtures("core_backend"),
               pytest.mark.xfail(os.environ.get("JAXQUANT_BACKEND") == "ffi", raises=RuntimeError,
-                                strict=False, reason="no grouped kernel for this case (ffi forced)")]
+                                strict=False,
+                                reason="no grouped kernel for this case (ffi forced)")]
 
 T, K, N, G = 80, 64, 32, 4
 TOL = 1e-5  # relative to the largest magnitude: float32 accumulation order

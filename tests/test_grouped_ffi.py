@@ -165,7 +165,8 @@ def test_grouped_nvfp4_groups_of_different_ranges_keep_their_own_scales(rng):
   fn = lambda x: jg.quantize(x, sizes, q, columnwise=False).rowwise
   base = _on("ffi", fn, x)
   scaled = _on("ffi", fn, x.at[30:70].multiply(1024.0))
-  np.testing.assert_array_equal(np.asarray(scaled.amax)[[0, 1, 3]], np.asarray(base.amax)[[0, 1, 3]])
+  np.testing.assert_array_equal(np.asarray(scaled.amax)[[0, 1, 3]],
+                                np.asarray(base.amax)[[0, 1, 3]])
   assert float(scaled.amax[2]) == 1024.0 * float(base.amax[2])
   keep = np.r_[0:30, 70:96]  # the tokens of groups 0 and 3
   np.testing.assert_array_equal(np.asarray(scaled.data, np.float32)[keep],

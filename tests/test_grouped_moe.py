@@ -206,8 +206,8 @@ def test_the_block_sorts_once_and_moves_rows_without_scatters():
 
   hlo = jax.jit(step).lower(variables, x).as_text(dialect="hlo")
   assignments = tokens * top_k
-  sorts = [l for l in hlo.splitlines() if " sort(" in l and f"[{assignments}]" in l]
-  scatters = [l.split(" = ", 1)[1] for l in hlo.splitlines() if " scatter(" in l]
+  sorts = [line for line in hlo.splitlines() if " sort(" in line and f"[{assignments}]" in line]
+  scatters = [line.split(" = ", 1)[1] for line in hlo.splitlines() if " scatter(" in line]
   assert len(sorts) == 1, sorts
   assert not [s for s in scatters if re.match(rf"\w+\[[\d,]*{d_model}\]", s)], scatters
   (inverse,) = [s for s in scatters if s.startswith(f"s32[{assignments}]")]

@@ -26,7 +26,8 @@ from helpers import assert_same_leaves
 # fallback); those cases are expected to raise that RuntimeError, every other case must pass.
 pytestmark = [pytest.mark.usefixtures("core_backend"),
               pytest.mark.xfail(os.environ.get("JAXQUANT_BACKEND") == "ffi", raises=RuntimeError,
-                                strict=False, reason="no grouped kernel for this case (ffi forced)")]
+                                strict=False,
+                                reason="no grouped kernel for this case (ffi forced)")]
 
 T, C, G = 96, 48, 5
 FP8 = jq.Float8CurrentScalingQuantizer()

@@ -30,7 +30,7 @@ def test_multidevice_suite_on_8_host_devices():
   failures = []
   for i, child in enumerate(children):
     out, _ = child.communicate(timeout=1500)
-    lines = [l for l in out.splitlines() if not l.startswith("[jaxquant tests]")]
+    lines = [line for line in out.splitlines() if not line.startswith("[jaxquant tests]")]
     print(f"--- tests/multidevice shard {i}/{count}:\n" + "\n".join(lines[-5:]))
     if child.returncode != 0:
       failures.append(f"--- shard {i}/{count} (exit {child.returncode}):\n" +

@@ -155,7 +155,8 @@ def _gpu_ids() -> list[str]:
   if smi is None:
     return []
   listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60).stdout
-  return [str(i) for i, line in enumerate(l for l in listed.splitlines() if l.startswith("GPU "))]
+  gpus = [row for row in listed.splitlines() if row.startswith("GPU ")]
+  return [str(i) for i in range(len(gpus))]
 
 
 @pytest.mark.gpu

@@ -21,7 +21,7 @@ def test_leaves_are_the_arrays_and_the_quantizer_is_static(rng):
   x = jnp.asarray(oracle.random_matrix(rng, (16, 32)))
   qt = quantize(x, jq.Float8CurrentScalingQuantizer())
   leaves, treedef = jax.tree_util.tree_flatten(qt)
-  assert [np.shape(l) for l in leaves] == [(16, 32), (), (), (32, 16), (), ()]
+  assert [np.shape(leaf) for leaf in leaves] == [(16, 32), (), (), (32, 16), (), ()]
   rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
   assert rebuilt.quantizer == qt.quantizer and rebuilt.rowwise.orig_dtype == np.float32
   # the quantizer is part of the tree structure: other formats give other treedefs

@@ -5,7 +5,6 @@ tests/multidevice (8 host devices)."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -129,8 +129,8 @@ def test_cast_matches_reference_on_ties_and_specials(platform, spec, rng):
   with jax.default_device(device):
     want, got = (np.asarray(c) for c in codes(v))
   bad = np.nonzero(want != got)[0]
-  assert bad.size == 0, (f"{spec.name} on {platform}: {bad.size} codes differ, e.g. "
-                         f"{[(float(np.asarray(v)[i]), hex(got[i]), hex(want[i])) for i in bad[:5]]}")
+  examples = [(float(np.asarray(v)[i]), hex(got[i]), hex(want[i])) for i in bad[:5]]
+  assert bad.size == 0, f"{spec.name} on {platform}: {bad.size} codes differ, e.g. {examples}"
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)

@@ -33,7 +33,8 @@ def write_steps_csv(path: pathlib.Path, histories: Sequence[History]) -> pathlib
     writer = csv.DictWriter(f, fieldnames=STEP_COLUMNS)
     writer.writeheader()
     for history in histories:
-      for i, (loss, seconds) in enumerate(zip(history.step_losses, history.step_times, strict=True)):
+      steps = zip(history.step_losses, history.step_times, strict=True)
+      for i, (loss, seconds) in enumerate(steps):
         writer.writerow({"step": i + 1, "recipe": history.recipe, "loss": repr(loss),
                          "seconds": f"{seconds:.6f}"})
   return path

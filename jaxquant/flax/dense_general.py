@@ -86,10 +86,11 @@ class DenseGeneral(nn.Module):
   """A linear transformation over any input axes, quantized by a recipe.
 
   Same attributes and parameter tree as `flax.linen.DenseGeneral` (`kernel [batch..., axis...,
-  features...]`, `bias [batch..., features...]`, initialized the same way), so checkpoints load
-  into either. The contracted `axis` are moved to the end and flattened into the GEMM's
-  contraction (in increasing axis order, as Flax lays out the kernel); the remaining non-batch axes become its rows. Each `batch_dims` element is its
-  own quantized GEMM (`jax.vmap`): own per-tensor scales, own delayed-scaling state.
+  features...]`, `bias [batch..., features...]`, initialized the same way), so checkpoints load into
+  either. The contracted `axis` are moved to the end and flattened into the GEMM's contraction (in
+  increasing axis order, as Flax lays out the kernel); the remaining non-batch axes become its rows.
+  Each `batch_dims` element is its own quantized GEMM (`jax.vmap`): own per-tensor scales, own
+  delayed-scaling state.
 
   Example::
 

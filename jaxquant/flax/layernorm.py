@@ -258,7 +258,8 @@ class LayerNormMLP(nn.Module):
                   bias_init=self.bias_init, recipe=self.recipe, reduce_dtype=self.reduce_dtype)
     axes_1 = tuple(self.kernel_axes_1)
     gated_axes = axes_1[:1] + (None,) + axes_1[1:] if axes_1 else ()
-    if self.fuse_producers is not False and fusion.mlp_quantizers(self) is not None:  # jaxquant.flax.fusion
+    # the fused producers: jaxquant.flax.fusion
+    if self.fuse_producers is not False and fusion.mlp_quantizers(self) is not None:
       features_1 = ((len(functions), self.intermediate_dim) if len(functions) > 1
                     else (self.intermediate_dim,))
       fc1 = fusion.DenseParts(features_1, name=self.fc1_name,

@@ -14,15 +14,15 @@ needs no gradient, no wgrad operand when W needs none (nor are those copies made
 scaling states are differentiable inputs whose "gradient" is their updated value (Flax's
 `_overwrite_with_gradient` convention).
 
-Sharding (`sharding=DenseSharding(x=..., kernel=...)`, see `jaxquant.sharding`): x, y, dy, dx,
-dW and every storage are constrained to the specs `plan_dense` derives, so the partitioned ops
-stay local. Where both specs are known, a K-sharded GEMM (row-parallel forward, column-parallel
-dgrad, data-parallel wgrad) is `jaxquant.layers.collective_gemm.reduced_gemm`: local products reduced
-once in `DenseSharding.reduce_dtype` (default: the GEMM's output dtype), an FSDP weight gradient
-reduce-scattered over the FSDP axes; otherwise the partitioned op's float32 psum. An FSDP kernel is quantized shard by shard and
-its quantized storage all-gathered over the FSDP axes (the residual keeps the local shard and
-the backward gathers it again), or gathered in high precision first where a shard would split a
-block; `jaxquant.explain` reports which.
+Sharding (`sharding=DenseSharding(x=..., kernel=...)`, see `jaxquant.sharding`): x, y, dy, dx, dW
+and every storage are constrained to the specs `plan_dense` derives, so the partitioned ops stay
+local. Where both specs are known, a K-sharded GEMM (row-parallel forward, column-parallel dgrad,
+data-parallel wgrad) is `jaxquant.layers.collective_gemm.reduced_gemm`: local products reduced once
+in `DenseSharding.reduce_dtype` (default: the GEMM's output dtype), an FSDP weight gradient
+reduce-scattered over the FSDP axes; otherwise the partitioned op's float32 psum. An FSDP kernel is
+quantized shard by shard and its quantized storage all-gathered over the FSDP axes (the residual
+keeps the local shard and the backward gathers it again), or gathered in high precision first where
+a shard would split a block; `jaxquant.explain` reports which.
 
 Parameter dtype (float32 parameters, bfloat16 compute: Flax's default): the kernel may arrive in
 its parameter dtype rather than `x`'s. A weight copy the recipe quantizes is quantized from that

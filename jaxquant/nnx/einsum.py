@@ -155,7 +155,8 @@ class Einsum(QuantizedContraction):
       y = jnp.einsum(einsum_str, inputs, kernel, precision=self.precision, **kwargs)
     else:
       # the kernel in its parameter dtype: quantized weights are read from it (jaxquant.dense)
-      y = contract(plan, inputs, self.kernel[...], None, quantizers, key=self._key(quantizers, rngs),
+      y = contract(plan, inputs, self.kernel[...], None, quantizers,
+                   key=self._key(quantizers, rngs),
                    states=self._states(quantizers, plan.batch_shape(kernel.shape)),
                    precision=self.precision, sharding=sharding)
       y = finish_output(y, out_sharding, self.preferred_element_type)

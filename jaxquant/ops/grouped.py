@@ -6,8 +6,8 @@ second-level scales, delayed-scaling state and stochastic-rounding key), in one 
 groups. `quantize_experts(w, quantizer)` quantizes `w[G, rows, cols]` one expert at a time (a
 `vmap`). `gemm` runs the two ragged GEMMs of `jaxquant.backends.reference.grouped`.
 
-Each op validates its arguments, asks the FFI backend (`jaxquant.backends.ffi.grouped.ops`)
-whether a grouped kernel can serve it, and records the path taken and why for `jaxquant.explain` (op names
+Each op validates its arguments, asks the FFI backend (`jaxquant.backends.ffi.grouped.ops`) whether
+a grouped kernel can serve it, and records the path taken and why for `jaxquant.explain` (op names
 `grouped_quantize` and `grouped_gemm`).
 """
 

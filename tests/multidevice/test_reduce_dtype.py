@@ -1,8 +1,8 @@
 """Partial sums of K-sharded GEMMs: reduced in the GEMM's output dtype by default (FP8 moves no
 more bytes than bf16), in float32 on request; FSDP weight gradients are reduce-scattered.
 
-Counted in the compiled HLO of a Flax MLP's training step (fc1 column-parallel, fc2
-row-parallel) on the host CPU devices or the GPUs the suite runs on. Payload = the all-reduces and reduce-scatters
+Counted in the compiled HLO of a Flax MLP's training step (fc1 column-parallel, fc2 row-parallel) on
+the host CPU devices or the GPUs the suite runs on. Payload = the all-reduces and reduce-scatters
 with more than 16 elements; the others are the scalar amax `pmax`es of current scaling. XLA:CPU
 widens every bf16 all-reduce to float32 in the compiled program (the bf16 model's too), so on CPU
 the compiled payloads are compared in elements and the reduction dtype is read from the lowered

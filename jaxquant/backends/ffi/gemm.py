@@ -18,14 +18,13 @@
   dequant-f32         the same where a decoded value is not exact in bf16 (Float8Block with
                       pow2_scale=False, float16/float32 Identity operands): a float32 GEMM
   xla-dot             two high-precision operands: XLA's own dot, exactly like the reference
-On CPU the two kernel targets have simple float32 handlers (no cuBLASLt, no wgmma), so
-`explain` names what ran there: `ffi-cpu gemm-fp8` (the jaxquant_gemm_fp8 target's CPU handler,
-for the pairs the cublaslt-* paths take on CUDA) and `ffi-cpu gemm-dequant` (jaxquant_gemm_dequant,
-for the wgmma-dequant pairs). They serve small problems only (M*N*K <= CPU_MAX_MACS), larger
-ones take the reference path, visibly.
-Under a mesh the kernel paths are partitioned (`jaxquant.backends.ffi.partitioning.gemm`): each shard
-multiplies its rows, a sharded K ends in one float32 psum, and the bias is added after it; the
-XLA paths are partitioned by XLA itself.
+On CPU the two kernel targets have simple float32 handlers (no cuBLASLt, no wgmma), so `explain`
+names what ran there: `ffi-cpu gemm-fp8` (the jaxquant_gemm_fp8 target's CPU handler, for the pairs
+the cublaslt-* paths take on CUDA) and `ffi-cpu gemm-dequant` (jaxquant_gemm_dequant, for the
+wgmma-dequant pairs). They serve small problems only (M*N*K <= CPU_MAX_MACS), larger ones take the
+reference path, visibly. Under a mesh the kernel paths are partitioned
+(`jaxquant.backends.ffi.partitioning.gemm`): each shard multiplies its rows, a sharded K ends in one
+float32 psum, and the bias is added after it; the XLA paths are partitioned by XLA itself.
 
 FP8 accumulation (cublaslt-fp8): "fast" lets the tensor cores accumulate in reduced precision
 between promotions, "split" promotes to float32 every k-block. The default is `fast` for the

@@ -141,7 +141,8 @@ def _fp8_tensor(req: Request, quantizer, *, delayed: bool) -> Pair:
   if delayed:
     results.append(_sds((), np.float32))
   layout = _layout(req, "jaxquant_quantize_fp8", (X_DIMS, ()),
-                   tail=((), ()) if delayed else ((),), reduce=((1, ("m", "k")),) if delayed else ())
+                   tail=((), ()) if delayed else ((),),
+                   reduce=((1, ("m", "k")),) if delayed else ())
   outs = calls.call("jaxquant_quantize_fp8", results, req.x2d, s, layout=layout,
                     rowwise=req.rowwise,
                     columnwise=req.columnwise, delayed=delayed, pow2_scale=pow2_scale,
@@ -154,8 +155,8 @@ def _fp8_tensor(req: Request, quantizer, *, delayed: bool) -> Pair:
 
 def _fp8_delayed_first_scale(req: Request, quantizer, scale: jax.Array) -> Pair:
   """Delayed scaling whose state may have no scale yet (`first_scale="current"`): the gated
-  amax pass reads x only while the stored scale is 0, and the quantize kernel takes the scale
-  that amax gives itself (`formats.delayed.quantize_scale`'s arithmetic, on the device): no scale math in
+  amax pass reads x only while the stored scale is 0, and the quantize kernel takes the scale that
+  amax gives itself (`formats.delayed.quantize_scale`'s arithmetic, on the device): no scale math in
   XLA before the kernel."""
   # Gated on the state's scale: the amax pass runs only while the scale is 0 ("none yet");
   # once a scale is stored its grid exits at once, so later steps keep the one-pass cost.

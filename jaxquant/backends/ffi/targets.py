@@ -1,4 +1,5 @@
-"""Calling one FFI target on whole (unsharded) operands: `jax.ffi.ffi_call` with typed attributes."""
+"""Calling one FFI target on whole (unsharded) operands: `jax.ffi.ffi_call` with typed
+attributes."""
 
 from __future__ import annotations
 

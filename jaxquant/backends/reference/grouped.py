@@ -5,10 +5,10 @@ Both are `jax.lax.ragged_dot` semantics on the TN storage convention:
   `out[r, n] = sum_k a[r, k] b[group(r), n, k]`. Forward and data-gradient GEMMs.
 - `per_group_gemm`: `a[M, L]` and `b[N, L]` share a token layout along the contraction axis;
   `out[g, m, n] = sum over positions l of group g of a[m, l] b[n, l]`. Weight-gradient GEMM.
-As in `jaxquant.backends.reference.ops.gemm`: quantized operands are decoded exactly (blocks times block
-scales, per-group scales for per-tensor FP8), products accumulate in float32, NVFP4's
-second-level factors (per group, per token, or per group and feature) multiply the accumulator,
-and two high-precision operands take a plain ragged dot in their own dtype.
+As in `jaxquant.backends.reference.ops.gemm`: quantized operands are decoded exactly (blocks times
+block scales, per-group scales for per-tensor FP8), products accumulate in float32, NVFP4's
+second-level factors (per group, per token, or per group and feature) multiply the accumulator, and
+two high-precision operands take a plain ragged dot in their own dtype.
 """
 
 from __future__ import annotations

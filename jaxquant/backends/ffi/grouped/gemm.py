@@ -3,11 +3,11 @@ Hopper, its CUTLASS twin `jaxquant_grouped_gemm_sm90`, or, for operands decoded 
 the bfloat16 CUTLASS kernel (`decoded`; `support.gemm_kernel` picks; one call per GEMM; the
 CUTLASS kernel's configuration, `sm90_configs`, is read when the GEMM is traced).
 
-Same contract as `jaxquant.backends.reference.grouped` (`ragged_gemm` for a rowwise `a`, `per_group_gemm`
-for a columnwise one): the kernel decodes each operand exactly (payload times block scale), sums
-in float32, and its epilogue multiplies the accumulator by what the reference multiplies:
-per-tensor FP8 scales and NVFP4 per-tensor factors of both operands as one per-group product,
-NVFP4 per-token / per-(group, feature) factors as row / column factors, then adds the bias.
+Same contract as `jaxquant.backends.reference.grouped` (`ragged_gemm` for a rowwise `a`,
+`per_group_gemm` for a columnwise one): the kernel decodes each operand exactly (payload times block
+scale), sums in float32, and its epilogue multiplies the accumulator by what the reference
+multiplies: per-tensor FP8 scales and NVFP4 per-tensor factors of both operands as one per-group
+product, NVFP4 per-token / per-(group, feature) factors as row / column factors, then adds the bias.
 Results equal the reference up to float32 accumulation order.
 """
 

@@ -10,8 +10,8 @@
   that reads x through the group offsets (no gathered layout), RHT and stochastic rounding
   included;
 - MXFP8, Float8Block and the rowwise copy of row-scaled NVFP4: XLA gathers the token layout,
-  the single-tensor kernel (`jaxquant.backends.ffi.quantize`) quantizes it in one launch (blocks never
-  straddle groups in that layout, so this *is* the grouped quantize), and
+  the single-tensor kernel (`jaxquant.backends.ffi.quantize`) quantizes it in one launch (blocks
+  never straddle groups in that layout, so this *is* the grouped quantize), and
   `jaxquant_grouped_amax` gives each group's amax.
 Group offsets are computed by XLA from the traced sizes and stay on the device.
 """

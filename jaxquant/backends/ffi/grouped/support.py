@@ -139,7 +139,8 @@ def _single_kernel_reason(leaf, direction: str) -> Optional[str]:
 
 
 def _nvfp4_shape_reason(leaf, direction: str, shape) -> Optional[str]:
-  """Why `jaxquant_grouped_quantize_nvfp4` cannot take tokens / weights of `shape` (None: it can)."""
+  """Why `jaxquant_grouped_quantize_nvfp4` cannot take tokens / weights of `shape` (None: it
+  can)."""
   if shape is None:
     return None
   if 0 in tuple(shape):
