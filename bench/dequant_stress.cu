@@ -24,18 +24,18 @@
 
 #include "gemm/dequant_launch.cuh"
 
-using jaxquant_gemm::DequantOperand;
-using jaxquant_gemm::DequantParams;
-using jaxquant_gemm::Elem;
+using jqffi::DequantOperand;
+using jqffi::DequantParams;
+using jqffi::Elem;
 
-namespace jaxquant_gemm {
+namespace jqffi {
 template cudaError_t launch_dequant_gemm<Elem::kE5M2, Elem::kE2M1>(const DequantParams&,
                                                                    cudaStream_t);
 template cudaError_t launch_dequant_gemm<Elem::kE4M3, Elem::kE4M3>(const DequantParams&,
                                                                    cudaStream_t);
 template cudaError_t launch_dequant_gemm<Elem::kE2M1, Elem::kE2M1>(const DequantParams&,
                                                                    cudaStream_t);
-}  // namespace jaxquant_gemm
+}  // namespace jqffi
 
 #define CK(x)                                                                       \
   do {                                                                              \
@@ -156,7 +156,7 @@ __global__ void reference_kernel(const double* a, const double* b, int M, int N,
 }
 
 static cudaError_t launch(const DequantParams& p, cudaStream_t s) {
-  using jaxquant_gemm::launch_dequant_gemm;
+  using jqffi::launch_dequant_gemm;
   if (p.a.elem == Elem::kE5M2) return launch_dequant_gemm<Elem::kE5M2, Elem::kE2M1>(p, s);
   if (p.a.elem == Elem::kE4M3) return launch_dequant_gemm<Elem::kE4M3, Elem::kE4M3>(p, s);
   return launch_dequant_gemm<Elem::kE2M1, Elem::kE2M1>(p, s);
@@ -205,7 +205,7 @@ int main(int argc, char** argv) {
     p.a = a.view();
     p.b = b.view();
     p.out = d_out;
-    p.out_kind = jaxquant_gemm::kF32;
+    p.out_kind = jqffi::kOutF32;
     p.M = M, p.N = N, p.K = K;
     int round_bad_launches = 0;
     long round_bad = 0, round_off = 0;

@@ -9,7 +9,7 @@
 
 #include <cstdint>
 
-namespace jaxquant_bf16_decode {
+namespace jqffi {
 
 __device__ __forceinline__ uint32_t hmul2_bf16(uint32_t a, uint32_t b) {
   uint32_t d;
@@ -71,4 +71,14 @@ __device__ __forceinline__ uint32_t e4m3_scale_bf16x2(uint32_t code) {
   return b | (b << 16);
 }
 
-}  // namespace jaxquant_bf16_decode
+// The bf16x2 factor 2^(t - 127) (t a biased exponent in [1, 254]) in both halves.
+__device__ __forceinline__ uint32_t pow2_bf16x2(uint32_t t) { return (t << 7) * 0x10001u; }
+
+// An E8M0 block scale 2^(e - 127) as bf16x2: NaN for e == 255, 2^-127 (a bf16 subnormal) for
+// e == 0. A scale above bf16's normal range first needs pow2_bf16x2 of the decoder's offset.
+__device__ __forceinline__ uint32_t e8m0_bf16x2(uint32_t e) {
+  const uint32_t b = e == 0 ? 0x0040u : ((e << 7) | (((e + 1u) >> 8) << 6));
+  return b * 0x10001u;
+}
+
+}  // namespace jqffi

@@ -2,8 +2,4 @@
 // nvcc compiles them in parallel).
 #include "gemm/dequant_launch.cuh"
 
-namespace jaxquant_gemm {
-template cudaError_t launch_dequant_gemm<Elem::kE4M3, Elem::kE4M3>(const DequantParams&, cudaStream_t);
-template cudaError_t launch_dequant_gemm<Elem::kE4M3, Elem::kE5M2>(const DequantParams&, cudaStream_t);
-template cudaError_t launch_dequant_gemm<Elem::kE4M3, Elem::kE2M1>(const DequantParams&, cudaStream_t);
-}  // namespace jaxquant_gemm
+JQ_DEQUANT_INSTANTIATE_A(jqffi::Elem::kE4M3)

@@ -30,11 +30,10 @@
 
 #include "gemm/bf16_decode.cuh"
 #include "gemm/dequant_params.h"
+#include "gemm/store_pairs.cuh"
 
-namespace jaxquant_gemm {
+namespace jqffi {
 namespace dequant {
-
-using namespace jaxquant_bf16_decode;  // prmt, hmul2_bf16, decode_*, e4m3_scale_bf16x2
 
 constexpr int kBM = 128, kBN = 256, kBK = 64;
 constexpr int kStages = 3;  // bf16 stages (dequant -> wgmma)
@@ -200,15 +199,9 @@ __device__ __forceinline__ ChunkScale mx_scale(uint32_t e) {
   const uint32_t t = e + kOffset;
   ChunkScale s;
   s.two = t > 254u;
-  s.f1 = (s.two ? uint32_t(kOffset + 127) : t) << 7;
-  s.f1 *= 0x10001u;
+  s.f1 = pow2_bf16x2(s.two ? uint32_t(kOffset + 127) : t);
   s.e = e;
   return s;
-}
-
-__device__ __forceinline__ uint32_t mx_f2(uint32_t e) {
-  const uint32_t b = (e << 7) | (((e + 1u) >> 8) << 6);  // e == 255 -> 0x7FC0 (NaN)
-  return b * 0x10001u;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -231,7 +224,7 @@ struct OperandLoader {
   int row0;  // first global row of the tile
   int c, r;  // this thread's chunk and first local row
   uint32_t scale[kPasses][kScalesPerChunk];
-  uint4 raw[kPasses];
+  uint32_t raw[kPasses][4];  // pass j's 16 payload bytes as four words
 
   __device__ OperandLoader(const DequantOperand& o, int tile_row0, int tid)
       : op(o), row0(tile_row0), c(tid % kCPR), r(tid / kCPR) {}
@@ -264,29 +257,42 @@ struct OperandLoader {
   // This thread's raw chunks of the stage into registers (all loads in flight at once).
   __device__ __forceinline__ void load_raw(uint32_t stage) {
 #pragma unroll
-    for (int j = 0; j < kPasses; ++j) raw[j] = lds128(stage + (r + kRPP * j) * kRowBytes + c * 16);
+    for (int j = 0; j < kPasses; ++j) {
+      const uint4 v = lds128(stage + (r + kRPP * j) * kRowBytes + c * 16);
+      raw[j][0] = v.x;
+      raw[j][1] = v.y;
+      raw[j][2] = v.z;
+      raw[j][3] = v.w;
+    }
   }
 
-  // Decode the registers into the bf16 stage (rows of 128 bytes, 16-byte units XOR row % 8).
+  // Pass j's decoded bf16x2 words `o` into its row of the stage (rows of 128 bytes, 16-byte
+  // units XOR row % 8), kUnits units from unit `first`.
+  template <int kUnits>
+  __device__ __forceinline__ void store_row(uint32_t tile, int j, int first,
+                                            const uint32_t* o) const {
+    const int lr = r + kRPP * j;
+    const uint32_t row_base = tile + lr * 128, sw = lr & 7;
+#pragma unroll
+    for (int u = 0; u < kUnits; ++u) {
+      sts128(row_base + (((first + u) ^ sw) << 4), o[4 * u], o[4 * u + 1], o[4 * u + 2],
+             o[4 * u + 3]);
+    }
+  }
+
+  // Decode the registers into the bf16 stage.
   __device__ __forceinline__ void decode(uint32_t tile, uint32_t lut_hi, uint32_t lut_lo) const {
     if constexpr (kFp4) {
 #pragma unroll
       for (int j = 0; j < kPasses; ++j) {
-        const int lr = r + kRPP * j;
-        const uint32_t w[4] = {raw[j].x, raw[j].y, raw[j].z, raw[j].w};
         uint32_t o[16];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) decode_e2m1x8(w[q], o + 4 * q, lut_hi, lut_lo);
+        for (int q = 0; q < 4; ++q) decode_e2m1x8(raw[j][q], o + 4 * q, lut_hi, lut_lo);
         const uint32_t f0 = e4m3_scale_bf16x2(scale[j][0]);
         const uint32_t f1 = e4m3_scale_bf16x2(scale[j][1]);
 #pragma unroll
         for (int q = 0; q < 16; ++q) o[q] = hmul2_bf16(o[q], q < 8 ? f0 : f1);
-        const uint32_t row_base = tile + lr * 128, sw = lr & 7;
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {  // 32 elements -> 16-byte units 4c .. 4c+3
-          sts128(row_base + (((4 * c + u) ^ sw) << 4), o[4 * u], o[4 * u + 1], o[4 * u + 2],
-                 o[4 * u + 3]);
-        }
+        store_row<4>(tile, j, 4 * c, o);  // 32 elements -> 16-byte units 4c .. 4c+3
       }
     } else {
       ChunkScale s[kPasses];
@@ -308,29 +314,25 @@ struct OperandLoader {
   __device__ __forceinline__ void decode_fp8(uint32_t tile, const ChunkScale* s) const {
 #pragma unroll
     for (int j = 0; j < kPasses; ++j) {
-      const int lr = r + kRPP * j;
-      const uint32_t w[4] = {raw[j].x, raw[j].y, raw[j].z, raw[j].w};
       uint32_t o[8];
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         if constexpr (E == Elem::kE4M3) {
-          decode_e4m3x4(w[q], o[2 * q], o[2 * q + 1]);
+          decode_e4m3x4(raw[j][q], o[2 * q], o[2 * q + 1]);
         } else {
-          decode_e5m2x4(w[q], o[2 * q], o[2 * q + 1]);
+          decode_e5m2x4(raw[j][q], o[2 * q], o[2 * q + 1]);
         }
       }
 #pragma unroll
       for (int q = 0; q < 8; ++q) o[q] = hmul2_bf16(o[q], s[j].f1);
       if constexpr (kTwo) {
         if (s[j].two) {
-          const uint32_t f2 = mx_f2(s[j].e);
+          const uint32_t f2 = e8m0_bf16x2(s[j].e);  // e > 0 here: t > 254
 #pragma unroll
           for (int q = 0; q < 8; ++q) o[q] = hmul2_bf16(o[q], f2);
         }
       }
-      const uint32_t row_base = tile + lr * 128, sw = lr & 7;
-      sts128(row_base + (((2 * c) ^ sw) << 4), o[0], o[1], o[2], o[3]);  // units 2c, 2c+1
-      sts128(row_base + (((2 * c + 1) ^ sw) << 4), o[4], o[5], o[6], o[7]);
+      store_row<2>(tile, j, 2 * c, o);  // 16 elements -> 16-byte units 2c, 2c+1
     }
   }
 };
@@ -360,23 +362,6 @@ __device__ __forceinline__ void add_bias(float* d, const void* bias, int n0, int
     d[4 * j + 3] = d[4 * j + 3] + b1;
   }
 }
-
-template <typename T> struct Pack2;
-template <> struct Pack2<float> {
-  using V = float2;
-  static __device__ __forceinline__ V pack(float a, float b) { return make_float2(a, b); }
-  static __device__ __forceinline__ float one(float a) { return a; }
-};
-template <> struct Pack2<__nv_bfloat16> {
-  using V = __nv_bfloat162;
-  static __device__ __forceinline__ V pack(float a, float b) { return __floats2bfloat162_rn(a, b); }
-  static __device__ __forceinline__ __nv_bfloat16 one(float a) { return __float2bfloat16_rn(a); }
-};
-template <> struct Pack2<__half> {
-  using V = __half2;
-  static __device__ __forceinline__ V pack(float a, float b) { return __floats2half2_rn(a, b); }
-  static __device__ __forceinline__ __half one(float a) { return __float2half_rn(a); }
-};
 
 template <typename T>
 __device__ __forceinline__ void store_tile(const float* d, void* out, int row_a, int n0, int lane,
@@ -433,14 +418,14 @@ __device__ __forceinline__ void epilogue(float* d, const DequantParams& p, int r
     }
   }
   switch (p.bias_kind) {
-    case kBF16: add_bias<__nv_bfloat16>(d, p.bias, n0, lane, p.N); break;
-    case kF16: add_bias<__half>(d, p.bias, n0, lane, p.N); break;
-    case kF32: add_bias<float>(d, p.bias, n0, lane, p.N); break;
+    case kOutBF16: add_bias<__nv_bfloat16>(d, p.bias, n0, lane, p.N); break;
+    case kOutF16: add_bias<__half>(d, p.bias, n0, lane, p.N); break;
+    case kOutF32: add_bias<float>(d, p.bias, n0, lane, p.N); break;
     default: break;
   }
   switch (p.out_kind) {
-    case kBF16: store_tile<__nv_bfloat16>(d, p.out, row_a, n0, lane, p.M, p.N); break;
-    case kF16: store_tile<__half>(d, p.out, row_a, n0, lane, p.M, p.N); break;
+    case kOutBF16: store_tile<__nv_bfloat16>(d, p.out, row_a, n0, lane, p.M, p.N); break;
+    case kOutF16: store_tile<__half>(d, p.out, row_a, n0, lane, p.M, p.N); break;
     default: store_tile<float>(d, p.out, row_a, n0, lane, p.M, p.N); break;
   }
 }
@@ -576,4 +561,4 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 }  // namespace dequant
-}  // namespace jaxquant_gemm
+}  // namespace jqffi

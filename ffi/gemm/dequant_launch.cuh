@@ -9,7 +9,7 @@
 #include "gemm/dequant_kernel.cuh"
 #include "gemm/dequant_launch.h"
 
-namespace jaxquant_gemm {
+namespace jqffi {
 namespace dequant {
 
 // cuTensorMapEncodeTiled through the runtime's driver entry point (no libcuda link needed).
@@ -75,4 +75,14 @@ cudaError_t launch_dequant_gemm(const DequantParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-}  // namespace jaxquant_gemm
+}  // namespace jqffi
+
+// The three instantiations with A payload EA (one dequant_inst_*.cu file each, compiled in
+// parallel).
+#define JQ_DEQUANT_INSTANTIATE_A(EA)                                                   \
+  template cudaError_t jqffi::launch_dequant_gemm<EA, jqffi::Elem::kE4M3>(             \
+      const jqffi::DequantParams&, cudaStream_t);                                      \
+  template cudaError_t jqffi::launch_dequant_gemm<EA, jqffi::Elem::kE5M2>(             \
+      const jqffi::DequantParams&, cudaStream_t);                                      \
+  template cudaError_t jqffi::launch_dequant_gemm<EA, jqffi::Elem::kE2M1>(             \
+      const jqffi::DequantParams&, cudaStream_t);

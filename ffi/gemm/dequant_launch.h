@@ -6,7 +6,7 @@
 
 #include "gemm/dequant_params.h"
 
-namespace jaxquant_gemm {
+namespace jqffi {
 
 template <Elem EA, Elem EB>
 cudaError_t launch_dequant_gemm(const DequantParams& p, cudaStream_t stream);
@@ -24,4 +24,4 @@ JQ_DECLARE_DEQUANT(Elem::kE2M1, Elem::kE5M2)
 JQ_DECLARE_DEQUANT(Elem::kE2M1, Elem::kE2M1)
 #undef JQ_DECLARE_DEQUANT
 
-}  // namespace jaxquant_gemm
+}  // namespace jqffi

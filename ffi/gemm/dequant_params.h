@@ -4,16 +4,13 @@
 
 #include <cstdint>
 
-namespace jaxquant_gemm {
+#include "gemm/gemm_types.h"
 
-// Payload element type of an operand. E4M3/E5M2 payloads carry MXFP8 scales (E8M0 per 32
-// elements); E2M1 payloads are packed two per byte (element 2i in the low nibble) and carry
-// NVFP4 scales (E4M3 per 16 elements, or per 16x16 tile).
-enum class Elem : int { kE4M3 = 0, kE5M2 = 1, kE2M1 = 2 };
+namespace jqffi {
 
-// Output / bias element type codes (0 = no bias).
-enum : int { kNone = 0, kBF16 = 1, kF16 = 2, kF32 = 3 };
-
+// One operand. E4M3/E5M2 payloads carry MXFP8 scales (E8M0 per 32 elements); E2M1 payloads are
+// packed two per byte (element 2i in the low nibble) and carry NVFP4 scales (E4M3 per 16
+// elements, or per 16x16 tile).
 struct DequantOperand {
   const uint8_t* data = nullptr;   // [rows, row_bytes]
   int64_t row_bytes = 0;           // K (FP8) or K / 2 (FP4); a multiple of 16
@@ -29,10 +26,10 @@ struct DequantOperand {
 struct DequantParams {
   DequantOperand a, b;  // C[m, n] = sum_k A[m, k] B[n, k]
   const void* bias = nullptr;
-  int bias_kind = kNone;
-  void* out = nullptr;  // [M, N] row-major
-  int out_kind = kBF16;
+  int bias_kind = kOutNone;  // kOut*, kOutNone: no bias
+  void* out = nullptr;       // [M, N] row-major
+  int out_kind = kOutBF16;
   int M = 0, N = 0, K = 0;  // K: logical contraction length (zero-padded to the payload's)
 };
 
-}  // namespace jaxquant_gemm
+}  // namespace jqffi

@@ -30,7 +30,8 @@ function(jaxquant_add_gemm target)
   get_target_property(cublaslt_location ${cublaslt} IMPORTED_LOCATION)
   get_filename_component(cublaslt_dir "${cublaslt_location}" DIRECTORY)
   target_sources(${target} PRIVATE
-    "${dir}/gemm_cuda.cu"
+    "${dir}/gemm_cublaslt.cu"
+    "${dir}/dequant_gemm.cu"
     "${dir}/dequant_inst_e4m3.cu"
     "${dir}/dequant_inst_e5m2.cu"
     "${dir}/dequant_inst_e2m1.cu")

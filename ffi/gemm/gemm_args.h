@@ -1,4 +1,5 @@
-// Argument checking of the GEMM FFI targets (host code), shared by the CPU and CUDA handlers.
+// Argument checking and FFI signatures of the GEMM targets (host code), shared by the CPU and
+// CUDA handlers.
 //
 //   jaxquant_gemm_fp8      per-tensor FP8 or Float8Block (cuBLASLt on CUDA)
 //       args  a[M,K] f8e4m3fn|f8e5m2, a_scale f32, b[N,K], b_scale f32, bias[N] | [0]
@@ -15,48 +16,20 @@
 #pragma once
 
 #include <cstdint>
-#include <sstream>
+#include <initializer_list>
 #include <string>
 
+#include "binding.h"
 #include "gemm/dequant_params.h"
-#include "xla/ffi/api/ffi.h"
+#include "handler_common.h"
 
-namespace jaxquant_gemm {
+namespace jqffi {
 
-namespace ffi = xla::ffi;
-
-inline const char* dtype_name(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::BF16: return "bfloat16";
-    case ffi::DataType::F16: return "float16";
-    case ffi::DataType::F32: return "float32";
-    case ffi::DataType::U8: return "uint8";
-    case ffi::DataType::F8E4M3FN: return "float8_e4m3fn";
-    case ffi::DataType::F8E5M2: return "float8_e5m2";
-    case ffi::DataType::F8E8M0FNU: return "float8_e8m0fnu";
-    case ffi::DataType::F4E2M1FN: return "float4_e2m1fn";
-    default: return "an unsupported dtype";
-  }
-}
-
-inline std::string shape_str(const ffi::AnyBuffer& b) {
-  std::ostringstream s;
-  auto d = b.dimensions();
-  s << "(";
-  for (size_t i = 0; i < d.size(); ++i) s << (i ? ", " : "") << d[i];
-  s << (d.size() == 1 ? ",)" : ")");
-  return s.str();
-}
-
+// "float8_e4m3fn(128, 64)": a buffer's dtype and shape, for error messages.
 inline std::string describe(const ffi::AnyBuffer& b) {
-  return std::string(dtype_name(b.element_type())) + shape_str(b);
+  return std::string(dtype_name(b.element_type())) + dims_str(b.dimensions());
 }
 
-inline ffi::Error invalid(const char* target, const std::string& msg) {
-  return ffi::Error::InvalidArgument(std::string(target) + ": " + msg);
-}
-
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
 inline bool has_shape(const ffi::AnyBuffer& b, std::initializer_list<int64_t> dims) {
@@ -71,10 +44,10 @@ inline bool has_shape(const ffi::AnyBuffer& b, std::initializer_list<int64_t> di
 
 inline int out_kind_of(ffi::DataType t) {
   switch (t) {
-    case ffi::DataType::BF16: return kBF16;
-    case ffi::DataType::F16: return kF16;
-    case ffi::DataType::F32: return kF32;
-    default: return kNone;
+    case ffi::DataType::BF16: return kOutBF16;
+    case ffi::DataType::F16: return kOutF16;
+    case ffi::DataType::F32: return kOutF32;
+    default: return kOutNone;
   }
 }
 
@@ -83,17 +56,17 @@ inline ffi::Error check_out_bias(const char* target, const ffi::AnyBuffer& out,
                                  const ffi::AnyBuffer& bias, int64_t M, int64_t N,
                                  int* out_kind, int* bias_kind) {
   *out_kind = out_kind_of(out.element_type());
-  if (*out_kind == kNone || !has_shape(out, {M, N})) {
+  if (*out_kind == kOutNone || !has_shape(out, {M, N})) {
     return invalid(target, "out is " + describe(out) + "; expected bfloat16, float16 or float32 "
                            "of shape (" + std::to_string(M) + ", " + std::to_string(N) + ")");
   }
   auto bd = bias.dimensions();
   if (bd.size() == 1 && bd[0] == 0) {
-    *bias_kind = kNone;
+    *bias_kind = kOutNone;
     return ffi::Error::Success();
   }
   *bias_kind = out_kind_of(bias.element_type());
-  if (*bias_kind == kNone || !has_shape(bias, {N})) {
+  if (*bias_kind == kOutNone || !has_shape(bias, {N})) {
     return invalid(target, "bias is " + describe(bias) + "; expected bfloat16, float16 or "
                            "float32 of shape (" + std::to_string(N) + ",), or shape (0,) for "
                            "no bias");
@@ -132,9 +105,9 @@ struct Fp8Gemm {
   Fp8Operand a, b;
   int64_t M = 0, N = 0, K = 0;
   const void* bias = nullptr;
-  int bias_kind = kNone;
+  int bias_kind = kOutNone;
   void* out = nullptr;
-  int out_kind = kBF16;
+  int out_kind = kOutBF16;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   bool fast_accum = false;
@@ -191,14 +164,8 @@ inline ffi::Error decode_fp8_gemm(const char* target, const ffi::AnyBuffer& a,
   if (g->M <= 0 || g->N <= 0 || g->K <= 0) {
     return invalid(target, "empty operands a " + describe(a) + ", b " + describe(b));
   }
-  if (ffi::Error e = decode_fp8_operand(target, "a", a, a_scale, a_mode, g->K, &g->a);
-      e.failure()) {
-    return e;
-  }
-  if (ffi::Error e = decode_fp8_operand(target, "b", b, b_scale, b_mode, g->K, &g->b);
-      e.failure()) {
-    return e;
-  }
+  JQ_RETURN_IF_ERROR(decode_fp8_operand(target, "a", a, a_scale, a_mode, g->K, &g->a));
+  JQ_RETURN_IF_ERROR(decode_fp8_operand(target, "b", b, b_scale, b_mode, g->K, &g->b));
   if (g->a.e5m2 && g->b.e5m2) {
     return invalid(target, "a and b are both float8_e5m2; cuBLASLt multiplies E4M3 x E4M3, "
                            "E4M3 x E5M2 and E5M2 x E4M3 only");
@@ -216,10 +183,8 @@ inline ffi::Error decode_fp8_gemm(const char* target, const ffi::AnyBuffer& a,
     return invalid(target, "fast_accum=True with block scales; cuBLASLt's block-scaled FP8 "
                            "GEMM always promotes the accumulator");
   }
-  if (ffi::Error e = check_out_bias(target, out, bias, g->M, g->N, &g->out_kind, &g->bias_kind);
-      e.failure()) {
-    return e;
-  }
+  JQ_RETURN_IF_ERROR(
+      check_out_bias(target, out, bias, g->M, g->N, &g->out_kind, &g->bias_kind));
   if (workspace.element_type() != ffi::DataType::U8 || workspace.dimensions().size() != 1) {
     return invalid(target, "workspace is " + describe(workspace) + "; expected uint8 (bytes,)");
   }
@@ -326,26 +291,35 @@ inline ffi::Error decode_dequant_gemm(const char* target, const ffi::AnyBuffer& 
   if (k <= 0 || k >= (int64_t{1} << 31)) {
     return invalid(target, "k=" + std::to_string(k) + "; expected 0 < k < 2^31");
   }
-  if (ffi::Error e =
-          decode_dequant_operand(target, "a", a, a_scale, a_factor, k, a_tile_rows, &p->a);
-      e.failure()) {
-    return e;
-  }
-  if (ffi::Error e =
-          decode_dequant_operand(target, "b", b, b_scale, b_factor, k, b_tile_rows, &p->b);
-      e.failure()) {
-    return e;
-  }
+  JQ_RETURN_IF_ERROR(
+      decode_dequant_operand(target, "a", a, a_scale, a_factor, k, a_tile_rows, &p->a));
+  JQ_RETURN_IF_ERROR(
+      decode_dequant_operand(target, "b", b, b_scale, b_factor, k, b_tile_rows, &p->b));
   p->M = p->a.rows;
   p->N = p->b.rows;
   p->K = static_cast<int>(k);
-  if (ffi::Error e = check_out_bias(target, out, bias, p->M, p->N, &p->out_kind, &p->bias_kind);
-      e.failure()) {
-    return e;
-  }
+  JQ_RETURN_IF_ERROR(
+      check_out_bias(target, out, bias, p->M, p->N, &p->out_kind, &p->bias_kind));
   p->bias = bias.untyped_data();
   p->out = out.untyped_data();
   return ffi::Error::Success();
 }
 
-}  // namespace jaxquant_gemm
+// The FFI signatures, one copy for both platforms: the CPU handlers bind
+// `BindX(ffi::Ffi::Bind())`, the CUDA ones `BindX(ffi::Ffi::Bind().Ctx<Stream>())`.
+// jaxquant_gemm_fp8: a, a_scale, b, b_scale, bias -> out, workspace.
+template <typename Binding>
+auto BindGemmFp8(Binding binding) {
+  auto buffers = Rets<2>(Args<5>(std::move(binding)));
+  return Attrs<bool>(Attrs<int64_t>(std::move(buffers), "a_scale_mode", "b_scale_mode"),
+                     "fast_accum");
+}
+
+// jaxquant_gemm_dequant: a, a_scale, a_factor, b, b_scale, b_factor, bias -> out.
+template <typename Binding>
+auto BindGemmDequant(Binding binding) {
+  return Attrs<int64_t>(Rets<1>(Args<7>(std::move(binding))), "k", "a_scale_tile_rows",
+                        "b_scale_tile_rows");
+}
+
+}  // namespace jqffi

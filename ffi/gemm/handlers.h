@@ -1,14 +1,30 @@
-// Handler symbols of the GEMM targets (XLA_FFI_Handler*, as void*), per platform.
+// The GEMM targets' handler tables (no nanobind here: nvcc compiles the CUDA files):
+//   jaxquant_gemm_fp8      per-tensor FP8 / Float8Block (cuBLASLt on CUDA)
+//   jaxquant_gemm_dequant  MXFP8 / NVFP4 (in-kernel dequantize + wgmma on CUDA)
 #pragma once
 
-namespace jaxquant_gemm {
+#include <vector>
 
-void* Fp8GemmCpuHandler();      // jaxquant_gemm_fp8, CPU (gemm_cpu.cc)
-void* DequantGemmCpuHandler();  // jaxquant_gemm_dequant, CPU
+#include "targets.h"
+
+namespace jqffi {
+
+// Both targets on the CPU (gemm_cpu.cc); always built.
+std::vector<Target> gemm_cpu_targets();
 
 #ifdef JAXQUANT_GEMM_CUDA
-void* Fp8GemmCudaHandler();      // cuBLASLt (gemm_cublaslt.cu)
-void* DequantGemmCudaHandler();  // in-kernel dequantize + wgmma (dequant_gemm.cu)
+std::vector<Target> gemm_fp8_cuda_targets();      // jaxquant_gemm_fp8 (gemm_cublaslt.cu)
+std::vector<Target> gemm_dequant_cuda_targets();  // jaxquant_gemm_dequant (dequant_gemm.cu)
 #endif
 
-}  // namespace jaxquant_gemm
+// Both targets on CUDA; empty unless the module was built with nvcc and JAXQUANT_GEMM
+// (JAXQUANT_GEMM_CUDA, set by gemm.cmake).
+inline std::vector<Target> gemm_cuda_targets() {
+#ifdef JAXQUANT_GEMM_CUDA
+  return join({gemm_fp8_cuda_targets(), gemm_dequant_cuda_targets()});
+#else
+  return {};
+#endif
+}
+
+}  // namespace jqffi

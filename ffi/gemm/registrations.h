@@ -1,11 +1,10 @@
-// Entry point of the GEMM targets for the nanobind module (ffi/module.cc): adds
-//   jaxquant_gemm_fp8      per-tensor FP8 / Float8Block (cuBLASLt on CUDA)
-//   jaxquant_gemm_dequant  MXFP8 / NVFP4 (in-kernel dequantize + wgmma on CUDA)
-// to the per-platform {target name: capsule} dicts. CUDA handlers exist when the module was
-// built with nvcc (JAXQUANT_GEMM_CUDA, set by ffi/gemm/gemm.cmake).
+// The GEMM targets' entry point for the nanobind module (ffi/module.cc calls it): adds the
+// tables of gemm/handlers.h to the module's per-platform {target name: capsule} dicts.
 #pragma once
 
 #include <nanobind/nanobind.h>
+
+#include "gemm/handlers.h"
 
 namespace jaxquant_gemm {
 

@@ -19,8 +19,9 @@
 #include <type_traits>
 
 #include "grouped/grouped_params.h"
+#include "jaxquant_numerics.h"
 
-namespace jqgrouped {
+namespace jqffi {
 namespace {
 
 template <int TYPE>
@@ -218,4 +219,4 @@ unsigned amax_grid(int64_t T) {
 }
 
 }  // namespace
-}  // namespace jqgrouped
+}  // namespace jqffi

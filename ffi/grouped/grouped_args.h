@@ -1,6 +1,7 @@
-// Argument checking for the grouped (mixture-of-experts) targets, shared by the CPU and CUDA
-// handlers (host code only). Every `decode_*` checks the buffers XLA passes against the
-// target's contract and fills a plain struct the two platforms execute identically.
+// Argument checking and FFI signatures of the grouped (mixture-of-experts) targets, shared by
+// the CPU and CUDA handlers (host code only). Every `decode_grouped_*` checks the buffers XLA
+// passes against the target's contract and fills a plain struct the two platforms execute
+// identically; every `BindGrouped*` is the target's signature for both platforms.
 //
 // Group geometry is passed as device arrays computed by XLA (never read on the host, so the
 // handlers need no host sync and are CUDA-graph compatible):
@@ -14,14 +15,11 @@
 #include <tuple>
 #include <utility>
 
+#include "binding.h"
 #include "grouped/grouped_params.h"
 #include "handler_common.h"
 
-namespace jqgrouped {
-
-namespace ffi = xla::ffi;
-using jqffi::expect;
-using jqffi::invalid;
+namespace jqffi {
 
 inline ffi::Error decode_int_vector(const char* t, const char* what, const ffi::AnyBuffer& b,
                                     int64_t n, const int32_t** out) {
@@ -30,68 +28,87 @@ inline ffi::Error decode_int_vector(const char* t, const char* what, const ffi::
   return ffi::Error::Success();
 }
 
+// Group offsets `what` (starts or pstarts): int32[G + 1] with G >= 1; sets *G and *out.
+inline ffi::Error decode_group_offsets(const char* t, const char* what, const ffi::AnyBuffer& b,
+                                       int64_t* G, const int32_t** out) {
+  const auto dims = b.dimensions();
+  if (dims.size() != 1 || dims[0] < 2) {
+    return invalid(t, std::string(what) + " must be int32[G + 1] with G >= 1; got shape " +
+                          dims_str(dims));
+  }
+  *G = dims[0] - 1;
+  return decode_int_vector(t, what, b, *G + 1, out);
+}
+
+// x, starts and (when given) pstarts of a grouped quantize or amax into `p`.
+inline ffi::Error decode_grouped_rows(const char* t, const ffi::AnyBuffer& x,
+                                      const ffi::AnyBuffer& starts, const ffi::AnyBuffer* pstarts,
+                                      GroupedRows* p) {
+  Input in;
+  JQ_RETURN_IF_ERROR(decode_input(t, x, &in));
+  JQ_RETURN_IF_ERROR(decode_group_offsets(t, "starts", starts, &p->G, &p->starts));
+  if (pstarts) JQ_RETURN_IF_ERROR(decode_int_vector(t, "pstarts", *pstarts, p->G + 1, &p->pstarts));
+  p->x = in.data;
+  p->in_type = static_cast<int>(in.type);
+  p->T = in.rows;
+  p->C = in.cols;
+  return ffi::Error::Success();
+}
+
+// The output layout's length of a grouped quantize.
+inline ffi::Error decode_length(const char* t, int64_t length, GroupedRows* p) {
+  if (length < 1 || length >= (int64_t{1} << 31)) {
+    return invalid(t, "length=" + std::to_string(length) + " must be in [1, 2^31)");
+  }
+  p->L = length;
+  return ffi::Error::Success();
+}
+
 // jaxquant_grouped_quantize_fp8(x[T, C], starts[G+1], pstarts[G+1], s[G])
 //   -> [row f8 [L, C]], [col f8 [C, L] or [G, C, E] (experts)], scale_inv f32[G], amax f32[G]
 // jaxquant_grouped_amax(x[T, C], starts[G+1]) -> amax f32[G]  (rowwise = columnwise = false)
 // jaxquant_grouped_amax_gated(x[T, C], starts[G+1], gate f32[G]) -> amax f32[G]: the same amax
 //   when some gate[g] == 0 (a delayed-scaling group with no scale yet), else zeros
-inline ffi::Error decode_quantize_fp8(const char* t, ffi::AnyBuffer x, ffi::AnyBuffer starts,
-                                      ffi::AnyBuffer pstarts, ffi::AnyBuffer s,
-                                      ffi::RemainingRets rets, bool rowwise, bool columnwise,
-                                      bool delayed, bool pow2_scale, float amax_epsilon,
-                                      int64_t length, int64_t expert_rows, QuantizeParams* p) {
-  jqffi::Input in;
-  JQ_RETURN_IF_ERROR(jqffi::decode_input(t, x, &in));
-  JQ_RETURN_IF_ERROR(jqffi::need_direction(t, rowwise, columnwise));
-  const auto sdims = starts.dimensions();
-  if (sdims.size() != 1 || sdims[0] < 2) {
-    return invalid(t, "starts must be int32[G + 1] with G >= 1; got shape " +
-                          jqffi::dims_str(sdims));
-  }
-  const int64_t G = sdims[0] - 1;
-  JQ_RETURN_IF_ERROR(decode_int_vector(t, "starts", starts, G + 1, &p->starts));
-  JQ_RETURN_IF_ERROR(decode_int_vector(t, "pstarts", pstarts, G + 1, &p->pstarts));
+inline ffi::Error decode_grouped_quantize_fp8(const char* t, ffi::AnyBuffer x,
+                                              ffi::AnyBuffer starts, ffi::AnyBuffer pstarts,
+                                              ffi::AnyBuffer s, ffi::RemainingRets rets,
+                                              bool rowwise, bool columnwise, bool delayed,
+                                              bool pow2_scale, float amax_epsilon, int64_t length,
+                                              int64_t expert_rows, QuantizeParams* p) {
+  JQ_RETURN_IF_ERROR(need_direction(t, rowwise, columnwise));
+  JQ_RETURN_IF_ERROR(decode_grouped_rows(t, x, starts, &pstarts, p));
+  const int64_t G = p->G, C = p->C;
   JQ_RETURN_IF_ERROR(expect(t, delayed ? "scale" : "s (unused placeholder)", s,
                             {ffi::DataType::F32}, {delayed ? G : int64_t{1}}));
-  if (length < 1 || length >= (int64_t{1} << 31)) {
-    return invalid(t, "length=" + std::to_string(length) + " must be in [1, 2^31)");
-  }
+  JQ_RETURN_IF_ERROR(decode_length(t, length, p));
   if (expert_rows < 0 || (expert_rows > 0 && expert_rows * G != length)) {
     return invalid(t, "expert_rows=" + std::to_string(expert_rows) + " must be 0 (tokens) or "
                       "length / G = " + std::to_string(length) + " / " + std::to_string(G));
   }
-  p->x = in.data;
-  p->in_type = static_cast<int>(in.type);
-  p->T = in.rows;
-  p->C = in.cols;
-  p->G = G;
-  p->L = length;
   p->expert_rows = expert_rows;
   p->delayed = delayed;
   p->pow2_scale = pow2_scale;
   p->amax_epsilon = amax_epsilon;
   p->s = static_cast<const float*>(s.untyped_data());
-  jqffi::RetReader r(t, rets);
+  RetReader r(t, rets);
   void* q;
   ffi::DataType row_type = ffi::DataType::INVALID, col_type = ffi::DataType::INVALID;
   if (rowwise) {
-    JQ_RETURN_IF_ERROR(r.next("rowwise data", jqffi::kFp8Types, {length, in.cols}, &q, &row_type));
+    JQ_RETURN_IF_ERROR(r.next("rowwise data", kFp8Types, {length, C}, &q, &row_type));
     p->row = static_cast<uint8_t*>(q);
   }
   if (columnwise) {
     if (expert_rows > 0) {
-      JQ_RETURN_IF_ERROR(r.next("columnwise data", jqffi::kFp8Types, {G, in.cols, expert_rows},
-                                &q, &col_type));
+      JQ_RETURN_IF_ERROR(r.next("columnwise data", kFp8Types, {G, C, expert_rows}, &q, &col_type));
     } else {
-      JQ_RETURN_IF_ERROR(r.next("columnwise data", jqffi::kFp8Types, {in.cols, length}, &q,
-                                &col_type));
+      JQ_RETURN_IF_ERROR(r.next("columnwise data", kFp8Types, {C, length}, &q, &col_type));
     }
     p->col = static_cast<uint8_t*>(q);
   }
   if (rowwise && columnwise && row_type != col_type) {
     return invalid(t, "rowwise and columnwise data must share one FP8 dtype");
   }
-  p->fmt = static_cast<int>(jqffi::fp8_of(rowwise ? row_type : col_type));
+  p->fmt = static_cast<int>(fp8_of(rowwise ? row_type : col_type));
   JQ_RETURN_IF_ERROR(r.next("scale_inv", {ffi::DataType::F32}, {G}, &q));
   p->scale_inv = static_cast<float*>(q);
   JQ_RETURN_IF_ERROR(r.next("amax", {ffi::DataType::F32}, {G}, &q));
@@ -99,31 +116,18 @@ inline ffi::Error decode_quantize_fp8(const char* t, ffi::AnyBuffer x, ffi::AnyB
   return r.done();
 }
 
-inline ffi::Error decode_amax(const char* t, ffi::AnyBuffer x, ffi::AnyBuffer starts,
-                              ffi::Result<ffi::AnyBuffer> amax, QuantizeParams* p) {
-  jqffi::Input in;
-  JQ_RETURN_IF_ERROR(jqffi::decode_input(t, x, &in));
-  const auto sdims = starts.dimensions();
-  if (sdims.size() != 1 || sdims[0] < 2) {
-    return invalid(t, "starts must be int32[G + 1] with G >= 1; got shape " +
-                          jqffi::dims_str(sdims));
-  }
-  const int64_t G = sdims[0] - 1;
-  JQ_RETURN_IF_ERROR(decode_int_vector(t, "starts", starts, G + 1, &p->starts));
-  JQ_RETURN_IF_ERROR(expect(t, "amax", *amax, {ffi::DataType::F32}, {G}));
-  p->x = in.data;
-  p->in_type = static_cast<int>(in.type);
-  p->T = in.rows;
-  p->C = in.cols;
-  p->G = G;
+inline ffi::Error decode_grouped_amax(const char* t, ffi::AnyBuffer x, ffi::AnyBuffer starts,
+                                      ffi::Result<ffi::AnyBuffer> amax, QuantizeParams* p) {
+  JQ_RETURN_IF_ERROR(decode_grouped_rows(t, x, starts, nullptr, p));
+  JQ_RETURN_IF_ERROR(expect(t, "amax", *amax, {ffi::DataType::F32}, {p->G}));
   p->amax = static_cast<float*>(amax->untyped_data());
   return ffi::Error::Success();
 }
 
-inline ffi::Error decode_amax_gated(const char* t, ffi::AnyBuffer x, ffi::AnyBuffer starts,
-                                    ffi::AnyBuffer gate, ffi::Result<ffi::AnyBuffer> amax,
-                                    QuantizeParams* p) {
-  JQ_RETURN_IF_ERROR(decode_amax(t, x, starts, amax, p));
+inline ffi::Error decode_grouped_amax_gated(const char* t, ffi::AnyBuffer x, ffi::AnyBuffer starts,
+                                            ffi::AnyBuffer gate, ffi::Result<ffi::AnyBuffer> amax,
+                                            QuantizeParams* p) {
+  JQ_RETURN_IF_ERROR(decode_grouped_amax(t, x, starts, amax, p));
   JQ_RETURN_IF_ERROR(expect(t, "gate (the groups' scales)", gate, {ffi::DataType::F32}, {p->G}));
   p->gate = static_cast<const float*>(gate.untyped_data());
   return ffi::Error::Success();
@@ -136,28 +140,21 @@ inline ffi::Error decode_amax_gated(const char* t, ffi::AnyBuffer x, ffi::AnyBuf
 // placeholder. Contract the device data must keep (not checked on the host, it never reads
 // the offsets): with `columnwise` or `block_2d`, every pstarts[g] is a multiple of 16; with
 // expert_rows E > 0, starts[g] = pstarts[g] = g E (the CUDA kernel takes row r's expert as r / E).
-inline ffi::Error decode_quantize_nvfp4(const char* t, ffi::AnyBuffer x, ffi::AnyBuffer starts,
-                                        ffi::AnyBuffer pstarts, ffi::AnyBuffer row_key,
-                                        ffi::AnyBuffer col_key, ffi::RemainingRets rets,
-                                        bool rowwise, bool columnwise, bool block_2d, bool rht,
-                                        bool stochastic, int64_t length, int64_t expert_rows,
-                                        Nvfp4QuantizeParams* p) {
-  jqffi::Input in;
-  JQ_RETURN_IF_ERROR(jqffi::decode_input(t, x, &in));
-  JQ_RETURN_IF_ERROR(jqffi::need_direction(t, rowwise, columnwise));
+inline ffi::Error decode_grouped_quantize_nvfp4(const char* t, ffi::AnyBuffer x,
+                                                ffi::AnyBuffer starts, ffi::AnyBuffer pstarts,
+                                                ffi::AnyBuffer row_key, ffi::AnyBuffer col_key,
+                                                ffi::RemainingRets rets, bool rowwise,
+                                                bool columnwise, bool block_2d, bool rht,
+                                                bool stochastic, int64_t length,
+                                                int64_t expert_rows, Nvfp4QuantizeParams* p) {
+  JQ_RETURN_IF_ERROR(need_direction(t, rowwise, columnwise));
   if (rht && block_2d) return invalid(t, "rht and block_2d cannot be combined");
-  if (rht && !columnwise) return invalid(t, "rht transforms the columnwise copy; columnwise is false");
-  const auto sdims = starts.dimensions();
-  if (sdims.size() != 1 || sdims[0] < 2) {
-    return invalid(t, "starts must be int32[G + 1] with G >= 1; got shape " +
-                          jqffi::dims_str(sdims));
+  if (rht && !columnwise) {
+    return invalid(t, "rht transforms the columnwise copy; columnwise is false");
   }
-  const int64_t G = sdims[0] - 1;
-  JQ_RETURN_IF_ERROR(decode_int_vector(t, "starts", starts, G + 1, &p->starts));
-  JQ_RETURN_IF_ERROR(decode_int_vector(t, "pstarts", pstarts, G + 1, &p->pstarts));
-  if (length < 1 || length >= (int64_t{1} << 31)) {
-    return invalid(t, "length=" + std::to_string(length) + " must be in [1, 2^31)");
-  }
+  JQ_RETURN_IF_ERROR(decode_grouped_rows(t, x, starts, &pstarts, p));
+  const int64_t G = p->G, C = p->C;
+  JQ_RETURN_IF_ERROR(decode_length(t, length, p));
   const bool chunked = columnwise || block_2d;  // blocks of 16 positions
   if (chunked && length % 16) {
     return invalid(t, "length=" + std::to_string(length) + " must be a multiple of 16 for a "
@@ -169,21 +166,15 @@ inline ffi::Error decode_quantize_nvfp4(const char* t, ffi::AnyBuffer x, ffi::An
                       "length / G = " + std::to_string(length) + " / " + std::to_string(G) +
                       (chunked ? ", a multiple of 16" : ""));
   }
-  if (rowwise && in.cols % 2) {
+  if (rowwise && C % 2) {
     return invalid(t, "the rowwise copy needs an even row length (rows own whole bytes); got " +
-                          std::to_string(in.cols) + " columns");
+                          std::to_string(C) + " columns");
   }
   for (auto [key, on, what] : {std::tuple{&row_key, rowwise, "row_key"},
                                std::tuple{&col_key, columnwise, "col_key"}}) {
     JQ_RETURN_IF_ERROR(expect(t, what, *key, {ffi::DataType::U32},
                               {stochastic && on ? G : int64_t{1}, 2}));
   }
-  p->x = in.data;
-  p->in_type = static_cast<int>(in.type);
-  p->T = in.rows;
-  p->C = in.cols;
-  p->G = G;
-  p->L = length;
   p->expert_rows = expert_rows;
   p->rowwise = rowwise;
   p->columnwise = columnwise;
@@ -194,18 +185,18 @@ inline ffi::Error decode_quantize_nvfp4(const char* t, ffi::AnyBuffer x, ffi::An
   p->col_key = static_cast<const uint32_t*>(col_key.untyped_data());
   const auto f4 = {ffi::DataType::F4E2M1FN};
   const auto e4m3 = {ffi::DataType::F8E4M3FN};
-  const int64_t br = block_2d ? 16 : 1, C = in.cols;
-  jqffi::RetReader r(t, rets);
+  const int64_t br = block_2d ? 16 : 1;
+  RetReader r(t, rets);
   void* q;
   if (rowwise) {
     JQ_RETURN_IF_ERROR(r.next("rowwise data", f4, {length, C}, &q));
     p->row = static_cast<uint8_t*>(q);
     JQ_RETURN_IF_ERROR(r.next("rowwise scale_inv", e4m3,
-                              {jqffi::ceil_div(length, br), jqffi::ceil_div(C, 16)}, &q));
+                              {ceil_div(length, br), ceil_div(C, 16)}, &q));
     p->row_scale = static_cast<uint8_t*>(q);
   }
   if (columnwise) {
-    const int64_t srows = jqffi::ceil_div(C, br);
+    const int64_t srows = ceil_div(C, br);
     if (expert_rows > 0) {
       JQ_RETURN_IF_ERROR(r.next("columnwise data", f4, {G, C, expert_rows}, &q));
       p->col = static_cast<uint8_t*>(q);
@@ -235,14 +226,43 @@ inline ffi::Error decode_quantize_nvfp4(const char* t, ffi::AnyBuffer x, ffi::An
 //   mode 1 (wgrad):  a[M, L], b[N, L], contraction over each group's positions -> out[G, M, N]
 // ---------------------------------------------------------------------------------------------
 
+// The mode and the group offsets every grouped GEMM starts with.
+inline ffi::Error decode_gemm_groups(const char* t, const ffi::AnyBuffer& pstarts, int32_t mode,
+                                     GroupedGemm* p) {
+  if (mode != kModeRagged && mode != kModeWgrad) {
+    return invalid(t, "mode=" + std::to_string(mode) + "; expected 0 (ragged) or 1 (wgrad)");
+  }
+  p->mode = mode;
+  return decode_group_offsets(t, "pstarts", pstarts, &p->G, &p->pstarts);
+}
+
+// The output every grouped GEMM ends with, once its L, M, N, K are known: [L, N] (mode 0) or
+// [G, M, N] (mode 1) in one of `types`.
+inline ffi::Error decode_gemm_out(const char* t, ffi::Result<ffi::AnyBuffer> out,
+                                  std::initializer_list<ffi::DataType> types, GroupedGemm* p) {
+  if (p->L >= (int64_t{1} << 31) || p->M >= (int64_t{1} << 31) || p->N >= (int64_t{1} << 31) ||
+      p->K >= (int64_t{1} << 31)) {
+    return invalid(t, "a dimension is >= 2^31");
+  }
+  const ffi::DataType ot = out->element_type();
+  p->out_kind = ot == ffi::DataType::BF16 ? kOutBF16 : ot == ffi::DataType::F16 ? kOutF16 : kOutF32;
+  if (p->mode == kModeRagged) {
+    JQ_RETURN_IF_ERROR(expect(t, "out", *out, types, {p->L, p->N}));
+  } else {
+    JQ_RETURN_IF_ERROR(expect(t, "out", *out, types, {p->G, p->M, p->N}));
+  }
+  p->out = out->untyped_data();
+  return ffi::Error::Success();
+}
+
 inline ffi::Error operand_elem(const char* t, const char* what, const ffi::AnyBuffer& b,
-                               int* elem) {
+                               Elem* elem) {
   switch (b.element_type()) {
-    case ffi::DataType::F8E4M3FN: *elem = kElemE4M3; return ffi::Error::Success();
-    case ffi::DataType::F8E5M2: *elem = kElemE5M2; return ffi::Error::Success();
-    case ffi::DataType::F4E2M1FN: *elem = kElemE2M1; return ffi::Error::Success();
+    case ffi::DataType::F8E4M3FN: *elem = Elem::kE4M3; return ffi::Error::Success();
+    case ffi::DataType::F8E5M2: *elem = Elem::kE5M2; return ffi::Error::Success();
+    case ffi::DataType::F4E2M1FN: *elem = Elem::kE2M1; return ffi::Error::Success();
     default:
-      return invalid(t, std::string(what) + " is " + jqffi::dtype_name(b.element_type()) +
+      return invalid(t, std::string(what) + " is " + dtype_name(b.element_type()) +
                             "; expected float8_e4m3fn, float8_e5m2 or float4_e2m1fn");
   }
 }
@@ -250,11 +270,12 @@ inline ffi::Error operand_elem(const char* t, const char* what, const ffi::AnyBu
 // Checks an operand's block scales: [scale_rows, ceil(K / block)] uint8 (scale bytes), with a
 // leading [G] for expert operands; `scaling` is kScalePerTensor (placeholder u8[1]),
 // kScaleMx (E8M0 per 32), kScaleNv (E4M3 per 16) or kScaleNv2d (E4M3 per 16x16).
-inline ffi::Error decode_operand(const char* t, const char* what, const ffi::AnyBuffer& data,
-                                 const ffi::AnyBuffer& scale, int scaling, int64_t experts,
-                                 int64_t rows, int64_t K, GemmOperand* op) {
+inline ffi::Error decode_grouped_operand(const char* t, const char* what,
+                                         const ffi::AnyBuffer& data, const ffi::AnyBuffer& scale,
+                                         int scaling, int64_t experts, int64_t rows, int64_t K,
+                                         GemmOperand* op) {
   JQ_RETURN_IF_ERROR(operand_elem(t, what, data, &op->elem));
-  const bool fp4 = op->elem == kElemE2M1;
+  const bool fp4 = op->elem == Elem::kE2M1;
   if (fp4 != (scaling == kScaleNv || scaling == kScaleNv2d)) {
     return invalid(t, std::string(what) + ": scaling=" + std::to_string(scaling) +
                           " does not fit its payload dtype (float4_e2m1fn <-> NVFP4 scaling)");
@@ -268,9 +289,8 @@ inline ffi::Error decode_operand(const char* t, const char* what, const ffi::Any
                                  dims[2] == K)
                               : (dims.size() == 2 && dims[0] == rows && dims[1] == K);
   if (!ok) {
-    return invalid(t, std::string(what) + " has shape " + jqffi::dims_str(dims) + "; expected " +
-                          (experts > 0 ? jqffi::dims_str({experts, rows, K})
-                                       : jqffi::dims_str({rows, K})));
+    return invalid(t, std::string(what) + " has shape " + dims_str(dims) + "; expected " +
+                          (experts > 0 ? dims_str({experts, rows, K}) : dims_str({rows, K})));
   }
   op->data = static_cast<const uint8_t*>(data.untyped_data());
   op->rows = rows;
@@ -284,10 +304,10 @@ inline ffi::Error decode_operand(const char* t, const char* what, const ffi::Any
   }
   const bool f32 = scaling >= kScaleBlock;
   const int64_t block = scaling == kScaleMx ? 32 : f32 ? 128 : 16;
-  const int64_t srows = scaling == kScaleNv2d      ? jqffi::ceil_div(rows, 16)
-                        : scaling == kScaleBlock2d ? jqffi::ceil_div(rows, 128)
+  const int64_t srows = scaling == kScaleNv2d      ? ceil_div(rows, 16)
+                        : scaling == kScaleBlock2d ? ceil_div(rows, 128)
                                                    : rows;
-  op->scale_cols = jqffi::ceil_div(K, block);
+  op->scale_cols = ceil_div(K, block);
   op->scale_rows = srows;
   const auto type = f32 ? ffi::DataType::F32 : ffi::DataType::U8;
   if (experts > 0) {
@@ -309,52 +329,40 @@ inline ffi::Error decode_factor(const char* t, const char* what, const ffi::AnyB
   return ffi::Error::Success();
 }
 
-inline ffi::Error decode_gemm(const char* t, ffi::AnyBuffer a, ffi::AnyBuffer a_scale,
-                              ffi::AnyBuffer b, ffi::AnyBuffer b_scale, ffi::AnyBuffer pstarts,
-                              ffi::AnyBuffer row_factor, ffi::AnyBuffer col_factor,
-                              ffi::AnyBuffer group_factor, ffi::AnyBuffer bias,
-                              ffi::Result<ffi::AnyBuffer> out, int32_t mode, int32_t a_scaling,
-                              int32_t b_scaling, bool has_row_factor, bool has_col_factor,
-                              bool has_group_factor, bool has_bias, GemmParams* p) {
-  if (mode != kModeRagged && mode != kModeWgrad) {
-    return invalid(t, "mode=" + std::to_string(mode) + "; expected 0 (ragged) or 1 (wgrad)");
-  }
+inline ffi::Error decode_grouped_gemm(const char* t, ffi::AnyBuffer a, ffi::AnyBuffer a_scale,
+                                      ffi::AnyBuffer b, ffi::AnyBuffer b_scale,
+                                      ffi::AnyBuffer pstarts, ffi::AnyBuffer row_factor,
+                                      ffi::AnyBuffer col_factor, ffi::AnyBuffer group_factor,
+                                      ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
+                                      int32_t mode, int32_t a_scaling, int32_t b_scaling,
+                                      bool has_row_factor, bool has_col_factor,
+                                      bool has_group_factor, bool has_bias, GemmParams* p) {
   for (int32_t s : {a_scaling, b_scaling}) {
     if (s < kScalePerTensor || s > kScaleBlock2d) {
       return invalid(t, "scaling=" + std::to_string(s) + "; expected 0 (per tensor), 1 (MXFP8), "
                         "2 (NVFP4 1x16), 3 (NVFP4 16x16), 4 (Float8Block 1x128) or 5 (128x128)");
     }
   }
-  const auto sdims = pstarts.dimensions();
-  if (sdims.size() != 1 || sdims[0] < 2) {
-    return invalid(t, "pstarts must be int32[G + 1] with G >= 1; got shape " +
-                          jqffi::dims_str(sdims));
-  }
-  const int64_t G = sdims[0] - 1;
-  JQ_RETURN_IF_ERROR(decode_int_vector(t, "pstarts", pstarts, G + 1, &p->pstarts));
+  JQ_RETURN_IF_ERROR(decode_gemm_groups(t, pstarts, mode, p));
+  const int64_t G = p->G;
   const auto ad = a.dimensions(), bd = b.dimensions();
-  if (ad.size() != 2) return invalid(t, "a must be 2-D; got shape " + jqffi::dims_str(ad));
-  p->mode = mode;
-  p->G = G;
+  if (ad.size() != 2) return invalid(t, "a must be 2-D; got shape " + dims_str(ad));
   if (mode == kModeRagged) {
-    if (bd.size() != 3) return invalid(t, "b must be [G, N, K]; got shape " + jqffi::dims_str(bd));
+    if (bd.size() != 3) return invalid(t, "b must be [G, N, K]; got shape " + dims_str(bd));
     p->L = ad[0];
     p->K = ad[1];
     p->N = bd[1];
     p->M = p->L;
-    JQ_RETURN_IF_ERROR(decode_operand(t, "a", a, a_scale, a_scaling, 0, p->L, p->K, &p->a));
-    JQ_RETURN_IF_ERROR(decode_operand(t, "b", b, b_scale, b_scaling, G, p->N, p->K, &p->b));
+    JQ_RETURN_IF_ERROR(decode_grouped_operand(t, "a", a, a_scale, a_scaling, 0, p->L, p->K, &p->a));
+    JQ_RETURN_IF_ERROR(decode_grouped_operand(t, "b", b, b_scale, b_scaling, G, p->N, p->K, &p->b));
   } else {
-    if (bd.size() != 2) return invalid(t, "b must be [N, L]; got shape " + jqffi::dims_str(bd));
+    if (bd.size() != 2) return invalid(t, "b must be [N, L]; got shape " + dims_str(bd));
     p->M = ad[0];
     p->L = ad[1];
     p->K = p->L;
     p->N = bd[0];
-    JQ_RETURN_IF_ERROR(decode_operand(t, "a", a, a_scale, a_scaling, 0, p->M, p->L, &p->a));
-    JQ_RETURN_IF_ERROR(decode_operand(t, "b", b, b_scale, b_scaling, 0, p->N, p->L, &p->b));
-  }
-  if (p->M >= (int64_t{1} << 31) || p->N >= (int64_t{1} << 31) || p->K >= (int64_t{1} << 31)) {
-    return invalid(t, "a dimension is >= 2^31");
+    JQ_RETURN_IF_ERROR(decode_grouped_operand(t, "a", a, a_scale, a_scaling, 0, p->M, p->L, &p->a));
+    JQ_RETURN_IF_ERROR(decode_grouped_operand(t, "b", b, b_scale, b_scaling, 0, p->N, p->L, &p->b));
   }
   const int64_t row_n = mode == kModeRagged ? p->L : G * p->M;
   JQ_RETURN_IF_ERROR(decode_factor(t, "row_factor", row_factor, row_n, has_row_factor,
@@ -365,57 +373,38 @@ inline ffi::Error decode_gemm(const char* t, ffi::AnyBuffer a, ffi::AnyBuffer a_
                                    &p->group_factor));
   if (has_bias && mode != kModeRagged) return invalid(t, "bias is only taken in mode 0");
   JQ_RETURN_IF_ERROR(decode_factor(t, "bias", bias, G * p->N, has_bias, &p->bias));
-  const ffi::DataType ot = out->element_type();
-  p->out_kind = ot == ffi::DataType::BF16 ? kOutBF16 : ot == ffi::DataType::F16 ? kOutF16 : kOutF32;
-  if (mode == kModeRagged) {
-    JQ_RETURN_IF_ERROR(expect(t, "out", *out, {ffi::DataType::BF16, ffi::DataType::F16,
-                                               ffi::DataType::F32}, {p->L, p->N}));
-  } else {
-    JQ_RETURN_IF_ERROR(expect(t, "out", *out, {ffi::DataType::BF16, ffi::DataType::F16,
-                                               ffi::DataType::F32}, {G, p->M, p->N}));
-  }
-  p->out = out->untyped_data();
-  return ffi::Error::Success();
+  return decode_gemm_out(t, out, {ffi::DataType::BF16, ffi::DataType::F16, ffi::DataType::F32}, p);
 }
 
 // jaxquant_grouped_gemm_bf16(a, b, pstarts[G+1], alpha) -> out, workspace (Bf16GemmParams;
 // the workspace is checked by the CUDA handler, unused on the CPU).
-inline ffi::Error decode_gemm_bf16(const char* t, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                                   ffi::AnyBuffer pstarts, ffi::AnyBuffer alpha,
-                                   ffi::Result<ffi::AnyBuffer> out, int32_t mode, bool a_k_major,
-                                   bool b_k_major, bool has_alpha, Bf16GemmParams* p) {
-  if (mode != kModeRagged && mode != kModeWgrad) {
-    return invalid(t, "mode=" + std::to_string(mode) + "; expected 0 (ragged) or 1 (wgrad)");
-  }
+inline ffi::Error decode_grouped_gemm_bf16(const char* t, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                                           ffi::AnyBuffer pstarts, ffi::AnyBuffer alpha,
+                                           ffi::Result<ffi::AnyBuffer> out, int32_t mode,
+                                           bool a_k_major, bool b_k_major, bool has_alpha,
+                                           Bf16GemmParams* p) {
+  JQ_RETURN_IF_ERROR(decode_gemm_groups(t, pstarts, mode, p));
   if (mode == kModeRagged && !a_k_major) {
     return invalid(t, "mode 0 takes a [L, K] with K contiguous (a_k_major = true)");
   }
-  const auto sdims = pstarts.dimensions();
-  if (sdims.size() != 1 || sdims[0] < 2) {
-    return invalid(t, "pstarts must be int32[G + 1] with G >= 1; got shape " +
-                          jqffi::dims_str(sdims));
-  }
-  const int64_t G = sdims[0] - 1;
-  JQ_RETURN_IF_ERROR(decode_int_vector(t, "pstarts", pstarts, G + 1, &p->pstarts));
+  const int64_t G = p->G;
   for (auto [buf, what] : {std::pair{&a, "a"}, std::pair{&b, "b"}}) {
     if (buf->element_type() != ffi::DataType::BF16) {
-      return invalid(t, std::string(what) + " is " + jqffi::dtype_name(buf->element_type()) +
+      return invalid(t, std::string(what) + " is " + dtype_name(buf->element_type()) +
                             "; expected bfloat16");
     }
   }
   const auto ad = a.dimensions(), bd = b.dimensions();
-  if (ad.size() != 2) return invalid(t, "a must be 2-D; got shape " + jqffi::dims_str(ad));
-  p->mode = mode;
-  p->G = G;
+  if (ad.size() != 2) return invalid(t, "a must be 2-D; got shape " + dims_str(ad));
   p->a_k_major = a_k_major;
   p->b_k_major = b_k_major;
   if (mode == kModeRagged) {
     p->L = p->M = ad[0];
     p->K = ad[1];
     if (bd.size() != 3 || bd[0] != G || bd[b_k_major ? 2 : 1] != p->K) {
-      return invalid(t, "b has shape " + jqffi::dims_str(bd) + "; expected [G = " +
-                            std::to_string(G) + (b_k_major ? ", N, K = " : ", K = ") +
-                            std::to_string(p->K) + (b_k_major ? "]" : ", N]"));
+      return invalid(t, "b has shape " + dims_str(bd) + "; expected [G = " + std::to_string(G) +
+                            (b_k_major ? ", N, K = " : ", K = ") + std::to_string(p->K) +
+                            (b_k_major ? "]" : ", N]"));
     }
     p->N = bd[b_k_major ? 1 : 2];
   } else {
@@ -423,30 +412,16 @@ inline ffi::Error decode_gemm_bf16(const char* t, ffi::AnyBuffer a, ffi::AnyBuff
     p->M = ad[a_k_major ? 0 : 1];
     p->K = p->L;
     if (bd.size() != 2 || bd[b_k_major ? 1 : 0] != p->L) {
-      return invalid(t, "b has shape " + jqffi::dims_str(bd) + "; expected " +
+      return invalid(t, "b has shape " + dims_str(bd) + "; expected " +
                             (b_k_major ? "[N, L = " : "[L = ") + std::to_string(p->L) +
                             (b_k_major ? "]" : ", N]"));
     }
     p->N = bd[b_k_major ? 0 : 1];
   }
-  if (p->L >= (int64_t{1} << 31) || p->M >= (int64_t{1} << 31) || p->N >= (int64_t{1} << 31) ||
-      p->K >= (int64_t{1} << 31)) {
-    return invalid(t, "a dimension is >= 2^31");
-  }
   JQ_RETURN_IF_ERROR(decode_factor(t, "alpha", alpha, G, has_alpha, &p->alpha));
-  const ffi::DataType ot = out->element_type();
-  p->out_kind = ot == ffi::DataType::F32 ? kOutF32 : kOutBF16;
-  if (mode == kModeRagged) {
-    JQ_RETURN_IF_ERROR(expect(t, "out", *out, {ffi::DataType::BF16, ffi::DataType::F32},
-                              {p->L, p->N}));
-  } else {
-    JQ_RETURN_IF_ERROR(expect(t, "out", *out, {ffi::DataType::BF16, ffi::DataType::F32},
-                              {G, p->M, p->N}));
-  }
   p->a = static_cast<const uint16_t*>(a.untyped_data());
   p->b = static_cast<const uint16_t*>(b.untyped_data());
-  p->out = out->untyped_data();
-  return ffi::Error::Success();
+  return decode_gemm_out(t, out, {ffi::DataType::BF16, ffi::DataType::F32}, p);
 }
 
 // The FFI signatures of the grouped targets, one copy for both platforms: the CPU handlers bind
@@ -454,86 +429,45 @@ inline ffi::Error decode_gemm_bf16(const char* t, ffi::AnyBuffer a, ffi::AnyBuff
 // jaxquant_grouped_quantize_fp8: x, starts, padded starts, delayed scales -> outputs.
 template <typename Binding>
 auto BindGroupedQuantizeFp8(Binding binding) {
-  return std::move(binding).template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .RemainingRets()
-      .template Attr<bool>("rowwise")
-      .template Attr<bool>("columnwise")
-      .template Attr<bool>("delayed")
-      .template Attr<bool>("pow2_scale")
-      .template Attr<float>("amax_epsilon")
-      .template Attr<int64_t>("length")
-      .template Attr<int64_t>("expert_rows");
+  auto flags = Attrs<bool>(Args<4>(std::move(binding)).RemainingRets(), "rowwise", "columnwise",
+                           "delayed", "pow2_scale");
+  return Attrs<int64_t>(std::move(flags).template Attr<float>("amax_epsilon"), "length",
+                        "expert_rows");
 }
 
 // jaxquant_grouped_quantize_nvfp4: x, starts, padded starts, row key, col key -> outputs.
 template <typename Binding>
 auto BindGroupedQuantizeNvfp4(Binding binding) {
-  return std::move(binding).template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .RemainingRets()
-      .template Attr<bool>("rowwise")
-      .template Attr<bool>("columnwise")
-      .template Attr<bool>("block_2d")
-      .template Attr<bool>("rht")
-      .template Attr<bool>("stochastic")
-      .template Attr<int64_t>("length")
-      .template Attr<int64_t>("expert_rows");
+  auto flags = Attrs<bool>(Args<5>(std::move(binding)).RemainingRets(), "rowwise", "columnwise",
+                           "block_2d", "rht", "stochastic");
+  return Attrs<int64_t>(std::move(flags), "length", "expert_rows");
 }
 
 // jaxquant_grouped_amax: x, starts -> per-group amax.
 template <typename Binding>
 auto BindGroupedAmax(Binding binding) {
-  return std::move(binding).template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>();
+  return Rets<1>(Args<2>(std::move(binding)));
 }
 
 // jaxquant_grouped_amax_gated: x, starts, gate -> per-group amax (zeros when no gate is 0).
 template <typename Binding>
 auto BindGroupedAmaxGated(Binding binding) {
-  return std::move(binding).template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>();
+  return Rets<1>(Args<3>(std::move(binding)));
 }
 
-// The nine operands of the grouped GEMM targets: a, b, their scales and factors, offsets, bias.
+// The attributes of the quantized grouped GEMMs, after their results.
 template <typename Binding>
-auto BindGroupedGemmOperands(Binding&& binding) {  // a reference: Binding is not movable
-  return std::move(binding).template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>();
+auto BindGroupedGemmAttrs(Binding&& binding) {
+  auto scaling = Attrs<int32_t>(std::move(binding), "mode", "a_scaling", "b_scaling");
+  return Attrs<bool>(std::move(scaling), "has_row_factor", "has_col_factor", "has_group_factor",
+                     "has_bias");
 }
 
-// Their attributes (after the results).
-template <typename Binding>
-auto BindGroupedGemmAttrs(Binding&& binding) {  // a reference: Binding is not movable
-  return std::move(binding).template Attr<int32_t>("mode")
-      .template Attr<int32_t>("a_scaling")
-      .template Attr<int32_t>("b_scaling")
-      .template Attr<bool>("has_row_factor")
-      .template Attr<bool>("has_col_factor")
-      .template Attr<bool>("has_group_factor")
-      .template Attr<bool>("has_bias");
-}
-
-// jaxquant_grouped_gemm: the operands -> out.
+// jaxquant_grouped_gemm: a, a_scale, b, b_scale, pstarts, row, column and group factors, bias
+// -> out.
 template <typename Binding>
 auto BindGroupedGemm(Binding binding) {
-  return BindGroupedGemmAttrs(
-      BindGroupedGemmOperands(std::move(binding)).template Ret<ffi::AnyBuffer>());
+  return BindGroupedGemmAttrs(Rets<1>(Args<9>(std::move(binding))));
 }
 
 // jaxquant_grouped_gemm_sm90 (CUDA only, built with CUTLASS): the same operands and attributes,
@@ -541,29 +475,17 @@ auto BindGroupedGemm(Binding binding) {
 // (`config`, sm90::kCfg*) and the tile order (`raster_along_n`).
 template <typename Binding>
 auto BindGroupedGemmSm90(Binding binding) {
-  return BindGroupedGemmAttrs(BindGroupedGemmOperands(std::move(binding))
-                                  .template Ret<ffi::AnyBuffer>()
-                                  .template Ret<ffi::AnyBuffer>())
-      .template Attr<int32_t>("config")
-      .template Attr<bool>("raster_along_n");
+  auto gemm = BindGroupedGemmAttrs(Rets<2>(Args<9>(std::move(binding))));
+  return std::move(gemm).template Attr<int32_t>("config").template Attr<bool>("raster_along_n");
 }
 
 // jaxquant_grouped_gemm_bf16: a, b, pstarts, alpha -> out, workspace; the mode, the operand
 // layouts, and (CUDA) the kernel configuration and tile order.
 template <typename Binding>
 auto BindGroupedGemmBf16(Binding binding) {
-  return std::move(binding).template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Attr<int32_t>("mode")
-      .template Attr<bool>("a_k_major")
-      .template Attr<bool>("b_k_major")
-      .template Attr<bool>("has_alpha")
-      .template Attr<int32_t>("config")
-      .template Attr<bool>("raster_along_n");
+  auto layout = Attrs<bool>(Rets<2>(Args<4>(std::move(binding))).template Attr<int32_t>("mode"),
+                            "a_k_major", "b_k_major", "has_alpha");
+  return std::move(layout).template Attr<int32_t>("config").template Attr<bool>("raster_along_n");
 }
 
-}  // namespace jqgrouped
+}  // namespace jqffi

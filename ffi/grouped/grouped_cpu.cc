@@ -4,21 +4,22 @@
 #include <cstring>
 #include <vector>
 
+#include "gemm/cpu_values.h"
 #include "grouped/grouped_args.h"
-#include "grouped/registrations.h"
+#include "grouped/handlers.h"
 #include "quantize/nvfp4_cpu.h"
 
-namespace jqgrouped {
+namespace jqffi {
 namespace {
 
-using jq::bits_of;
 using jq::float_of;
 
-float load_x(const QuantizeParams& p, int64_t i) {
-  switch (static_cast<jqffi::In>(p.in_type)) {
-    case jqffi::In::kBF16: return float_of(uint32_t(static_cast<const uint16_t*>(p.x)[i]) << 16);
-    case jqffi::In::kF16: return jq::f16_bits_to_float(static_cast<const uint16_t*>(p.x)[i]);
-    default: return static_cast<const float*>(p.x)[i];
+// Element i of x (bfloat16, float16 or float32) as float32.
+float load_x(const GroupedRows& p, int64_t i) {
+  switch (static_cast<In>(p.in_type)) {
+    case In::kBF16: return value_at(p.x, kOutBF16, i);
+    case In::kF16: return value_at(p.x, kOutF16, i);
+    default: return value_at(p.x, kOutF32, i);
   }
 }
 
@@ -52,9 +53,10 @@ ffi::Error GroupedQuantizeFp8Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::A
                                  bool columnwise, bool delayed, bool pow2_scale,
                                  float amax_epsilon, int64_t length, int64_t expert_rows) {
   QuantizeParams p;
-  JQ_RETURN_IF_ERROR(decode_quantize_fp8("jaxquant_grouped_quantize_fp8", x, starts, pstarts, s,
-                                         rets, rowwise, columnwise, delayed, pow2_scale,
-                                         amax_epsilon, length, expert_rows, &p));
+  JQ_RETURN_IF_ERROR(decode_grouped_quantize_fp8("jaxquant_grouped_quantize_fp8", x, starts,
+                                                 pstarts, s, rets, rowwise, columnwise, delayed,
+                                                 pow2_scale, amax_epsilon, length, expert_rows,
+                                                 &p));
   std::vector<uint32_t> bits;
   group_amax(p, &bits);
   const jq::Fp8 fmt = static_cast<jq::Fp8>(p.fmt);
@@ -86,7 +88,7 @@ ffi::Error GroupedQuantizeFp8Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::A
 
 ffi::Error GroupedAmaxCpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::Result<ffi::AnyBuffer> amax) {
   QuantizeParams p;
-  JQ_RETURN_IF_ERROR(decode_amax("jaxquant_grouped_amax", x, starts, amax, &p));
+  JQ_RETURN_IF_ERROR(decode_grouped_amax("jaxquant_grouped_amax", x, starts, amax, &p));
   std::vector<uint32_t> bits;
   group_amax(p, &bits);
   for (int64_t g = 0; g < p.G; ++g) p.amax[g] = float_of(bits[g]);
@@ -98,7 +100,8 @@ ffi::Error GroupedAmaxCpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::Result<f
 ffi::Error GroupedAmaxGatedCpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::AnyBuffer gate,
                                ffi::Result<ffi::AnyBuffer> amax) {
   QuantizeParams p;
-  JQ_RETURN_IF_ERROR(decode_amax_gated("jaxquant_grouped_amax_gated", x, starts, gate, amax, &p));
+  JQ_RETURN_IF_ERROR(
+      decode_grouped_amax_gated("jaxquant_grouped_amax_gated", x, starts, gate, amax, &p));
   std::vector<uint32_t> bits(static_cast<size_t>(p.G), 0u);
   if (std::any_of(p.gate, p.gate + p.G, [](float s) { return s == 0.0f; })) group_amax(p, &bits);
   for (int64_t g = 0; g < p.G; ++g) p.amax[g] = float_of(bits[g]);
@@ -108,22 +111,15 @@ ffi::Error GroupedAmaxGatedCpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::Any
 // Grouped NVFP4: each group's extent of the layout is quantized as its own matrix (its rows of
 // x, zero-padded to the extent; transposed and RHT'd for the columnwise copy) with the
 // single-tensor host code, then placed at the group's positions; positions of no group stay 0.
-float load_nvfp4_x(const Nvfp4QuantizeParams& p, int64_t i) {
-  QuantizeParams q;
-  q.x = p.x;
-  q.in_type = p.in_type;
-  return load_x(q, i);
-}
-
 void nvfp4_group_copy(const Nvfp4QuantizeParams& p, int64_t g, bool columnwise) {
   const int64_t ps = p.pstarts[g], extent = p.pstarts[g + 1] - ps, C = p.C;
   const int64_t n = std::min<int64_t>(p.starts[g + 1] - p.starts[g], extent), s0 = p.starts[g];
   const int64_t br = p.block_2d ? 16 : 1;
-  jqffi::Matrix m{std::vector<float>(static_cast<size_t>(extent * C), 0.0f),
+  Matrix m{std::vector<float>(static_cast<size_t>(extent * C), 0.0f),
                   columnwise ? C : extent, columnwise ? extent : C};
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t c = 0; c < C; ++c) {
-      const float v = load_nvfp4_x(p, (s0 + i) * C + c);
+      const float v = load_x(p, (s0 + i) * C + c);
       if (columnwise) m.v[c * extent + i] = v; else m.v[i * C + c] = v;
     }
   }
@@ -132,12 +128,12 @@ void nvfp4_group_copy(const Nvfp4QuantizeParams& p, int64_t g, bool columnwise) 
       for (int64_t c = 0; c < m.cols; c += 16) jq::rht16(&m.v[r * m.cols + c]);
     }
   }
-  const float amax = float_of(jqffi::amax_bits_of_range(m, 0, m.rows, 0, m.cols));
+  const float amax = float_of(amax_bits_of_range(m, 0, m.rows, 0, m.cols));
   (columnwise ? p.col_amax : p.row_amax)[g] = amax;
-  const int64_t nbr = jqffi::ceil_div(m.rows, br), nbc = jqffi::ceil_div(m.cols, 16);
+  const int64_t nbr = ceil_div(m.rows, br), nbc = ceil_div(m.cols, 16);
   std::vector<uint8_t> data(static_cast<size_t>((m.rows * m.cols + 1) / 2)), scale(static_cast<size_t>(nbr * nbc));
   const uint32_t* key = p.stochastic ? (columnwise ? p.col_key : p.row_key) + 2 * g : nullptr;
-  jqffi::nvfp4_matrix(m, br, false, &amax, key, data.data(), scale.data());
+  nvfp4_matrix(m, br, false, &amax, key, data.data(), scale.data());
   // Where the group's matrix goes: rows of the rowwise copy from position ps; columns ps.. of
   // the columnwise copy [C, L] (or expert g's own [C, E] matrix).
   const bool expert = p.expert_rows > 0;
@@ -145,12 +141,12 @@ void nvfp4_group_copy(const Nvfp4QuantizeParams& p, int64_t g, bool columnwise) 
   const int64_t col0 = columnwise && !expert ? ps : 0;
   const int64_t row0 = columnwise ? 0 : ps;
   uint8_t* out = columnwise ? p.col + (expert ? g * C * p.expert_rows / 2 : 0) : p.row;
-  const int64_t out_nbc = jqffi::ceil_div(out_cols, 16);
+  const int64_t out_nbc = ceil_div(out_cols, 16);
   uint8_t* out_scale = columnwise ? p.col_scale + (expert ? g * nbr * out_nbc : 0) : p.row_scale;
   for (int64_t r = 0; r < m.rows; ++r) {
     for (int64_t c = 0; c < m.cols; ++c) {
       const int64_t i = r * m.cols + c;
-      jqffi::put_nibble(out, (row0 + r) * out_cols + col0 + c, (data[i >> 1] >> (4 * (i & 1))) & 0xFu);
+      put_nibble(out, (row0 + r) * out_cols + col0 + c, (data[i >> 1] >> (4 * (i & 1))) & 0xFu);
     }
   }
   for (int64_t r = 0; r < nbr; ++r) {
@@ -163,17 +159,18 @@ ffi::Error GroupedQuantizeNvfp4Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi:
                                    bool rowwise, bool columnwise, bool block_2d, bool rht, bool stochastic,
                                    int64_t length, int64_t expert_rows) {
   Nvfp4QuantizeParams p;
-  JQ_RETURN_IF_ERROR(decode_quantize_nvfp4("jaxquant_grouped_quantize_nvfp4", x, starts, pstarts, row_key,
-                                           col_key, rets, rowwise, columnwise, block_2d, rht, stochastic,
-                                           length, expert_rows, &p));
-  const int64_t br = block_2d ? 16 : 1, nbc = jqffi::ceil_div(p.C, 16);
+  JQ_RETURN_IF_ERROR(decode_grouped_quantize_nvfp4("jaxquant_grouped_quantize_nvfp4", x, starts,
+                                                   pstarts, row_key, col_key, rets, rowwise,
+                                                   columnwise, block_2d, rht, stochastic, length,
+                                                   expert_rows, &p));
+  const int64_t br = block_2d ? 16 : 1, nbc = ceil_div(p.C, 16);
   if (rowwise) {
     std::memset(p.row, 0, static_cast<size_t>(p.L * p.C / 2));
-    std::memset(p.row_scale, 0, static_cast<size_t>(jqffi::ceil_div(p.L, br) * nbc));
+    std::memset(p.row_scale, 0, static_cast<size_t>(ceil_div(p.L, br) * nbc));
   }
   if (columnwise) {
     std::memset(p.col, 0, static_cast<size_t>(p.C * p.L / 2));
-    std::memset(p.col_scale, 0, static_cast<size_t>(jqffi::ceil_div(p.C, br) * (p.L / 16)));
+    std::memset(p.col_scale, 0, static_cast<size_t>(ceil_div(p.C, br) * (p.L / 16)));
   }
   for (int64_t g = 0; g < p.G; ++g) {
     for (bool col : {false, true}) {
@@ -188,8 +185,22 @@ ffi::Error GroupedQuantizeNvfp4Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi:
   return ffi::Error::Success();
 }
 
+// Block scale of element (row, k) of an operand (1 for per-tensor scaling); `s` points at the
+// operand's (expert's) scale matrix.
+float block_scale(const GemmOperand& op, const uint8_t* s, int64_t row, int64_t k) {
+  const float* f32 = reinterpret_cast<const float*>(s);
+  switch (op.scaling) {
+    case kScaleMx: return decode_e8m0(s[row * op.scale_cols + k / 32]);
+    case kScaleNv: return jq::decode_e4m3(s[row * op.scale_cols + k / 16]);
+    case kScaleNv2d: return jq::decode_e4m3(s[(row / 16) * op.scale_cols + k / 16]);
+    case kScaleBlock: return f32[row * op.scale_cols + k / 128];
+    case kScaleBlock2d: return f32[(row / 128) * op.scale_cols + k / 128];
+    default: return 1.0f;
+  }
+}
+
 // An operand decoded to float32 (payload times block scale, exactly).
-std::vector<float> decode_operand(const GemmOperand& op, int64_t experts) {
+std::vector<float> dequantize(const GemmOperand& op, int64_t experts) {
   const int64_t n = std::max<int64_t>(experts, 1);
   std::vector<float> out(static_cast<size_t>(n * op.rows * op.K));
   const int64_t scale_size = op.scale_rows * op.scale_cols * (op.scaling >= kScaleBlock ? 4 : 1);
@@ -198,8 +209,9 @@ std::vector<float> decode_operand(const GemmOperand& op, int64_t experts) {
     const uint8_t* s = op.scale ? op.scale + e * scale_size : nullptr;
     for (int64_t r = 0; r < op.rows; ++r) {
       for (int64_t k = 0; k < op.K; ++k) {
-        const uint32_t code = op.elem == kElemE2M1 ? (d[r * op.row_bytes + k / 2] >> (4 * (k & 1))) & 0xFu
-                                                   : d[r * op.row_bytes + k];
+        const uint32_t code = op.elem == Elem::kE2M1
+                                  ? (d[r * op.row_bytes + k / 2] >> (4 * (k & 1))) & 0xFu
+                                  : d[r * op.row_bytes + k];
         const float v = decode_elem(op.elem, code);
         out[(e * op.rows + r) * op.K + k] = s ? v * block_scale(op, s, r, k) : v;
       }
@@ -208,36 +220,7 @@ std::vector<float> decode_operand(const GemmOperand& op, int64_t experts) {
   return out;
 }
 
-uint16_t float_to_bf16(float f) {
-  const uint32_t u = bits_of(f);
-  if (jq::is_nan(f)) return uint16_t((u >> 16) | 0x40u);
-  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-uint16_t float_to_f16(float f) {
-  // Round to nearest even, with subnormals and overflow to inf.
-  const uint32_t u = bits_of(f), sign = (u >> 16) & 0x8000u;
-  const uint32_t a = u & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return uint16_t(sign | 0x7E00u);
-  if (a >= 0x477FF000u) return uint16_t(sign | 0x7C00u);  // >= 65520 rounds to inf
-  if (a < 0x38800000u) {  // subnormal half (or zero): quantum 2^-24
-    const float q = float_of(a) * 0x1p24f;  // exact scaling into [0, 1024)
-    return uint16_t(sign | static_cast<uint32_t>(jq::rint_nonneg(q)));
-  }
-  const uint32_t e = (a >> 23) - 127 + 15, m = a & 0x7FFFFFu;
-  uint32_t h = (e << 10) | (m >> 13);
-  const uint32_t rest = m & 0x1FFFu;
-  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;
-  return uint16_t(sign | h);
-}
-
-void store_out(const GemmParams& p, int64_t i, float v) {
-  switch (p.out_kind) {
-    case kOutBF16: static_cast<uint16_t*>(p.out)[i] = float_to_bf16(v); break;
-    case kOutF16: static_cast<uint16_t*>(p.out)[i] = float_to_f16(v); break;
-    default: static_cast<float*>(p.out)[i] = v; break;
-  }
-}
+void store_out(const GemmParams& p, int64_t i, float v) { store_at(p.out, p.out_kind, i, v); }
 
 float epilogue(const GemmParams& p, float acc, int64_t g, int64_t row_index, int64_t n) {
   if (p.group_factor) acc = acc * p.group_factor[g];
@@ -254,11 +237,12 @@ ffi::Error GroupedGemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer a_scale, ffi::AnyBuff
                           int32_t b_scaling, bool has_row_factor, bool has_col_factor,
                           bool has_group_factor, bool has_bias) {
   GemmParams p;
-  JQ_RETURN_IF_ERROR(decode_gemm("jaxquant_grouped_gemm", a, a_scale, b, b_scale, pstarts, row_factor,
-                                 col_factor, group_factor, bias, out, mode, a_scaling, b_scaling,
-                                 has_row_factor, has_col_factor, has_group_factor, has_bias, &p));
-  const std::vector<float> A = decode_operand(p.a, 0);
-  const std::vector<float> B = decode_operand(p.b, p.mode == kModeRagged ? p.G : 0);
+  JQ_RETURN_IF_ERROR(decode_grouped_gemm("jaxquant_grouped_gemm", a, a_scale, b, b_scale, pstarts,
+                                         row_factor, col_factor, group_factor, bias, out, mode,
+                                         a_scaling, b_scaling, has_row_factor, has_col_factor,
+                                         has_group_factor, has_bias, &p));
+  const std::vector<float> A = dequantize(p.a, 0);
+  const std::vector<float> B = dequantize(p.b, p.mode == kModeRagged ? p.G : 0);
   const int64_t K = p.K;
   if (p.mode == kModeRagged) {
     for (int64_t r = 0; r < p.L; ++r) {
@@ -304,16 +288,10 @@ ffi::Error GroupedGemmBf16Cpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer
   (void)config;
   (void)raster_along_n;
   Bf16GemmParams p;
-  JQ_RETURN_IF_ERROR(decode_gemm_bf16("jaxquant_grouped_gemm_bf16", a, b, pstarts, alpha, out,
-                                      mode, a_k_major, b_k_major, has_alpha, &p));
-  auto value = [](const uint16_t* v, int64_t i) { return float_of(uint32_t(v[i]) << 16); };
-  auto store = [&](int64_t i, float v) {
-    if (p.out_kind == kOutF32) {
-      static_cast<float*>(p.out)[i] = v;
-    } else {
-      static_cast<uint16_t*>(p.out)[i] = float_to_bf16(v);
-    }
-  };
+  JQ_RETURN_IF_ERROR(decode_grouped_gemm_bf16("jaxquant_grouped_gemm_bf16", a, b, pstarts, alpha,
+                                              out, mode, a_k_major, b_k_major, has_alpha, &p));
+  auto value = [](const uint16_t* v, int64_t i) { return value_at(v, kOutBF16, i); };
+  auto store = [&](int64_t i, float v) { store_at(p.out, p.out_kind, i, v); };
   const int64_t N = p.N, M = p.M, L = p.L;
   auto start = [&](int64_t g) { return std::max<int64_t>(0, std::min<int64_t>(p.pstarts[g], L)); };
   if (p.mode == kModeRagged) {
@@ -364,18 +342,13 @@ XLA_FFI_DEFINE_HANDLER(kGroupedGemmCpu, GroupedGemmCpu, BindGroupedGemm(ffi::Ffi
 XLA_FFI_DEFINE_HANDLER(kGroupedGemmBf16Cpu, GroupedGemmBf16Cpu,
                        BindGroupedGemmBf16(ffi::Ffi::Bind()));
 
-void RegisterGroupedTargets(nanobind::dict& cpu, nanobind::dict& cuda) {
-  cpu["jaxquant_grouped_quantize_fp8"] = nanobind::capsule(reinterpret_cast<void*>(kGroupedQuantizeFp8Cpu));
-  cpu["jaxquant_grouped_quantize_nvfp4"] = nanobind::capsule(reinterpret_cast<void*>(kGroupedQuantizeNvfp4Cpu));
-  cpu["jaxquant_grouped_amax"] = nanobind::capsule(reinterpret_cast<void*>(kGroupedAmaxCpu));
-  cpu["jaxquant_grouped_amax_gated"] = nanobind::capsule(reinterpret_cast<void*>(kGroupedAmaxGatedCpu));
-  cpu["jaxquant_grouped_gemm"] = nanobind::capsule(reinterpret_cast<void*>(kGroupedGemmCpu));
-  cpu["jaxquant_grouped_gemm_bf16"] = nanobind::capsule(reinterpret_cast<void*>(kGroupedGemmBf16Cpu));
-#ifdef JAXQUANT_WITH_CUDA
-  for (const CudaTarget& t : GroupedCudaTargets()) cuda[t.name] = nanobind::capsule(t.handler);
-#else
-  (void)cuda;
-#endif
+std::vector<Target> grouped_cpu_targets() {
+  return {target("jaxquant_grouped_quantize_fp8", kGroupedQuantizeFp8Cpu),
+          target("jaxquant_grouped_quantize_nvfp4", kGroupedQuantizeNvfp4Cpu),
+          target("jaxquant_grouped_amax", kGroupedAmaxCpu),
+          target("jaxquant_grouped_amax_gated", kGroupedAmaxGatedCpu),
+          target("jaxquant_grouped_gemm", kGroupedGemmCpu),
+          target("jaxquant_grouped_gemm_bf16", kGroupedGemmBf16Cpu)};
 }
 
-}  // namespace jqgrouped
+}  // namespace jqffi

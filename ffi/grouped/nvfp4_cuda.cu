@@ -9,38 +9,25 @@
 // Group offsets stay on the device (no host sync, no allocation: command-buffer compatible).
 #include <cuda_runtime.h>
 
-#include <string>
 #include <type_traits>
 #include <vector>
 
-#include "grouped/cuda_targets.h"
+#include "cuda_handler.h"
 #include "grouped/grouped_amax.cuh"
 #include "grouped/grouped_args.h"
+#include "grouped/handlers.h"
 #include "quantize/nvfp4.cuh"
 
-namespace jqgrouped {
+namespace jqffi {
 namespace {
 
-using Stream = ffi::PlatformStream<cudaStream_t>;
-
-ffi::Error nvfp4_status(const char* target, cudaError_t e = cudaSuccess) {
-  if (e == cudaSuccess) e = cudaGetLastError();
-  if (e != cudaSuccess) return ffi::Error::Internal(std::string(target) + ": CUDA error: " + cudaGetErrorString(e));
-  return ffi::Error::Success();
-}
+constexpr const char* kTarget = "jaxquant_grouped_quantize_nvfp4";
 
 // The per-group amaxes: plain for the rowwise copy (and a columnwise one without RHT, copied),
 // after the RHT for an rht columnwise copy.
 cudaError_t group_amaxes(const Nvfp4QuantizeParams& n, cudaStream_t stream) {
   QuantizeParams p;
-  p.x = n.x;
-  p.in_type = n.in_type;
-  p.T = n.T;
-  p.C = n.C;
-  p.G = n.G;
-  p.L = n.L;
-  p.starts = n.starts;
-  p.pstarts = n.pstarts;
+  static_cast<GroupedRows&>(p) = n;
   for (float* a : {n.row_amax, n.col_amax}) {
     if (a == nullptr) continue;
     if (cudaError_t e = cudaMemsetAsync(a, 0, 4 * n.G, stream); e != cudaSuccess) return e;
@@ -67,41 +54,39 @@ ffi::Error GroupedQuantizeNvfp4Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::
                                     ffi::AnyBuffer pstarts, ffi::AnyBuffer row_key, ffi::AnyBuffer col_key,
                                     ffi::RemainingRets rets, bool rowwise, bool columnwise, bool block_2d,
                                     bool rht, bool stochastic, int64_t length, int64_t expert_rows) {
-  const char* t = "jaxquant_grouped_quantize_nvfp4";
   Nvfp4QuantizeParams n;
-  JQ_RETURN_IF_ERROR(decode_quantize_nvfp4(t, x, starts, pstarts, row_key, col_key, rets, rowwise, columnwise,
-                                           block_2d, rht, stochastic, length, expert_rows, &n));
-  if (cudaError_t e = group_amaxes(n, stream); e != cudaSuccess) return nvfp4_status(t, e);
-  using jqffi::aligned;
-  jqffi::Nvfp4Params p{n.x, n.L, n.C,
-                       aligned(n.x, 16) && n.C % 8 == 0,
-                       rowwise && aligned(n.row, 4) && n.C % 8 == 0,
-                       columnwise && aligned(n.col, 8) && (expert_rows > 0 ? expert_rows : n.L) % 16 == 0,
-                       rowwise, columnwise, /*row_scaled=*/false, block_2d, rht, stochastic,
-                       n.row_amax, n.col_amax, n.row_key, n.col_key, n.row, n.row_scale, n.col, n.col_scale};
+  JQ_RETURN_IF_ERROR(decode_grouped_quantize_nvfp4(kTarget, x, starts, pstarts, row_key, col_key,
+                                                   rets, rowwise, columnwise, block_2d, rht,
+                                                   stochastic, length, expert_rows, &n));
+  if (cudaError_t e = group_amaxes(n, stream); e != cudaSuccess) return launch_status(kTarget, e);
+  Nvfp4Params p{n.x, n.L, n.C,
+                aligned(n.x, 16) && n.C % 8 == 0,
+                rowwise && aligned(n.row, 4) && n.C % 8 == 0,
+                columnwise && aligned(n.col, 8) && (expert_rows > 0 ? expert_rows : n.L) % 16 == 0,
+                rowwise, columnwise, /*row_scaled=*/false, block_2d, rht, stochastic,
+                n.row_amax, n.col_amax, n.row_key, n.col_key, n.row, n.row_scale, n.col, n.col_scale};
   // A packed layout (expert weights; tokens of a 1x16 copy whose layout is as long as x) reads
   // row `pos` while it looks the groups up; any other layout looks up first.
   const bool speculate = expert_rows > 0 || (!columnwise && !block_2d && n.L == n.T);
   p.groups = {n.starts, n.pstarts, n.G, n.T, n.expert_rows, speculate};
   cudaError_t e = cudaSuccess;
-  by_type(n.in_type, [&](auto tag) {  // 0 bf16, 1 f16, 2 f32 (jqffi::In)
+  by_type(n.in_type, [&](auto tag) {  // 0 bf16, 1 f16, 2 f32 (In)
     constexpr int TYPE = decltype(tag)::value;
-    using T = std::conditional_t<TYPE == 0, jqffi::BF16, std::conditional_t<TYPE == 1, jqffi::F16, float>>;
-    using G = jqffi::NVFP4Tile<T>;
-    e = jqffi::launch_tiles(jqffi::nvfp4_kernel<T, true>, jqffi::num_tiles(n.L, n.C, G::TR, G::TC),
-                            columnwise ? G::kSmemBytes : 0, stream, p);
+    using T = std::conditional_t<TYPE == 0, BF16, std::conditional_t<TYPE == 1, F16, float>>;
+    using G = NVFP4Tile<T>;
+    e = launch_tiles(nvfp4_kernel<T, true>, num_tiles(n.L, n.C, G::TR, G::TC),
+                     columnwise ? G::kSmemBytes : 0, stream, p);
   });
-  return nvfp4_status(t, e);
+  return launch_status(kTarget, e);
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kGroupedQuantizeNvfp4Cuda, GroupedQuantizeNvfp4Cuda,
-                       BindGroupedQuantizeNvfp4(ffi::Ffi::Bind().Ctx<Stream>()),
-                       {ffi::Traits::kCmdBufferCompatible});
+JQ_DEFINE_CUDA_HANDLER(kGroupedQuantizeNvfp4Cuda, GroupedQuantizeNvfp4Cuda,
+                       BindGroupedQuantizeNvfp4);
 
-std::vector<CudaTarget> GroupedNvfp4CudaTargets() {
-  return {{"jaxquant_grouped_quantize_nvfp4", reinterpret_cast<void*>(kGroupedQuantizeNvfp4Cuda)}};
+std::vector<Target> grouped_nvfp4_cuda_targets() {
+  return {target(kTarget, kGroupedQuantizeNvfp4Cuda)};
 }
 
-}  // namespace jqgrouped
+}  // namespace jqffi

@@ -1,9 +1,10 @@
 // The CUTLASS Hopper grouped GEMMs (jaxquant_grouped_gemm_sm90 for FP8 operands,
 // jaxquant_grouped_gemm_bf16 for bfloat16 ones): the plain-data problem the FFI handlers
-// (grouped_sm90.cu, grouped_sm90_bf16.cu; no CUTLASS) hand to the kernel instances
-// (sm90_kernel.cuh for per-tensor FP8 and bfloat16, one generated translation unit per (A, B,
-// output, configuration, layout); sm90_block_kernel.cuh for Float8Block, one per (B scale
-// granularity, output)), launched by sm90_launch.cuh, and the workspace contract.
+// (grouped_sm90.cu, grouped_sm90_bf16.cu; no CUTLASS) hand to the kernel instances, and the
+// workspace contract. An instance is sm90_instance.cuh's CUTLASS kernel for one operand policy
+// (sm90_kernel.cuh: per-tensor FP8 and bfloat16, one generated translation unit per (A, B,
+// output, configuration, layout); sm90_block_kernel.cuh: Float8Block, one per (B scale
+// granularity, output, configuration)), run by sm90_launch.cuh.
 //
 // Workspace (an FFI result the caller allocates, `workspace_bytes(G, block_scale_floats(...))`):
 // per-group problem shapes, operand pointers and strides written on the device by a setup
@@ -18,12 +19,13 @@
 #include <cstdint>
 #include <string>
 
-namespace jqgrouped {
+#include "gemm/gemm_types.h"  // kOutBF16, kOutF32: the instances' output types
+
+namespace jqffi {
 namespace sm90 {
 
-// Operand element (jqgrouped::kElemE4M3 / kElemE5M2; bfloat16 for the bf16 target).
+// Operand element (Elem::kE4M3 / kE5M2; bfloat16 for the bf16 target).
 enum : int { kE4M3 = 0, kE5M2 = 1, kBF16 = 2 };
-enum : int { kOutBF16 = 0, kOutF32 = 2 };  // output (jqgrouped::kOutBF16 / kOutF32)
 // Float8Block B operand: one float32 scale per 1 x 128 (row, K) block or per 128 x 128 tile.
 enum : int { kBlockRows1 = 1, kBlockRows128 = 128 };
 constexpr int64_t kBlockK = 128;  // Float8Block scale block along the contraction
@@ -121,9 +123,9 @@ inline std::string device_reason() {
   return "the device is sm_" + std::to_string(10 * major + minor) + "; the kernel is sm_90a";
 }
 
-// One kernel instance (explicitly instantiated in the generated sm90_inst_*.cu files): returns
-// "" on success, else what went wrong (CUTLASS status or CUDA error). A, B: kE4M3 / kE5M2 with
-// LAYOUT kLayoutTN, or kBF16 x kBF16 with any layout.
+// One kernel instance (sm90_kernel.cuh; explicitly instantiated in the generated sm90_inst_*.cu
+// files): returns "" on success, else what went wrong (CUTLASS status or CUDA error). A, B:
+// kE4M3 / kE5M2 with LAYOUT kLayoutTN, or kBF16 x kBF16 with any layout; OUT kOutBF16 / kOutF32.
 template <int A, int B, int OUT, int CFG = kCfgDefault, int LAYOUT = kLayoutTN>
 std::string run_instance(const Problem& p, cudaStream_t stream);
 
@@ -133,4 +135,4 @@ template <int B_ROWS, int OUT, int CFG = kCfgDefault>
 std::string run_block_instance(const Problem& p, cudaStream_t stream);
 
 }  // namespace sm90
-}  // namespace jqgrouped
+}  // namespace jqffi

@@ -1,10 +1,22 @@
-// The one launch sequence of every CUTLASS Hopper grouped GEMM instance (sm90_kernel.cuh:
-// per-tensor FP8 and bfloat16; sm90_block_kernel.cuh: Float8Block). An instance differs from
-// another only in its mainloop arguments and in the setup kernel that writes its per-group
-// arrays into the workspace; the rest is here once: the epilogue (D = alpha[g] * acc, no C), the
-// persistent scheduler's tile order, the workspace check, the setup launch, then CUTLASS's
-// can_implement / initialize / run on the same stream. No host sync and no allocation (the
-// workspace is an FFI result), so the handlers stay command-buffer compatible.
+// The one launcher of every CUTLASS Hopper grouped GEMM instance (sm90_instance.cuh; operand
+// policies in sm90_kernel.cuh and sm90_block_kernel.cuh):
+//   1. the workspace is carved into the per-group arrays (problem shapes, operand and output
+//      pointers and strides, and the policy's scale arrays), each 256-byte aligned, then
+//      CUTLASS's own workspace;
+//   2. one setup kernel writes those arrays from the device-side group offsets `pstarts` (they
+//      never reach the host), repacks the policy's scales, and writes the zeros no GEMM tile
+//      writes (mode 0: rows past the last group; mode 1: the outputs of empty groups, which get
+//      a 0 x N x 0 problem the tile scheduler skips);
+//   3. CUTLASS's can_implement / initialize / run on the same stream, with the epilogue
+//      D = alpha[g] * acc and the persistent scheduler's tile order.
+// The two modes differ only in the per-group pointers and strides:
+//   mode 0 (ragged rows x experts): group g = rows [pstarts[g], pstarts[g+1]) of a [L, K] times
+//     b[g] ([N, K] K-major, or [K, N] N-major for bf16 kLayoutNN) -> the same rows of out [L, N];
+//   mode 1 (wgrad): the tokens [pstarts[g], pstarts[g+1]) of a and b (K-major: a [M, L] and
+//     b [N, L], row stride L; bf16 kLayoutNT: a [L, M] and b [L, N], the tokens themselves)
+//     -> out[g] [M, N].
+// No host sync and no allocation (the workspace is an FFI result), so the handlers stay
+// command-buffer compatible.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -12,14 +24,10 @@
 #include <algorithm>
 #include <string>
 
-#include "cutlass/cutlass.h"
-#include "cutlass/gemm/group_array_problem_shape.hpp"
-#include "grouped/sm90/sm90_gemm.h"
+#include "grouped/sm90/sm90_instance.cuh"
 
-namespace jqgrouped {
+namespace jqffi {
 namespace sm90 {
-
-using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K)
 
 inline size_t align256(size_t n) { return (n + 255) & ~size_t(255); }
 
@@ -43,30 +51,143 @@ inline unsigned setup_blocks(int sm_count) {
   return unsigned(std::max(1, std::min(2 * sm_count, 1024)));
 }
 
-// The per-group arrays every instance's setup kernel writes (its own setup may add more):
-// problem shapes, the output pointers and strides; `bytes` of workspace used before CUTLASS's.
-template <class Gemm>
+// The per-group arrays of instance K in the workspace; `bytes` of workspace used before
+// CUTLASS's.
+template <class K>
 struct GroupArrays {
   typename ProblemShape::UnderlyingProblemShape* shapes;
-  typename Gemm::GemmKernel::ElementD** ptr_d;
-  typename Gemm::GemmKernel::InternalStrideD* stride_d;
+  const typename K::ElementA** ptr_a;
+  const typename K::ElementB** ptr_b;
+  typename K::ElementD** ptr_d;
+  typename K::StrideA* stride_a;
+  typename K::StrideB* stride_b;
+  typename K::StrideD* stride_d;
+  typename K::Ops::Scales scales;  // Float8Block: scale pointers, layouts, repacked scales
   size_t bytes;
 };
 
-// Runs one grouped GEMM: `mainloop` holds the instance's operand pointers / strides (and scale
-// arrays), all in the workspace; `launch_setup(blocks)` launches the instance's setup kernel,
-// which fills them from the device-side group offsets. Returns "" or what went wrong.
-template <class Gemm, class LaunchSetup>
-std::string launch(const Problem& p, cudaStream_t stream, const GroupArrays<Gemm>& arrays,
-                   const typename Gemm::GemmKernel::MainloopArguments& mainloop,
-                   LaunchSetup launch_setup) {
+template <class K>
+GroupArrays<K> carve(void* base, const Problem& p) {
+  static_assert(sizeof(typename ProblemShape::UnderlyingProblemShape) + 3 * sizeof(void*) +
+                        sizeof(typename K::StrideA) + sizeof(typename K::StrideB) +
+                        sizeof(typename K::StrideD) + K::Ops::kScaleBytesPerGroup <=
+                    kPerGroupBytes,
+                "per-group setup arrays exceed kPerGroupBytes");
+  GroupArrays<K> s;
+  char* q = static_cast<char*>(base);
+  size_t off = 0;
+  auto take = [&](size_t bytes) { char* r = q + off; off += align256(bytes); return r; };
+  const int64_t G = p.G;
+  s.shapes = reinterpret_cast<decltype(s.shapes)>(take(G * sizeof(*s.shapes)));
+  s.ptr_a = reinterpret_cast<decltype(s.ptr_a)>(take(G * sizeof(*s.ptr_a)));
+  s.ptr_b = reinterpret_cast<decltype(s.ptr_b)>(take(G * sizeof(*s.ptr_b)));
+  s.ptr_d = reinterpret_cast<decltype(s.ptr_d)>(take(G * sizeof(*s.ptr_d)));
+  s.stride_a = reinterpret_cast<decltype(s.stride_a)>(take(G * sizeof(*s.stride_a)));
+  s.stride_b = reinterpret_cast<decltype(s.stride_b)>(take(G * sizeof(*s.stride_b)));
+  s.stride_d = reinterpret_cast<decltype(s.stride_d)>(take(G * sizeof(*s.stride_d)));
+  s.scales = K::Ops::carve_scales(take, p);
+  s.bytes = off;
+  return s;
+}
+
+// An operand's stride with the leading dimension `ld` in its dynamic mode: mode 0 (M or N) for
+// a K-major operand, mode 1 (K) for an M/N-major one.
+template <bool KMajor, class Stride>
+__device__ __forceinline__ Stride leading(int64_t ld) {
+  Stride s{};
+  if constexpr (KMajor) {
+    cute::get<0>(s) = ld;
+  } else {
+    cute::get<1>(s) = ld;
+  }
+  return s;
+}
+
+// Block 0 writes the per-group arrays; every block repacks the policy's scales and zero-fills
+// what no GEMM tile writes.
+template <class K>
+__global__ void setup_kernel(const Problem p, GroupArrays<K> s) {
+  using Ops = typename K::Ops;
+  using ElementA = typename K::ElementA;
+  using ElementB = typename K::ElementB;
+  using ElementD = typename K::ElementD;
+  const ElementA* a = reinterpret_cast<const ElementA*>(p.a);
+  const ElementB* b = reinterpret_cast<const ElementB*>(p.b);
+  if (blockIdx.x == 0) {
+    for (int64_t g = threadIdx.x; g < p.G; g += blockDim.x) {
+      const int64_t lo = clamp_start(p.pstarts, g, p.L);
+      const int64_t hi = max(lo, clamp_start(p.pstarts, g + 1, p.L));
+      // mode 1 slices the token axis of K-major operands: TMA needs each group's first token
+      // 16-byte aligned, and Float8Block a group's first token to open a scale block (the
+      // caller's token layout block guarantees it). Never silently wrong: trap. (M/N-major
+      // operands start a group on a whole row: aligned by M % 8, N % 8.)
+      if (p.mode == 1 && hi > lo && (Ops::kAKMajor || Ops::kBKMajor) &&
+          (lo % Ops::kTokenAlign) != 0) {
+        __trap();
+      }
+      typename K::StrideD sd{};
+      cute::get<1>(sd) = cute::Int<1>{};
+      cute::get<0>(sd) = p.N;
+      int m, n = int(p.N), k;
+      if (p.mode == 0) {
+        m = int(hi - lo);
+        k = int(p.K);
+        s.ptr_a[g] = a + lo * p.K;
+        s.ptr_b[g] = b + g * p.N * p.K;
+        s.ptr_d[g] = static_cast<ElementD*>(p.out) + lo * p.N;
+        s.stride_a[g] = leading<Ops::kAKMajor, typename K::StrideA>(p.K);
+        s.stride_b[g] = leading<Ops::kBKMajor, typename K::StrideB>(Ops::kBKMajor ? p.K : p.N);
+      } else {
+        m = hi > lo ? int(p.M) : 0;
+        k = int(hi - lo);
+        s.ptr_a[g] = Ops::kAKMajor ? a + lo : a + lo * p.M;
+        s.ptr_b[g] = Ops::kBKMajor ? b + lo : b + lo * p.N;
+        s.ptr_d[g] = static_cast<ElementD*>(p.out) + g * p.M * p.N;
+        s.stride_a[g] = leading<Ops::kAKMajor, typename K::StrideA>(Ops::kAKMajor ? p.L : p.M);
+        s.stride_b[g] = leading<Ops::kBKMajor, typename K::StrideB>(Ops::kBKMajor ? p.L : p.N);
+      }
+      s.shapes[g] = {m, n, k};
+      s.stride_d[g] = sd;
+      if constexpr (Ops::kBlockScaled) Ops::set_group_scales(p, s.scales, g, lo, m, n, k);
+    }
+  }
+  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t threads = int64_t(gridDim.x) * blockDim.x;
+  if constexpr (Ops::kBlockScaled) Ops::repack_scales(p, s.scales, tid, threads);
+  ElementD* out = static_cast<ElementD*>(p.out);
+  if (p.mode == 0) {
+    const int64_t tail = clamp_start(p.pstarts, p.G, p.L);
+    for (int64_t i = tail * p.N + tid; i < p.L * p.N; i += threads) out[i] = ElementD(0);
+  } else {
+    for (int64_t g = 0; g < p.G; ++g) {
+      if (clamp_start(p.pstarts, g + 1, p.L) > clamp_start(p.pstarts, g, p.L)) continue;
+      ElementD* o = out + g * p.M * p.N;
+      for (int64_t i = tid; i < p.M * p.N; i += threads) o[i] = ElementD(0);
+    }
+  }
+}
+
+// Runs instance K on `p` (the caller checked that K is the instance `p` asks for). Returns ""
+// or what went wrong.
+template <class K>
+std::string launch(const Problem& p, cudaStream_t stream) {
+  using Gemm = typename K::Gemm;
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return cudaGetErrorString(e);
+  const GroupArrays<K> arrays = carve<K>(p.workspace, p);
 
   typename Gemm::Arguments args;
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.problem_shape = {int(p.G), arrays.shapes, nullptr};  // shapes live on the device only
-  args.mainloop = mainloop;
+  args.mainloop = [&]() -> typename K::GemmKernel::MainloopArguments {
+    if constexpr (K::Ops::kBlockScaled) {
+      const auto& sc = arrays.scales;
+      return {arrays.ptr_a, arrays.stride_a, arrays.ptr_b, arrays.stride_b,
+              sc.ptr_sfa,   sc.layout_sfa,   sc.ptr_sfb,   sc.layout_sfb};
+    } else {
+      return {arrays.ptr_a, arrays.stride_a, arrays.ptr_b, arrays.stride_b};
+    }
+  }();
   auto& fusion = args.epilogue.thread;
   fusion.alpha = 1.0f;
   fusion.beta = 0.0f;
@@ -87,7 +208,7 @@ std::string launch(const Problem& p, cudaStream_t stream, const GroupArrays<Gemm
     return "workspace of " + std::to_string(p.workspace_bytes) + " bytes; this GEMM needs " +
            std::to_string(need);
   }
-  launch_setup(setup_blocks(args.hw_info.sm_count));
+  setup_kernel<K><<<setup_blocks(args.hw_info.sm_count), 256, 0, stream>>>(p, arrays);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cudaGetErrorString(e);
 
   Gemm gemm;
@@ -108,4 +229,4 @@ std::string launch(const Problem& p, cudaStream_t stream, const GroupArrays<Gemm
 }
 
 }  // namespace sm90
-}  // namespace jqgrouped
+}  // namespace jqffi

@@ -1,23 +1,19 @@
-// CUDA handlers of the GEMM targets.
+// CUDA handler of jaxquant_gemm_fp8: cuBLASLt FP8 matmul on the TN convention (per-tensor scales,
+// or Hopper's VEC128_32F / BLK128x128_32F block scales). Our C[M, N] = a[M, K] b[N, K]^T is
+// cuBLASLt's column-major D[N, M] = op(A) B with A = b (TRANSA = T), B = a (TRANSB = N). The
+// cuBLASLt handle (one per device) and, per problem (shape, dtypes, scale modes, bias,
+// fast-accum, workspace), the matmul descriptor, layouts and up to 8 heuristic algorithms are
+// created once and cached; a call only sets the scale/bias pointers and enqueues the matmul on
+// the FFI stream with the workspace XLA passes as an output buffer (no allocation, no sync).
+// Autotuning (opt-in, JAXQUANT_GEMM_AUTOTUNE=1; it measured no gain): the first call of a plan
+// that is not being captured into a CUDA graph times each heuristic candidate on the call's own
+// buffers (a one-time host sync) and keeps the fastest if it beats the first heuristic by > 3%;
+// under capture the first heuristic serves until such a call comes. The default, cuBLASLt's
+// first heuristic, is bitwise reproducible from process to process (a timed choice need not be).
 //
-// jaxquant_gemm_fp8: cuBLASLt FP8 matmul on the TN convention (per-tensor scales, or Hopper's
-//   VEC128_32F / BLK128x128_32F block scales). Our C[M, N] = a[M, K] b[N, K]^T is cuBLASLt's
-//   column-major D[N, M] = op(A) B with A = b (TRANSA = T), B = a (TRANSB = N). The cuBLASLt
-//   handle (one per device) and, per problem (shape, dtypes, scale modes, bias, fast-accum,
-//   workspace), the matmul descriptor, layouts and up to 8 heuristic algorithms are created
-//   once and cached; a call only sets the scale/bias pointers and enqueues the matmul on the
-//   FFI stream with the workspace XLA passes as an output buffer (no allocation, no sync).
-//   Autotuning (opt-in, JAXQUANT_GEMM_AUTOTUNE=1; it measured no gain): the first call of a
-//   plan that is not being captured into a CUDA graph times each heuristic candidate on the
-//   call's own buffers (a one-time host sync) and keeps the fastest if it beats the first
-//   heuristic by > 3%; under capture the first heuristic serves until such a call comes. The
-//   default, cuBLASLt's first heuristic, is bitwise reproducible from process to process (a
-//   timed choice need not be).
-// jaxquant_gemm_dequant: the in-kernel-dequantize wgmma kernel (dequant_kernel.cuh), sm_90a.
-//
-// CUDA graphs (both handlers are kCmdBufferCompatible): a call enqueues kernels only. Creating
-// the cuBLASLt handle (host resources only) and a plan (host-side heuristic queries) is legal
-// under stream capture; the timing, which synchronizes, is skipped there.
+// CUDA graphs (kCmdBufferCompatible): a call enqueues the matmul only. Creating the cuBLASLt
+// handle (host resources only) and a plan (host-side heuristic queries) is legal under stream
+// capture; the timing, which synchronizes, is skipped there.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -25,116 +21,21 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
-#include "gemm/dequant_launch.h"
+#include "cuda_handler.h"
 #include "gemm/gemm_args.h"
+#include "gemm/gemm_trace.h"
 #include "gemm/handlers.h"
 
-namespace jaxquant_gemm {
+namespace jqffi {
 namespace {
 
-ffi::Error cuda_error(const char* target, const char* what, cudaError_t e) {
-  return ffi::Error::Internal(std::string(target) + ": " + what + ": " + cudaGetErrorString(e));
-}
-
-// JAXQUANT_GEMM_TRACE=1: one line per handler call on stderr (target, shape, whether the FFI
-// stream is being captured into a CUDA graph, and for cuBLASLt the heuristic rank of the
-// algorithm in use) plus one line per autotuned plan (each candidate's time);
-// JAXQUANT_GEMM_TRACE=autotune: the autotuning lines only. For tests (did XLA record the call
-// into a command buffer?), benchmarks and debugging.
-int trace_level() {  // 0 off, 1 autotuning, 2 calls too
-  static const int level = [] {
-    const char* v = std::getenv("JAXQUANT_GEMM_TRACE");
-    const std::string s = v ? v : "";
-    return s == "1" ? 2 : (s == "autotune" ? 1 : 0);
-  }();
-  return level;
-}
-bool trace_enabled() { return trace_level() >= 2; }
-
-const char* capture_state(cudaStream_t stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) return "unknown";
-  return status == cudaStreamCaptureStatusNone ? "no" : "yes";
-}
-
-// Compute capability of the current device (cached per device ordinal).
-ffi::Error device_capability(const char* target, int* major, int* minor) {
-  static std::mutex mu;
-  static std::unordered_map<int, std::pair<int, int>> cache;
-  int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) {
-    return cuda_error(target, "cudaGetDevice", e);
-  }
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(device);
-  if (it == cache.end()) {
-    int mj = 0, mn = 0;
-    cudaDeviceGetAttribute(&mj, cudaDevAttrComputeCapabilityMajor, device);
-    cudaDeviceGetAttribute(&mn, cudaDevAttrComputeCapabilityMinor, device);
-    it = cache.emplace(device, std::make_pair(mj, mn)).first;
-  }
-  *major = it->second.first;
-  *minor = it->second.second;
-  return ffi::Error::Success();
-}
-
-// ---------------------------------------------------------------------------------------------
-// jaxquant_gemm_dequant
-// ---------------------------------------------------------------------------------------------
-
-template <Elem EA>
-cudaError_t launch_for_b(const DequantParams& p, cudaStream_t s) {
-  switch (p.b.elem) {
-    case Elem::kE4M3: return launch_dequant_gemm<EA, Elem::kE4M3>(p, s);
-    case Elem::kE5M2: return launch_dequant_gemm<EA, Elem::kE5M2>(p, s);
-    default: return launch_dequant_gemm<EA, Elem::kE2M1>(p, s);
-  }
-}
-
-ffi::Error DequantGemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_scale,
-                           ffi::AnyBuffer a_factor, ffi::AnyBuffer b, ffi::AnyBuffer b_scale,
-                           ffi::AnyBuffer b_factor, ffi::AnyBuffer bias,
-                           ffi::Result<ffi::AnyBuffer> out, int64_t k, int64_t a_scale_tile_rows,
-                           int64_t b_scale_tile_rows) {
-  constexpr const char* kTarget = "jaxquant_gemm_dequant";
-  DequantParams p;
-  if (ffi::Error e = decode_dequant_gemm(kTarget, a, a_scale, a_factor, b, b_scale, b_factor,
-                                         bias, *out, k, a_scale_tile_rows, b_scale_tile_rows, &p);
-      e.failure()) {
-    return e;
-  }
-  int major = 0, minor = 0;
-  if (ffi::Error e = device_capability(kTarget, &major, &minor); e.failure()) return e;
-  if (major != 9 || minor != 0) {
-    return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      std::string(kTarget) + ": the kernel is built for sm_90a (Hopper) only; "
-                      "this device is sm_" + std::to_string(major) + std::to_string(minor) +
-                      " (use the dequant-bf16 path)");
-  }
-  cudaError_t e;
-  switch (p.a.elem) {
-    case Elem::kE4M3: e = launch_for_b<Elem::kE4M3>(p, stream); break;
-    case Elem::kE5M2: e = launch_for_b<Elem::kE5M2>(p, stream); break;
-    default: e = launch_for_b<Elem::kE2M1>(p, stream); break;
-  }
-  if (e != cudaSuccess) return cuda_error(kTarget, "kernel launch", e);
-  if (trace_enabled()) {
-    std::fprintf(stderr, "[jaxquant gemm] %s M=%d N=%d K=%d capturing=%s\n", kTarget, p.M, p.N,
-                 p.K, capture_state(stream));
-  }
-  return ffi::Error::Success();
-}
-
-// ---------------------------------------------------------------------------------------------
-// jaxquant_gemm_fp8 (cuBLASLt)
-// ---------------------------------------------------------------------------------------------
+constexpr const char* kTarget = "jaxquant_gemm_fp8";
 
 const char* cublas_status_name(cublasStatus_t s) {
   switch (s) {
@@ -154,13 +55,13 @@ const char* cublas_status_name(cublasStatus_t s) {
   do {                                                                                    \
     cublasStatus_t st_ = (call);                                                          \
     if (st_ != CUBLAS_STATUS_SUCCESS) {                                                   \
-      return ffi::Error::Internal(std::string("jaxquant_gemm_fp8: ") + #call + " -> " +   \
+      return ffi::Error::Internal(std::string(kTarget) + ": " + #call + " -> " +          \
                                   cublas_status_name(st_));                               \
     }                                                                                     \
   } while (0)
 
 cudaDataType_t cuda_type(int kind) {
-  return kind == kBF16 ? CUDA_R_16BF : (kind == kF16 ? CUDA_R_16F : CUDA_R_32F);
+  return kind == kOutBF16 ? CUDA_R_16BF : (kind == kOutF16 ? CUDA_R_16F : CUDA_R_32F);
 }
 
 struct PlanKey {
@@ -231,7 +132,7 @@ ffi::Error autotune_enabled(bool* enabled) {
   } else if (v.empty() || v == "0") {
     *enabled = false;
   } else {
-    return ffi::Error::InvalidArgument("jaxquant_gemm_fp8: JAXQUANT_GEMM_AUTOTUNE=" + v +
+    return ffi::Error::InvalidArgument(std::string(kTarget) + ": JAXQUANT_GEMM_AUTOTUNE=" + v +
                                        "; expected 0 (cuBLASLt's first heuristic; the default) "
                                        "or 1 (time the heuristic candidates once per problem)");
   }
@@ -258,7 +159,7 @@ ffi::Error autotune(cublasLtHandle_t handle, Plan* plan, const Fp8Gemm& g, void*
   for (cudaEvent_t& e : events) {
     if (cudaError_t err = cudaEventCreate(&e); err != cudaSuccess) {
       cleanup();
-      return cuda_error("jaxquant_gemm_fp8", "autotuning (cudaEventCreate)", err);
+      return cuda_error(kTarget, "autotuning (cudaEventCreate)", err);
     }
   }
   const float alpha = 1.0f, beta = 0.0f;
@@ -281,7 +182,7 @@ ffi::Error autotune(cublasLtHandle_t handle, Plan* plan, const Fp8Gemm& g, void*
   cudaEventRecord(events[1], stream);
   if (cudaError_t err = cudaEventSynchronize(events[1]); err != cudaSuccess) {
     cleanup();
-    return cuda_error("jaxquant_gemm_fp8", "autotuning (cudaEventSynchronize)", err);
+    return cuda_error(kTarget, "autotuning (cudaEventSynchronize)", err);
   }
   float once = 0.0f;
   if (!first_ok || !elapsed(0, &once)) {  // keep the first heuristic; a real error shows later
@@ -305,7 +206,7 @@ ffi::Error autotune(cublasLtHandle_t handle, Plan* plan, const Fp8Gemm& g, void*
   }
   if (cudaError_t err = cudaStreamSynchronize(stream); err != cudaSuccess) {
     cleanup();
-    return cuda_error("jaxquant_gemm_fp8", "autotuning (cudaStreamSynchronize)", err);
+    return cuda_error(kTarget, "autotuning (cudaStreamSynchronize)", err);
   }
   std::vector<float> median(n, 0.0f);
   for (int c = 0; c < n; ++c) {
@@ -326,7 +227,7 @@ ffi::Error autotune(cublasLtHandle_t handle, Plan* plan, const Fp8Gemm& g, void*
       }
     }
   }
-  if (trace_level() >= 1) {
+  if (gemm_trace_level() >= 1) {
     std::fprintf(stderr, "[jaxquant gemm] autotune M=%lld N=%lld K=%lld fast_accum=%d:",
                  static_cast<long long>(g.M), static_cast<long long>(g.N),
                  static_cast<long long>(g.K), g.fast_accum ? 1 : 0);
@@ -341,8 +242,23 @@ ffi::Error autotune(cublasLtHandle_t handle, Plan* plan, const Fp8Gemm& g, void*
   return ffi::Error::Success();
 }
 
+// The call's pointer attributes: the scales (cuBLASLt's A is our b) and the bias.
+ffi::Error set_pointers(cublasLtMatmulDesc_t desc, const Fp8Gemm& g) {
+  const void* sa = g.b.scale;
+  const void* sb = g.a.scale;
+  JQ_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa,
+                                           sizeof(sa)));
+  JQ_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb,
+                                           sizeof(sb)));
+  if (g.bias_kind != kOutNone) {
+    JQ_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias,
+                                             sizeof(g.bias)));
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error make_plan(cublasLtHandle_t handle, const PlanKey& key, const Fp8Gemm& g,
-                     const void* bias_ptr, size_t ws_bytes, Plan* plan) {
+                     size_t ws_bytes, Plan* plan) {
   JQ_CUBLAS(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
   JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta,
@@ -362,23 +278,16 @@ ffi::Error make_plan(cublasLtHandle_t handle, const PlanKey& key, const Fp8Gemm&
     JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
                                              &mode_b, sizeof(mode_b)));
   }
-  // Pointers set now so the heuristic sees representative alignments; reset per call.
-  const void* sa = g.b.scale;
-  const void* sb = g.a.scale;
-  JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa,
-                                           sizeof(sa)));
-  JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb,
-                                           sizeof(sb)));
-  if (key.bias_kind != kNone) {
+  if (key.bias_kind != kOutNone) {
     const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
     JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
                                              sizeof(epi)));
     const int32_t bias_type = cuda_type(key.bias_kind);
     JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
                                              &bias_type, sizeof(bias_type)));
-    JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                                             &bias_ptr, sizeof(bias_ptr)));
   }
+  // Pointers set now so the heuristic sees representative alignments; reset per call.
+  JQ_RETURN_IF_ERROR(set_pointers(plan->desc, g));
   const cudaDataType_t ta_type = key.b_e5m2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3;
   const cudaDataType_t tb_type = key.a_e5m2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3;
   JQ_CUBLAS(cublasLtMatrixLayoutCreate(&plan->a, ta_type, key.K, key.N, key.K));
@@ -407,7 +316,7 @@ ffi::Error make_plan(cublasLtHandle_t handle, const PlanKey& key, const Fp8Gemm&
     return ffi::Error::Success();
   }
   return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                    "jaxquant_gemm_fp8: cuBLASLt has no algorithm for M=" +
+                    std::string(kTarget) + ": cuBLASLt has no algorithm for M=" +
                         std::to_string(key.M) + " N=" + std::to_string(key.N) +
                         " K=" + std::to_string(key.K) + " with these dtypes / scale modes");
 }
@@ -416,13 +325,9 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_s
                        ffi::AnyBuffer b, ffi::AnyBuffer b_scale, ffi::AnyBuffer bias,
                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
                        int64_t a_scale_mode, int64_t b_scale_mode, bool fast_accum) {
-  constexpr const char* kTarget = "jaxquant_gemm_fp8";
   Fp8Gemm g;
-  if (ffi::Error e = decode_fp8_gemm(kTarget, a, a_scale, b, b_scale, bias, *out, *workspace,
-                                     a_scale_mode, b_scale_mode, fast_accum, &g);
-      e.failure()) {
-    return e;
-  }
+  JQ_RETURN_IF_ERROR(decode_fp8_gemm(kTarget, a, a_scale, b, b_scale, bias, *out, *workspace,
+                                     a_scale_mode, b_scale_mode, fast_accum, &g));
   if (g.K % 16 != 0 || g.N % 16 != 0) {
     return invalid(kTarget, "K=" + std::to_string(g.K) + ", N=" + std::to_string(g.N) +
                                 "; cuBLASLt FP8 needs K and N multiples of 16");
@@ -440,10 +345,10 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_s
   const uintptr_t base = reinterpret_cast<uintptr_t>(g.workspace);
   const uintptr_t aligned = (base + 255) & ~uintptr_t(255);
   void* ws = reinterpret_cast<void*>(aligned);
-  const size_t ws_bytes = g.workspace_bytes > (aligned - base) ? g.workspace_bytes - (aligned - base)
-                                                               : 0;
+  const size_t ws_bytes =
+      g.workspace_bytes > (aligned - base) ? g.workspace_bytes - (aligned - base) : 0;
   cublasLtHandle_t handle = nullptr;
-  if (ffi::Error e = lt_handle(device, &handle); e.failure()) return e;
+  JQ_RETURN_IF_ERROR(lt_handle(device, &handle));
 
   PlanKey key;
   std::memset(&key, 0, sizeof(key));  // padding bytes take part in hashing / comparison
@@ -458,7 +363,7 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_s
   key.out_kind = g.out_kind;
   key.bias_kind = g.bias_kind;
   key.fast_accum = g.fast_accum;
-  if (ffi::Error e = autotune_enabled(&key.autotune); e.failure()) return e;
+  JQ_RETURN_IF_ERROR(autotune_enabled(&key.autotune));
   key.workspace = ws_bytes;
 
   static std::mutex cache_mu;
@@ -469,25 +374,14 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_s
     auto it = cache.find(key);
     if (it == cache.end()) {
       auto fresh = std::make_unique<Plan>();
-      if (ffi::Error e = make_plan(handle, key, g, g.bias, ws_bytes, fresh.get()); e.failure()) {
-        return e;
-      }
+      JQ_RETURN_IF_ERROR(make_plan(handle, key, g, ws_bytes, fresh.get()));
       it = cache.emplace(key, std::move(fresh)).first;
     }
     plan = it->second.get();
   }
 
   std::lock_guard<std::mutex> lock(plan->mu);
-  const void* sa = g.b.scale;
-  const void* sb = g.a.scale;
-  JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa,
-                                           sizeof(sa)));
-  JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb,
-                                           sizeof(sb)));
-  if (g.bias_kind != kNone) {
-    JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                                             &g.bias, sizeof(g.bias)));
-  }
+  JQ_RETURN_IF_ERROR(set_pointers(plan->desc, g));
   if (!plan->tuned) {
     const bool enabled = key.autotune;
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusActive;
@@ -497,14 +391,14 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_s
     if (!enabled) {
       plan->tuned = true;  // the first heuristic, for good
     } else if (capture == cudaStreamCaptureStatusNone) {
-      if (ffi::Error e = autotune(handle, plan, g, ws, ws_bytes, stream); e.failure()) return e;
+      JQ_RETURN_IF_ERROR(autotune(handle, plan, g, ws, ws_bytes, stream));
     }
   }
   const float alpha = 1.0f, beta = 0.0f;
   JQ_CUBLAS(cublasLtMatmul(handle, plan->desc, &alpha, g.b.data, plan->a, g.a.data, plan->b,
                            &beta, g.out, plan->d, g.out, plan->d, &plan->algo, ws, ws_bytes,
                            stream));
-  if (trace_enabled()) {
+  if (gemm_trace_calls()) {
     std::fprintf(stderr,
                  "[jaxquant gemm] %s M=%lld N=%lld K=%lld capturing=%s algo=%d of %zu%s\n",
                  kTarget, static_cast<long long>(g.M), static_cast<long long>(g.N),
@@ -516,38 +410,8 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_s
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kFp8GemmCuda, Fp8GemmCuda,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Arg<ffi::AnyBuffer>()  // a
-                           .Arg<ffi::AnyBuffer>()  // a_scale
-                           .Arg<ffi::AnyBuffer>()  // b
-                           .Arg<ffi::AnyBuffer>()  // b_scale
-                           .Arg<ffi::AnyBuffer>()  // bias
-                           .Ret<ffi::AnyBuffer>()  // out
-                           .Ret<ffi::AnyBuffer>()  // workspace
-                           .Attr<int64_t>("a_scale_mode")
-                           .Attr<int64_t>("b_scale_mode")
-                           .Attr<bool>("fast_accum"),
-                       {ffi::Traits::kCmdBufferCompatible});
+JQ_DEFINE_CUDA_HANDLER(kFp8GemmCuda, Fp8GemmCuda, BindGemmFp8);
 
-XLA_FFI_DEFINE_HANDLER(kDequantGemmCuda, DequantGemmCuda,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Arg<ffi::AnyBuffer>()  // a
-                           .Arg<ffi::AnyBuffer>()  // a_scale
-                           .Arg<ffi::AnyBuffer>()  // a_factor
-                           .Arg<ffi::AnyBuffer>()  // b
-                           .Arg<ffi::AnyBuffer>()  // b_scale
-                           .Arg<ffi::AnyBuffer>()  // b_factor
-                           .Arg<ffi::AnyBuffer>()  // bias
-                           .Ret<ffi::AnyBuffer>()  // out
-                           .Attr<int64_t>("k")
-                           .Attr<int64_t>("a_scale_tile_rows")
-                           .Attr<int64_t>("b_scale_tile_rows"),
-                       {ffi::Traits::kCmdBufferCompatible});
+std::vector<Target> gemm_fp8_cuda_targets() { return {target(kTarget, kFp8GemmCuda)}; }
 
-void* Fp8GemmCudaHandler() { return reinterpret_cast<void*>(kFp8GemmCuda); }
-void* DequantGemmCudaHandler() { return reinterpret_cast<void*>(kDequantGemmCuda); }
-
-}  // namespace jaxquant_gemm
+}  // namespace jqffi

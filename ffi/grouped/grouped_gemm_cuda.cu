@@ -1,27 +1,12 @@
-// CUDA handlers of the grouped (mixture-of-experts) targets (sm_90; see registrations.h).
+// CUDA handler of jaxquant_grouped_gemm: the grouped GEMM of every quantized pair (sm_90 and
+// later; the CUTLASS Hopper kernels of grouped_sm90.cu serve the per-tensor FP8 and Float8Block
+// pairs they can, the Python side picks), one launch whatever G.
 //
-// Grouped FP8 quantize (jaxquant_grouped_quantize_fp8), launches for all groups, whatever G:
-//   1. amax (current scaling only): one warp per row of x, the row's group found by binary
-//      search in `starts`, an atomicMax of |x| bits into amax[group] (NaN above inf, as the
-//      reference's segment max);
-//   2. quantize: a CTA owns 64 token positions x 64 features of the output layout; each position
-//      finds its group and source row (or is padding / no group: code 0), scales by its group's
-//      scale (from the amax, or the delayed-scaling state), writes the rowwise bytes, keeps the
-//      values in shared memory and writes the transposed columnwise bytes from there (for expert
-//      weights the columnwise copy is [G, C, rows]). Delayed scaling has its scales before the
-//      launch, so there is no amax pass: the load phase (which runs for either copy and reads
-//      every element of every group's rows exactly once, the layout holding each group's rows
-//      at its positions) also reduces each group's amax, the state's history entry: the rows
-//      of the tile's first group reduced in the CTA (one atomicMax a CTA, as many as the amax
-//      pass's one a row), those of later groups by warp (warp_group_amax).
-// jaxquant_grouped_amax_gated (the just-in-time first scale of delayed scaling): the amax
-// kernel, exiting at once unless some group's scale is still 0.
-//
-// Grouped GEMM (jaxquant_grouped_gemm): one launch. A CTA computes a 128 x 128 output tile with
-// 8 warps of bf16 (or f16) mma.sync m16n8k16, float32 accumulation. Operands are loaded raw
-// (FP8 / packed FP4 bytes) into registers one k-tile ahead, decoded exactly (payload times block
-// scale: E4M3/E5M2 x 2^k (MXFP8, power-of-two Float8Block) and E2M1 x E4M3 are exact in bf16; per-tensor FP8 x per-tensor FP8 is
-// decoded to f16 without a scale, also exact) into a double-buffered shared-memory tile, and
+// A CTA computes a 128 x 128 output tile with 8 warps of bf16 (or f16) mma.sync m16n8k16,
+// float32 accumulation. Operands are loaded raw (FP8 / packed FP4 bytes) into registers one
+// k-tile ahead, decoded exactly (payload times block scale: E4M3/E5M2 x 2^k (MXFP8,
+// power-of-two Float8Block) and E2M1 x E4M3 are exact in bf16; per-tensor FP8 x per-tensor FP8
+// is decoded to f16 without a scale, also exact) into a double-buffered shared-memory tile, and
 // multiplied. Per-group scale products, per-row and per-(group, column) factors and the bias are
 // applied to the float32 accumulator in the epilogue.
 //   mode 0 (ragged rows): CTA -> (m-tile, n-tile); m-tiles are numbered group by group from the
@@ -36,188 +21,18 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
-#include <string>
+#include <vector>
 
+#include "cuda_handler.h"
 #include "gemm/bf16_decode.cuh"
-#include "grouped/cuda_targets.h"
-#include "grouped/grouped_amax.cuh"
+#include "gemm/store_pairs.cuh"
 #include "grouped/grouped_args.h"
+#include "grouped/handlers.h"
 
-namespace jqgrouped {
+namespace jqffi {
 namespace {
 
-using namespace jaxquant_bf16_decode;
-
-using Stream = ffi::PlatformStream<cudaStream_t>;
-
-ffi::Error status(const char* target, cudaError_t e = cudaSuccess) {
-  if (e == cudaSuccess) e = cudaGetLastError();
-  if (e != cudaSuccess) return ffi::Error::Internal(std::string(target) + ": CUDA error: " + cudaGetErrorString(e));
-  return ffi::Error::Success();
-}
-
-// ============================================================================================
-// Grouped FP8 quantize
-// ============================================================================================
-
-constexpr int kQP = 64, kQC = 64;  // positions x features per quantize CTA
-
-__device__ __forceinline__ float group_scale(const QuantizeParams& p, int g, float fmax) {
-  if (g >= p.G) return 1.0f;
-  return p.delayed ? p.s[g] : jq::scale_from_amax(p.amax[g], fmax, p.pow2_scale, p.amax_epsilon);
-}
-
-template <int TYPE>
-__global__ void __launch_bounds__(256) grouped_quantize_kernel(const QuantizeParams p) {
-  __shared__ float tile[kQP][kQC + 1];
-  __shared__ float scales[kQP];
-  __shared__ int tile_group;         // delayed: the group of the tile's first position
-  __shared__ uint32_t tile_amax;     // and its max |x| bits over the tile
-  const jq::Fp8 fmt = static_cast<jq::Fp8>(p.fmt);
-  const float fmax = jq::spec_of(fmt).fmax;
-  const int tid = threadIdx.x;
-  const int64_t c_tiles = (p.C + kQC - 1) / kQC;
-  const int64_t p0 = int64_t(blockIdx.x / c_tiles) * kQP, c0 = int64_t(blockIdx.x % c_tiles) * kQC;
-  if (blockIdx.x == 0) {
-    for (int g = tid; g < p.G; g += 256) p.scale_inv[g] = jq::rcp_f32(group_scale(p, g, fmax));
-  }
-  {  // rowwise: thread -> (position, 16 features)
-    const int pr = tid >> 2, cq = (tid & 3) * 16;
-    const int64_t pos = p0 + pr, c = c0 + cq;
-    int64_t src = -1;
-    int g = int(p.G);
-    if (pos < p.L) {
-      g = upper_group(p.pstarts, int(p.G), pos);
-      if (g < p.G) {
-        const int64_t local = pos - __ldg(p.pstarts + g);
-        if (local < int64_t(__ldg(p.starts + g + 1)) - __ldg(p.starts + g)) src = __ldg(p.starts + g) + local;
-      }
-    }
-    const float scale = group_scale(p, g, fmax);
-    if (cq == 0) scales[pr] = scale;
-    float v[16];
-    const int n_valid = src >= 0 ? int(max(int64_t(0), min(int64_t(16), p.C - c))) : 0;
-    const bool vec = (TYPE == 2 ? p.C % 4 == 0 : p.C % 8 == 0) && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0;
-    const int64_t off = src >= 0 ? src * p.C + c : 0;
-    load8<TYPE>(p.x, off, n_valid, vec, v);
-    load8<TYPE>(p.x, off + 8, n_valid - 8, vec, v + 8);
-    if (p.delayed) {  // the amax to record (lanes past C or without a row hold zeros)
-      uint32_t m = 0;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) m = max(m, jq::abs_bits(v[i]));
-      if (tid == 0) {  // position p0's group: usually the whole tile's
-        tile_group = g;
-        tile_amax = 0u;
-      }
-      __syncthreads();
-      const int mine = src >= 0 ? g : -1;
-      uint32_t mt = mine == tile_group ? m : 0u;  // reduced in the CTA: one global atomic
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) mt = max(mt, __shfl_xor_sync(0xFFFFFFFFu, mt, o));
-      if ((tid & 31) == 0 && mt != 0u) atomicMax(&tile_amax, mt);
-      warp_group_amax(p.amax, mine == tile_group ? -1 : mine, m);  // rows of later groups
-      __syncthreads();
-      if (tid == 0 && tile_amax != 0u) atomicMax(reinterpret_cast<uint32_t*>(p.amax) + tile_group, tile_amax);
-    }
-#pragma unroll
-    for (int i = 0; i < 16; ++i) tile[pr][cq + i] = v[i];
-    if (p.row && pos < p.L && c < p.C) {
-      uint32_t q[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        q[k] = jq::encode_fp8x4(v[4 * k] * scale, v[4 * k + 1] * scale, v[4 * k + 2] * scale, v[4 * k + 3] * scale, fmt);
-      }
-      uint8_t* dst = p.row + pos * p.C + c;
-      if (c + 16 <= p.C && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
-        *reinterpret_cast<uint4*>(dst) = make_uint4(q[0], q[1], q[2], q[3]);
-      } else {
-        for (int i = 0; i < 16 && c + i < p.C; ++i) dst[i] = uint8_t(q[i / 4] >> (8 * (i % 4)));
-      }
-    }
-  }
-  if (!p.col) return;
-  __syncthreads();
-  {  // columnwise: thread -> (feature, 16 positions)
-    const int cc = tid >> 2, pq = (tid & 3) * 16;
-    const int64_t c = c0 + cc, pos = p0 + pq;
-    if (c >= p.C || pos >= p.L) return;
-    uint32_t q[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      float w[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) w[i] = tile[pq + 4 * k + i][cc] * scales[pq + 4 * k + i];
-      q[k] = jq::encode_fp8x4(w[0], w[1], w[2], w[3], fmt);
-    }
-    const int n = int(min(int64_t(16), p.L - pos));
-    if (p.expert_rows == 0) {
-      uint8_t* dst = p.col + c * p.L + pos;
-      if (n == 16 && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
-        *reinterpret_cast<uint4*>(dst) = make_uint4(q[0], q[1], q[2], q[3]);
-      } else {
-        for (int i = 0; i < n; ++i) dst[i] = uint8_t(q[i / 4] >> (8 * (i % 4)));
-      }
-    } else {
-      const int64_t E = p.expert_rows;
-      const int64_t g = pos / E, local = pos % E;
-      uint8_t* dst = p.col + (g * p.C + c) * E + local;
-      if (n == 16 && local + 16 <= E && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
-        *reinterpret_cast<uint4*>(dst) = make_uint4(q[0], q[1], q[2], q[3]);
-      } else {
-        for (int i = 0; i < n; ++i) {
-          const int64_t pi = pos + i;
-          p.col[((pi / E) * p.C + c) * E + pi % E] = uint8_t(q[i / 4] >> (8 * (i % 4)));
-        }
-      }
-    }
-  }
-}
-
-ffi::Error GroupedQuantizeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer starts,
-                                  ffi::AnyBuffer pstarts, ffi::AnyBuffer s, ffi::RemainingRets rets,
-                                  bool rowwise, bool columnwise, bool delayed, bool pow2_scale,
-                                  float amax_epsilon, int64_t length, int64_t expert_rows) {
-  const char* t = "jaxquant_grouped_quantize_fp8";
-  QuantizeParams p;
-  JQ_RETURN_IF_ERROR(decode_quantize_fp8(t, x, starts, pstarts, s, rets, rowwise, columnwise, delayed,
-                                         pow2_scale, amax_epsilon, length, expert_rows, &p));
-  if (cudaError_t e = cudaMemsetAsync(p.amax, 0, 4 * p.G, stream); e != cudaSuccess) return status(t, e);
-  const int64_t tiles = ((p.L + kQP - 1) / kQP) * ((p.C + kQC - 1) / kQC);
-  by_type(p.in_type, [&](auto tag) {
-    constexpr int TYPE = decltype(tag)::value;
-    if (!p.delayed) grouped_amax_kernel<TYPE><<<amax_grid(p.T), 256, 0, stream>>>(p);
-    grouped_quantize_kernel<TYPE><<<unsigned(tiles), 256, 0, stream>>>(p);
-  });
-  return status(t);
-}
-
-ffi::Error GroupedAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer starts,
-                           ffi::Result<ffi::AnyBuffer> amax) {
-  const char* t = "jaxquant_grouped_amax";
-  QuantizeParams p;
-  JQ_RETURN_IF_ERROR(decode_amax(t, x, starts, amax, &p));
-  if (cudaError_t e = cudaMemsetAsync(p.amax, 0, 4 * p.G, stream); e != cudaSuccess) return status(t, e);
-  by_type(p.in_type, [&](auto tag) {
-    grouped_amax_kernel<decltype(tag)::value><<<amax_grid(p.T), 256, 0, stream>>>(p);
-  });
-  return status(t);
-}
-
-ffi::Error GroupedAmaxGatedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer starts,
-                                ffi::AnyBuffer gate, ffi::Result<ffi::AnyBuffer> amax) {
-  const char* t = "jaxquant_grouped_amax_gated";
-  QuantizeParams p;
-  JQ_RETURN_IF_ERROR(decode_amax_gated(t, x, starts, gate, amax, &p));
-  if (cudaError_t e = cudaMemsetAsync(p.amax, 0, 4 * p.G, stream); e != cudaSuccess) return status(t, e);
-  by_type(p.in_type, [&](auto tag) {
-    grouped_amax_kernel<decltype(tag)::value><<<amax_grid(p.T), 256, 0, stream>>>(p);
-  });
-  return status(t);
-}
-
-// ============================================================================================
-// Grouped GEMM
-// ============================================================================================
+constexpr const char* kTarget = "jaxquant_grouped_gemm";
 
 constexpr int kBM = 128, kBN = 128, kBK = 64, kThreads = 256;
 constexpr int kRow = kBK + 8;  // 16-bit elements per shared-memory row (144 B: ldmatrix conflict-free)
@@ -243,13 +58,13 @@ struct OperandTile {
 
 __device__ __forceinline__ uint32_t fetch_code(const GemmOperand& op, const uint8_t* d, int64_t row, int64_t k) {
   const uint8_t* base = d + row * op.row_bytes;
-  if (op.elem == kElemE2M1) return (__ldg(base + (k >> 1)) >> (4 * (k & 1))) & 0xFu;
+  if (op.elem == Elem::kE2M1) return (__ldg(base + (k >> 1)) >> (4 * (k & 1))) & 0xFu;
   return __ldg(base + k);
 }
 
 __device__ __forceinline__ void load_tile(const GemmOperand& op, const OperandTile& t, int64_t k0, int64_t kbeg,
                                           int64_t kend, Raw* raw) {
-  const bool fp4 = op.elem == kElemE2M1;
+  const bool fp4 = op.elem == Elem::kE2M1;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int c = threadIdx.x + i * kThreads;
@@ -293,9 +108,9 @@ __device__ __forceinline__ void load_tile(const GemmOperand& op, const OperandTi
   }
 }
 
-__device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t two, int elem) {
+__device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t two, Elem elem) {
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xFFFFu),
-                                                   elem == kElemE4M3 ? __NV_E4M3 : __NV_E5M2);
+                                                   elem == Elem::kE4M3 ? __NV_E4M3 : __NV_E5M2);
   return uint32_t(h.x) | (uint32_t(h.y) << 16);
 }
 
@@ -304,27 +119,14 @@ __device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// ---- exact decoders: ffi/gemm/bf16_decode.cuh (shared with the dense dequant kernel) -------
+// ---- exact decoders: gemm/bf16_decode.cuh (shared with the dense dequant kernel) ----------
 
-__device__ __forceinline__ void decode_fp8x4(uint32_t w, int elem, uint32_t& lo, uint32_t& hi) {
-  if (elem == kElemE4M3) {
+__device__ __forceinline__ void decode_fp8x4(uint32_t w, Elem elem, uint32_t& lo, uint32_t& hi) {
+  if (elem == Elem::kE4M3) {
     decode_e4m3x4(w, lo, hi);
   } else {
     decode_e5m2x4(w, lo, hi);
   }
-}
-
-__device__ __forceinline__ void decode_e2m1x8(uint32_t w, uint32_t* out) {
-  jaxquant_bf16_decode::decode_e2m1x8(w, out, kE2M1HiLo, kE2M1LoLo);
-}
-
-// The bf16x2 factor 2^t (t a biased exponent in [1, 254]).
-__device__ __forceinline__ uint32_t pow2_bf16x2(uint32_t t) { return (t << 7) * 0x10001u; }
-
-// 2^(e - 127) as bf16x2, NaN for e == 255, 2^-127 (subnormal) for e == 0.
-__device__ __forceinline__ uint32_t e8m0_bf16x2(uint32_t e) {
-  const uint32_t b = e == 0 ? 0x0040u : ((e << 7) | (((e + 1u) >> 8) << 6));
-  return b * 0x10001u;
 }
 
 // Decodes a thread's raw chunks into 16-bit values in the shared-memory tile.
@@ -338,9 +140,9 @@ __device__ __forceinline__ void store_tile(const GemmOperand& op, const Raw& raw
     if constexpr (F16) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) out[j] = fp8x2_to_f16x2(w[j >> 1] >> (16 * (j & 1)), op.elem);
-    } else if (op.elem == kElemE2M1) {
-      decode_e2m1x8(w[0], out);
-      decode_e2m1x8(w[1], out + 4);
+    } else if (op.elem == Elem::kE2M1) {
+      decode_e2m1x8(w[0], out, kE2M1HiLo, kE2M1LoLo);
+      decode_e2m1x8(w[1], out + 4, kE2M1HiLo, kE2M1LoLo);
       const uint32_t f = e4m3_scale_bf16x2(raw.code[i]);
 #pragma unroll
       for (int j = 0; j < 8; ++j) out[j] = hmul2_bf16(out[j], f);
@@ -363,7 +165,7 @@ __device__ __forceinline__ void store_tile(const GemmOperand& op, const Raw& raw
       if (exact_pow2) {
 #pragma unroll
         for (int q = 0; q < 4; ++q) decode_fp8x4(w[q], op.elem, out[2 * q], out[2 * q + 1]);
-        const uint32_t offset = op.elem == kElemE4M3 ? 120u : 112u;  // decode gives value * 2^-offset
+        const uint32_t offset = op.elem == Elem::kE4M3 ? 120u : 112u;  // decode gives value * 2^-offset
         const uint32_t t = e + offset;
         if (t <= 254u) {
           const uint32_t f = pow2_bf16x2(t);
@@ -471,32 +273,13 @@ __device__ TileAssignment assign_ragged(const GemmParams& p, int64_t mt) {
   return a;
 }
 
-__device__ __forceinline__ void store_pair(const GemmParams& p, int64_t idx, float v0, float v1, bool pair) {
+// v0 (and v1 when `pair`) as the output dtype at out[idx].
+__device__ __forceinline__ void store_out(const GemmParams& p, int64_t idx, float v0, float v1,
+                                          bool pair) {
   switch (p.out_kind) {
-    case kOutBF16: {
-      __nv_bfloat16* o = static_cast<__nv_bfloat16*>(p.out) + idx;
-      if (pair) {
-        *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(v0, v1);
-      } else {
-        o[0] = __float2bfloat16_rn(v0);
-      }
-      break;
-    }
-    case kOutF16: {
-      __half* o = static_cast<__half*>(p.out) + idx;
-      if (pair) {
-        *reinterpret_cast<__half2*>(o) = __floats2half2_rn(v0, v1);
-      } else {
-        o[0] = __float2half_rn(v0);
-      }
-      break;
-    }
-    default: {
-      float* o = static_cast<float*>(p.out) + idx;
-      o[0] = v0;
-      if (pair) o[1] = v1;
-      break;
-    }
+    case kOutBF16: store_pair(static_cast<__nv_bfloat16*>(p.out) + idx, v0, v1, pair); break;
+    case kOutF16: store_pair(static_cast<__half*>(p.out) + idx, v0, v1, pair); break;
+    default: store_pair(static_cast<float*>(p.out) + idx, v0, v1, pair); break;
   }
 }
 
@@ -609,10 +392,10 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_kernel(const GemmPar
           if (p.bias) v[e] = v[e] + __ldg(p.bias + int64_t(g) * p.N + n + e);
         }
         if (pairs) {
-          store_pair(p, out_row * p.N + n, v[0], v[1], true);
+          store_out(p, out_row * p.N + n, v[0], v[1], true);
         } else {
-          store_pair(p, out_row * p.N + n, v[0], 0.0f, false);
-          if (n + 1 < p.N) store_pair(p, out_row * p.N + n + 1, v[1], 0.0f, false);
+          store_out(p, out_row * p.N + n, v[0], 0.0f, false);
+          if (n + 1 < p.N) store_out(p, out_row * p.N + n + 1, v[1], 0.0f, false);
         }
       }
     }
@@ -643,48 +426,28 @@ cudaError_t launch_gemm(const GemmParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-ffi::Error GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_scale, ffi::AnyBuffer b,
-                           ffi::AnyBuffer b_scale, ffi::AnyBuffer pstarts, ffi::AnyBuffer row_factor,
-                           ffi::AnyBuffer col_factor, ffi::AnyBuffer group_factor, ffi::AnyBuffer bias,
-                           ffi::Result<ffi::AnyBuffer> out, int32_t mode, int32_t a_scaling, int32_t b_scaling,
-                           bool has_row_factor, bool has_col_factor, bool has_group_factor, bool has_bias) {
-  const char* t = "jaxquant_grouped_gemm";
+ffi::Error GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_scale,
+                           ffi::AnyBuffer b, ffi::AnyBuffer b_scale, ffi::AnyBuffer pstarts,
+                           ffi::AnyBuffer row_factor, ffi::AnyBuffer col_factor,
+                           ffi::AnyBuffer group_factor, ffi::AnyBuffer bias,
+                           ffi::Result<ffi::AnyBuffer> out, int32_t mode, int32_t a_scaling,
+                           int32_t b_scaling, bool has_row_factor, bool has_col_factor,
+                           bool has_group_factor, bool has_bias) {
   GemmParams p;
-  JQ_RETURN_IF_ERROR(decode_gemm(t, a, a_scale, b, b_scale, pstarts, row_factor, col_factor, group_factor, bias,
-                                 out, mode, a_scaling, b_scaling, has_row_factor, has_col_factor,
-                                 has_group_factor, has_bias, &p));
+  JQ_RETURN_IF_ERROR(decode_grouped_gemm(kTarget, a, a_scale, b, b_scale, pstarts, row_factor,
+                                         col_factor, group_factor, bias, out, mode, a_scaling,
+                                         b_scaling, has_row_factor, has_col_factor,
+                                         has_group_factor, has_bias, &p));
   if (p.L == 0 || p.N == 0 || p.M == 0) return ffi::Error::Success();
   const bool f16 = p.a.scaling == kScalePerTensor && p.b.scaling == kScalePerTensor &&
-                   p.a.elem != kElemE2M1 && p.b.elem != kElemE2M1;
-  return status(t, f16 ? launch_gemm<true>(p, stream) : launch_gemm<false>(p, stream));
+                   p.a.elem != Elem::kE2M1 && p.b.elem != Elem::kE2M1;
+  return launch_status(kTarget, f16 ? launch_gemm<true>(p, stream) : launch_gemm<false>(p, stream));
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kGroupedQuantizeFp8Cuda, GroupedQuantizeFp8Cuda,
-                       BindGroupedQuantizeFp8(ffi::Ffi::Bind().Ctx<Stream>()),
-                       {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER(kGroupedAmaxCuda, GroupedAmaxCuda,
-                       BindGroupedAmax(ffi::Ffi::Bind().Ctx<Stream>()),
-                       {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER(kGroupedAmaxGatedCuda, GroupedAmaxGatedCuda,
-                       BindGroupedAmaxGated(ffi::Ffi::Bind().Ctx<Stream>()),
-                       {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER(kGroupedGemmCuda, GroupedGemmCuda,
-                       BindGroupedGemm(ffi::Ffi::Bind().Ctx<Stream>()),
-                       {ffi::Traits::kCmdBufferCompatible});
+JQ_DEFINE_CUDA_HANDLER(kGroupedGemmCuda, GroupedGemmCuda, BindGroupedGemm);
 
-std::vector<CudaTarget> GroupedCudaTargets() {
-  std::vector<CudaTarget> targets = {
-      {"jaxquant_grouped_quantize_fp8", reinterpret_cast<void*>(kGroupedQuantizeFp8Cuda)},
-      {"jaxquant_grouped_amax", reinterpret_cast<void*>(kGroupedAmaxCuda)},
-      {"jaxquant_grouped_amax_gated", reinterpret_cast<void*>(kGroupedAmaxGatedCuda)},
-      {"jaxquant_grouped_gemm", reinterpret_cast<void*>(kGroupedGemmCuda)}};
-  for (const CudaTarget& t : GroupedNvfp4CudaTargets()) targets.push_back(t);
-#ifdef JAXQUANT_GROUPED_SM90
-  for (const CudaTarget& t : GroupedSm90Targets()) targets.push_back(t);
-#endif
-  return targets;
-}
+std::vector<Target> grouped_gemm_cuda_targets() { return {target(kTarget, kGroupedGemmCuda)}; }
 
-}  // namespace jqgrouped
+}  // namespace jqffi

@@ -1,0 +1,207 @@
+// CUDA handlers of the grouped FP8 quantize and the grouped amax (sm_90), one launch sequence
+// for all groups whatever G:
+//   jaxquant_grouped_quantize_fp8:
+//   1. amax (current scaling only): grouped_amax_kernel (grouped_amax.cuh), an atomicMax of |x|
+//      bits into amax[group] (NaN above inf, as the reference's segment max);
+//   2. quantize: a CTA owns 64 token positions x 64 features of the output layout; each position
+//      finds its group and source row (or is padding / no group: code 0), scales by its group's
+//      scale (from the amax, or the delayed-scaling state), writes the rowwise bytes, keeps the
+//      values in shared memory and writes the transposed columnwise bytes from there (for expert
+//      weights the columnwise copy is [G, C, rows]). Delayed scaling has its scales before the
+//      launch, so there is no amax pass: the load phase (which runs for either copy and reads
+//      every element of every group's rows exactly once, the layout holding each group's rows
+//      at its positions) also reduces each group's amax, the state's history entry: the rows
+//      of the tile's first group reduced in the CTA (one atomicMax a CTA, as many as the amax
+//      pass's one a row), those of later groups by warp (warp_group_amax).
+//   jaxquant_grouped_amax: the amax kernel alone.
+//   jaxquant_grouped_amax_gated (the just-in-time first scale of delayed scaling): the amax
+//   kernel, exiting at once unless some group's scale is still 0.
+// Group offsets never leave the device: no host sync, no allocation, command-buffer compatible.
+#include <cuda_runtime.h>
+
+#include <vector>
+
+#include "cuda_handler.h"
+#include "grouped/grouped_amax.cuh"
+#include "grouped/grouped_args.h"
+#include "grouped/handlers.h"
+
+namespace jqffi {
+namespace {
+
+constexpr int kQP = 64, kQC = 64;  // positions x features per quantize CTA
+
+__device__ __forceinline__ float group_scale(const QuantizeParams& p, int g, float fmax) {
+  if (g >= p.G) return 1.0f;
+  return p.delayed ? p.s[g] : jq::scale_from_amax(p.amax[g], fmax, p.pow2_scale, p.amax_epsilon);
+}
+
+template <int TYPE>
+__global__ void __launch_bounds__(256) grouped_quantize_kernel(const QuantizeParams p) {
+  __shared__ float tile[kQP][kQC + 1];
+  __shared__ float scales[kQP];
+  __shared__ int tile_group;         // delayed: the group of the tile's first position
+  __shared__ uint32_t tile_amax;     // and its max |x| bits over the tile
+  const jq::Fp8 fmt = static_cast<jq::Fp8>(p.fmt);
+  const float fmax = jq::spec_of(fmt).fmax;
+  const int tid = threadIdx.x;
+  const int64_t c_tiles = (p.C + kQC - 1) / kQC;
+  const int64_t p0 = int64_t(blockIdx.x / c_tiles) * kQP, c0 = int64_t(blockIdx.x % c_tiles) * kQC;
+  if (blockIdx.x == 0) {
+    for (int g = tid; g < p.G; g += 256) p.scale_inv[g] = jq::rcp_f32(group_scale(p, g, fmax));
+  }
+  {  // rowwise: thread -> (position, 16 features)
+    const int pr = tid >> 2, cq = (tid & 3) * 16;
+    const int64_t pos = p0 + pr, c = c0 + cq;
+    int64_t src = -1;
+    int g = int(p.G);
+    if (pos < p.L) {
+      g = upper_group(p.pstarts, int(p.G), pos);
+      if (g < p.G) {
+        const int64_t local = pos - __ldg(p.pstarts + g);
+        if (local < int64_t(__ldg(p.starts + g + 1)) - __ldg(p.starts + g)) src = __ldg(p.starts + g) + local;
+      }
+    }
+    const float scale = group_scale(p, g, fmax);
+    if (cq == 0) scales[pr] = scale;
+    float v[16];
+    const int n_valid = src >= 0 ? int(max(int64_t(0), min(int64_t(16), p.C - c))) : 0;
+    const bool vec = (TYPE == 2 ? p.C % 4 == 0 : p.C % 8 == 0) && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0;
+    const int64_t off = src >= 0 ? src * p.C + c : 0;
+    load8<TYPE>(p.x, off, n_valid, vec, v);
+    load8<TYPE>(p.x, off + 8, n_valid - 8, vec, v + 8);
+    if (p.delayed) {  // the amax to record (lanes past C or without a row hold zeros)
+      uint32_t m = 0;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) m = max(m, jq::abs_bits(v[i]));
+      if (tid == 0) {  // position p0's group: usually the whole tile's
+        tile_group = g;
+        tile_amax = 0u;
+      }
+      __syncthreads();
+      const int mine = src >= 0 ? g : -1;
+      uint32_t mt = mine == tile_group ? m : 0u;  // reduced in the CTA: one global atomic
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) mt = max(mt, __shfl_xor_sync(0xFFFFFFFFu, mt, o));
+      if ((tid & 31) == 0 && mt != 0u) atomicMax(&tile_amax, mt);
+      warp_group_amax(p.amax, mine == tile_group ? -1 : mine, m);  // rows of later groups
+      __syncthreads();
+      if (tid == 0 && tile_amax != 0u) atomicMax(reinterpret_cast<uint32_t*>(p.amax) + tile_group, tile_amax);
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) tile[pr][cq + i] = v[i];
+    if (p.row && pos < p.L && c < p.C) {
+      uint32_t q[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        q[k] = jq::encode_fp8x4(v[4 * k] * scale, v[4 * k + 1] * scale, v[4 * k + 2] * scale, v[4 * k + 3] * scale, fmt);
+      }
+      uint8_t* dst = p.row + pos * p.C + c;
+      if (c + 16 <= p.C && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+        *reinterpret_cast<uint4*>(dst) = make_uint4(q[0], q[1], q[2], q[3]);
+      } else {
+        for (int i = 0; i < 16 && c + i < p.C; ++i) dst[i] = uint8_t(q[i / 4] >> (8 * (i % 4)));
+      }
+    }
+  }
+  if (!p.col) return;
+  __syncthreads();
+  {  // columnwise: thread -> (feature, 16 positions)
+    const int cc = tid >> 2, pq = (tid & 3) * 16;
+    const int64_t c = c0 + cc, pos = p0 + pq;
+    if (c >= p.C || pos >= p.L) return;
+    uint32_t q[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      float w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) w[i] = tile[pq + 4 * k + i][cc] * scales[pq + 4 * k + i];
+      q[k] = jq::encode_fp8x4(w[0], w[1], w[2], w[3], fmt);
+    }
+    const int n = int(min(int64_t(16), p.L - pos));
+    if (p.expert_rows == 0) {
+      uint8_t* dst = p.col + c * p.L + pos;
+      if (n == 16 && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+        *reinterpret_cast<uint4*>(dst) = make_uint4(q[0], q[1], q[2], q[3]);
+      } else {
+        for (int i = 0; i < n; ++i) dst[i] = uint8_t(q[i / 4] >> (8 * (i % 4)));
+      }
+    } else {
+      const int64_t E = p.expert_rows;
+      const int64_t g = pos / E, local = pos % E;
+      uint8_t* dst = p.col + (g * p.C + c) * E + local;
+      if (n == 16 && local + 16 <= E && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+        *reinterpret_cast<uint4*>(dst) = make_uint4(q[0], q[1], q[2], q[3]);
+      } else {
+        for (int i = 0; i < n; ++i) {
+          const int64_t pi = pos + i;
+          p.col[((pi / E) * p.C + c) * E + pi % E] = uint8_t(q[i / 4] >> (8 * (i % 4)));
+        }
+      }
+    }
+  }
+}
+
+constexpr const char* kQuantizeTarget = "jaxquant_grouped_quantize_fp8";
+
+ffi::Error GroupedQuantizeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer starts,
+                                  ffi::AnyBuffer pstarts, ffi::AnyBuffer s, ffi::RemainingRets rets,
+                                  bool rowwise, bool columnwise, bool delayed, bool pow2_scale,
+                                  float amax_epsilon, int64_t length, int64_t expert_rows) {
+  const char* t = kQuantizeTarget;
+  QuantizeParams p;
+  JQ_RETURN_IF_ERROR(decode_grouped_quantize_fp8(t, x, starts, pstarts, s, rets, rowwise,
+                                                 columnwise, delayed, pow2_scale, amax_epsilon,
+                                                 length, expert_rows, &p));
+  if (cudaError_t e = cudaMemsetAsync(p.amax, 0, 4 * p.G, stream); e != cudaSuccess) {
+    return launch_status(t, e);
+  }
+  const int64_t tiles = ((p.L + kQP - 1) / kQP) * ((p.C + kQC - 1) / kQC);
+  by_type(p.in_type, [&](auto tag) {
+    constexpr int TYPE = decltype(tag)::value;
+    if (!p.delayed) grouped_amax_kernel<TYPE><<<amax_grid(p.T), 256, 0, stream>>>(p);
+    grouped_quantize_kernel<TYPE><<<unsigned(tiles), 256, 0, stream>>>(p);
+  });
+  return launch_status(t);
+}
+
+// The amax pass of jaxquant_grouped_amax(_gated): clears amax[G], then one launch.
+ffi::Error amax_pass(const char* t, const QuantizeParams& p, cudaStream_t stream) {
+  if (cudaError_t e = cudaMemsetAsync(p.amax, 0, 4 * p.G, stream); e != cudaSuccess) {
+    return launch_status(t, e);
+  }
+  by_type(p.in_type, [&](auto tag) {
+    grouped_amax_kernel<decltype(tag)::value><<<amax_grid(p.T), 256, 0, stream>>>(p);
+  });
+  return launch_status(t);
+}
+
+ffi::Error GroupedAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer starts,
+                           ffi::Result<ffi::AnyBuffer> amax) {
+  const char* t = "jaxquant_grouped_amax";
+  QuantizeParams p;
+  JQ_RETURN_IF_ERROR(decode_grouped_amax(t, x, starts, amax, &p));
+  return amax_pass(t, p, stream);
+}
+
+ffi::Error GroupedAmaxGatedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer starts,
+                                ffi::AnyBuffer gate, ffi::Result<ffi::AnyBuffer> amax) {
+  const char* t = "jaxquant_grouped_amax_gated";
+  QuantizeParams p;
+  JQ_RETURN_IF_ERROR(decode_grouped_amax_gated(t, x, starts, gate, amax, &p));
+  return amax_pass(t, p, stream);
+}
+
+}  // namespace
+
+JQ_DEFINE_CUDA_HANDLER(kGroupedQuantizeFp8Cuda, GroupedQuantizeFp8Cuda, BindGroupedQuantizeFp8);
+JQ_DEFINE_CUDA_HANDLER(kGroupedAmaxCuda, GroupedAmaxCuda, BindGroupedAmax);
+JQ_DEFINE_CUDA_HANDLER(kGroupedAmaxGatedCuda, GroupedAmaxGatedCuda, BindGroupedAmaxGated);
+
+std::vector<Target> grouped_quantize_cuda_targets() {
+  return {target(kQuantizeTarget, kGroupedQuantizeFp8Cuda),
+          target("jaxquant_grouped_amax", kGroupedAmaxCuda),
+          target("jaxquant_grouped_amax_gated", kGroupedAmaxGatedCuda)};
+}
+
+}  // namespace jqffi
