@@ -2,8 +2,8 @@
 //
 // Each FFI target has one `decode_*` function here that checks the buffers XLA passes against
 // the target's contract (ranks, dtypes, shapes) and fills a plain struct of pointers and sizes;
-// the CPU handler (cpu_handlers.cc) and the CUDA handler (cuda_kernels.cu) then differ only in
-// how they execute that struct. Bad arguments give ffi::Error::InvalidArgument with a message
+// each family's CPU handler (e.g. quantize/quantize_cpu.cc) and CUDA handler (quantize_cuda.cu)
+// then differ only in how they execute that struct. Bad arguments give ffi::Error::InvalidArgument with a message
 // naming the target, the buffer, what was passed and what is expected.
 #pragma once
 
