@@ -43,8 +43,9 @@ def latest_trace(logdir: str) -> str:
   return max(paths, key=os.path.getmtime)
 
 
-def kernel_times(path: str) -> tuple[dict[str, float], list[str]]:
-  """({kernel name: total microseconds}, the stream thread names read) of one trace file."""
+def gpu_stream_events(path: str) -> tuple[list[dict], list[str]]:
+  """(the complete events of one trace file's GPU stream threads: kernels, memsets, copies; the
+  stream thread names read)."""
   with gzip.open(path, "rt") as f:
     trace = json.load(f)
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
@@ -61,11 +62,18 @@ def kernel_times(path: str) -> tuple[dict[str, float], list[str]]:
   if not streams:  # another naming: every GPU thread but the per-op / per-module summaries
     streams = {k for k, v in gpu_threads.items()
                if not any(s in v for s in ("XLA Ops", "XLA Modules", "Steps", "TraceMe"))}
+  stream_events = [e for e in events
+                   if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams]
+  return stream_events, sorted({threads[k] for k in streams})
+
+
+def kernel_times(path: str) -> tuple[dict[str, float], list[str]]:
+  """({kernel name: total microseconds}, the stream thread names read) of one trace file."""
+  events, names = gpu_stream_events(path)
   totals: dict[str, float] = collections.defaultdict(float)
   for e in events:
-    if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams:
-      totals[e.get("name", "?")] += float(e.get("dur", 0.0))
-  return dict(totals), sorted({threads[k] for k in streams})
+    totals[e.get("name", "?")] += float(e.get("dur", 0.0))
+  return dict(totals), names
 
 
 def split(times: dict[str, float], steps: int) -> dict:

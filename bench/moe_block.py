@@ -206,21 +206,12 @@ def device_events(path: str) -> tuple[list[dict], str]:
   """(events, what): the complete events of a trace's GPU stream threads (kernels, memsets,
   copies); without a GPU in the trace, XLA:CPU's thunk events (those naming an `hlo_op`), so
   the split can be checked on a CPU."""
+  gpu, _ = e2e_trace.gpu_stream_events(path)
+  if gpu:
+    return gpu, "GPU"
   with gzip.open(path, "rt") as f:
     trace = json.load(f)
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  gpu_pids, threads = set(), {}
-  for e in events:
-    if e.get("ph") != "M":
-      continue
-    if e.get("name") == "process_name" and "gpu" in str(e.get("args", {}).get("name", "")).lower():
-      gpu_pids.add(e["pid"])
-    if e.get("name") == "thread_name":
-      threads[(e.get("pid"), e.get("tid"))] = str(e.get("args", {}).get("name", ""))
-  streams = {k for k, v in threads.items() if k[0] in gpu_pids and "stream" in v.lower()}
-  gpu = [e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams]
-  if gpu:
-    return gpu, "GPU"
   return [e for e in events
           if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {})], "host (no GPU events)"
 
