@@ -45,6 +45,7 @@ import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal
 
 from jaxquant.layers import collective_gemm, operands, shared_inputs
+from jaxquant.layers.shard_major import shard_major
 from jaxquant import explain as _explain
 from jaxquant import ops
 from jaxquant import sharding as _sharding
@@ -524,6 +525,22 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
                     f"{type(quantizers).__name__}")
   if x_quantized is not None or epilogue is not None:
     _check_fusion(quantizers, x_quantized, x, contracting_dims)
+  relayout = (None if quantizers is None  # XLA contracts the axes as they are
+              else shard_major(sharding, kernel.shape, contracting_dims))
+  if relayout is not None:  # a sharded inner output axis: contract in shard-major order
+    if epilogue is not None:
+      raise ValueError(f"epilogue: the kernel's sharded output axis ({sharding.kernel}) is not "
+                       "the leading one; a fused activation epilogue needs it to be")
+    relayout.check_blocks(quantizers, sharding.mesh or _sharding.current_mesh())
+    _explain.record(_explain.Decision(
+        "sharding", quantizers.roles[1],
+        f"kernel output axes {tuple(out_features)} over {sharding.kernel}",
+        "shard-major", "the sharded output axis is not the leading one: the GEMM reads the "
+        "output features shard by shard (local reshapes, no data moved)"))
+    y = dense(x, relayout.kernel(kernel, contracting_dims), relayout.bias(bias), quantizers,
+              key=key, states=states, contracting_dims=contracting_dims, precision=precision,
+              sharding=relayout.sharding, weight=weight, x_quantized=x_quantized)
+    return relayout.output(y)
   if runs_unquantized(quantizers, sharding):
     kernel = kernel.astype(x.dtype)  # a parameter-dtype kernel: Flax's promotion
     y = jax.lax.dot_general(x, kernel, ((tuple(range(x.ndim - contracting_dims, x.ndim)),
@@ -610,6 +627,9 @@ def prepare_weight(x: jax.Array, kernel: jax.Array, quantizers: DenseQuantizers,
   if quantizers.weight.stateful and state is None:
     raise ValueError(f"state: {quantizers.weight} is stateful; pass the weight's state "
                      "(quantizers.init_states()[1])")
+  relayout = shard_major(sharding, kernel.shape, contracting_dims)
+  if relayout is not None:  # as `dense` re-lays it
+    kernel, sharding = relayout.kernel(kernel, contracting_dims), relayout.sharding
   batch_shape = x.shape[:x.ndim - contracting_dims]
   contract_shape = tuple(kernel.shape[:contracting_dims])
   plan = None

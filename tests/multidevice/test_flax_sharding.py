@@ -165,6 +165,11 @@ def test_layernorm_mlp_dense_general_take_input_axes(devices, rng):
   gathers = [c for c in sharded.collectives(hlo) if c.op == "all-gather" and c.elements > 4096]
   assert bool(gathers) == has_fsdp, gathers
   assert {t for c in gathers for t, _ in c.arrays} <= {"u8"}, gathers
+  # The gated fc1 kernel [K, 2, N] is sharded on its inner axis N: the GEMM reads it shard-major
+  # (jaxquant/layers/shard_major.py), so nothing is re-laid between devices.
+  moved = [c for c in sharded.collectives(hlo)
+           if c.op in ("all-to-all", "collective-permute") and c.elements > 4096]
+  assert not moved, moved
   assert np.isfinite(float(got_loss))
   # Values and gradients of each quantized layer (LayerNormMLP's fc1 and fc2 included) on its own,
   # as in the MLP test above.
