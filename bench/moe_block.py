@@ -183,7 +183,7 @@ def scope_of(text: str) -> str | None:
 
 # Kernel-name marks of jaxquant's grouped GEMMs (CUTLASS's grouped kernel and its setup, the
 # mma.sync kernels): in this block only the experts run them.
-GROUPED_GEMM_KERNELS = ("GroupProblemShape", "jqgrouped::sm90::", "grouped_gemm")
+GROUPED_GEMM_KERNELS = ("GroupProblemShape", "jqffi::sm90::", "grouped_gemm")
 
 
 def part_of(kernel: str, op_name: str | None) -> tuple[str, bool]:

@@ -19,7 +19,7 @@
 #include <stdint.h>
 
 #include <cmath>
-#include <cstring>
+#include <string.h>  // memcpy, host and device
 
 #if defined(__CUDACC__)
 #define JQ_HD __host__ __device__ __forceinline__
@@ -34,25 +34,19 @@ namespace jq {
 // Bits and NaN-propagating min/max (jnp.minimum / jnp.maximum semantics).
 // ---------------------------------------------------------------------------------------------
 
-JQ_HD uint32_t bits_of(float x) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(x);
-#else
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u;
-#endif
+// The bits of `from` as a `To` of the same size (C++20's std::bit_cast); a register move on the
+// device, where memcpy of a local is lowered to one.
+template <typename To, typename From>
+JQ_HD To bit_cast(From from) {
+  static_assert(sizeof(To) == sizeof(From), "bit_cast between types of one size");
+  To to;
+  memcpy(&to, &from, sizeof(To));
+  return to;
 }
 
-JQ_HD float float_of(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
-#endif
-}
+JQ_HD uint32_t bits_of(float x) { return bit_cast<uint32_t>(x); }
+
+JQ_HD float float_of(uint32_t u) { return bit_cast<float>(u); }
 
 // IEEE half bits -> float32, built from bits (exact; a half subnormal m * 2^-24 is a float32
 // normal, so no denormal flushing can touch it). The CPU handlers read float16 inputs with it.
@@ -339,6 +333,16 @@ JQ_HD float delayed_scale(float a, float fmax, int32_t margin, float fallback) {
   float scale = div_f32(fmax, a);
   if (margin != 0) scale = div_f32(scale, float_of(uint32_t(127 + (margin < 128 ? margin : 128)) << 23));
   return scale > kFltMax ? kFltMax : scale;
+}
+
+// The scale of a per-tensor FP8 quantize (jaxquant_quantize_fp8[_delayed]): the stored scale `s`
+// (delayed) or scale_from_amax of the amax `s` (current); with the just-in-time first scale
+// (`first_amax` not null), delayed_scale(*first_amax, fmax, margin, 1) where the stored one is 0.
+JQ_HD float fp8_tensor_scale(float s, bool delayed, float fmax, bool pow2_scale, float amax_epsilon,
+                             const float* first_amax, int32_t margin) {
+  float scale = delayed ? s : scale_from_amax(s, fmax, pow2_scale, amax_epsilon);
+  if (first_amax != nullptr && is_zero(scale)) scale = delayed_scale(*first_amax, fmax, margin, 1.0f);
+  return scale;
 }
 
 // scales.e8m0_from_amax: MXFP8 biased block exponent in [0, 255]. `inv_fmax` = float32(1/fmax).

@@ -9,41 +9,42 @@
 #include <nanobind/stl/string.h>
 
 #include <string>
+#include <vector>
 
-#include "fused/registrations.h"
-#include "gemm/registrations.h"
-#include "grouped/registrations.h"
+#include "fused/handlers.h"
+#include "gemm/handlers.h"
+#include "grouped/handlers.h"
 #include "quantize/handlers.h"
+#include "targets.h"
 
 namespace nb = nanobind;
 
 namespace {
 
-nb::dict table(const std::vector<jqffi::Target>& targets) {
-  nb::dict d;
-  for (const jqffi::Target& t : targets) d[t.name] = nb::capsule(t.handler);
-  return d;
+// Every family's handlers on the CPU (always built).
+std::vector<jqffi::Target> cpu_targets() {
+  return jqffi::join({jqffi::quantize_cpu_targets(), jqffi::fused_cpu_targets(),
+                      jqffi::gemm_cpu_targets(), jqffi::grouped_cpu_targets()});
 }
 
-void add(nb::dict& d, const std::vector<jqffi::Target>& targets) {
-  for (const jqffi::Target& t : targets) d[t.name] = nb::capsule(t.handler);
+#ifdef JAXQUANT_WITH_CUDA
+// Every family's handlers on CUDA (built with nvcc; the GEMM ones also need JAXQUANT_GEMM).
+std::vector<jqffi::Target> cuda_targets() {
+  return jqffi::join({jqffi::quantize_cuda_targets(), jqffi::fused_cuda_targets(),
+                      jqffi::gemm_cuda_targets(), jqffi::grouped_cuda_targets()});
 }
+#endif
 
 }  // namespace
 
 NB_MODULE(_jaxquant_ffi, m) {
   m.def("registrations", []() {
-    nb::dict platforms;
-    nb::dict cpu = table(jqffi::cpu_targets()), cuda;
-    add(cpu, jqffi::fused_cpu_targets());  // ffi/fused
-#ifdef JAXQUANT_WITH_CUDA
-    cuda = table(jqffi::cuda_targets());
-    add(cuda, jqffi::fused_cuda_targets());
-#endif
-    jaxquant_gemm::RegisterGemmTargets(cpu, cuda);  // ffi/gemm
-    jqgrouped::RegisterGroupedTargets(cpu, cuda);   // ffi/grouped
+    nb::dict platforms, cpu;
+    jqffi::add_capsules<nb::capsule>(cpu, cpu_targets());
     platforms["cpu"] = cpu;
 #ifdef JAXQUANT_WITH_CUDA
+    nb::dict cuda;
+    jqffi::add_capsules<nb::capsule>(cuda, cuda_targets());
     platforms["CUDA"] = cuda;
 #endif
     return platforms;

@@ -6,9 +6,13 @@
 #include <initializer_list>
 #include <vector>
 
-#include "quantize/handlers.h"  // jqffi::Target
-
 namespace jqffi {
+
+// One FFI target of one platform.
+struct Target {
+  const char* name;
+  void* handler;  // XLA_FFI_Handler*
+};
 
 // The table entry of handler `handler` (an XLA_FFI_DEFINE_HANDLER symbol) under `name`.
 template <typename Handler>

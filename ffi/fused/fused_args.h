@@ -1,11 +1,15 @@
-// Argument decoding of the fused producer targets (ffi/fused/NOTES.md), shared by the CPU and
-// CUDA handlers: every buffer is checked against the producer's contract, and bad arguments get
-// InvalidArgument naming the target, the buffer, what came and what was expected.
+// Argument decoding and FFI signatures of the fused producer targets (ffi/fused/NOTES.md),
+// shared by the CPU handlers (fused_cpu.cc) and the CUDA handlers (fused_cuda.cu,
+// fused_quantize_*_cuda.cu): every buffer is checked against the producer's contract, and bad
+// arguments get InvalidArgument naming the target, the buffer, what came and what was expected.
+// The quantized results are the quantize targets' (quantize/quantize_args.h).
 #pragma once
 
 #include <string>
+#include <utility>
 
-#include "handler_common.h"
+#include "binding.h"
+#include "quantize/quantize_args.h"
 
 namespace jqffi {
 
@@ -37,6 +41,11 @@ inline jq::OutType out_type_of(In t) {
   return t == In::kBF16 ? jq::OutType::kBF16 : (t == In::kF16 ? jq::OutType::kF16 : jq::OutType::kF32);
 }
 
+// The six operands every fused target starts with: a, b, mean, rsigma, scale, bias.
+struct ProducerOperands {
+  ffi::AnyBuffer a, b, mean, rsigma, scale, bias;
+};
+
 // The producer attributes every fused target takes.
 struct ProducerAttrs {
   int32_t producer = 0, act = 0, out_type = 0;
@@ -65,9 +74,10 @@ inline ffi::Error expect_placeholder(const char* t, const char* what, const ffi:
 
 // Operands of every fused target: a, b, mean, rsigma, scale, bias (unused ones are float32[]
 // placeholders).
-inline ffi::Error decode_producer(const char* t, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer mean,
-                                  ffi::AnyBuffer rsigma, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
-                                  const ProducerAttrs& at, FusedArgs* f) {
+inline ffi::Error decode_producer(const char* t, const ProducerOperands& in, const ProducerAttrs& at,
+                                  FusedArgs* f) {
+  const ffi::AnyBuffer &a = in.a, &b = in.b, &mean = in.mean, &rsigma = in.rsigma, &scale = in.scale,
+                       &bias = in.bias;
   if (at.producer < 1 || at.producer > 4) {
     return invalid(t, "producer=" + std::to_string(at.producer) +
                           "; expected 1 (layernorm), 2 (rmsnorm), 3 (activation) or 4 (activation gradient)");
@@ -165,6 +175,84 @@ inline ffi::Error read_col_sums(const char* t, RetReader& r, const FusedArgs& f,
   return ffi::Error::Success();
 }
 
+// The decoded call of a fused quantize target: the producer, the format's arguments (Q:
+// Fp8TensorArgs, Mxfp8Args or Fp8BlockArgs, as the quantize target's), y and column sums.
+template <typename Q>
+struct FusedQuantizeArgs {
+  const char* target = nullptr;  // the target's name, for errors
+  FusedArgs f;
+  Q q;
+  FusedOutputs o;
+};
+
+// The results of a fused quantize target in order: [y], the quantize target's for the produced
+// R x C matrix (read_results), [column sums], and no more.
+template <typename Q>
+ffi::Error read_fused_results(const char* t, ffi::RemainingRets rets, bool write_y, bool col_sums,
+                              FusedQuantizeArgs<Q>* d) {
+  RetReader r(t, rets);
+  JQ_RETURN_IF_ERROR(read_y(t, r, d->f, write_y, &d->o));
+  JQ_RETURN_IF_ERROR(read_results(t, r, d->f.R, d->f.C, &d->q));
+  JQ_RETURN_IF_ERROR(read_col_sums(t, r, d->f, col_sums, &d->o));
+  return r.done();
+}
+
+// jaxquant_fused_quantize_fp8(the six, s) -> [y], jaxquant_quantize_fp8's results, [col_sums]
+inline ffi::Error decode_fused_fp8(const ProducerOperands& in, ffi::AnyBuffer s, ffi::RemainingRets rets,
+                                   const ProducerAttrs& at, bool write_y, bool col_sums, bool rowwise,
+                                   bool columnwise, bool delayed, bool pow2_scale, float amax_epsilon,
+                                   FusedQuantizeArgs<Fp8TensorArgs>* d) {
+  const char* t = "jaxquant_fused_quantize_fp8";
+  JQ_RETURN_IF_ERROR(decode_producer(t, in, at, &d->f));
+  JQ_RETURN_IF_ERROR(set_fp8_tensor_attrs(t, s, rowwise, columnwise, delayed, pow2_scale, amax_epsilon, &d->q));
+  d->target = t;
+  return read_fused_results(t, rets, write_y, col_sums, d);
+}
+
+// jaxquant_fused_quantize_mxfp8(the six) -> [y], jaxquant_quantize_mxfp8's results, [col_sums]
+inline ffi::Error decode_fused_mxfp8(const ProducerOperands& in, ffi::RemainingRets rets, const ProducerAttrs& at,
+                                     bool write_y, bool col_sums, bool rowwise, bool columnwise,
+                                     FusedQuantizeArgs<Mxfp8Args>* d) {
+  const char* t = "jaxquant_fused_quantize_mxfp8";
+  JQ_RETURN_IF_ERROR(decode_producer(t, in, at, &d->f));
+  JQ_RETURN_IF_ERROR(set_directions(t, rowwise, columnwise, &d->q));
+  d->target = t;
+  return read_fused_results(t, rets, write_y, col_sums, d);
+}
+
+// jaxquant_fused_quantize_fp8_block(the six) -> [y], jaxquant_quantize_fp8_block's results,
+// [col_sums]
+inline ffi::Error decode_fused_fp8_block(const ProducerOperands& in, ffi::RemainingRets rets,
+                                         const ProducerAttrs& at, bool write_y, bool col_sums, bool rowwise,
+                                         bool columnwise, bool block_2d, bool pow2_scale, float amax_epsilon,
+                                         FusedQuantizeArgs<Fp8BlockArgs>* d) {
+  const char* t = "jaxquant_fused_quantize_fp8_block";
+  JQ_RETURN_IF_ERROR(decode_producer(t, in, at, &d->f));
+  JQ_RETURN_IF_ERROR(set_fp8_block_attrs(t, rowwise, columnwise, block_2d, pow2_scale, amax_epsilon, &d->q));
+  d->target = t;
+  return read_fused_results(t, rets, write_y, col_sums, d);
+}
+
+// jaxquant_fused_amax(the six, gate) -> amax f32[] of the produced matrix; with gated_amax only
+// when the float32[] gate is 0 (a delayed-scaling state with no scale yet), else 0.
+struct FusedAmaxArgs {
+  FusedArgs f;
+  const float* gate = nullptr;  // null: always computed
+  float* amax = nullptr;
+};
+
+inline ffi::Error decode_fused_amax(const ProducerOperands& in, ffi::AnyBuffer gate,
+                                    ffi::Result<ffi::AnyBuffer> amax, const ProducerAttrs& at,
+                                    bool gated_amax, FusedAmaxArgs* d) {
+  const char* t = "jaxquant_fused_amax";
+  JQ_RETURN_IF_ERROR(decode_producer(t, in, at, &d->f));
+  JQ_RETURN_IF_ERROR(expect(t, "gate", gate, {ffi::DataType::F32}, {}));
+  JQ_RETURN_IF_ERROR(expect(t, "amax", *amax, {ffi::DataType::F32}, {}));
+  d->gate = gated_amax ? static_cast<const float*>(gate.untyped_data()) : nullptr;
+  d->amax = static_cast<float*>(amax->untyped_data());
+  return ffi::Error::Success();
+}
+
 // jaxquant_norm_stats(x, scale, bias, gate) -> [mean f32[R]], rsigma f32[R], [amax f32[]]
 //   amax: 0 none, 1 the amax of the normalized output (rounded to out_type), 2 the same only
 //   when the float32[] gate is 0 (a delayed-scaling state with no scale yet), else 0.
@@ -224,6 +312,60 @@ inline ffi::Error decode_norm_stats(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi:
     a->amax = static_cast<float*>(p);
   }
   return r.done();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The FFI signatures, one copy for both platforms: the CPU handlers bind
+// `BindX(ffi::Ffi::Bind())`, the CUDA ones `BindX(ffi::Ffi::Bind().Ctx<Stream>())`
+// (binding.h).
+// ---------------------------------------------------------------------------------------------
+
+// `binding` followed by the producer attributes (ProducerAttrs, in order).
+template <typename Binding>
+auto BindProducerAttrs(Binding&& binding) {
+  auto ints = Attrs<int32_t>(std::move(binding), "producer", "act", "out_type");
+  return Attrs<bool>(std::move(ints), "gated", "has_scale", "has_bias");
+}
+
+// jaxquant_norm_stats: x, scale, bias, gate -> [mean], rsigma, [amax].
+template <typename Binding>
+auto BindNormStats(Binding binding) {
+  auto rmsnorm = Attrs<bool>(Args<4>(std::move(binding)).RemainingRets(), "rmsnorm");
+  auto modes = Attrs<int32_t>(Attrs<float>(std::move(rmsnorm), "epsilon"), "amax", "out_type");
+  return Attrs<bool>(std::move(modes), "has_scale", "has_bias");
+}
+
+// jaxquant_fused_amax: the six, gate -> amax.
+template <typename Binding>
+auto BindFusedAmax(Binding binding) {
+  return Attrs<bool>(BindProducerAttrs(Rets<1>(Args<7>(std::move(binding)))), "gated_amax");
+}
+
+// `binding` followed by what every fused quantize target takes before the quantize target's
+// attributes: the six operands and kExtra more, the results ([y], the quantize target's,
+// [col_sums]), the producer attributes, write_y and col_sums.
+template <size_t kExtra, typename Binding>
+auto FusedQuantizeHead(Binding&& binding) {
+  auto producer = BindProducerAttrs(Args<6 + kExtra>(std::move(binding)).RemainingRets());
+  return Attrs<bool>(std::move(producer), "write_y", "col_sums");
+}
+
+// jaxquant_fused_quantize_fp8: the six, s; jaxquant_quantize_fp8's attributes last.
+template <typename Binding>
+auto BindFusedQuantizeFp8(Binding binding) {
+  return Fp8TensorAttrs(FusedQuantizeHead<1>(std::move(binding)));
+}
+
+// jaxquant_fused_quantize_mxfp8: the six; jaxquant_quantize_mxfp8's attributes last.
+template <typename Binding>
+auto BindFusedQuantizeMxfp8(Binding binding) {
+  return Mxfp8Attrs(FusedQuantizeHead<0>(std::move(binding)));
+}
+
+// jaxquant_fused_quantize_fp8_block: the six; jaxquant_quantize_fp8_block's attributes last.
+template <typename Binding>
+auto BindFusedQuantizeFp8Block(Binding binding) {
+  return Fp8BlockAttrs(FusedQuantizeHead<0>(std::move(binding)));
 }
 
 }  // namespace jqffi

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "fused/fused_args.h"
-#include "fused/registrations.h"
+#include "fused/handlers.h"
 #include "quantize/quantize_cpu.h"
 
 namespace jqffi {
@@ -90,8 +90,6 @@ void column_tile_sums(const Matrix& m, float* out) {
   }
 }
 
-float amax_of(const Matrix& m) { return float_of(amax_bits_of_range(m, 0, m.rows, 0, m.cols)); }
-
 // ------------------------------------- norm statistics ---------------------------------------
 
 ffi::Error NormStatsCpu(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias, ffi::AnyBuffer gate,
@@ -133,170 +131,77 @@ ffi::Error FusedAmaxCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer mean,
                         ffi::AnyBuffer scale, ffi::AnyBuffer bias, ffi::AnyBuffer gate,
                         ffi::Result<ffi::AnyBuffer> amax, int32_t producer, int32_t act, int32_t out_type, bool gated,
                         bool has_scale, bool has_bias, bool gated_amax) {
-  const char* t = "jaxquant_fused_amax";
-  FusedArgs f;
-  JQ_RETURN_IF_ERROR(decode_producer(t, a, b, mean, rsigma, scale, bias,
-                                     {producer, act, out_type, gated, has_scale, has_bias}, &f));
-  JQ_RETURN_IF_ERROR(expect(t, "gate", gate, {ffi::DataType::F32}, {}));
-  JQ_RETURN_IF_ERROR(expect(t, "amax", *amax, {ffi::DataType::F32}, {}));
-  float* out = static_cast<float*>(amax->untyped_data());
-  if (gated_amax && *static_cast<const float*>(gate.untyped_data()) != 0.0f) {
-    *out = 0.f;
-    return ffi::Error::Success();
-  }
-  *out = amax_of(produce(f));
+  FusedAmaxArgs d;
+  JQ_RETURN_IF_ERROR(decode_fused_amax({a, b, mean, rsigma, scale, bias}, gate, amax,
+                                       {producer, act, out_type, gated, has_scale, has_bias}, gated_amax, &d));
+  *d.amax = d.gate && *d.gate != 0.0f ? 0.f : amax_of(produce(d.f));
   return ffi::Error::Success();
 }
 
 // --------------------------------------- fused quantize --------------------------------------
 
+// The produced matrix of a fused quantize call, with its y and column sums written if asked for.
+template <typename Q>
+Matrix produce_outputs(const FusedQuantizeArgs<Q>& d) {
+  Matrix m = produce(d.f);
+  if (d.o.y) write_y(m, d.f.out, d.o.y);
+  if (d.o.col_sums) column_tile_sums(m, d.o.col_sums);
+  return m;
+}
+
 ffi::Error FusedQuantizeFp8Cpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer mean, ffi::AnyBuffer rsigma,
                                ffi::AnyBuffer scale, ffi::AnyBuffer bias, ffi::AnyBuffer s, ffi::RemainingRets rets,
                                int32_t producer, int32_t act, int32_t out_type, bool gated, bool has_scale,
-                               bool has_bias, bool write_y_attr, bool col_sums, bool rowwise, bool columnwise,
+                               bool has_bias, bool write_y, bool col_sums, bool rowwise, bool columnwise,
                                bool delayed, bool pow2_scale, float amax_epsilon) {
-  const char* t = "jaxquant_fused_quantize_fp8";
-  FusedArgs f;
-  JQ_RETURN_IF_ERROR(decode_producer(t, a, b, mean, rsigma, scale, bias,
-                                     {producer, act, out_type, gated, has_scale, has_bias}, &f));
-  JQ_RETURN_IF_ERROR(need_direction(t, rowwise, columnwise));
-  JQ_RETURN_IF_ERROR(expect(t, delayed ? "scale" : "amax", s, {ffi::DataType::F32}, {}));
-  Fp8TensorArgs q;
-  q.rowwise = rowwise; q.columnwise = columnwise; q.delayed = delayed;
-  q.pow2_scale = pow2_scale; q.amax_epsilon = amax_epsilon;
-  FusedOutputs o;
-  RetReader r(t, rets);
-  JQ_RETURN_IF_ERROR(read_y(t, r, f, write_y_attr, &o));
-  JQ_RETURN_IF_ERROR(read_fp8_tensor_results(t, r, f.R, f.C, &q));
-  JQ_RETURN_IF_ERROR(read_col_sums(t, r, f, col_sums, &o));
-  JQ_RETURN_IF_ERROR(r.done());
-  const Matrix m = produce(f);
-  const float given = *static_cast<const float*>(s.untyped_data());
-  const float sc = delayed ? given : jq::scale_from_amax(given, jq::spec_of(q.fmt).fmax, pow2_scale, amax_epsilon);
-  if (o.y) write_y(m, f.out, o.y);
-  if (rowwise) fp8_with_scale(m, sc, q.fmt, q.row_data);
-  if (columnwise) fp8_with_scale(transposed(m), sc, q.fmt, q.col_data);
-  *q.scale_inv = jq::rcp_f32(sc);
-  if (q.amax) *q.amax = amax_of(m);
-  if (o.col_sums) column_tile_sums(m, o.col_sums);
+  FusedQuantizeArgs<Fp8TensorArgs> d;
+  JQ_RETURN_IF_ERROR(decode_fused_fp8({a, b, mean, rsigma, scale, bias}, s, rets,
+                                      {producer, act, out_type, gated, has_scale, has_bias}, write_y, col_sums,
+                                      rowwise, columnwise, delayed, pow2_scale, amax_epsilon, &d));
+  quantize_matrix(produce_outputs(d), d.q);
   return ffi::Error::Success();
 }
 
 ffi::Error FusedQuantizeMxfp8Cpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer mean, ffi::AnyBuffer rsigma,
                                  ffi::AnyBuffer scale, ffi::AnyBuffer bias, ffi::RemainingRets rets, int32_t producer,
                                  int32_t act, int32_t out_type, bool gated, bool has_scale, bool has_bias,
-                                 bool write_y_attr, bool col_sums, bool rowwise, bool columnwise) {
-  const char* t = "jaxquant_fused_quantize_mxfp8";
-  FusedArgs f;
-  JQ_RETURN_IF_ERROR(decode_producer(t, a, b, mean, rsigma, scale, bias,
-                                     {producer, act, out_type, gated, has_scale, has_bias}, &f));
-  JQ_RETURN_IF_ERROR(need_direction(t, rowwise, columnwise));
-  Mxfp8Args q;
-  q.rowwise = rowwise; q.columnwise = columnwise;
-  FusedOutputs o;
-  RetReader r(t, rets);
-  JQ_RETURN_IF_ERROR(read_y(t, r, f, write_y_attr, &o));
-  JQ_RETURN_IF_ERROR(read_mxfp8_results(t, r, f.R, f.C, &q));
-  JQ_RETURN_IF_ERROR(read_col_sums(t, r, f, col_sums, &o));
-  JQ_RETURN_IF_ERROR(r.done());
-  const Matrix m = produce(f);
-  if (o.y) write_y(m, f.out, o.y);
-  if (rowwise) mxfp8_matrix(m, q.fmt, q.row_data, q.row_scale);
-  if (columnwise) mxfp8_matrix(transposed(m), q.fmt, q.col_data, q.col_scale);
-  *q.amax = amax_of(m);
-  if (o.col_sums) column_tile_sums(m, o.col_sums);
+                                 bool write_y, bool col_sums, bool rowwise, bool columnwise) {
+  FusedQuantizeArgs<Mxfp8Args> d;
+  JQ_RETURN_IF_ERROR(decode_fused_mxfp8({a, b, mean, rsigma, scale, bias}, rets,
+                                        {producer, act, out_type, gated, has_scale, has_bias}, write_y, col_sums,
+                                        rowwise, columnwise, &d));
+  quantize_matrix(produce_outputs(d), d.q);
   return ffi::Error::Success();
 }
 
 ffi::Error FusedQuantizeFp8BlockCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer mean, ffi::AnyBuffer rsigma,
                                     ffi::AnyBuffer scale, ffi::AnyBuffer bias, ffi::RemainingRets rets,
                                     int32_t producer, int32_t act, int32_t out_type, bool gated, bool has_scale,
-                                    bool has_bias, bool write_y_attr, bool col_sums, bool rowwise, bool columnwise,
+                                    bool has_bias, bool write_y, bool col_sums, bool rowwise, bool columnwise,
                                     bool block_2d, bool pow2_scale, float amax_epsilon) {
-  const char* t = "jaxquant_fused_quantize_fp8_block";
-  FusedArgs f;
-  JQ_RETURN_IF_ERROR(decode_producer(t, a, b, mean, rsigma, scale, bias,
-                                     {producer, act, out_type, gated, has_scale, has_bias}, &f));
-  JQ_RETURN_IF_ERROR(need_direction(t, rowwise, columnwise));
-  Fp8BlockArgs q;
-  q.rowwise = rowwise; q.columnwise = columnwise; q.block_2d = block_2d;
-  q.pow2_scale = pow2_scale; q.amax_epsilon = amax_epsilon;
-  FusedOutputs o;
-  RetReader r(t, rets);
-  JQ_RETURN_IF_ERROR(read_y(t, r, f, write_y_attr, &o));
-  JQ_RETURN_IF_ERROR(read_fp8_block_results(t, r, f.R, f.C, &q));
-  JQ_RETURN_IF_ERROR(read_col_sums(t, r, f, col_sums, &o));
-  JQ_RETURN_IF_ERROR(r.done());
-  const Matrix m = produce(f);
-  const int64_t block_rows = block_2d ? 128 : 1;
-  if (o.y) write_y(m, f.out, o.y);
-  if (rowwise) fp8_block_matrix(m, block_rows, q, q.row_data, q.row_scale);
-  if (columnwise) fp8_block_matrix(transposed(m), block_rows, q, q.col_data, q.col_scale);
-  *q.amax = amax_of(m);
-  if (o.col_sums) column_tile_sums(m, o.col_sums);
+  FusedQuantizeArgs<Fp8BlockArgs> d;
+  JQ_RETURN_IF_ERROR(decode_fused_fp8_block({a, b, mean, rsigma, scale, bias}, rets,
+                                            {producer, act, out_type, gated, has_scale, has_bias}, write_y,
+                                            col_sums, rowwise, columnwise, block_2d, pow2_scale, amax_epsilon, &d));
+  quantize_matrix(produce_outputs(d), d.q);
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-#define JQ_FUSED_OPERANDS                                                                          \
-  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()        \
-      .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
-#define JQ_PRODUCER_ATTRS                                                                          \
-  .Attr<int32_t>("producer").Attr<int32_t>("act").Attr<int32_t>("out_type").Attr<bool>("gated")   \
-      .Attr<bool>("has_scale").Attr<bool>("has_bias")
-
-XLA_FFI_DEFINE_HANDLER(kNormStatsCpu, NormStatsCpu,
-                       ffi::Ffi::Bind()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .RemainingRets()
-                           .Attr<bool>("rmsnorm")
-                           .Attr<float>("epsilon")
-                           .Attr<int32_t>("amax")
-                           .Attr<int32_t>("out_type")
-                           .Attr<bool>("has_scale")
-                           .Attr<bool>("has_bias"));
-
-XLA_FFI_DEFINE_HANDLER(kFusedAmaxCpu, FusedAmaxCpu,
-                       ffi::Ffi::Bind() JQ_FUSED_OPERANDS.Arg<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>() JQ_PRODUCER_ATTRS.Attr<bool>("gated_amax"));
-
-XLA_FFI_DEFINE_HANDLER(kFusedQuantizeFp8Cpu, FusedQuantizeFp8Cpu,
-                       ffi::Ffi::Bind() JQ_FUSED_OPERANDS.Arg<ffi::AnyBuffer>()
-                           .RemainingRets() JQ_PRODUCER_ATTRS.Attr<bool>("write_y")
-                           .Attr<bool>("col_sums")
-                           .Attr<bool>("rowwise")
-                           .Attr<bool>("columnwise")
-                           .Attr<bool>("delayed")
-                           .Attr<bool>("pow2_scale")
-                           .Attr<float>("amax_epsilon"));
-
-XLA_FFI_DEFINE_HANDLER(kFusedQuantizeMxfp8Cpu, FusedQuantizeMxfp8Cpu,
-                       ffi::Ffi::Bind() JQ_FUSED_OPERANDS.RemainingRets() JQ_PRODUCER_ATTRS.Attr<bool>("write_y")
-                           .Attr<bool>("col_sums")
-                           .Attr<bool>("rowwise")
-                           .Attr<bool>("columnwise"));
-
+XLA_FFI_DEFINE_HANDLER(kNormStatsCpu, NormStatsCpu, BindNormStats(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kFusedAmaxCpu, FusedAmaxCpu, BindFusedAmax(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kFusedQuantizeFp8Cpu, FusedQuantizeFp8Cpu, BindFusedQuantizeFp8(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kFusedQuantizeMxfp8Cpu, FusedQuantizeMxfp8Cpu, BindFusedQuantizeMxfp8(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kFusedQuantizeFp8BlockCpu, FusedQuantizeFp8BlockCpu,
-                       ffi::Ffi::Bind() JQ_FUSED_OPERANDS.RemainingRets() JQ_PRODUCER_ATTRS.Attr<bool>("write_y")
-                           .Attr<bool>("col_sums")
-                           .Attr<bool>("rowwise")
-                           .Attr<bool>("columnwise")
-                           .Attr<bool>("block_2d")
-                           .Attr<bool>("pow2_scale")
-                           .Attr<float>("amax_epsilon"));
+                       BindFusedQuantizeFp8Block(ffi::Ffi::Bind()));
 
 std::vector<Target> fused_cpu_targets() {
-  return {
-      {"jaxquant_norm_stats", reinterpret_cast<void*>(kNormStatsCpu)},
-      {"jaxquant_fused_amax", reinterpret_cast<void*>(kFusedAmaxCpu)},
-      {"jaxquant_fused_quantize_fp8", reinterpret_cast<void*>(kFusedQuantizeFp8Cpu)},
-      {"jaxquant_fused_quantize_mxfp8", reinterpret_cast<void*>(kFusedQuantizeMxfp8Cpu)},
-      {"jaxquant_fused_quantize_fp8_block", reinterpret_cast<void*>(kFusedQuantizeFp8BlockCpu)},
-  };
+  return {target("jaxquant_norm_stats", kNormStatsCpu),
+          target("jaxquant_fused_amax", kFusedAmaxCpu),
+          target("jaxquant_fused_quantize_fp8", kFusedQuantizeFp8Cpu),
+          target("jaxquant_fused_quantize_mxfp8", kFusedQuantizeMxfp8Cpu),
+          target("jaxquant_fused_quantize_fp8_block", kFusedQuantizeFp8BlockCpu)};
 }
 
 }  // namespace jqffi

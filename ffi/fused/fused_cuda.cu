@@ -37,54 +37,26 @@ ffi::Error FusedAmaxCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b
                          ffi::Result<ffi::AnyBuffer> amax, int32_t producer, int32_t act, int32_t out_type, bool gated,
                          bool has_scale, bool has_bias, bool gated_amax) {
   const char* t = "jaxquant_fused_amax";
-  FusedArgs f;
-  JQ_RETURN_IF_ERROR(decode_producer(t, a, b, mean, rsigma, scale, bias,
-                                     {producer, act, out_type, gated, has_scale, has_bias}, &f));
-  JQ_RETURN_IF_ERROR(expect(t, "gate", gate, {ffi::DataType::F32}, {}));
-  JQ_RETURN_IF_ERROR(expect(t, "amax", *amax, {ffi::DataType::F32}, {}));
-  float* out = static_cast<float*>(amax->untyped_data());
-  JQ_RETURN_IF_ERROR(clear(stream, out, 4));
-  const float* g = gated_amax ? static_cast<const float*>(gate.untyped_data()) : nullptr;
-  const int64_t total = f.R * ceil_div(f.C, 8);
+  FusedAmaxArgs d;
+  JQ_RETURN_IF_ERROR(decode_fused_amax({a, b, mean, rsigma, scale, bias}, gate, amax,
+                                       {producer, act, out_type, gated, has_scale, has_bias}, gated_amax, &d));
+  JQ_RETURN_IF_ERROR(clear(stream, d.amax, 4));
+  const int64_t total = d.f.R * ceil_div(d.f.C, 8);
   const unsigned blocks = unsigned(std::max<int64_t>(1, std::min<int64_t>(ceil_div(total, kThreads), 2048)));
-  JQ_RETURN_IF_ERROR(with_producer(t, f, nullptr, [&](const auto& prod) {
+  JQ_RETURN_IF_ERROR(with_producer(t, d.f, nullptr, [&](const auto& prod) {
     using P = std::decay_t<decltype(prod)>;
-    producer_amax_kernel<P><<<blocks, kThreads, 0, stream>>>(prod, f.R, f.C, g, out);
+    producer_amax_kernel<P><<<blocks, kThreads, 0, stream>>>(prod, d.f.R, d.f.C, d.gate, d.amax);
   }));
   return launch_status(t);
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kNormStatsCuda, NormStatsCuda,
-                       ffi::Ffi::Bind()
-                           .Ctx<Stream>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .RemainingRets()
-                           .Attr<bool>("rmsnorm")
-                           .Attr<float>("epsilon")
-                           .Attr<int32_t>("amax")
-                           .Attr<int32_t>("out_type")
-                           .Attr<bool>("has_scale")
-                           .Attr<bool>("has_bias"),
-                       {ffi::Traits::kCmdBufferCompatible});
+JQ_DEFINE_CUDA_HANDLER(kNormStatsCuda, NormStatsCuda, BindNormStats);
+JQ_DEFINE_CUDA_HANDLER(kFusedAmaxCuda, FusedAmaxCuda, BindFusedAmax);
 
-XLA_FFI_DEFINE_HANDLER(kFusedAmaxCuda, FusedAmaxCuda,
-                       ffi::Ffi::Bind().Ctx<Stream>() JQ_FUSED_OPERANDS.Arg<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>() JQ_PRODUCER_ATTRS.Attr<bool>("gated_amax"),
-                       {ffi::Traits::kCmdBufferCompatible});
-
-std::vector<Target> fused_cuda_targets() {
-  return {
-      {"jaxquant_norm_stats", reinterpret_cast<void*>(kNormStatsCuda)},
-      {"jaxquant_fused_amax", reinterpret_cast<void*>(kFusedAmaxCuda)},
-      fused_quantize_fp8_cuda_target(),
-      fused_quantize_mxfp8_cuda_target(),
-      fused_quantize_fp8_block_cuda_target(),
-  };
+std::vector<Target> fused_stats_cuda_targets() {
+  return {target("jaxquant_norm_stats", kNormStatsCuda), target("jaxquant_fused_amax", kFusedAmaxCuda)};
 }
 
 }  // namespace jqffi

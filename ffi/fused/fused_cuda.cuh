@@ -1,6 +1,6 @@
 // What the CUDA handlers of the fused producer targets share (ffi/fused/NOTES.md): the device
-// producer of a call's arguments, the tile kernels' shared memory, the FFI binding fragments.
-// Each target's handler is its own translation unit (fused_cuda.cu: statistics and amax;
+// producer of a call's arguments and the launch of a quantize tile kernel over it. Each
+// quantize target's handler is its own translation unit (fused_cuda.cu: statistics and amax;
 // fused_quantize_{fp8,mxfp8,fp8_block}_cuda.cu), so their kernels compile in parallel.
 #pragma once
 
@@ -10,16 +10,14 @@
 #include <string>
 #include <type_traits>
 
+#include "cuda_handler.h"
 #include "fused/fused_args.h"
+#include "fused/handlers.h"
 #include "fused/norm_stats.cuh"
-#include "fused/registrations.h"
-#include "quantize/fp8_tensor.cuh"  // first: FP8Tile
-#include "quantize/mxfp8.cuh"
-#include "quantize/fp8_block.cuh"
+#include "quantize/fp8_tiles.cuh"
 
 namespace jqffi {
 namespace {
-
 
 // Calls fn(producer) with the device producer of `f` (y: the normalized output, or null). A
 // normalization writes its input's type or float32; an activation keeps its input's type.
@@ -58,19 +56,17 @@ ffi::Error with_producer(const char* t, const FusedArgs& f, void* y, F&& fn) {
   return ffi::Error::Success();
 }
 
-template <typename P>
-int tile_smem(bool column_phase) {
-  return column_phase ? FP8Tile<typename P::Out>::kSmemBytes : 0;
+// Clears the call's amax (reduced with atomics) and runs the tile kernel of `p` (the format's
+// parameters for `d`) over the producer of `d`.
+template <typename Q, typename Params>
+ffi::Error quantize_produced(cudaStream_t stream, const FusedQuantizeArgs<Q>& d, const Params& p) {
+  const char* t = d.target;
+  JQ_RETURN_IF_ERROR(clear(stream, d.q.amax, 4));
+  cudaError_t e = cudaSuccess;
+  JQ_RETURN_IF_ERROR(
+      with_producer(t, d.f, d.o.y, [&](const auto& prod) { e = launch_fp8_tiles(stream, p, prod); }));
+  return launch_status(t, e);
 }
-
-using Stream = ffi::PlatformStream<cudaStream_t>;
 
 }  // namespace
 }  // namespace jqffi
-
-#define JQ_FUSED_OPERANDS                                                                          \
-  .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()        \
-      .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
-#define JQ_PRODUCER_ATTRS                                                                          \
-  .Attr<int32_t>("producer").Attr<int32_t>("act").Attr<int32_t>("out_type").Attr<bool>("gated")   \
-      .Attr<bool>("has_scale").Attr<bool>("has_bias")

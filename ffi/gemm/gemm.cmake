@@ -1,7 +1,7 @@
 # The GEMM targets (jaxquant_gemm_fp8, jaxquant_gemm_dequant): include this file from the top
 # CMakeLists.txt and call jaxquant_add_gemm(<module target>) after the module target exists.
 #
-# * CPU handlers and the registration entry point (ffi/gemm/registrations.h) always.
+# * CPU handlers always (their table: ffi/gemm/handlers.h).
 # * CUDA handlers when the module is built with CUDA (JAXQUANT_WITH_CUDA): the cuBLASLt FP8
 #   GEMM and the in-kernel-dequantize wgmma kernel (sm_90a; compiled with the module's -gencode
 #   flags, the kernel body only exists for sm_90a). cuBLASLt comes from the pip nvidia-cublas
@@ -12,7 +12,7 @@
 
 function(jaxquant_add_gemm target)
   set(dir "${CMAKE_CURRENT_FUNCTION_LIST_DIR}")
-  target_sources(${target} PRIVATE "${dir}/registrations.cc" "${dir}/gemm_cpu.cc")
+  target_sources(${target} PRIVATE "${dir}/gemm_cpu.cc")
   if(NOT JAXQUANT_WITH_CUDA)
     return()
   endif()

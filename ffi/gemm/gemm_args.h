@@ -21,7 +21,7 @@
 
 #include "binding.h"
 #include "gemm/dequant_params.h"
-#include "handler_common.h"
+#include "buffer_checks.h"
 
 namespace jqffi {
 

@@ -17,7 +17,7 @@
 
 #include "binding.h"
 #include "grouped/grouped_params.h"
-#include "handler_common.h"
+#include "quantize/quantize_args.h"
 
 namespace jqffi {
 

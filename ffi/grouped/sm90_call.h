@@ -10,7 +10,7 @@
 
 #include "grouped/grouped_params.h"
 #include "grouped/sm90/sm90_gemm.h"
-#include "handler_common.h"
+#include "buffer_checks.h"
 
 namespace jqffi {
 

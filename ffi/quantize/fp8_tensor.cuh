@@ -25,65 +25,45 @@ struct Fp8TensorParams {
   int32_t margin = 0;
 };
 
-template <typename In>
-using FP8Tile = Geometry<In, 128, 128>;
+// The kernel's parameters for the decoded call `a` quantizing an R x C matrix (col_sums: the
+// fused activation gradient's column sums, or null).
+inline Fp8TensorParams fp8_tensor_params(const Fp8TensorArgs& a, int64_t R, int64_t C,
+                                         float* col_sums = nullptr) {
+  return {R, C, aligned(a.row_data, 8) && C % 8 == 0, aligned(a.col_data, 16) && R % 16 == 0,
+          a.rowwise, a.columnwise, a.delayed, a.pow2_scale, a.amax_epsilon, a.fmt, a.s,
+          a.row_data, a.col_data, a.scale_inv, a.amax, col_sums, a.first_amax, a.margin};
+}
 
 template <typename P>
 __global__ void __launch_bounds__(kThreads) fp8_tensor_kernel(const Fp8TensorParams p, const P prod) {
-  using In = typename P::Out;
-  using G = FP8Tile<In>;
-  extern __shared__ __align__(16) unsigned char smem[];
-  In* tile = reinterpret_cast<In*>(smem);
+  using G = FP8Tile<typename P::Out>;
   __shared__ uint32_t red[kThreads / 32];
-  const bool column_phase = p.do_col || p.col_sums != nullptr;
-  const int tid = threadIdx.x;
-  const TileIndex t = tile_index(p.C, G::TR, G::TC);
   const float fmax = jq::spec_of(p.fmt).fmax;
-  float scale = p.delayed ? *p.s : jq::scale_from_amax(*p.s, fmax, p.pow2_scale, p.amax_epsilon);
-  if (p.first_amax != nullptr && jq::is_zero(scale)) scale = jq::delayed_scale(*p.first_amax, fmax, p.margin, 1.0f);
-  const int lr = tid / G::TPR, lc = (tid % G::TPR) * 8;
-  alignas(16) In raw[G::NP][8];
-#pragma unroll
-  for (int pp = 0; pp < G::NP; ++pp) prod.load8(t.r0 + pp * G::RPP + lr, t.c0 + lc, raw[pp]);
-  uint32_t amax = 0;
+  const float scale =
+      jq::fp8_tensor_scale(*p.s, p.delayed, fmax, p.pow2_scale, p.amax_epsilon, p.first_amax, p.margin);
+  Fp8TileLoad<P> ld(prod, p);
 #pragma unroll
   for (int pp = 0; pp < G::NP; ++pp) {
-    if (column_phase) tile_store8<G>(tile, pp * G::RPP + lr, lc, raw[pp]);
     float v[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      v[i] = to_float(raw[pp][i]);
-      amax = max(amax, jq::abs_bits(v[i]));
-    }
-    const int64_t r = t.r0 + pp * G::RPP + lr, c = t.c0 + lc;
+    ld.pass(pp, v);
+    const int64_t r = ld.row(pp), c = ld.col();
     if (p.do_row && r < p.R && c < p.C) {
-      const uint32_t w0 = jq::encode_fp8x4(v[0] * scale, v[1] * scale, v[2] * scale, v[3] * scale, p.fmt);
-      const uint32_t w1 = jq::encode_fp8x4(v[4] * scale, v[5] * scale, v[6] * scale, v[7] * scale, p.fmt);
-      store_bytes8(p.row + r * p.C + c, w0, w1, int(min64(8, p.C - c)), p.vec_row);
+      store_bytes8(p.row + r * p.C + c, fp8_codes4(v, scale, p.fmt), fp8_codes4(v + 4, scale, p.fmt),
+                   int(min64(8, p.C - c)), p.vec_row);
     }
   }
   if (p.amax) {
-    amax = cta_max(amax, red);
-    if (tid == 0) atomic_max_float(p.amax, amax);
+    const uint32_t amax = cta_max(ld.amax, red);
+    if (threadIdx.x == 0) atomic_max_float(p.amax, amax);
   }
-  if (blockIdx.x == 0 && tid == 0) *p.scale_inv = jq::rcp_f32(scale);
-  if (!column_phase) return;
+  if (blockIdx.x == 0 && threadIdx.x == 0) *p.scale_inv = jq::rcp_f32(scale);
+  if (!ld.column_phase) return;
   __syncthreads();
 #pragma unroll
   for (int it = 0; it < G::ITERS; ++it) {
-    const ColumnSlot<G> slot(it);
-    const int64_t c = t.c0 + slot.cl, rr = t.r0 + 16 * slot.j;
-    float w[16];
-    tile_column16<G>(tile, 16 * slot.j, slot.cl, w);
-    if (p.col_sums) column_tile_sum<G>(w, slot.j, c, t.r0 / G::TR, p.C, p.col_sums);
-    if (!p.do_col || c >= p.C || rr >= p.R) continue;
-    uint32_t q[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      q[k] = jq::encode_fp8x4(w[4 * k] * scale, w[4 * k + 1] * scale, w[4 * k + 2] * scale, w[4 * k + 3] * scale,
-                              p.fmt);
-    }
-    store_bytes16(p.col + c * p.R + rr, q, int(min64(16, p.R - rr)), p.vec_col);
+    const Fp8TileColumn<G> chunk(ld.tile, ld.t, it, p.C, p.col_sums);
+    if (!p.do_col || chunk.c >= p.C || chunk.rr >= p.R) continue;
+    chunk.store(p.col, p.R, p.vec_col, [&](const float* v) { return fp8_codes4(v, scale, p.fmt); });
   }
 }
 

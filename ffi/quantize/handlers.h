@@ -1,23 +1,20 @@
-// The quantize family's handler tables for the nanobind module: one (target name, XLA_FFI_Handler*)
-// per target, for each platform that was built.
+// The quantize targets' handler tables (no nanobind here: nvcc compiles the CUDA file):
+// jaxquant_amax[_gated], jaxquant_quantize_{fp8,fp8_delayed,mxfp8,fp8_block,nvfp4},
+// jaxquant_delayed_update, jaxquant_transpose_fp8 and the two jaxquant_debug_* targets.
 #pragma once
 
 #include <vector>
 
+#include "targets.h"
+
 namespace jqffi {
 
-struct Target {
-  const char* name;
-  void* handler;  // XLA_FFI_Handler*
-};
-
-// CPU handlers of the quantize, amax, transpose and debug targets (quantize/quantize_cpu.cc);
-// always built.
-std::vector<Target> cpu_targets();
+// On the CPU (quantize_cpu.cc); always built.
+std::vector<Target> quantize_cpu_targets();
 
 #ifdef JAXQUANT_WITH_CUDA
-// CUDA handlers of the same targets (quantize/quantize_cuda.cu); built when nvcc is found.
-std::vector<Target> cuda_targets();
+// On CUDA (quantize_cuda.cu); built when nvcc is found.
+std::vector<Target> quantize_cuda_targets();
 #endif
 
 }  // namespace jqffi

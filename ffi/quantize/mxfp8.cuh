@@ -18,6 +18,14 @@ struct Mxfp8Params {
   float* col_sums = nullptr;  // [ceil(R/128), C] per-tile column sums (fused dact's bias gradient)
 };
 
+// The kernel's parameters for the decoded call `a` quantizing an R x C matrix (col_sums: the
+// fused activation gradient's column sums, or null).
+inline Mxfp8Params mxfp8_params(const Mxfp8Args& a, int64_t R, int64_t C, float* col_sums = nullptr) {
+  return {R, C, aligned(a.row_data, 8) && C % 8 == 0, aligned(a.col_data, 16) && R % 16 == 0,
+          a.rowwise, a.columnwise, a.fmt, a.row_data, a.row_scale, a.col_data, a.col_scale,
+          a.amax, col_sums};
+}
+
 __device__ __forceinline__ uint32_t mxfp8_codes4(const float* v, jq::Mxfp8Factors f, uint32_t e, jq::Fp8 fmt) {
   if (e == 255) return 0x7F7F7F7Fu;
   return jq::encode_fp8x4(v[0] * f.a * f.b, v[1] * f.a * f.b, v[2] * f.a * f.b, v[3] * f.a * f.b, fmt);
@@ -25,36 +33,20 @@ __device__ __forceinline__ uint32_t mxfp8_codes4(const float* v, jq::Mxfp8Factor
 
 template <typename P>
 __global__ void __launch_bounds__(kThreads) mxfp8_kernel(const Mxfp8Params p, const P prod) {
-  using In = typename P::Out;
-  using G = FP8Tile<In>;
-  extern __shared__ __align__(16) unsigned char smem[];
-  In* tile = reinterpret_cast<In*>(smem);
+  using G = FP8Tile<typename P::Out>;
   __shared__ uint32_t red[kThreads / 32];
-  const bool column_phase = p.do_col || p.col_sums != nullptr;
   const int tid = threadIdx.x;
-  const TileIndex t = tile_index(p.C, G::TR, G::TC);
   const float inv_fmax = jq::inv_fmax_of(p.fmt);
   const int64_t row_nb = (p.C + 31) / 32, col_nb = (p.R + 31) / 32;
-  const int lr = tid / G::TPR, lc = (tid % G::TPR) * 8;
-  alignas(16) In raw[G::NP][8];
-#pragma unroll
-  for (int pp = 0; pp < G::NP; ++pp) prod.load8(t.r0 + pp * G::RPP + lr, t.c0 + lc, raw[pp]);
-  uint32_t amax = 0;
+  Fp8TileLoad<P> ld(prod, p);
 #pragma unroll
   for (int pp = 0; pp < G::NP; ++pp) {
-    if (column_phase) tile_store8<G>(tile, pp * G::RPP + lr, lc, raw[pp]);
     float v[8];
-    uint32_t m = 0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      v[i] = to_float(raw[pp][i]);
-      m = max(m, jq::abs_bits(v[i]));
-    }
-    amax = max(amax, m);
+    uint32_t m = ld.pass(pp, v);
     if (!p.do_row) continue;
     m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));  // 4 threads = one 32-wide block
     m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
-    const int64_t r = t.r0 + pp * G::RPP + lr, c = t.c0 + lc;
+    const int64_t r = ld.row(pp), c = ld.col();
     if (r < p.R && c < p.C) {
       const uint32_t e = jq::e8m0_from_amax(__uint_as_float(m), inv_fmax);
       const jq::Mxfp8Factors f = jq::mxfp8_factors(e);
@@ -64,30 +56,21 @@ __global__ void __launch_bounds__(kThreads) mxfp8_kernel(const Mxfp8Params p, co
     }
   }
   if (p.amax) {
-    amax = cta_max(amax, red);
+    const uint32_t amax = cta_max(ld.amax, red);
     if (tid == 0) atomic_max_float(p.amax, amax);
   }
-  if (!column_phase) return;
+  if (!ld.column_phase) return;
   __syncthreads();
 #pragma unroll
   for (int it = 0; it < G::ITERS; ++it) {
-    const ColumnSlot<G> slot(it);
-    const int64_t c = t.c0 + slot.cl, rr = t.r0 + 16 * slot.j;
-    float w[16];
-    tile_column16<G>(tile, 16 * slot.j, slot.cl, w);
-    if (p.col_sums) column_tile_sum<G>(w, slot.j, c, t.r0 / G::TR, p.C, p.col_sums);
-    uint32_t m = 0;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) m = max(m, jq::abs_bits(w[i]));
+    const Fp8TileColumn<G> chunk(ld.tile, ld.t, it, p.C, p.col_sums);
+    uint32_t m = abs_bits_max<16>(chunk.w);
     m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));  // chunks j, j^1 = one 32-row block
-    if (!p.do_col || c >= p.C || rr >= p.R) continue;
+    if (!p.do_col || chunk.c >= p.C || chunk.rr >= p.R) continue;
     const uint32_t e = jq::e8m0_from_amax(__uint_as_float(m), inv_fmax);
     const jq::Mxfp8Factors f = jq::mxfp8_factors(e);
-    if ((slot.j & 1) == 0) p.col_scale[c * col_nb + rr / 32] = uint8_t(e);
-    uint32_t q[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) q[k] = mxfp8_codes4(w + 4 * k, f, e, p.fmt);
-    store_bytes16(p.col + c * p.R + rr, q, int(min64(16, p.R - rr)), p.vec_col);
+    if ((chunk.slot.j & 1) == 0) p.col_scale[chunk.c * col_nb + chunk.rr / 32] = uint8_t(e);
+    chunk.store(p.col, p.R, p.vec_col, [&](const float* v) { return mxfp8_codes4(v, f, e, p.fmt); });
   }
 }
 

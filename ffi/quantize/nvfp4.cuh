@@ -103,6 +103,20 @@ struct Nvfp4TileRows<true, TR> {
       k_col[i] = p.do_col && own ? make_uint2(p.col_key[2 * g], p.col_key[2 * g + 1]) : make_uint2(0u, 0u);
     }
   }
+
+  // What tile position i draws from its group for the rowwise (`rowwise`) or the columnwise
+  // copy: the second-level encode scale, the position's index in its group (the SR coordinate)
+  // and, with stochastic rounding (`sr`), the group's key words.
+  __device__ __forceinline__ void draw(int i, bool rowwise, bool sr, float* s_enc, uint32_t* index,
+                                       uint32_t* k0, uint32_t* k1) const {
+    *s_enc = rowwise ? s_row[i] : s_col[i];
+    *index = uint32_t(local[i]);
+    if (sr) {
+      const uint2 k = rowwise ? k_row[i] : k_col[i];
+      *k0 = k.x;
+      *k1 = k.y;
+    }
+  }
 };
 
 struct Nvfp4Block {
@@ -142,8 +156,7 @@ template <typename In, bool GROUPED = false>
 __global__ void __launch_bounds__(kThreads, GROUPED ? 4 : 3) nvfp4_kernel(const Nvfp4Params p) {
   using G = NVFP4Tile<In>;
   static_assert(G::RPP == 16, "a load pass is one row of 16x16 tiles");
-  extern __shared__ __align__(16) unsigned char smem[];
-  In* tile = reinterpret_cast<In*>(smem);
+  In* tile = shared_tile<In>();
   __shared__ uint32_t part2d[G::NP][16][G::TC / 16];  // per (row, 16-block) amax, block_2d
   __shared__ uint32_t tile2d[G::NP][G::TC / 16];      // 16x16 tile amax, block_2d
   const In* x = static_cast<const In*>(p.x);
@@ -219,16 +232,7 @@ __global__ void __launch_bounds__(kThreads, GROUPED ? 4 : 3) nvfp4_kernel(const 
       if (r >= p.R || c >= p.C) continue;
       float s_enc = p.row_scaled ? jq::nvfp4_global_encode_scale(p.row_amax[r]) : tensor_s_enc;
       uint32_t sr_row = uint32_t(r), sr_k0 = k0, sr_k1 = k1;
-      if constexpr (GROUPED) {  // the group's scale and words, the row's index in its group
-        const int i = pp * G::RPP + lr;
-        s_enc = rows.s_row[i];
-        sr_row = uint32_t(rows.local[i]);
-        if (p.sr) {
-          const uint2 k = rows.k_row[i];
-          sr_k0 = k.x;
-          sr_k1 = k.y;
-        }
-      }
+      if constexpr (GROUPED) rows.draw(pp * G::RPP + lr, true, p.sr, &s_enc, &sr_row, &sr_k0, &sr_k1);
       const Nvfp4Block b = nvfp4_block(blk[pp], s_enc);
       float v[8];
 #pragma unroll
@@ -267,16 +271,8 @@ __global__ void __launch_bounds__(kThreads, GROUPED ? 4 : 3) nvfp4_kernel(const 
     }
     float s_enc = p.row_scaled ? jq::nvfp4_global_encode_scale(p.col_amax[c]) : tensor_s_enc;
     uint32_t sr_col = uint32_t(rr), sr_k0 = k0, sr_k1 = k1;
-    if constexpr (GROUPED) {  // the chunk's 16 positions are one group's
-      const int i = 16 * slot.j;
-      s_enc = rows.s_col[i];
-      sr_col = uint32_t(rows.local[i]);
-      if (p.sr) {
-        const uint2 k = rows.k_col[i];
-        sr_k0 = k.x;
-        sr_k1 = k.y;
-      }
-    }
+    // Grouped: the chunk's 16 positions are one group's.
+    if constexpr (GROUPED) rows.draw(16 * slot.j, false, p.sr, &s_enc, &sr_col, &sr_k0, &sr_k1);
     const Nvfp4Block b = nvfp4_block(m, s_enc);
     const uint32_t row_hash = p.sr ? jq::sr_row_hash(sr_k0, uint32_t(c)) : 0u;
     const uint32_t lo = e2m1x8(w, b.s_enc_b, p.sr, row_hash, sr_k1, sr_col);

@@ -6,7 +6,8 @@
 #include <algorithm>
 #include <vector>
 
-#include "handler_common.h"
+#include "buffer_checks.h"
+#include "jaxquant_numerics.h"
 
 namespace jqffi {
 

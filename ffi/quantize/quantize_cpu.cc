@@ -9,9 +9,9 @@
 #include <cstring>
 #include <vector>
 
-#include "handler_common.h"
 #include "quantize/handlers.h"
 #include "quantize/nvfp4_cpu.h"
+#include "quantize/quantize_args.h"
 #include "quantize/quantize_cpu.h"
 
 namespace jqffi {
@@ -44,7 +44,7 @@ ffi::Error AmaxCpu(ffi::AnyBuffer x, ffi::RemainingRets rets, int32_t outputs) {
   JQ_RETURN_IF_ERROR(decode_amax(x, rets, outputs, &a));
   if (a.tensor || a.rows) {
     const Matrix m = direction_matrix(a.x, false, false);
-    if (a.tensor) *a.tensor = float_of(amax_bits_of_range(m, 0, m.rows, 0, m.cols));
+    if (a.tensor) *a.tensor = amax_of(m);
     if (a.rows) for (int64_t r = 0; r < m.rows; ++r) a.rows[r] = float_of(amax_bits_of_range(m, r, r + 1, 0, m.cols));
   }
   if (a.cols) {
@@ -53,7 +53,7 @@ ffi::Error AmaxCpu(ffi::AnyBuffer x, ffi::RemainingRets rets, int32_t outputs) {
   }
   if (a.tensor_rht || a.cols_rht) {
     const Matrix m = direction_matrix(a.x, true, true);
-    if (a.tensor_rht) *a.tensor_rht = float_of(amax_bits_of_range(m, 0, m.rows, 0, m.cols));
+    if (a.tensor_rht) *a.tensor_rht = amax_of(m);
     if (a.cols_rht) for (int64_t r = 0; r < m.rows; ++r) a.cols_rht[r] = float_of(amax_bits_of_range(m, r, r + 1, 0, m.cols));
   }
   return ffi::Error::Success();
@@ -75,25 +75,14 @@ ffi::Error AmaxGatedCpu(ffi::AnyBuffer x, ffi::AnyBuffer gate, ffi::RemainingRet
 
 // --------------------------------------- FP8 per tensor --------------------------------------
 
-ffi::Error quantize_fp8_with(const Fp8TensorArgs& a, float scale) {
-  if (a.rowwise) fp8_with_scale(direction_matrix(a.x, false, false), scale, a.fmt, a.row_data);
-  if (a.columnwise) fp8_with_scale(direction_matrix(a.x, true, false), scale, a.fmt, a.col_data);
-  *a.scale_inv = jq::rcp_f32(scale);
-  if (a.delayed) {
-    const Matrix m = direction_matrix(a.x, false, false);
-    *a.amax = float_of(amax_bits_of_range(m, 0, m.rows, 0, m.cols));
-  }
-  return ffi::Error::Success();
-}
-
 ffi::Error QuantizeFp8Cpu(ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::RemainingRets rets,
                           bool rowwise, bool columnwise, bool delayed, bool pow2_scale,
                           float amax_epsilon) {
   Fp8TensorArgs a;
   JQ_RETURN_IF_ERROR(decode_fp8_tensor(x, s, rets, rowwise, columnwise, delayed, pow2_scale,
                                        amax_epsilon, &a));
-  const float fmax = jq::spec_of(a.fmt).fmax;
-  return quantize_fp8_with(a, delayed ? *a.s : jq::scale_from_amax(*a.s, fmax, pow2_scale, amax_epsilon));
+  quantize_matrix(direction_matrix(a.x, false, false), a);
+  return ffi::Error::Success();
 }
 
 ffi::Error QuantizeFp8DelayedCpu(ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::AnyBuffer first_amax,
@@ -101,9 +90,8 @@ ffi::Error QuantizeFp8DelayedCpu(ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::AnyBuf
                                  int32_t margin) {
   Fp8TensorArgs a;
   JQ_RETURN_IF_ERROR(decode_fp8_delayed(x, s, first_amax, rets, rowwise, columnwise, margin, &a));
-  float scale = *a.s;
-  if (jq::is_zero(scale)) scale = jq::delayed_scale(*a.first_amax, jq::spec_of(a.fmt).fmax, margin, 1.0f);
-  return quantize_fp8_with(a, scale);
+  quantize_matrix(direction_matrix(a.x, false, false), a);
+  return ffi::Error::Success();
 }
 
 // ------------------------------------ delayed-scaling update ---------------------------------
@@ -134,10 +122,7 @@ ffi::Error QuantizeMxfp8Cpu(ffi::AnyBuffer x, ffi::RemainingRets rets, bool roww
                             bool columnwise) {
   Mxfp8Args a;
   JQ_RETURN_IF_ERROR(decode_mxfp8(x, rets, rowwise, columnwise, &a));
-  const Matrix m = direction_matrix(a.x, false, false);
-  if (rowwise) mxfp8_matrix(m, a.fmt, a.row_data, a.row_scale);
-  if (columnwise) mxfp8_matrix(direction_matrix(a.x, true, false), a.fmt, a.col_data, a.col_scale);
-  *a.amax = float_of(amax_bits_of_range(m, 0, m.rows, 0, m.cols));
+  quantize_matrix(direction_matrix(a.x, false, false), a);
   return ffi::Error::Success();
 }
 
@@ -149,11 +134,7 @@ ffi::Error QuantizeFp8BlockCpu(ffi::AnyBuffer x, ffi::RemainingRets rets, bool r
   Fp8BlockArgs a;
   JQ_RETURN_IF_ERROR(decode_fp8_block(x, rets, rowwise, columnwise, block_2d, pow2_scale,
                                       amax_epsilon, &a));
-  const int64_t block_rows = block_2d ? 128 : 1;
-  const Matrix m = direction_matrix(a.x, false, false);
-  if (rowwise) fp8_block_matrix(m, block_rows, a, a.row_data, a.row_scale);
-  if (columnwise) fp8_block_matrix(direction_matrix(a.x, true, false), block_rows, a, a.col_data, a.col_scale);
-  *a.amax = float_of(amax_bits_of_range(m, 0, m.rows, 0, m.cols));
+  quantize_matrix(direction_matrix(a.x, false, false), a);
   return ffi::Error::Success();
 }
 
@@ -227,107 +208,33 @@ ffi::Error EncoderMismatchesCpu(ffi::Result<ffi::AnyBuffer> out, int64_t start, 
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kAmaxCpu, AmaxCpu,
-                       ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().RemainingRets().Attr<int32_t>("outputs"));
-
-XLA_FFI_DEFINE_HANDLER(kAmaxGatedCpu, AmaxGatedCpu,
-                       ffi::Ffi::Bind()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .RemainingRets()
-                           .Attr<int32_t>("outputs"));
-
-XLA_FFI_DEFINE_HANDLER(kQuantizeFp8Cpu, QuantizeFp8Cpu,
-                       ffi::Ffi::Bind()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .RemainingRets()
-                           .Attr<bool>("rowwise")
-                           .Attr<bool>("columnwise")
-                           .Attr<bool>("delayed")
-                           .Attr<bool>("pow2_scale")
-                           .Attr<float>("amax_epsilon"));
-
+XLA_FFI_DEFINE_HANDLER(kAmaxCpu, AmaxCpu, BindAmax(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kAmaxGatedCpu, AmaxGatedCpu, BindAmaxGated(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kQuantizeFp8Cpu, QuantizeFp8Cpu, BindQuantizeFp8(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kQuantizeFp8DelayedCpu, QuantizeFp8DelayedCpu,
-                       ffi::Ffi::Bind()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .RemainingRets()
-                           .Attr<bool>("rowwise")
-                           .Attr<bool>("columnwise")
-                           .Attr<int32_t>("margin"));
-
-XLA_FFI_DEFINE_HANDLER(kDelayedUpdateCpu, DelayedUpdateCpu,
-                       ffi::Ffi::Bind()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Attr<float>("fmax")
-                           .Attr<int32_t>("margin")
-                           .Attr<bool>("most_recent"));
-
-XLA_FFI_DEFINE_HANDLER(kQuantizeMxfp8Cpu, QuantizeMxfp8Cpu,
-                       ffi::Ffi::Bind()
-                           .Arg<ffi::AnyBuffer>()
-                           .RemainingRets()
-                           .Attr<bool>("rowwise")
-                           .Attr<bool>("columnwise"));
-
+                       BindQuantizeFp8Delayed(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kDelayedUpdateCpu, DelayedUpdateCpu, BindDelayedUpdate(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kQuantizeMxfp8Cpu, QuantizeMxfp8Cpu, BindQuantizeMxfp8(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kQuantizeFp8BlockCpu, QuantizeFp8BlockCpu,
-                       ffi::Ffi::Bind()
-                           .Arg<ffi::AnyBuffer>()
-                           .RemainingRets()
-                           .Attr<bool>("rowwise")
-                           .Attr<bool>("columnwise")
-                           .Attr<bool>("block_2d")
-                           .Attr<bool>("pow2_scale")
-                           .Attr<float>("amax_epsilon"));
-
-XLA_FFI_DEFINE_HANDLER(kQuantizeNvfp4Cpu, QuantizeNvfp4Cpu,
-                       ffi::Ffi::Bind()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .RemainingRets()
-                           .Attr<bool>("rowwise")
-                           .Attr<bool>("columnwise")
-                           .Attr<bool>("row_scaled")
-                           .Attr<bool>("block_2d")
-                           .Attr<bool>("rht")
-                           .Attr<bool>("stochastic"));
-
-XLA_FFI_DEFINE_HANDLER(kTransposeFp8Cpu, TransposeFp8Cpu,
-                       ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
-
-XLA_FFI_DEFINE_HANDLER(kRawBytesCpu, RawBytesCpu,
-                       ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
-
+                       BindQuantizeFp8Block(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kQuantizeNvfp4Cpu, QuantizeNvfp4Cpu, BindQuantizeNvfp4(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kTransposeFp8Cpu, TransposeFp8Cpu, BindBufferToBuffer(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kRawBytesCpu, RawBytesCpu, BindBufferToBuffer(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kEncoderMismatchesCpu, EncoderMismatchesCpu,
-                       ffi::Ffi::Bind()
-                           .Ret<ffi::AnyBuffer>()
-                           .Attr<int64_t>("start")
-                           .Attr<int64_t>("count")
-                           .Attr<int64_t>("stride"));
+                       BindEncoderMismatches(ffi::Ffi::Bind()));
 
-std::vector<Target> cpu_targets() {
-  return {
-      {"jaxquant_amax", reinterpret_cast<void*>(kAmaxCpu)},
-      {"jaxquant_amax_gated", reinterpret_cast<void*>(kAmaxGatedCpu)},
-      {"jaxquant_quantize_fp8", reinterpret_cast<void*>(kQuantizeFp8Cpu)},
-      {"jaxquant_quantize_fp8_delayed", reinterpret_cast<void*>(kQuantizeFp8DelayedCpu)},
-      {"jaxquant_delayed_update", reinterpret_cast<void*>(kDelayedUpdateCpu)},
-      {"jaxquant_quantize_mxfp8", reinterpret_cast<void*>(kQuantizeMxfp8Cpu)},
-      {"jaxquant_quantize_fp8_block", reinterpret_cast<void*>(kQuantizeFp8BlockCpu)},
-      {"jaxquant_quantize_nvfp4", reinterpret_cast<void*>(kQuantizeNvfp4Cpu)},
-      {"jaxquant_transpose_fp8", reinterpret_cast<void*>(kTransposeFp8Cpu)},
-      {"jaxquant_debug_raw_bytes", reinterpret_cast<void*>(kRawBytesCpu)},
-      {"jaxquant_debug_encoder_mismatches", reinterpret_cast<void*>(kEncoderMismatchesCpu)},
-  };
+std::vector<Target> quantize_cpu_targets() {
+  return {target("jaxquant_amax", kAmaxCpu),
+          target("jaxquant_amax_gated", kAmaxGatedCpu),
+          target("jaxquant_quantize_fp8", kQuantizeFp8Cpu),
+          target("jaxquant_quantize_fp8_delayed", kQuantizeFp8DelayedCpu),
+          target("jaxquant_delayed_update", kDelayedUpdateCpu),
+          target("jaxquant_quantize_mxfp8", kQuantizeMxfp8Cpu),
+          target("jaxquant_quantize_fp8_block", kQuantizeFp8BlockCpu),
+          target("jaxquant_quantize_nvfp4", kQuantizeNvfp4Cpu),
+          target("jaxquant_transpose_fp8", kTransposeFp8Cpu),
+          target("jaxquant_debug_raw_bytes", kRawBytesCpu),
+          target("jaxquant_debug_encoder_mismatches", kEncoderMismatchesCpu)};
 }
 
 }  // namespace jqffi

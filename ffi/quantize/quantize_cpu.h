@@ -6,8 +6,8 @@
 #include <algorithm>
 #include <vector>
 
-#include "handler_common.h"
 #include "quantize/nvfp4_cpu.h"
+#include "quantize/quantize_args.h"
 
 namespace jqffi {
 
@@ -64,6 +64,33 @@ inline void fp8_block_matrix(const Matrix& m, int64_t block_rows, const Fp8Block
       }
     }
   }
+}
+
+// max |m| (by the float bits: NaN-propagating, as the spec).
+inline float amax_of(const Matrix& m) { return jq::float_of(amax_bits_of_range(m, 0, m.rows, 0, m.cols)); }
+
+// Quantizes m (x, or a producer's output) into the copies `a` asks for, the columnwise one from
+// m^T, and writes what the call returns besides them (scale_inv, amax), as the tile kernels do.
+inline void quantize_matrix(const Matrix& m, const Fp8TensorArgs& a) {
+  const float scale = jq::fp8_tensor_scale(*a.s, a.delayed, jq::spec_of(a.fmt).fmax, a.pow2_scale,
+                                           a.amax_epsilon, a.first_amax, a.margin);
+  if (a.rowwise) fp8_with_scale(m, scale, a.fmt, a.row_data);
+  if (a.columnwise) fp8_with_scale(transposed(m), scale, a.fmt, a.col_data);
+  *a.scale_inv = jq::rcp_f32(scale);
+  if (a.amax) *a.amax = amax_of(m);
+}
+
+inline void quantize_matrix(const Matrix& m, const Mxfp8Args& a) {
+  if (a.rowwise) mxfp8_matrix(m, a.fmt, a.row_data, a.row_scale);
+  if (a.columnwise) mxfp8_matrix(transposed(m), a.fmt, a.col_data, a.col_scale);
+  *a.amax = amax_of(m);
+}
+
+inline void quantize_matrix(const Matrix& m, const Fp8BlockArgs& a) {
+  const int64_t block_rows = a.block_2d ? 128 : 1;
+  if (a.rowwise) fp8_block_matrix(m, block_rows, a, a.row_data, a.row_scale);
+  if (a.columnwise) fp8_block_matrix(transposed(m), block_rows, a, a.col_data, a.col_scale);
+  *a.amax = amax_of(m);
 }
 
 }  // namespace jqffi

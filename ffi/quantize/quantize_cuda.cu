@@ -26,12 +26,11 @@
 #include <algorithm>
 #include <string>
 
-#include "handler_common.h"
+#include "cuda_handler.h"
 #include "quantize/handlers.h"
+#include "quantize/quantize_args.h"
 #include "quantize/amax.cuh"
-#include "quantize/fp8_tensor.cuh"
-#include "quantize/mxfp8.cuh"
-#include "quantize/fp8_block.cuh"
+#include "quantize/fp8_tiles.cuh"
 #include "quantize/nvfp4.cuh"
 #include "quantize/transpose.cuh"
 #include "quantize/delayed_update.cuh"
@@ -79,24 +78,24 @@ ffi::Error AmaxGatedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer g
   return AmaxLaunch(stream, x, g, rets, outputs);
 }
 
+// Clears `a`'s amax (reduced with atomics) and runs the FP8-format tile kernel of `p` over x.
+template <typename Args, typename Params>
+ffi::Error quantize_x(const char* target, cudaStream_t stream, const Args& a, const Params& p) {
+  JQ_RETURN_IF_ERROR(clear(stream, a.amax, 4));
+  cudaError_t e = cudaSuccess;
+  by_input_type(a.x.type, [&](auto tag) {
+    using T = decltype(tag);
+    const Direct<T> x{static_cast<const T*>(a.x.data), a.x.rows, a.x.cols, vec_input(a.x)};
+    e = launch_fp8_tiles(stream, p, x);
+  });
+  return launch_status(target, e);
+}
+
 ffi::Error QuantizeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::RemainingRets rets,
                            bool rowwise, bool columnwise, bool delayed, bool pow2_scale, float amax_epsilon) {
   Fp8TensorArgs a;
   JQ_RETURN_IF_ERROR(decode_fp8_tensor(x, s, rets, rowwise, columnwise, delayed, pow2_scale, amax_epsilon, &a));
-  JQ_RETURN_IF_ERROR(clear(stream, a.amax, 4));
-  Fp8TensorParams p{a.x.rows, a.x.cols,
-                    aligned(a.row_data, 8) && a.x.cols % 8 == 0, aligned(a.col_data, 16) && a.x.rows % 16 == 0,
-                    rowwise, columnwise, delayed, pow2_scale, amax_epsilon, a.fmt, a.s,
-                    a.row_data, a.col_data, a.scale_inv, a.amax};
-  cudaError_t e = cudaSuccess;
-  by_input_type(a.x.type, [&](auto tag) {
-    using T = decltype(tag);
-    using G = FP8Tile<T>;
-    const Direct<T> prod{static_cast<const T*>(a.x.data), a.x.rows, a.x.cols, vec_input(a.x)};
-    e = launch_tiles(fp8_tensor_kernel<Direct<T>>, num_tiles(a.x.rows, a.x.cols, G::TR, G::TC),
-                     columnwise ? G::kSmemBytes : 0, stream, p, prod);
-  });
-  return launch_status("jaxquant_quantize_fp8", e);
+  return quantize_x("jaxquant_quantize_fp8", stream, a, fp8_tensor_params(a, a.x.rows, a.x.cols));
 }
 
 ffi::Error QuantizeFp8DelayedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s,
@@ -104,21 +103,7 @@ ffi::Error QuantizeFp8DelayedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
                                   bool columnwise, int32_t margin) {
   Fp8TensorArgs a;
   JQ_RETURN_IF_ERROR(decode_fp8_delayed(x, s, first_amax, rets, rowwise, columnwise, margin, &a));
-  JQ_RETURN_IF_ERROR(clear(stream, a.amax, 4));
-  Fp8TensorParams p{a.x.rows, a.x.cols,
-                    aligned(a.row_data, 8) && a.x.cols % 8 == 0, aligned(a.col_data, 16) && a.x.rows % 16 == 0,
-                    rowwise, columnwise, true, false, 0.0f, a.fmt, a.s,
-                    a.row_data, a.col_data, a.scale_inv, a.amax, /*col_sums=*/nullptr,
-                    a.first_amax, a.margin};
-  cudaError_t e = cudaSuccess;
-  by_input_type(a.x.type, [&](auto tag) {
-    using T = decltype(tag);
-    using G = FP8Tile<T>;
-    const Direct<T> prod{static_cast<const T*>(a.x.data), a.x.rows, a.x.cols, vec_input(a.x)};
-    e = launch_tiles(fp8_tensor_kernel<Direct<T>>, num_tiles(a.x.rows, a.x.cols, G::TR, G::TC),
-                     columnwise ? G::kSmemBytes : 0, stream, p, prod);
-  });
-  return launch_status("jaxquant_quantize_fp8_delayed", e);
+  return quantize_x("jaxquant_quantize_fp8_delayed", stream, a, fp8_tensor_params(a, a.x.rows, a.x.cols));
 }
 
 ffi::Error DelayedUpdateCuda(cudaStream_t stream, ffi::AnyBuffer history, ffi::AnyBuffer scale,
@@ -139,39 +124,14 @@ ffi::Error QuantizeMxfp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Remaini
                              bool columnwise) {
   Mxfp8Args a;
   JQ_RETURN_IF_ERROR(decode_mxfp8(x, rets, rowwise, columnwise, &a));
-  JQ_RETURN_IF_ERROR(clear(stream, a.amax, 4));
-  Mxfp8Params p{a.x.rows, a.x.cols,
-                aligned(a.row_data, 8) && a.x.cols % 8 == 0, aligned(a.col_data, 16) && a.x.rows % 16 == 0,
-                rowwise, columnwise, a.fmt, a.row_data, a.row_scale, a.col_data, a.col_scale, a.amax};
-  cudaError_t e = cudaSuccess;
-  by_input_type(a.x.type, [&](auto tag) {
-    using T = decltype(tag);
-    using G = FP8Tile<T>;
-    const Direct<T> prod{static_cast<const T*>(a.x.data), a.x.rows, a.x.cols, vec_input(a.x)};
-    e = launch_tiles(mxfp8_kernel<Direct<T>>, num_tiles(a.x.rows, a.x.cols, G::TR, G::TC),
-                     columnwise ? G::kSmemBytes : 0, stream, p, prod);
-  });
-  return launch_status("jaxquant_quantize_mxfp8", e);
+  return quantize_x("jaxquant_quantize_mxfp8", stream, a, mxfp8_params(a, a.x.rows, a.x.cols));
 }
 
 ffi::Error QuantizeFp8BlockCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingRets rets, bool rowwise,
                                 bool columnwise, bool block_2d, bool pow2_scale, float amax_epsilon) {
   Fp8BlockArgs a;
   JQ_RETURN_IF_ERROR(decode_fp8_block(x, rets, rowwise, columnwise, block_2d, pow2_scale, amax_epsilon, &a));
-  JQ_RETURN_IF_ERROR(clear(stream, a.amax, 4));
-  Fp8BlockParams p{a.x.rows, a.x.cols,
-                   aligned(a.row_data, 8) && a.x.cols % 8 == 0, aligned(a.col_data, 16) && a.x.rows % 16 == 0,
-                   rowwise, columnwise, block_2d, pow2_scale, amax_epsilon, a.fmt,
-                   a.row_data, a.col_data, a.row_scale, a.col_scale, a.amax};
-  cudaError_t e = cudaSuccess;
-  by_input_type(a.x.type, [&](auto tag) {
-    using T = decltype(tag);
-    using G = FP8Tile<T>;
-    const Direct<T> prod{static_cast<const T*>(a.x.data), a.x.rows, a.x.cols, vec_input(a.x)};
-    e = launch_tiles(fp8_block_kernel<Direct<T>>, num_tiles(a.x.rows, a.x.cols, G::TR, G::TC),
-                     columnwise ? G::kSmemBytes : 0, stream, p, prod);
-  });
-  return launch_status("jaxquant_quantize_fp8_block", e);
+  return quantize_x("jaxquant_quantize_fp8_block", stream, a, fp8_block_params(a, a.x.rows, a.x.cols));
 }
 
 template <typename T>
@@ -241,130 +201,34 @@ ffi::Error EncoderMismatchesCuda(cudaStream_t stream, ffi::Result<ffi::AnyBuffer
   return launch_status("jaxquant_debug_encoder_mismatches");
 }
 
-using Stream = ffi::PlatformStream<cudaStream_t>;
-
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kAmaxCuda, AmaxCuda,
-                       ffi::Ffi::Bind().Ctx<Stream>().Arg<ffi::AnyBuffer>().RemainingRets().Attr<int32_t>("outputs"),
-                       {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER(kAmaxGatedCuda, AmaxGatedCuda,
-                       ffi::Ffi::Bind()
-                           .Ctx<Stream>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .RemainingRets()
-                           .Attr<int32_t>("outputs"),
-                       {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER(kQuantizeFp8Cuda, QuantizeFp8Cuda,
-                       ffi::Ffi::Bind()
-                           .Ctx<Stream>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .RemainingRets()
-                           .Attr<bool>("rowwise")
-                           .Attr<bool>("columnwise")
-                           .Attr<bool>("delayed")
-                           .Attr<bool>("pow2_scale")
-                           .Attr<float>("amax_epsilon"),
-                       {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER(kQuantizeFp8DelayedCuda, QuantizeFp8DelayedCuda,
-                       ffi::Ffi::Bind()
-                           .Ctx<Stream>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .RemainingRets()
-                           .Attr<bool>("rowwise")
-                           .Attr<bool>("columnwise")
-                           .Attr<int32_t>("margin"),
-                       {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER(kDelayedUpdateCuda, DelayedUpdateCuda,
-                       ffi::Ffi::Bind()
-                           .Ctx<Stream>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Attr<float>("fmax")
-                           .Attr<int32_t>("margin")
-                           .Attr<bool>("most_recent"),
-                       {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER(kQuantizeMxfp8Cuda, QuantizeMxfp8Cuda,
-                       ffi::Ffi::Bind()
-                           .Ctx<Stream>()
-                           .Arg<ffi::AnyBuffer>()
-                           .RemainingRets()
-                           .Attr<bool>("rowwise")
-                           .Attr<bool>("columnwise"),
-                       {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER(kQuantizeFp8BlockCuda, QuantizeFp8BlockCuda,
-                       ffi::Ffi::Bind()
-                           .Ctx<Stream>()
-                           .Arg<ffi::AnyBuffer>()
-                           .RemainingRets()
-                           .Attr<bool>("rowwise")
-                           .Attr<bool>("columnwise")
-                           .Attr<bool>("block_2d")
-                           .Attr<bool>("pow2_scale")
-                           .Attr<float>("amax_epsilon"),
-                       {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER(kQuantizeNvfp4Cuda, QuantizeNvfp4Cuda,
-                       ffi::Ffi::Bind()
-                           .Ctx<Stream>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .RemainingRets()
-                           .Attr<bool>("rowwise")
-                           .Attr<bool>("columnwise")
-                           .Attr<bool>("row_scaled")
-                           .Attr<bool>("block_2d")
-                           .Attr<bool>("rht")
-                           .Attr<bool>("stochastic"),
-                       {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER(kTransposeFp8Cuda, TransposeFp8Cuda,
-                       ffi::Ffi::Bind().Ctx<Stream>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>(),
-                       {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER(kRawBytesCuda, RawBytesCuda,
-                       ffi::Ffi::Bind().Ctx<Stream>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>(),
-                       {ffi::Traits::kCmdBufferCompatible});
-
+JQ_DEFINE_CUDA_HANDLER(kAmaxCuda, AmaxCuda, BindAmax);
+JQ_DEFINE_CUDA_HANDLER(kAmaxGatedCuda, AmaxGatedCuda, BindAmaxGated);
+JQ_DEFINE_CUDA_HANDLER(kQuantizeFp8Cuda, QuantizeFp8Cuda, BindQuantizeFp8);
+JQ_DEFINE_CUDA_HANDLER(kQuantizeFp8DelayedCuda, QuantizeFp8DelayedCuda, BindQuantizeFp8Delayed);
+JQ_DEFINE_CUDA_HANDLER(kDelayedUpdateCuda, DelayedUpdateCuda, BindDelayedUpdate);
+JQ_DEFINE_CUDA_HANDLER(kQuantizeMxfp8Cuda, QuantizeMxfp8Cuda, BindQuantizeMxfp8);
+JQ_DEFINE_CUDA_HANDLER(kQuantizeFp8BlockCuda, QuantizeFp8BlockCuda, BindQuantizeFp8Block);
+JQ_DEFINE_CUDA_HANDLER(kQuantizeNvfp4Cuda, QuantizeNvfp4Cuda, BindQuantizeNvfp4);
+JQ_DEFINE_CUDA_HANDLER(kTransposeFp8Cuda, TransposeFp8Cuda, BindBufferToBuffer);
+JQ_DEFINE_CUDA_HANDLER(kRawBytesCuda, RawBytesCuda, BindBufferToBuffer);
+// Not command-buffer compatible: a test probe of 2^32 inputs, never part of a model's program.
 XLA_FFI_DEFINE_HANDLER(kEncoderMismatchesCuda, EncoderMismatchesCuda,
-                       ffi::Ffi::Bind()
-                           .Ctx<Stream>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Attr<int64_t>("start")
-                           .Attr<int64_t>("count")
-                           .Attr<int64_t>("stride"));
+                       BindEncoderMismatches(ffi::Ffi::Bind().Ctx<Stream>()));
 
-std::vector<Target> cuda_targets() {
-  return {
-      {"jaxquant_amax", reinterpret_cast<void*>(kAmaxCuda)},
-      {"jaxquant_amax_gated", reinterpret_cast<void*>(kAmaxGatedCuda)},
-      {"jaxquant_quantize_fp8", reinterpret_cast<void*>(kQuantizeFp8Cuda)},
-      {"jaxquant_quantize_fp8_delayed", reinterpret_cast<void*>(kQuantizeFp8DelayedCuda)},
-      {"jaxquant_delayed_update", reinterpret_cast<void*>(kDelayedUpdateCuda)},
-      {"jaxquant_quantize_mxfp8", reinterpret_cast<void*>(kQuantizeMxfp8Cuda)},
-      {"jaxquant_quantize_fp8_block", reinterpret_cast<void*>(kQuantizeFp8BlockCuda)},
-      {"jaxquant_quantize_nvfp4", reinterpret_cast<void*>(kQuantizeNvfp4Cuda)},
-      {"jaxquant_transpose_fp8", reinterpret_cast<void*>(kTransposeFp8Cuda)},
-      {"jaxquant_debug_raw_bytes", reinterpret_cast<void*>(kRawBytesCuda)},
-      {"jaxquant_debug_encoder_mismatches", reinterpret_cast<void*>(kEncoderMismatchesCuda)},
-  };
+std::vector<Target> quantize_cuda_targets() {
+  return {target("jaxquant_amax", kAmaxCuda),
+          target("jaxquant_amax_gated", kAmaxGatedCuda),
+          target("jaxquant_quantize_fp8", kQuantizeFp8Cuda),
+          target("jaxquant_quantize_fp8_delayed", kQuantizeFp8DelayedCuda),
+          target("jaxquant_delayed_update", kDelayedUpdateCuda),
+          target("jaxquant_quantize_mxfp8", kQuantizeMxfp8Cuda),
+          target("jaxquant_quantize_fp8_block", kQuantizeFp8BlockCuda),
+          target("jaxquant_quantize_nvfp4", kQuantizeNvfp4Cuda),
+          target("jaxquant_transpose_fp8", kTransposeFp8Cuda),
+          target("jaxquant_debug_raw_bytes", kRawBytesCuda),
+          target("jaxquant_debug_encoder_mismatches", kEncoderMismatchesCuda)};
 }
 
 }  // namespace jqffi
-

@@ -6,9 +6,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <string>
 
-#include "handler_common.h"
+#include "cuda_handler.h"
+#include "quantize/quantize_args.h"
 
 namespace jqffi {
 namespace {
@@ -176,11 +176,6 @@ inline unsigned num_tiles(int64_t R, int64_t C, int TR, int TC) {
 inline bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // Host helpers of the handlers.
-inline ffi::Error launch_status(const char* target, cudaError_t e = cudaSuccess) {
-  if (e == cudaSuccess) e = cudaGetLastError();
-  if (e != cudaSuccess) return ffi::Error::Internal(std::string(target) + ": CUDA error: " + cudaGetErrorString(e));
-  return ffi::Error::Success();
-}
 
 // Zeroes an output that is reduced with atomics (a no-op for a null pointer).
 inline ffi::Error clear(cudaStream_t stream, void* p, size_t bytes) {
@@ -212,6 +207,10 @@ cudaError_t launch_tiles(Kernel kernel, unsigned tiles, int smem, cudaStream_t s
   return cudaGetLastError();
 }
 
+// The tile of the FP8-format kernels (per tensor, MXFP8, Float8Block): 128 x 128.
+template <typename In>
+using FP8Tile = Geometry<In, 128, 128>;
+
 // What the FP8-format tile kernels quantize: a producer gives the 8 values of the matrix being
 // quantized at (r, c .. c+7) in its element type `Out` (zeros outside [R, C]); the tile and the
 // column phase keep that type. `Direct` reads them from x (the quantize targets); the fused
@@ -239,6 +238,102 @@ __device__ __forceinline__ void column_tile_sum(const float* w, int j, int64_t c
 #pragma unroll
   for (int o = 1; o < G::NJ; o <<= 1) s = s + __shfl_xor_sync(0xFFFFFFFFu, s, o);
   if (j == 0 && c < C) out[tile_row * C + c] = s;
+}
+
+// The dynamic shared memory of a tile kernel, as its tile of element type T.
+template <typename T>
+__device__ __forceinline__ T* shared_tile() {
+  extern __shared__ __align__(16) unsigned char smem[];
+  return reinterpret_cast<T*>(smem);
+}
+
+// Whether an FP8-format tile kernel has a column phase: a columnwise copy or column sums to make
+// from the tile it keeps in shared memory.
+template <typename Params>
+__host__ __device__ __forceinline__ bool has_column_phase(const Params& p) {
+  return p.do_col || p.col_sums != nullptr;
+}
+
+// The load phase of the FP8-format tile kernels: the CTA's tile, this thread's place in it (tile
+// row pass * RPP + lr, columns lc .. lc+7) and its 8 values of each pass, read from the producer
+// with every load issued before any is used.
+template <typename P>
+struct Fp8TileLoad {
+  using In = typename P::Out;
+  using G = FP8Tile<In>;
+  In* tile;
+  bool column_phase;
+  TileIndex t;
+  int lr, lc;
+  alignas(16) In raw[G::NP][8];
+  uint32_t amax = 0;  // the largest |bits| of the passes so far
+
+  template <typename Params>
+  __device__ __forceinline__ Fp8TileLoad(const P& prod, const Params& p)
+      : tile(shared_tile<In>()), column_phase(has_column_phase(p)), t(tile_index(p.C, G::TR, G::TC)),
+        lr(threadIdx.x / G::TPR), lc((threadIdx.x % G::TPR) * 8) {
+#pragma unroll
+    for (int pp = 0; pp < G::NP; ++pp) prod.load8(row(pp), col(), raw[pp]);
+  }
+
+  // The matrix row of pass pp and the matrix column of this thread's first value.
+  __device__ __forceinline__ int64_t row(int pp) const { return t.r0 + pp * G::RPP + lr; }
+  __device__ __forceinline__ int64_t col() const { return t.c0 + lc; }
+
+  // Pass pp: keeps its values in the shared tile when there is a column phase, and returns them
+  // as floats in v with the largest of their |bits| (also taken into `amax`).
+  __device__ __forceinline__ uint32_t pass(int pp, float* v) {
+    if (column_phase) tile_store8<G>(tile, pp * G::RPP + lr, lc, raw[pp]);
+    uint32_t m = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      v[i] = to_float(raw[pp][i]);
+      m = max(m, jq::abs_bits(v[i]));
+    }
+    amax = max(amax, m);
+    return m;
+  }
+};
+
+// Column phase, iteration `it`: this thread's 16-row chunk of its tile column (matrix column c,
+// rows rr .. rr+15) as floats, and its share of the column sums when `col_sums` is not null
+// (every lane takes part: shuffles).
+template <typename G>
+struct Fp8TileColumn {
+  ColumnSlot<G> slot;
+  int64_t c, rr;
+  float w[16];
+
+  template <typename In>
+  __device__ __forceinline__ Fp8TileColumn(const In* tile, TileIndex t, int it, int64_t C, float* col_sums)
+      : slot(it), c(t.c0 + slot.cl), rr(t.r0 + 16 * slot.j) {
+    tile_column16<G>(tile, 16 * slot.j, slot.cl, w);
+    if (col_sums) column_tile_sum<G>(w, slot.j, c, t.r0 / G::TR, C, col_sums);
+  }
+
+  // Writes the chunk's 16 one-byte codes (`code4(w + 4 * k)` packs four) to the columnwise copy
+  // `out` [C, R] (the matrix transposed): row c, columns rr .. rr+15, clipped to R.
+  template <typename Code4>
+  __device__ __forceinline__ void store(uint8_t* out, int64_t R, bool vec, Code4 code4) const {
+    uint32_t q[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) q[k] = code4(w + 4 * k);
+    store_bytes16(out + c * R + rr, q, int(min64(16, R - rr)), vec);
+  }
+};
+
+// The largest |bits| of v[0 .. N-1] (the NaN-propagating amax order).
+template <int N>
+__device__ __forceinline__ uint32_t abs_bits_max(const float* v) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < N; ++i) m = max(m, jq::abs_bits(v[i]));
+  return m;
+}
+
+// Four FP8 codes of v[0 .. 3] * scale, the first in the low byte.
+__device__ __forceinline__ uint32_t fp8_codes4(const float* v, float scale, jq::Fp8 fmt) {
+  return jq::encode_fp8x4(v[0] * scale, v[1] * scale, v[2] * scale, v[3] * scale, fmt);
 }
 
 }  // namespace

@@ -11,7 +11,8 @@ import numpy as np
 from jaxquant.backends.ffi import partitioning, targets
 from jaxquant.backends.ffi.partitioning import Layout
 
-# Bit set of `jaxquant_amax` outputs (ffi/handler_common.h, AmaxOutput); results come in bit order.
+# Bit set of `jaxquant_amax` outputs (ffi/quantize/quantize_args.h, AmaxOutput); results come in
+# bit order.
 AMAX_TENSOR, AMAX_TENSOR_RHT, AMAX_ROWS, AMAX_COLS, AMAX_COLS_RHT = 1, 2, 4, 8, 16
 
 

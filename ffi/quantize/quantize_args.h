@@ -1,25 +1,24 @@
-// Argument decoding and checking shared by the CPU and CUDA handlers (host code only).
+// Argument decoding and FFI signatures of the quantize targets (host code only), shared by the
+// CPU handlers (quantize_cpu.cc) and the CUDA handlers (quantize_cuda.cu), and by the fused and
+// grouped targets, which quantize the same formats.
 //
-// Each FFI target has one `decode_*` function here that checks the buffers XLA passes against
-// the target's contract (ranks, dtypes, shapes) and fills a plain struct of pointers and sizes;
-// each family's CPU handler (e.g. quantize/quantize_cpu.cc) and CUDA handler (quantize_cuda.cu)
-// then differ only in how they execute that struct. Bad arguments give ffi::Error::InvalidArgument with a message
+// Each target has one `decode_*` function here that checks the buffers XLA passes against the
+// target's contract (ranks, dtypes, shapes) and fills a plain struct of pointers and sizes, and
+// one `Bind*` template, its FFI signature for both platforms; the two handlers then differ only
+// in how they execute that struct. Bad arguments give ffi::Error::InvalidArgument with a message
 // naming the target, the buffer, what was passed and what is expected.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
-#include <sstream>
 #include <string>
-#include <vector>
+#include <utility>
 
+#include "binding.h"
+#include "buffer_checks.h"
 #include "jaxquant_numerics.h"
-#include "xla/ffi/api/ffi.h"
 
 namespace jqffi {
-
-namespace ffi = xla::ffi;
 
 enum class In : int { kBF16 = 0, kF16 = 1, kF32 = 2 };
 
@@ -28,61 +27,6 @@ struct Input {
   int64_t rows = 0, cols = 0;
   In type = In::kF32;
 };
-
-inline const char* dtype_name(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::BF16: return "bfloat16";
-    case ffi::DataType::F16: return "float16";
-    case ffi::DataType::F32: return "float32";
-    case ffi::DataType::U8: return "uint8";
-    case ffi::DataType::U32: return "uint32";
-    case ffi::DataType::F8E4M3FN: return "float8_e4m3fn";
-    case ffi::DataType::F8E5M2: return "float8_e5m2";
-    case ffi::DataType::F8E8M0FNU: return "float8_e8m0fnu";
-    case ffi::DataType::F4E2M1FN: return "float4_e2m1fn";
-    default: return "another dtype";
-  }
-}
-
-inline std::string dims_str(ffi::Span<const int64_t> dims) {
-  std::ostringstream s;
-  s << "(";
-  for (size_t i = 0; i < dims.size(); ++i) s << (i ? ", " : "") << dims[i];
-  s << (dims.size() == 1 ? ",)" : ")");
-  return s.str();
-}
-
-inline std::string dims_str(std::initializer_list<int64_t> dims) {
-  std::vector<int64_t> v(dims);
-  return dims_str(ffi::Span<const int64_t>(v.data(), v.size()));
-}
-
-inline ffi::Error invalid(const char* target, const std::string& msg) {
-  return ffi::Error::InvalidArgument(std::string(target) + ": " + msg);
-}
-
-// Checks `buf` has one of `types` and exactly `dims`.
-inline ffi::Error expect(const char* target, const char* what, const ffi::AnyBuffer& buf,
-                         std::initializer_list<ffi::DataType> types,
-                         std::initializer_list<int64_t> dims) {
-  bool type_ok = false;
-  std::string allowed;
-  for (ffi::DataType t : types) {
-    type_ok |= buf.element_type() == t;
-    allowed += (allowed.empty() ? "" : " or ") + std::string(dtype_name(t));
-  }
-  auto got = buf.dimensions();
-  bool dims_ok = got.size() == dims.size();
-  if (dims_ok) {
-    size_t i = 0;
-    for (int64_t d : dims) dims_ok &= got[i++] == d;
-  }
-  if (!type_ok || !dims_ok) {
-    return invalid(target, std::string(what) + " is " + dtype_name(buf.element_type()) +
-                               dims_str(got) + "; expected " + allowed + dims_str(dims));
-  }
-  return ffi::Error::Success();
-}
 
 inline ffi::Error decode_input(const char* target, const ffi::AnyBuffer& x, Input* in) {
   auto dims = x.dimensions();
@@ -110,49 +54,6 @@ inline ffi::Error decode_input(const char* target, const ffi::AnyBuffer& x, Inpu
   return ffi::Error::Success();
 }
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// Walks the variadic results in order, checking each against its expected dtype and shape.
-class RetReader {
- public:
-  RetReader(const char* target, ffi::RemainingRets rets) : target_(target), rets_(rets) {}
-
-  ffi::Error next(const char* what, std::initializer_list<ffi::DataType> types,
-                  std::initializer_list<int64_t> dims, void** data,
-                  ffi::DataType* type = nullptr) {
-    if (index_ >= rets_.size()) {
-      return invalid(target_, std::string("missing result '") + what + "' (got " +
-                                  std::to_string(rets_.size()) + " results)");
-    }
-    auto ret = rets_.get<ffi::AnyBuffer>(index_++);
-    if (ret.has_error()) return invalid(target_, std::string("result '") + what + "' is not a buffer");
-    ffi::AnyBuffer buf = *ret.value();
-    if (ffi::Error e = expect(target_, what, buf, types, dims); e.failure()) return e;
-    *data = buf.untyped_data();
-    if (type) *type = buf.element_type();
-    return ffi::Error::Success();
-  }
-
-  ffi::Error done() const {
-    if (index_ != rets_.size()) {
-      return invalid(target_, "got " + std::to_string(rets_.size()) + " results; expected " +
-                                  std::to_string(index_) + " for these attributes");
-    }
-    return ffi::Error::Success();
-  }
-
- private:
-  const char* target_;
-  ffi::RemainingRets rets_;
-  size_t index_ = 0;
-};
-
-#define JQ_RETURN_IF_ERROR(expr)            \
-  do {                                      \
-    ::xla::ffi::Error jq_err_ = (expr);     \
-    if (jq_err_.failure()) return jq_err_;  \
-  } while (0)
-
 inline jq::Fp8 fp8_of(ffi::DataType t) {
   return t == ffi::DataType::F8E5M2 ? jq::Fp8::kE5M2 : jq::Fp8::kE4M3;
 }
@@ -163,6 +64,62 @@ constexpr std::initializer_list<ffi::DataType> kFp8Types = {ffi::DataType::F8E4M
 inline ffi::Error need_direction(const char* target, bool rowwise, bool columnwise) {
   if (!rowwise && !columnwise) return invalid(target, "rowwise and columnwise are both false");
   return ffi::Error::Success();
+}
+
+// The `rowwise` and `columnwise` attributes of a quantize target (at least one) into `a`.
+template <typename Args>
+ffi::Error set_directions(const char* t, bool rowwise, bool columnwise, Args* a) {
+  JQ_RETURN_IF_ERROR(need_direction(t, rowwise, columnwise));
+  a->rowwise = rowwise;
+  a->columnwise = columnwise;
+  return ffi::Error::Success();
+}
+
+// One direction's results: data [rows, cols] (one of `data_types`), then its scales of
+// `scale_type`, one per `block_rows` x `block_cols` block: [ceil(rows / block_rows),
+// ceil(cols / block_cols)]. `direction` is "rowwise" (x's shape) or "columnwise" (transposed).
+template <typename Scale>
+ffi::Error read_blocks(RetReader& r, const char* direction, int64_t rows, int64_t cols,
+                       std::initializer_list<ffi::DataType> data_types, ffi::DataType scale_type,
+                       int64_t block_rows, int64_t block_cols, uint8_t** data, Scale** scale,
+                       ffi::DataType* data_type = nullptr) {
+  const std::string name(direction);
+  void* p;
+  JQ_RETURN_IF_ERROR(r.next((name + " data").c_str(), data_types, {rows, cols}, &p, data_type));
+  *data = static_cast<uint8_t*>(p);
+  JQ_RETURN_IF_ERROR(r.next((name + " scale_inv").c_str(), {scale_type},
+                            {ceil_div(rows, block_rows), ceil_div(cols, block_cols)}, &p));
+  *scale = static_cast<Scale*>(p);
+  return ffi::Error::Success();
+}
+
+// The FP8 format of a quantize target's data results (`rowwise`/`columnwise` set in `a`): the
+// dtype of each requested direction, which must agree.
+template <typename Args>
+ffi::Error read_format(const char* t, const Args& a, ffi::DataType row_type,
+                       ffi::DataType col_type, jq::Fp8* fmt) {
+  if (a.rowwise && a.columnwise && row_type != col_type) {
+    return invalid(t, "the rowwise and columnwise data dtypes differ");
+  }
+  *fmt = fp8_of(a.rowwise ? row_type : col_type);
+  return ffi::Error::Success();
+}
+
+// A float32 scalar result named `what` (an amax or a scale_inv).
+inline ffi::Error read_scalar(RetReader& r, const char* what, float** out) {
+  void* p;
+  JQ_RETURN_IF_ERROR(r.next(what, {ffi::DataType::F32}, {}, &p));
+  *out = static_cast<float*>(p);
+  return ffi::Error::Success();
+}
+
+// The results of a quantize target for the whole of x (`read_results`, overloaded on the
+// format's arguments below), and no more.
+template <typename Args>
+ffi::Error read_all_results(const char* t, ffi::RemainingRets rets, Args* a) {
+  RetReader r(t, rets);
+  JQ_RETURN_IF_ERROR(read_results(t, r, a->x.rows, a->x.cols, a));
+  return r.done();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -202,8 +159,8 @@ inline ffi::Error decode_amax(ffi::AnyBuffer x, ffi::RemainingRets rets, int32_t
   RetReader r(t, rets);
   const auto f32 = {ffi::DataType::F32};
   void* p;
-  if (outputs & kAmaxTensor) { JQ_RETURN_IF_ERROR(r.next("amax", f32, {}, &p)); a->tensor = (float*)p; }
-  if (outputs & kAmaxTensorRht) { JQ_RETURN_IF_ERROR(r.next("amax_rht", f32, {}, &p)); a->tensor_rht = (float*)p; }
+  if (outputs & kAmaxTensor) JQ_RETURN_IF_ERROR(read_scalar(r, "amax", &a->tensor));
+  if (outputs & kAmaxTensorRht) JQ_RETURN_IF_ERROR(read_scalar(r, "amax_rht", &a->tensor_rht));
   if (outputs & kAmaxRows) { JQ_RETURN_IF_ERROR(r.next("row_amax", f32, {a->x.rows}, &p)); a->rows = (float*)p; }
   if (outputs & kAmaxCols) { JQ_RETURN_IF_ERROR(r.next("col_amax", f32, {a->x.cols}, &p)); a->cols = (float*)p; }
   if (outputs & kAmaxColsRht) { JQ_RETURN_IF_ERROR(r.next("col_amax_rht", f32, {a->x.cols}, &p)); a->cols_rht = (float*)p; }
@@ -240,30 +197,37 @@ struct Fp8TensorArgs {
   int32_t margin = 0;
 };
 
-// The results of jaxquant_quantize_fp8 for an R x C matrix (flags already set in `a`), read
-// from `r` in order; shared with the fused targets (ffi/fused), which read more around them.
-inline ffi::Error read_fp8_tensor_results(const char* t, RetReader& r, int64_t R, int64_t C,
-                                          Fp8TensorArgs* a) {
+// The attributes and the operand s of jaxquant_quantize_fp8 into `a`; shared with the fused
+// target (ffi/fused), whose values come from a producer instead of x.
+inline ffi::Error set_fp8_tensor_attrs(const char* t, ffi::AnyBuffer s, bool rowwise,
+                                       bool columnwise, bool delayed, bool pow2_scale,
+                                       float amax_epsilon, Fp8TensorArgs* a) {
+  JQ_RETURN_IF_ERROR(set_directions(t, rowwise, columnwise, a));
+  JQ_RETURN_IF_ERROR(expect(t, delayed ? "scale" : "amax", s, {ffi::DataType::F32}, {}));
+  a->delayed = delayed;
+  a->pow2_scale = pow2_scale;
+  a->amax_epsilon = amax_epsilon;
+  a->s = static_cast<const float*>(s.untyped_data());
+  return ffi::Error::Success();
+}
+
+// The results of jaxquant_quantize_fp8 for an R x C matrix (attributes already set in `a`),
+// read from `r` in order; shared with the fused target, which reads more around them.
+inline ffi::Error read_results(const char* t, RetReader& r, int64_t R, int64_t C,
+                               Fp8TensorArgs* a) {
   void* p;
   ffi::DataType row_type = ffi::DataType::INVALID, col_type = ffi::DataType::INVALID;
   if (a->rowwise) {
     JQ_RETURN_IF_ERROR(r.next("rowwise data", kFp8Types, {R, C}, &p, &row_type));
-    a->row_data = (uint8_t*)p;
+    a->row_data = static_cast<uint8_t*>(p);
   }
   if (a->columnwise) {
     JQ_RETURN_IF_ERROR(r.next("columnwise data", kFp8Types, {C, R}, &p, &col_type));
-    a->col_data = (uint8_t*)p;
+    a->col_data = static_cast<uint8_t*>(p);
   }
-  if (a->rowwise && a->columnwise && row_type != col_type) {
-    return invalid(t, "the rowwise and columnwise data dtypes differ");
-  }
-  a->fmt = fp8_of(a->rowwise ? row_type : col_type);
-  JQ_RETURN_IF_ERROR(r.next("scale_inv", {ffi::DataType::F32}, {}, &p));
-  a->scale_inv = (float*)p;
-  if (a->delayed) {
-    JQ_RETURN_IF_ERROR(r.next("amax", {ffi::DataType::F32}, {}, &p));
-    a->amax = (float*)p;
-  }
+  JQ_RETURN_IF_ERROR(read_format(t, *a, row_type, col_type, &a->fmt));
+  JQ_RETURN_IF_ERROR(read_scalar(r, "scale_inv", &a->scale_inv));
+  if (a->delayed) JQ_RETURN_IF_ERROR(read_scalar(r, "amax", &a->amax));
   return ffi::Error::Success();
 }
 
@@ -272,14 +236,9 @@ inline ffi::Error decode_fp8_tensor(ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::Rem
                                     float amax_epsilon, Fp8TensorArgs* a,
                                     const char* t = "jaxquant_quantize_fp8") {
   JQ_RETURN_IF_ERROR(decode_input(t, x, &a->x));
-  JQ_RETURN_IF_ERROR(need_direction(t, rowwise, columnwise));
-  JQ_RETURN_IF_ERROR(expect(t, delayed ? "scale" : "amax", s, {ffi::DataType::F32}, {}));
-  a->rowwise = rowwise; a->columnwise = columnwise; a->delayed = delayed;
-  a->pow2_scale = pow2_scale; a->amax_epsilon = amax_epsilon;
-  a->s = static_cast<const float*>(s.untyped_data());
-  RetReader r(t, rets);
-  JQ_RETURN_IF_ERROR(read_fp8_tensor_results(t, r, a->x.rows, a->x.cols, a));
-  return r.done();
+  JQ_RETURN_IF_ERROR(
+      set_fp8_tensor_attrs(t, s, rowwise, columnwise, delayed, pow2_scale, amax_epsilon, a));
+  return read_all_results(t, rets, a);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -353,6 +312,7 @@ inline ffi::Error decode_delayed_update(ffi::AnyBuffer history, ffi::AnyBuffer s
   return ffi::Error::Success();
 }
 
+
 // ---------------------------------------------------------------------------------------------
 // jaxquant_quantize_mxfp8(x) -> [row_data, row_scale], [col_data, col_scale], amax
 // ---------------------------------------------------------------------------------------------
@@ -365,43 +325,29 @@ struct Mxfp8Args {
   float* amax = nullptr;
 };
 
-// The results of jaxquant_quantize_mxfp8 for an R x C matrix (directions set in `a`).
-inline ffi::Error read_mxfp8_results(const char* t, RetReader& r, int64_t R, int64_t C,
-                                     Mxfp8Args* a) {
-  const bool rowwise = a->rowwise, columnwise = a->columnwise;
-  const auto e8m0 = {ffi::DataType::F8E8M0FNU};
-  void* p;
+// The results of jaxquant_quantize_mxfp8 for an R x C matrix (directions set in `a`): E8M0
+// scales of 1x32 blocks.
+inline ffi::Error read_results(const char* t, RetReader& r, int64_t R, int64_t C, Mxfp8Args* a) {
+  const auto e8m0 = ffi::DataType::F8E8M0FNU;
   ffi::DataType row_type = ffi::DataType::INVALID, col_type = ffi::DataType::INVALID;
-  if (rowwise) {
-    JQ_RETURN_IF_ERROR(r.next("rowwise data", kFp8Types, {R, C}, &p, &row_type));
-    a->row_data = (uint8_t*)p;
-    JQ_RETURN_IF_ERROR(r.next("rowwise scale_inv", e8m0, {R, ceil_div(C, 32)}, &p));
-    a->row_scale = (uint8_t*)p;
+  if (a->rowwise) {
+    JQ_RETURN_IF_ERROR(read_blocks(r, "rowwise", R, C, kFp8Types, e8m0, 1, 32, &a->row_data,
+                                   &a->row_scale, &row_type));
   }
-  if (columnwise) {
-    JQ_RETURN_IF_ERROR(r.next("columnwise data", kFp8Types, {C, R}, &p, &col_type));
-    a->col_data = (uint8_t*)p;
-    JQ_RETURN_IF_ERROR(r.next("columnwise scale_inv", e8m0, {C, ceil_div(R, 32)}, &p));
-    a->col_scale = (uint8_t*)p;
+  if (a->columnwise) {
+    JQ_RETURN_IF_ERROR(read_blocks(r, "columnwise", C, R, kFp8Types, e8m0, 1, 32, &a->col_data,
+                                   &a->col_scale, &col_type));
   }
-  if (rowwise && columnwise && row_type != col_type) {
-    return invalid(t, "the rowwise and columnwise data dtypes differ");
-  }
-  a->fmt = fp8_of(rowwise ? row_type : col_type);
-  JQ_RETURN_IF_ERROR(r.next("amax", {ffi::DataType::F32}, {}, &p));
-  a->amax = (float*)p;
-  return ffi::Error::Success();
+  JQ_RETURN_IF_ERROR(read_format(t, *a, row_type, col_type, &a->fmt));
+  return read_scalar(r, "amax", &a->amax);
 }
 
 inline ffi::Error decode_mxfp8(ffi::AnyBuffer x, ffi::RemainingRets rets, bool rowwise,
                                bool columnwise, Mxfp8Args* a) {
   const char* t = "jaxquant_quantize_mxfp8";
   JQ_RETURN_IF_ERROR(decode_input(t, x, &a->x));
-  JQ_RETURN_IF_ERROR(need_direction(t, rowwise, columnwise));
-  a->rowwise = rowwise; a->columnwise = columnwise;
-  RetReader r(t, rets);
-  JQ_RETURN_IF_ERROR(read_mxfp8_results(t, r, a->x.rows, a->x.cols, a));
-  return r.done();
+  JQ_RETURN_IF_ERROR(set_directions(t, rowwise, columnwise, a));
+  return read_all_results(t, rets, a);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -419,40 +365,32 @@ struct Fp8BlockArgs {
   float *row_scale = nullptr, *col_scale = nullptr, *amax = nullptr;
 };
 
-// The results of jaxquant_quantize_fp8_block for an R x C matrix (flags set in `a`).
-inline ffi::Error read_fp8_block_results(const char* t, RetReader& r, int64_t R, int64_t C,
-                                         Fp8BlockArgs* a) {
-  const bool rowwise = a->rowwise, columnwise = a->columnwise, block_2d = a->block_2d;
-  const auto f32 = {ffi::DataType::F32};
-  void* p;
-  ffi::DataType row_type = ffi::DataType::INVALID, col_type = ffi::DataType::INVALID;
-  if (rowwise) {
-    JQ_RETURN_IF_ERROR(r.next("rowwise data", kFp8Types, {R, C}, &p, &row_type));
-    a->row_data = (uint8_t*)p;
-    if (block_2d) {
-      JQ_RETURN_IF_ERROR(r.next("rowwise scale_inv", f32, {ceil_div(R, 128), ceil_div(C, 128)}, &p));
-    } else {
-      JQ_RETURN_IF_ERROR(r.next("rowwise scale_inv", f32, {R, ceil_div(C, 128)}, &p));
-    }
-    a->row_scale = (float*)p;
-  }
-  if (columnwise) {
-    JQ_RETURN_IF_ERROR(r.next("columnwise data", kFp8Types, {C, R}, &p, &col_type));
-    a->col_data = (uint8_t*)p;
-    if (block_2d) {
-      JQ_RETURN_IF_ERROR(r.next("columnwise scale_inv", f32, {ceil_div(C, 128), ceil_div(R, 128)}, &p));
-    } else {
-      JQ_RETURN_IF_ERROR(r.next("columnwise scale_inv", f32, {C, ceil_div(R, 128)}, &p));
-    }
-    a->col_scale = (float*)p;
-  }
-  if (rowwise && columnwise && row_type != col_type) {
-    return invalid(t, "the rowwise and columnwise data dtypes differ");
-  }
-  a->fmt = fp8_of(rowwise ? row_type : col_type);
-  JQ_RETURN_IF_ERROR(r.next("amax", f32, {}, &p));
-  a->amax = (float*)p;
+// The attributes of jaxquant_quantize_fp8_block into `a`; shared with the fused target.
+inline ffi::Error set_fp8_block_attrs(const char* t, bool rowwise, bool columnwise, bool block_2d,
+                                      bool pow2_scale, float amax_epsilon, Fp8BlockArgs* a) {
+  JQ_RETURN_IF_ERROR(set_directions(t, rowwise, columnwise, a));
+  a->block_2d = block_2d;
+  a->pow2_scale = pow2_scale;
+  a->amax_epsilon = amax_epsilon;
   return ffi::Error::Success();
+}
+
+// The results of jaxquant_quantize_fp8_block for an R x C matrix (attributes set in `a`).
+inline ffi::Error read_results(const char* t, RetReader& r, int64_t R, int64_t C,
+                               Fp8BlockArgs* a) {
+  const auto f32 = ffi::DataType::F32;
+  const int64_t block_rows = a->block_2d ? 128 : 1;
+  ffi::DataType row_type = ffi::DataType::INVALID, col_type = ffi::DataType::INVALID;
+  if (a->rowwise) {
+    JQ_RETURN_IF_ERROR(read_blocks(r, "rowwise", R, C, kFp8Types, f32, block_rows, 128,
+                                   &a->row_data, &a->row_scale, &row_type));
+  }
+  if (a->columnwise) {
+    JQ_RETURN_IF_ERROR(read_blocks(r, "columnwise", C, R, kFp8Types, f32, block_rows, 128,
+                                   &a->col_data, &a->col_scale, &col_type));
+  }
+  JQ_RETURN_IF_ERROR(read_format(t, *a, row_type, col_type, &a->fmt));
+  return read_scalar(r, "amax", &a->amax);
 }
 
 inline ffi::Error decode_fp8_block(ffi::AnyBuffer x, ffi::RemainingRets rets, bool rowwise,
@@ -460,12 +398,9 @@ inline ffi::Error decode_fp8_block(ffi::AnyBuffer x, ffi::RemainingRets rets, bo
                                    float amax_epsilon, Fp8BlockArgs* a) {
   const char* t = "jaxquant_quantize_fp8_block";
   JQ_RETURN_IF_ERROR(decode_input(t, x, &a->x));
-  JQ_RETURN_IF_ERROR(need_direction(t, rowwise, columnwise));
-  a->rowwise = rowwise; a->columnwise = columnwise; a->block_2d = block_2d;
-  a->pow2_scale = pow2_scale; a->amax_epsilon = amax_epsilon;
-  RetReader r(t, rets);
-  JQ_RETURN_IF_ERROR(read_fp8_block_results(t, r, a->x.rows, a->x.cols, a));
-  return r.done();
+  JQ_RETURN_IF_ERROR(
+      set_fp8_block_attrs(t, rowwise, columnwise, block_2d, pow2_scale, amax_epsilon, a));
+  return read_all_results(t, rets, a);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -525,28 +460,16 @@ inline ffi::Error decode_nvfp4(ffi::AnyBuffer x, ffi::AnyBuffer row_amax, ffi::A
   a->row_key = (const uint32_t*)row_key.untyped_data();
   a->col_key = (const uint32_t*)col_key.untyped_data();
   const auto f4 = {ffi::DataType::F4E2M1FN};
-  const auto e4m3 = {ffi::DataType::F8E4M3FN};
+  const auto e4m3 = ffi::DataType::F8E4M3FN;
+  const int64_t block_rows = block_2d ? 16 : 1;
   RetReader r(t, rets);
-  void* p;
   if (rowwise) {
-    JQ_RETURN_IF_ERROR(r.next("rowwise data", f4, {R, C}, &p));
-    a->row_data = (uint8_t*)p;
-    if (block_2d) {
-      JQ_RETURN_IF_ERROR(r.next("rowwise scale_inv", e4m3, {ceil_div(R, 16), ceil_div(C, 16)}, &p));
-    } else {
-      JQ_RETURN_IF_ERROR(r.next("rowwise scale_inv", e4m3, {R, ceil_div(C, 16)}, &p));
-    }
-    a->row_scale = (uint8_t*)p;
+    JQ_RETURN_IF_ERROR(
+        read_blocks(r, "rowwise", R, C, f4, e4m3, block_rows, 16, &a->row_data, &a->row_scale));
   }
   if (columnwise) {
-    JQ_RETURN_IF_ERROR(r.next("columnwise data", f4, {C, R}, &p));
-    a->col_data = (uint8_t*)p;
-    if (block_2d) {
-      JQ_RETURN_IF_ERROR(r.next("columnwise scale_inv", e4m3, {ceil_div(C, 16), ceil_div(R, 16)}, &p));
-    } else {
-      JQ_RETURN_IF_ERROR(r.next("columnwise scale_inv", e4m3, {C, ceil_div(R, 16)}, &p));
-    }
-    a->col_scale = (uint8_t*)p;
+    JQ_RETURN_IF_ERROR(read_blocks(r, "columnwise", C, R, f4, e4m3, block_rows, 16, &a->col_data,
+                                   &a->col_scale));
   }
   return r.done();
 }
@@ -577,6 +500,100 @@ inline ffi::Error decode_transpose(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer
   a->rows = dims[0];
   a->cols = dims[1];
   return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The FFI signatures, one copy for both platforms: the CPU handlers bind
+// `BindX(ffi::Ffi::Bind())`, the CUDA ones `BindX(ffi::Ffi::Bind().Ctx<Stream>())`
+// (binding.h). Results read by a RetReader are `RemainingRets`.
+// ---------------------------------------------------------------------------------------------
+
+// jaxquant_amax: x -> the reductions `outputs` selects.
+template <typename Binding>
+auto BindAmax(Binding binding) {
+  return Attrs<int32_t>(Args<1>(std::move(binding)).RemainingRets(), "outputs");
+}
+
+// jaxquant_amax_gated: x, gate -> as jaxquant_amax.
+template <typename Binding>
+auto BindAmaxGated(Binding binding) {
+  return Attrs<int32_t>(Args<2>(std::move(binding)).RemainingRets(), "outputs");
+}
+
+// `binding` followed by the scale attributes of the current-scaling formats.
+template <typename Binding>
+auto ScaleAttrs(Binding&& binding) {
+  return Attrs<float>(Attrs<bool>(std::move(binding), "pow2_scale"), "amax_epsilon");
+}
+
+// `binding` followed by the attributes of jaxquant_quantize_fp8, _mxfp8 and _fp8_block (the fused
+// targets take the same after their own).
+template <typename Binding>
+auto Fp8TensorAttrs(Binding&& binding) {
+  return ScaleAttrs(Attrs<bool>(std::move(binding), "rowwise", "columnwise", "delayed"));
+}
+
+template <typename Binding>
+auto Mxfp8Attrs(Binding&& binding) {
+  return Attrs<bool>(std::move(binding), "rowwise", "columnwise");
+}
+
+template <typename Binding>
+auto Fp8BlockAttrs(Binding&& binding) {
+  return ScaleAttrs(Attrs<bool>(std::move(binding), "rowwise", "columnwise", "block_2d"));
+}
+
+// jaxquant_quantize_fp8: x, s -> [row data], [col data], scale_inv, [amax].
+template <typename Binding>
+auto BindQuantizeFp8(Binding binding) {
+  return Fp8TensorAttrs(Args<2>(std::move(binding)).RemainingRets());
+}
+
+// jaxquant_quantize_fp8_delayed: x, scale, first_amax -> as jaxquant_quantize_fp8 delayed.
+template <typename Binding>
+auto BindQuantizeFp8Delayed(Binding binding) {
+  auto flags = Attrs<bool>(Args<3>(std::move(binding)).RemainingRets(), "rowwise", "columnwise");
+  return Attrs<int32_t>(std::move(flags), "margin");
+}
+
+// jaxquant_delayed_update: history, scale, amax -> history', scale'.
+template <typename Binding>
+auto BindDelayedUpdate(Binding binding) {
+  auto fmax = Attrs<float>(Rets<2>(Args<3>(std::move(binding))), "fmax");
+  return Attrs<bool>(Attrs<int32_t>(std::move(fmax), "margin"), "most_recent");
+}
+
+// jaxquant_quantize_mxfp8: x -> [row data, scales], [col data, scales], amax.
+template <typename Binding>
+auto BindQuantizeMxfp8(Binding binding) {
+  return Mxfp8Attrs(Args<1>(std::move(binding)).RemainingRets());
+}
+
+// jaxquant_quantize_fp8_block: x -> [row data, scales], [col data, scales], amax.
+template <typename Binding>
+auto BindQuantizeFp8Block(Binding binding) {
+  return Fp8BlockAttrs(Args<1>(std::move(binding)).RemainingRets());
+}
+
+// jaxquant_quantize_nvfp4: x, row_amax, col_amax, row_key, col_key -> [row data, scales],
+// [col data, scales].
+template <typename Binding>
+auto BindQuantizeNvfp4(Binding binding) {
+  return Attrs<bool>(Args<5>(std::move(binding)).RemainingRets(), "rowwise", "columnwise",
+                     "row_scaled", "block_2d", "rht", "stochastic");
+}
+
+// jaxquant_transpose_fp8 (data -> its transpose) and jaxquant_debug_raw_bytes (any buffer ->
+// its first bytes): one buffer in, one out.
+template <typename Binding>
+auto BindBufferToBuffer(Binding binding) {
+  return Rets<1>(Args<1>(std::move(binding)));
+}
+
+// jaxquant_debug_encoder_mismatches: -> u32[6] counts for the float32 bits `start + i * stride`.
+template <typename Binding>
+auto BindEncoderMismatches(Binding binding) {
+  return Attrs<int64_t>(Rets<1>(std::move(binding)), "start", "count", "stride");
 }
 
 }  // namespace jqffi

@@ -1,0 +1,31 @@
+// The FP8-format tile kernels (per tensor, MXFP8, Float8Block) and their one launch, shared by
+// the quantize targets (quantize_cuda.cu: the values of x) and the fused ones (ffi/fused: a
+// producer's values). A format is chosen by its parameter type.
+#pragma once
+
+#include "quantize/fp8_block.cuh"
+#include "quantize/fp8_tensor.cuh"
+#include "quantize/mxfp8.cuh"
+
+namespace jqffi {
+namespace {
+
+// The tile kernel of each format's parameters, reading producer type P.
+template <typename P>
+auto tile_kernel_of(const Fp8TensorParams&, const P&) { return fp8_tensor_kernel<P>; }
+template <typename P>
+auto tile_kernel_of(const Mxfp8Params&, const P&) { return mxfp8_kernel<P>; }
+template <typename P>
+auto tile_kernel_of(const Fp8BlockParams&, const P&) { return fp8_block_kernel<P>; }
+
+// Launches the tile kernel of `p`'s format over the matrix `prod` produces, with the tile's
+// shared memory when it has a column phase.
+template <typename Params, typename P>
+cudaError_t launch_fp8_tiles(cudaStream_t stream, const Params& p, const P& prod) {
+  using G = FP8Tile<typename P::Out>;
+  return launch_tiles(tile_kernel_of(p, prod), num_tiles(p.R, p.C, G::TR, G::TC),
+                      has_column_phase(p) ? G::kSmemBytes : 0, stream, p, prod);
+}
+
+}  // namespace
+}  // namespace jqffi
