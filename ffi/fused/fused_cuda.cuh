@@ -7,7 +7,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -57,23 +56,6 @@ ffi::Error with_producer(const char* t, const FusedArgs& f, void* y, F&& fn) {
   return ffi::Error::Success();
 }
 
-// A producer seen through `load8` only: the tile kernels then load and compute pass by pass
-// (one stage), as before the producers had two. Measurement only (JAXQUANT_FUSED_FETCH=one).
-template <typename P>
-struct OneStage {
-  using Out = typename P::Out;
-  P prod;
-  __device__ __forceinline__ void load8(int64_t r, int64_t c, Out* out) const { prod.load8(r, c, out); }
-};
-
-inline bool one_stage_fetch() {
-  static const bool one = [] {
-    const char* v = std::getenv("JAXQUANT_FUSED_FETCH");
-    return v != nullptr && std::string(v) == "one";
-  }();
-  return one;
-}
-
 // Clears the call's amax (reduced with atomics) and runs the tile kernel of `p` (the format's
 // parameters for `d`) over the producer of `d`.
 template <typename Q, typename Params>
@@ -81,11 +63,8 @@ ffi::Error quantize_produced(cudaStream_t stream, const FusedQuantizeArgs<Q>& d,
   const char* t = d.target;
   JQ_RETURN_IF_ERROR(clear(stream, d.q.amax, 4));
   cudaError_t e = cudaSuccess;
-  const bool one = one_stage_fetch();
-  JQ_RETURN_IF_ERROR(with_producer(t, d.f, d.o.y, [&](const auto& prod) {
-    using P = std::decay_t<decltype(prod)>;
-    e = one ? launch_fp8_tiles(stream, p, OneStage<P>{prod}) : launch_fp8_tiles(stream, p, prod);
-  }));
+  JQ_RETURN_IF_ERROR(
+      with_producer(t, d.f, d.o.y, [&](const auto& prod) { e = launch_fp8_tiles(stream, p, prod); }));
   return launch_status(t, e);
 }
 

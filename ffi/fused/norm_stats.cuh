@@ -118,25 +118,13 @@ __global__ void __launch_bounds__(kThreads) producer_amax_kernel(const P prod, i
                                                                  const float* gate, float* amax) {
   if (gate != nullptr && __ldg(gate) != 0.0f) return;  // uniform across the grid
   __shared__ uint32_t red[kThreads / 32];
-  const int64_t per_row = (C + 7) / 8, total = R * per_row, stride = int64_t(gridDim.x) * kThreads;
-  constexpr int kUnroll = 4;  // chunks whose loads are issued before their math (producers.cuh)
+  const int64_t per_row = (C + 7) / 8, total = R * per_row;
   uint32_t m = 0;
-  for (int64_t i0 = int64_t(blockIdx.x) * kThreads + threadIdx.x; i0 < total; i0 += kUnroll * stride) {
-    typename P::Raw in[kUnroll];
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < total; i += int64_t(gridDim.x) * kThreads) {
+    alignas(16) typename P::Out v[8];
+    prod.load8(i / per_row, (i % per_row) * 8, v);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = i0 + u * stride;
-      if (i < total) prod.fetch(i / per_row, (i % per_row) * 8, in[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = i0 + u * stride;
-      if (i >= total) continue;
-      alignas(16) typename P::Out v[8];
-      prod.compute(i / per_row, (i % per_row) * 8, in[u], v);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) m = max(m, jq::abs_bits(to_float(v[k])));
-    }
+    for (int k = 0; k < 8; ++k) m = max(m, jq::abs_bits(to_float(v[k])));
   }
   m = cta_max(m, red);
   if (threadIdx.x == 0) atomic_max_float(amax, m);

@@ -3,11 +3,6 @@
 // outside [R, C] (the contract of `Direct`, tile.cuh). The values come from the numerics header
 // (norm_value, act_value, act_backward), rounded to the output type with the CUDA conversion
 // intrinsics (the instructions XLA:GPU's convert uses).
-//
-// Each producer works in two stages, `fetch` (the raw inputs of 8 values into a `Raw`) and
-// `compute` (the values from them), so a kernel can issue every pass's loads before any math:
-// the math (a correctly rounded division, exp) has a slow path the compiler does not move loads
-// across, and with one stage each pass waited for its own loads. `load8` is both at once.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -32,27 +27,21 @@ __device__ __forceinline__ float round_to_device(jq::OutType out, float v) {
   return v;
 }
 
-// Columns c .. c+7 of a row (`row` points at its first element) as stored, zeros at columns
+// Columns c .. c+7 of a row (`row` points at its first element) as floats, zeros at columns
 // >= limit; one or two 16-byte loads when `vec` (row + c 16-byte aligned) and the 8 are inside.
 template <typename In>
-__device__ __forceinline__ void row_raw8(const In* row, int64_t c, int64_t limit, bool vec, In* out) {
+__device__ __forceinline__ void row_floats8(const In* row, int64_t c, int64_t limit, bool vec, float* out) {
   if (vec && c + 8 <= limit) {
+    alignas(16) In raw[8];
     const uint4* p = reinterpret_cast<const uint4*>(row + c);
-    reinterpret_cast<uint4*>(out)[0] = __ldg(p);
-    if constexpr (sizeof(In) == 4) reinterpret_cast<uint4*>(out)[1] = __ldg(p + 1);
+    reinterpret_cast<uint4*>(raw)[0] = __ldg(p);
+    if constexpr (sizeof(In) == 4) reinterpret_cast<uint4*>(raw)[1] = __ldg(p + 1);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = to_float(raw[i]);
   } else {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) out[i] = c + i < limit ? row[c + i] : zero_of<In>();
+    for (int i = 0; i < 8; ++i) out[i] = c + i < limit ? to_float(row[c + i]) : 0.0f;
   }
-}
-
-// The same as floats.
-template <typename In>
-__device__ __forceinline__ void row_floats8(const In* row, int64_t c, int64_t limit, bool vec, float* out) {
-  alignas(16) In raw[8];
-  row_raw8(row, c, limit, vec, raw);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) out[i] = to_float(raw[i]);
 }
 
 // Stores v[0..8) at columns c .. c+7 of a row, the ones below `limit`.
@@ -87,39 +76,22 @@ struct NormProducer {
   int64_t R, C;
   bool vec_x, vec_params, vec_y, layernorm, has_scale, has_bias;
 
-  struct Raw {
-    alignas(16) In x[8];
-    float mean, rsigma;
-  };
-
-  __device__ __forceinline__ void fetch(int64_t r, int64_t c, Raw& w) const {
-    if (r >= R || c >= C) return;
-    row_raw8(x + r * C, c, C, vec_x, w.x);
-    w.mean = layernorm ? __ldg(mean + r) : 0.0f;
-    w.rsigma = __ldg(rsigma + r);
-  }
-
-  __device__ __forceinline__ void compute(int64_t r, int64_t c, const Raw& w, Out* out) const {
+  __device__ __forceinline__ void load8(int64_t r, int64_t c, Out* out) const {
     if (r >= R || c >= C) {
       zeros8(out);
       return;
     }
-    float g[8] = {}, b[8] = {};  // the same columns every pass: cached
+    float xv[8], g[8] = {}, b[8] = {};
+    row_floats8(x + r * C, c, C, vec_x, xv);
     if (has_scale) row_floats8(scale, c, C, vec_params, g);
     if (has_bias) row_floats8(bias, c, C, vec_params, b);
+    const float m = layernorm ? __ldg(mean + r) : 0.0f, rs = __ldg(rsigma + r);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      out[i] = c + i < C ? from_float<Out>(jq::norm_value(to_float(w.x[i]), w.mean, w.rsigma, g[i], b[i],
-                                                          layernorm, has_scale, has_bias))
+      out[i] = c + i < C ? from_float<Out>(jq::norm_value(xv[i], m, rs, g[i], b[i], layernorm, has_scale, has_bias))
                          : zero_of<Out>();
     }
     if (y != nullptr) row_store8(y + r * C, c, C, vec_y, out);
-  }
-
-  __device__ __forceinline__ void load8(int64_t r, int64_t c, Out* out) const {
-    Raw w;
-    fetch(r, c, w);
-    compute(r, c, w, out);
   }
 };
 
@@ -132,34 +104,20 @@ struct ActProducer {
   bool vec, gated;
   jq::Act act;
 
-  struct Raw {
-    alignas(16) T h0[8];
-    alignas(16) T h1[8];
-  };
-
-  __device__ __forceinline__ void fetch(int64_t r, int64_t c, Raw& w) const {
-    if (r >= R || c >= C) return;
-    const T* row = h + r * (gated ? 2 * C : C);
-    row_raw8(row, c, C, vec, w.h0);
-    if (gated) row_raw8(row + C, c, C, vec, w.h1);
-  }
-
-  __device__ __forceinline__ void compute(int64_t r, int64_t c, const Raw& w, T* out) const {
+  __device__ __forceinline__ void load8(int64_t r, int64_t c, T* out) const {
     if (r >= R || c >= C) {
       zeros8(out);
       return;
     }
+    const T* row = h + r * (gated ? 2 * C : C);
+    float h0[8], h1[8];
+    row_floats8(row, c, C, vec, h0);
+    if (gated) row_floats8(row + C, c, C, vec, h1);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const float a = jq::act_value(act, to_float(w.h0[i]));
-      out[i] = c + i < C ? from_float<T>(gated ? a * to_float(w.h1[i]) : a) : zero_of<T>();
+      const float a = jq::act_value(act, h0[i]);
+      out[i] = c + i < C ? from_float<T>(gated ? a * h1[i] : a) : zero_of<T>();
     }
-  }
-
-  __device__ __forceinline__ void load8(int64_t r, int64_t c, T* out) const {
-    Raw w;
-    fetch(r, c, w);
-    compute(r, c, w, out);
   }
 };
 
@@ -173,63 +131,45 @@ struct DactProducer {
   bool vec, gated;  // vec: dy and h 16-byte aligned and N % 8 == 0
   jq::Act act;
 
-  // Per column: dy, h0 and (gated, first half) h1 of the column's pair.
-  struct Raw {
-    alignas(16) T d[8];
-    alignas(16) T h0[8];
-    alignas(16) T h1[8];
-  };
-
-  __device__ __forceinline__ void fetch(int64_t r, int64_t c, Raw& w) const {
-    if (r >= R || c >= C) return;
-    if (!gated) {
-      row_raw8(dy + r * N, c, N, vec, w.d);
-      row_raw8(h + r * C, c, C, vec, w.h0);
-      return;
+  __device__ __forceinline__ float gated_value(int64_t r, int64_t c) const {
+    if (c < N) {
+      const float d = to_float(dy[r * N + c]);
+      return jq::act_backward(act, d * to_float(h[r * C + N + c]), to_float(h[r * C + c]));
     }
-    if (!vec) {  // 8 columns may straddle the two halves
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int64_t cc = c + i, k = cc < N ? cc : cc - N;
-        const bool inside = cc < C;
-        w.d[i] = inside ? dy[r * N + k] : zero_of<T>();
-        w.h0[i] = inside ? h[r * C + k] : zero_of<T>();
-        w.h1[i] = inside && cc < N ? h[r * C + N + k] : zero_of<T>();
-      }
-      return;
-    }
-    const bool first_half = c < N;  // N % 8 == 0: all 8 columns in one half
-    const int64_t k = first_half ? c : c - N;
-    row_raw8(dy + r * N, k, N, true, w.d);
-    row_raw8(h + r * C, k, N, true, w.h0);
-    if (first_half) row_raw8(h + r * C + N, k, N, true, w.h1);
+    const int64_t k = c - N;
+    return to_float(dy[r * N + k]) * jq::act_value(act, to_float(h[r * C + k]));
   }
 
-  __device__ __forceinline__ void compute(int64_t r, int64_t c, const Raw& w, T* out) const {
+  __device__ __forceinline__ void load8(int64_t r, int64_t c, T* out) const {
     if (r >= R || c >= C) {
       zeros8(out);
       return;
     }
+    float d[8], h0[8], h1[8];
+    if (!gated) {
+      row_floats8(dy + r * N, c, N, vec, d);
+      row_floats8(h + r * C, c, C, vec, h0);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int64_t cc = c + i;
-      const float d = to_float(w.d[i]), h0 = to_float(w.h0[i]);
-      float v;
-      if (!gated) {
-        v = jq::act_backward(act, d, h0);
-      } else if (cc < N) {
-        v = jq::act_backward(act, d * to_float(w.h1[i]), h0);
-      } else {
-        v = d * jq::act_value(act, h0);
-      }
-      out[i] = cc < C ? from_float<T>(v) : zero_of<T>();
+      for (int i = 0; i < 8; ++i) out[i] = c + i < C ? from_float<T>(jq::act_backward(act, d[i], h0[i])) : zero_of<T>();
+      return;
     }
-  }
-
-  __device__ __forceinline__ void load8(int64_t r, int64_t c, T* out) const {
-    Raw w;
-    fetch(r, c, w);
-    compute(r, c, w, out);
+    if (!vec) {  // 8 columns may straddle the two halves
+#pragma unroll
+      for (int i = 0; i < 8; ++i) out[i] = c + i < C ? from_float<T>(gated_value(r, c + i)) : zero_of<T>();
+      return;
+    }
+    const bool first_half = c < N;  // N % 8 == 0: all 8 columns in one half
+    const int64_t k = first_half ? c : c - N;
+    row_floats8(dy + r * N, k, N, true, d);
+    row_floats8(h + r * C, k, N, true, h0);
+    if (first_half) {
+      row_floats8(h + r * C + N, k, N, true, h1);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) out[i] = from_float<T>(jq::act_backward(act, d[i] * h1[i], h0[i]));
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) out[i] = from_float<T>(d[i] * jq::act_value(act, h0[i]));
+    }
   }
 };
 

@@ -6,7 +6,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <type_traits>
 
 #include "cuda_handler.h"
 #include "quantize/quantize_args.h"
@@ -258,13 +257,6 @@ __host__ __device__ __forceinline__ bool has_column_phase(const Params& p) {
 // The load phase of the FP8-format tile kernels: the CTA's tile, this thread's place in it (tile
 // row pass * RPP + lr, columns lc .. lc+7) and its 8 values of each pass, read from the producer
 // with every load issued before any is used.
-// Producers with a `Raw` type load in one stage (`fetch`) and compute in another (`compute`):
-// fused/producers.cuh. `Direct` loads only (`load8`).
-template <typename P, typename = void>
-struct two_stage : std::false_type {};
-template <typename P>
-struct two_stage<P, std::void_t<typename P::Raw>> : std::true_type {};
-
 template <typename P>
 struct Fp8TileLoad {
   using In = typename P::Out;
@@ -280,16 +272,8 @@ struct Fp8TileLoad {
   __device__ __forceinline__ Fp8TileLoad(const P& prod, const Params& p)
       : tile(shared_tile<In>()), column_phase(has_column_phase(p)), t(tile_index(p.C, G::TR, G::TC)),
         lr(threadIdx.x / G::TPR), lc((threadIdx.x % G::TPR) * 8) {
-    if constexpr (two_stage<P>::value) {  // every pass's loads before any pass's math
-      typename P::Raw in[G::NP];
 #pragma unroll
-      for (int pp = 0; pp < G::NP; ++pp) prod.fetch(row(pp), col(), in[pp]);
-#pragma unroll
-      for (int pp = 0; pp < G::NP; ++pp) prod.compute(row(pp), col(), in[pp], raw[pp]);
-    } else {
-#pragma unroll
-      for (int pp = 0; pp < G::NP; ++pp) prod.load8(row(pp), col(), raw[pp]);
-    }
+    for (int pp = 0; pp < G::NP; ++pp) prod.load8(row(pp), col(), raw[pp]);
   }
 
   // The matrix row of pass pp and the matrix column of this thread's first value.
