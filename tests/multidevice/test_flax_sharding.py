@@ -4,6 +4,8 @@ mapped to mesh axes by `nn.logical_axis_rules`; and `examples/train_lm.py --mesh
 
 from __future__ import annotations
 
+from typing import Optional
+
 import importlib
 
 import flax.linen as nn
@@ -117,27 +119,32 @@ def test_train_step_keeps_the_state_shardings_on_an_fsdp_mesh(devices):
 
 class LNBlock(nn.Module):
   """`LayerNormMLP` (fc1 column-, fc2 row-parallel) and a `LayerNormDense` and `DenseGeneral`
-  head, all sharded through `input_axes` / `kernel_axes`."""
+  head, all sharded through `input_axes` / `kernel_axes`; `fuse_producers` as the modules'."""
 
   recipe: jq.Recipe
+  fuse_producers: Optional[bool] = None
 
   @nn.compact
   def __call__(self, x):
     x = x + jf.LayerNormMLP(512, activations="swiglu", recipe=self.recipe,
+                            fuse_producers=self.fuse_producers,
                             input_axes=("batch", "length", "act_embed"),
                             hidden_axes=("batch", "length", "act_mlp"),
                             kernel_axes_1=("embed", "mlp"), kernel_axes_2=("mlp", "embed"),
                             name="mlp")(x)
     h = jf.LayerNormDense(256, recipe=self.recipe, input_axes=("batch", "length", "act_embed"),
+                          fuse_producers=self.fuse_producers,
                           kernel_axes=("embed", "mlp"), name="ln_dense")(x)
     return jf.DenseGeneral((2, 64), axis=-1, recipe=self.recipe,
                            input_axes=("batch", "length", "act_mlp"),
                            kernel_axes=("mlp", None, "embed"), name="head")(h)
 
 
-def test_layernorm_mlp_dense_general_take_input_axes(devices, rng):
+@pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
+def test_layernorm_mlp_dense_general_take_input_axes(devices, rng, fuse):
+  """Both paths of the modules (fused producers: CPU handlers on CPU, the kernels on GPUs)."""
   mesh = sharded.make_mesh(devices, "tp")
-  model = LNBlock(jq.Float8CurrentScaling())
+  model = LNBlock(jq.Float8CurrentScaling(), fuse_producers=fuse)
   x = jnp.asarray(rng.standard_normal((8, 64, 256)), jnp.float32)
   loss = lambda v, x: jnp.mean(jnp.square(model.apply(v, x)))
   grad_fn = jax.jit(jax.value_and_grad(loss))
@@ -171,8 +178,10 @@ def test_layernorm_mlp_dense_general_take_input_axes(devices, rng):
            if c.op in ("all-to-all", "collective-permute") and c.elements > 4096]
   assert not moved, moved
   assert np.isfinite(float(got_loss))
-  # Values and gradients of each quantized layer (LayerNormMLP's fc1 and fc2 included) on its own,
-  # as in the MLP test above.
+  # Values and gradients of each quantized layer on its own, as in the MLP test above: the
+  # unfused LayerNormMLP's fc1 and fc2 are Dense layers; the fused one contracts its parameters
+  # itself (its sharded values: test_fused_sharding.py).
   found = per_layer.assert_layers_match_single_device(
       model, boxed, x, mesh, RULES, rng, per_layer.LINEAR + (jf.LayerNormDense,))
-  assert set(found) == {("mlp", "fc1"), ("mlp", "fc2"), ("ln_dense",), ("head",)}, found
+  mlp = set() if fuse else {("mlp", "fc1"), ("mlp", "fc2")}
+  assert set(found) == mlp | {("ln_dense",), ("head",)}, found
