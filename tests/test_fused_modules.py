@@ -184,7 +184,7 @@ def test_identity_recipe_keeps_flax_arithmetic_and_records_nothing(rng):
 
 
 def test_by_default_the_platform_decides(rng):
-  """fuse_producers=None: fused where the CUDA kernels are built; on CPU unfused, and said."""
+  """fuse_producers=None: as auto_fusion_reason says (unfused everywhere for now), and said."""
   report = _report(jf.LayerNormDense(64, recipe=RECIPES["current"]), _x(rng))
   reason = fused_ops.auto_fusion_reason()
   fused = [d for d in report if d.detail.startswith("fused layernorm")]

@@ -10,9 +10,10 @@ decided on its own and `jaxquant.explain` records every one that does not happen
 kernels, an activation without one (a callable, "gelu_exact", more than two gates), a sharding
 that splits the normalized axis or the MLP's features.
 
-By default (`fuse_producers=None`) the modules fuse where the CUDA kernels are built; on CPU the
-fused handlers are slower than XLA's producers (`fuse_producers=True` takes them anyway, as the
-tests do; False never fuses).
+By default (`fuse_producers=None`) the modules do not fuse: the CUDA kernels measured slower
+than XLA's producer followed by the quantize kernel, and the CPU handlers are slower still
+(decision 20 of docs/design.md); `fuse_producers=True` takes them (as the tests do), False never
+fuses.
 
 Parameters and delayed-scaling variables are exactly the unfused modules' (same names, shapes,
 initializers, scopes), so a checkpoint and a recipe change move freely between both paths; the
@@ -82,7 +83,7 @@ def _spec_entry(spec, index: int):
 
 def platform_reason(fuse_producers: Optional[bool]) -> Optional[str]:
   """Why a module's `fuse_producers` setting keeps the producers unfused here, or None.
-  None (the default): fused where the CUDA kernels are built (`auto_fusion_reason`); True:
+  None (the default): as `auto_fusion_reason` says (unfused for now); True:
   wherever the formats allow (CPU handlers, or the reference composition)."""
   return None if fuse_producers else auto_fusion_reason()
 

@@ -129,8 +129,8 @@ class LayerNormDense(nn.Module):
     kernel_axes, input_axes, reduce_dtype: sharding under a mesh, as `jaxquant.flax.Dense`'s
       (`kernel_axes` names `(in, *features)`; the bias takes the feature names).
     fuse_producers: let the normalization kernel write the quantized input where the input
-      format has fused kernels (`jaxquant.flax.fusion`): None (default) where the CUDA kernels
-      are built, True also on CPU (its handlers are slower than XLA there), False never.
+      format has fused kernels (`jaxquant.flax.fusion`): None (default): not yet (decision 20
+      of docs/design.md), True: wherever the format allows, False never.
   """
 
   features: Union[int, Sequence[int]]
@@ -216,7 +216,8 @@ class LayerNormMLP(nn.Module):
     reduce_dtype: dtype of the partial-sum reductions of K-sharded GEMMs, as `Dense`'s.
     fuse_producers: let the normalization and activation kernels write the quantized copies
       the dense layers read where the formats have fused kernels (`jaxquant.flax.fusion`):
-      None (default) where the CUDA kernels are built, True also on CPU, False never.
+      None (default): not yet (decision 20 of docs/design.md), True: wherever the formats
+      allow, False never.
   """
 
   intermediate_dim: int = 2048

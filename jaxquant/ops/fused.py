@@ -12,7 +12,7 @@ decision with the path taken and why.
 `fusion_unsupported(quantizer)` says whether a format has fused kernels at all (per-tensor FP8,
 current and delayed; MXFP8; Float8Block). For the others the layers run the producer and the
 quantize separately and record why ("<producer>, then quantize"); `auto_fusion_reason()` says
-whether the layers fuse by default on this platform (where the CUDA kernels are built).
+whether the layers fuse by default (not yet anywhere: decision 20 of docs/design.md).
 """
 
 from __future__ import annotations
@@ -54,12 +54,12 @@ def fusion_unsupported(quantizer: Quantizer) -> Optional[str]:
 def auto_fusion_reason() -> Optional[str]:
   """None when the layers take the fused producers by default on this platform, else why not.
 
-  They do where the CUDA kernels are built: one pass instead of a producer pass and a quantize
-  pass. The CPU handlers exist so CI runs the fused path; they are plain loops, slower than
-  XLA's own producer, so on CPU (and wherever the kernels are missing, since the reference
-  composition is slower still) the layers fuse only when asked (`fuse_producers=True`).
-  `JAXQUANT_FUSE_PRODUCERS=off` keeps them unfused, `on` fuses wherever the formats allow
-  (A/B timings without touching a model; a module's explicit `fuse_producers` wins)."""
+  Nowhere, for now (docs/design.md decision 20): on an H200 each fused CUDA kernel measured
+  slower than XLA's producer followed by the quantize kernel (bench/RESULTS.md, "Fused
+  producers"), so a default that fused would slow the step. The CPU handlers are plain loops,
+  slower still. The layers fuse when asked (`fuse_producers=True`);
+  `JAXQUANT_FUSE_PRODUCERS=on` fuses wherever the formats allow, `off` never (A/B timings
+  without touching a model; a module's explicit `fuse_producers` wins)."""
   setting = os.environ.get("JAXQUANT_FUSE_PRODUCERS", "auto").strip().lower() or "auto"
   if setting not in ("auto", "on", "off"):
     raise ValueError(f"JAXQUANT_FUSE_PRODUCERS={setting!r}; expected 'auto', 'on' or 'off'")
@@ -80,7 +80,8 @@ def auto_fusion_reason() -> Optional[str]:
   if missing:
     return (f"the jaxquant FFI extension has no fused producer targets ({', '.join(missing)}); "
             "rebuild it")
-  return None
+  return ("the fused CUDA kernels measure slower than the producer, then the quantize kernel "
+          "(bench/RESULTS.md); fuse_producers=True or JAXQUANT_FUSE_PRODUCERS=on takes them")
 
 
 def _implementation(producer: Producer, inputs: Inputs, quantizer: Quantizer):
