@@ -59,6 +59,13 @@ __device__ __forceinline__ void row_store8(T* row, int64_t c, int64_t limit, boo
   }
 }
 
+// The activation and its gradient as calls, one copy of each in a kernel: inlined, every
+// activation's exp and division were copied into each of the 64 unrolled values a thread
+// computes (a DactProducer tile kernel was ~46,000 PTX instructions, far past the instruction
+// cache). Same math (the numerics header's), so the same values.
+__device__ __noinline__ float act_value_call(jq::Act a, float x) { return jq::act_value(a, x); }
+__device__ __noinline__ float act_backward_call(jq::Act a, float g, float x) { return jq::act_backward(a, g, x); }
+
 template <typename T>
 __device__ __forceinline__ void zeros8(T* out) {
 #pragma unroll
@@ -115,7 +122,7 @@ struct ActProducer {
     if (gated) row_floats8(row + C, c, C, vec, h1);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const float a = jq::act_value(act, h0[i]);
+      const float a = act_value_call(act, h0[i]);
       out[i] = c + i < C ? from_float<T>(gated ? a * h1[i] : a) : zero_of<T>();
     }
   }
@@ -131,13 +138,13 @@ struct DactProducer {
   bool vec, gated;  // vec: dy and h 16-byte aligned and N % 8 == 0
   jq::Act act;
 
-  __device__ __forceinline__ float gated_value(int64_t r, int64_t c) const {
+  __device__ __noinline__ float gated_value(int64_t r, int64_t c) const {  // rare: unaligned rows
     if (c < N) {
       const float d = to_float(dy[r * N + c]);
-      return jq::act_backward(act, d * to_float(h[r * C + N + c]), to_float(h[r * C + c]));
+      return act_backward_call(act, d * to_float(h[r * C + N + c]), to_float(h[r * C + c]));
     }
     const int64_t k = c - N;
-    return to_float(dy[r * N + k]) * jq::act_value(act, to_float(h[r * C + k]));
+    return to_float(dy[r * N + k]) * act_value_call(act, to_float(h[r * C + k]));
   }
 
   __device__ __forceinline__ void load8(int64_t r, int64_t c, T* out) const {
@@ -150,7 +157,7 @@ struct DactProducer {
       row_floats8(dy + r * N, c, N, vec, d);
       row_floats8(h + r * C, c, C, vec, h0);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) out[i] = c + i < C ? from_float<T>(jq::act_backward(act, d[i], h0[i])) : zero_of<T>();
+      for (int i = 0; i < 8; ++i) out[i] = c + i < C ? from_float<T>(act_backward_call(act, d[i], h0[i])) : zero_of<T>();
       return;
     }
     if (!vec) {  // 8 columns may straddle the two halves
@@ -165,10 +172,10 @@ struct DactProducer {
     if (first_half) {
       row_floats8(h + r * C + N, k, N, true, h1);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) out[i] = from_float<T>(jq::act_backward(act, d[i] * h1[i], h0[i]));
+      for (int i = 0; i < 8; ++i) out[i] = from_float<T>(act_backward_call(act, d[i] * h1[i], h0[i]));
     } else {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) out[i] = from_float<T>(d[i] * jq::act_value(act, h0[i]));
+      for (int i = 0; i < 8; ++i) out[i] = from_float<T>(d[i] * act_value_call(act, h0[i]));
     }
   }
 };
