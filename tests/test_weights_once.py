@@ -114,16 +114,18 @@ def _loss_and_grads(model, variables, tokens, key, grad_accum):
   return jax.jit(fn)(variables)
 
 
-@pytest.mark.parametrize("recipe,rtol", [("bf16", 1e-6), ("mxfp8", 5e-4), ("fp8_block", 5e-4)])
+@pytest.mark.parametrize("recipe,rtol", [("bf16", 1e-4), ("mxfp8", 5e-4), ("fp8_block", 5e-4)])
 def test_grad_accum_loss_equals_the_one_batch_step(recipe, rtol, seed, core_backend):
   """Four micro-batches give the one-batch step's loss within float32 summation order.
 
-  Unquantized (bf16), that is the mean of four means of 40 token losses against one mean of
-  160: bound 1e-6 relative (observed <= 8e-8). The quantized recipes quantize each token row on
-  its own (per-row blocks), so a micro-batch's forward pass is its rows of the full batch's,
-  except that XLA:CPU sums the attention einsums in another order for 2 sequences than for 8:
-  a float32-order difference, which now and then moves a value across an FP8 rounding boundary
-  (a step of 2^-3 relative in E4M3) and the loss with it: bound 5e-4 (observed up to 6e-5).
+  The model computes in bfloat16, and XLA:CPU sums the attention einsums in another order for
+  2 sequences than for 8: a float32-order difference, which now and then moves a value across
+  a rounding boundary of its dtype and the loss with it. Unquantized (bf16) that boundary is a
+  bfloat16 one (a step of 2^-8 relative): bound 1e-4 (observed up to 9e-6 over 10 seeds; the
+  mean of four means of 40 token losses against one mean of 160 adds ~1e-7). The quantized
+  recipes quantize each token row on its own (per-row blocks), so their micro-batch forward is
+  the full batch's rows but for the same reordering, and a moved value can cross an FP8
+  boundary (a step of 2^-3 relative in E4M3): bound 5e-4 (observed up to 6e-5).
   The kernel gradients agree to bf16 rounding: each micro-batch's weight gradient is rounded
   to the compute dtype bfloat16 before the float32 sum (bound 2^-6 of the leaf's largest
   entry; a missing or repeated micro-batch is off by 25% or more)."""
