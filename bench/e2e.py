@@ -83,6 +83,9 @@ PATHS = {
     # FP8 GEMMs with fast accumulation in every direction (the default is fast fprop and split
     # dgrad/wgrad, as TransformerEngine): what XLA's own FP8 GEMMs use.
     "fastacc": {"JAXQUANT_FP8_ACCUMULATION": "fast"},
+    # The fused producers in the modules model (opt-in: docs/design.md decision 20) and off.
+    "fused": {"JAXQUANT_FUSE_PRODUCERS": "on"},
+    "unfused": {"JAXQUANT_FUSE_PRODUCERS": "off"},
 }
 ENV_KEYS = sorted({k for env in PATHS.values() for k in env})
 
