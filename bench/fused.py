@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
-import time
 
 os.environ.setdefault("JAXQUANT_BACKEND", "ffi")  # an error, never a silent reference path
 
@@ -38,6 +36,7 @@ from jaxquant.backends.ffi import debug  # noqa: E402
 from jaxquant.flax.norm import apply_norm  # noqa: E402
 from jaxquant.layers.fused_activation import jax_activation  # noqa: E402
 from jaxquant.ops import fused as fused_ops  # noqa: E402
+from timing import bench  # noqa: E402  bench/timing.py
 
 FORMATS = {
     "delayed": jq.Float8DelayedScalingQuantizer(),
@@ -45,20 +44,6 @@ FORMATS = {
     "mxfp8": jq.MXFP8Quantizer(),
     "block": jq.Float8BlockQuantizer(),
 }
-
-
-def timed(fn, *args, iters: int, rounds: int = 5) -> float:
-  """Median seconds per call of the jitted `fn`."""
-  for _ in range(3):
-    jax.block_until_ready(fn(*args))
-  samples = []
-  for _ in range(rounds):
-    t0 = time.perf_counter()
-    for _ in range(iters):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - t0) / iters)
-  return statistics.median(samples)
 
 
 def _state(q):
@@ -190,7 +175,8 @@ def main():
                    lambda q, name, h=h, dy=dy, g=gated: gradient_rows(h, dy, q, name, g)))
   for tag, array, make in jobs:
     n = array.size
-    t_copy = timed(jax.jit(lambda a, n=n: debug.raw_bytes(a, 2 * n)), array, iters=args.iters)
+    t_copy = bench(jax.jit(lambda a, n=n: debug.raw_bytes(a, 2 * n)), array, calls=args.iters,
+                   warmup=3)
     copy_gbs = 4 * n / t_copy / 1e9
     print(f"\n### {tag}, bf16, on {device.device_kind} (copy {copy_gbs:.0f} GB/s)\n")
     print("| format | path | us | MB min | GB/s | % copy | MB moved (design) |")
@@ -198,7 +184,7 @@ def main():
     for name in formats:
       q = FORMATS[name]
       for label, fn, fn_args, minimum, moved in make(q, name):
-        seconds = timed(jax.jit(fn), *fn_args, iters=args.iters)
+        seconds = bench(jax.jit(fn), *fn_args, calls=args.iters, warmup=3)
         gbs = minimum / seconds / 1e9
         row = dict(shape=tag, format=name, path=label, us=seconds * 1e6, min_MB=minimum / 1e6,
                    GBps=gbs, pct_copy=100 * gbs / copy_gbs, moved_MB=moved / 1e6)

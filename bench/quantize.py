@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
-import time
 
 import jax
 import jax.numpy as jnp
@@ -31,20 +29,7 @@ from jaxquant.backends.ffi import transpose as ft
 from jaxquant.numerics import rht16
 from jaxquant.numerics.random_bits import key_words
 from jaxquant.backends.reference import ops as reference
-
-
-def timed(fn, *args, iters: int, rounds: int = 5) -> float:
-  """Median seconds per call of the jitted `fn`."""
-  for _ in range(3):
-    jax.block_until_ready(fn(*args))
-  samples = []
-  for _ in range(rounds):
-    t0 = time.perf_counter()
-    for _ in range(iters):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - t0) / iters)
-  return statistics.median(samples)
+from timing import bench  # bench/timing.py (this folder is on sys.path when run)
 
 
 def ffi_pair(q, x, rowwise=True, columnwise=True, **kw):
@@ -153,7 +138,7 @@ def fp4_reinterpret_probe(shape) -> dict:
   hlo = f.lower(u8).compile().as_text()
   entry = hlo[hlo.rfind("ENTRY"):]
   kinds = sorted({w for w in ("fusion", "copy", "bitcast", "custom-call") if f" {w}(" in entry})
-  t = timed(f, u8, iters=20)
+  t = bench(f, u8, calls=20, warmup=3)
   return {"entry_ops": kinds, "seconds": t, "GB/s": 2 * u8.size / t / 1e9,
           "entry": entry[:600]}
 
@@ -180,17 +165,17 @@ def main():
     t_fp8 = jax.jit(lambda x: ref_pair(jq.Float8CurrentScalingQuantizer(), x,
                                        columnwise=False))(x)[0]
     copy_fn = jax.jit(lambda x: debug.raw_bytes(x, 2 * n))
-    t_copy = timed(copy_fn, x, iters=args.iters)
+    t_copy = bench(copy_fn, x, calls=args.iters, warmup=3)
     copy_gbs = 4 * n / t_copy / 1e9
-    t_xla = timed(jax.jit(lambda x: -x), x, iters=args.iters)
+    t_xla = bench(jax.jit(lambda x: -x), x, calls=args.iters, warmup=3)
     rows = [{"name": "copy (cudaMemcpy D2D)", "bytes": 4 * n, "ffi_s": t_copy},
             {"name": "copy (XLA elementwise -x)", "bytes": 4 * n, "ffi_s": t_xla}]
     for name, ffi_fn, ffi_args, ref_fn, ref_args, nbytes in rows_for(x, t_fp8):
       row = {"name": name, "bytes": nbytes,
-             "ffi_s": timed(jax.jit(ffi_fn), *ffi_args, iters=args.iters)}
+             "ffi_s": bench(jax.jit(ffi_fn), *ffi_args, calls=args.iters, warmup=3)}
       if not args.no_reference:
-        row["ref_s"] = timed(jax.jit(ref_fn), *ref_args, iters=max(3, args.iters // 4),
-                             rounds=3)
+        row["ref_s"] = bench(jax.jit(ref_fn), *ref_args, calls=max(3, args.iters // 4), warmup=3,
+                             repeats=3)
       rows.append(row)
       print(f"  {R}x{C} {name}: {row['ffi_s'] * 1e6:.1f} us", flush=True)
     print(f"\n### {R}x{C} bf16 on {device.device_kind}\n")
