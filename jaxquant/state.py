@@ -10,7 +10,7 @@ delayed-scaling math is `jaxquant.formats.delayed`, re-exported here.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable
 
 from jaxquant.formats import format_of
 from jaxquant.formats.delayed import (DelayedScalingState, delayed_scaling_update,
@@ -18,7 +18,7 @@ from jaxquant.formats.delayed import (DelayedScalingState, delayed_scaling_updat
 from jaxquant.quantizers import Quantizer
 
 __all__ = ["DelayedScalingState", "delayed_scaling_update", "init_state", "needs_current_amax",
-           "quantize_scale", "update_state"]
+           "quantize_scale", "update_each_direction", "update_state"]
 
 
 def init_state(quantizer: Quantizer) -> Any:
@@ -29,20 +29,31 @@ def init_state(quantizer: Quantizer) -> Any:
 
 def update_state(quantizer: Quantizer, state: Any, qtensor) -> Any:
   """New state after `qtensor = quantize(x, quantizer, state=state)` (any quantizer)."""
+  return update_each_direction(
+      quantizer, state, qtensor,
+      lambda q, leaf, scaled: format_of(q).update_state(q, leaf, scaled.amax))
+
+
+def update_each_direction(quantizer: Quantizer, state: Any, qtensor,
+                          update_leaf: Callable[[Quantizer, Any, Any], Any]) -> Any:
+  """The walk every state update shares: `update_leaf(q, leaf_state, scaled)` for each
+  stateful single-format quantizer `q` of `quantizer` (a Hybrid's two halves, each with its own
+  direction's copy of `qtensor`; otherwise the one copy there is), the rest kept as they are.
+  `qtensor` is anything with `rowwise` / `columnwise` copies carrying `amax` (single or
+  grouped tensors)."""
   if state is None or not quantizer.stateful:
     return state
   fmt = format_of(quantizer)
+
+  def leaf(q, leaf_state, scaled):
+    if not format_of(q).stateful(q) or scaled is None:
+      return leaf_state
+    return update_leaf(q, leaf_state, scaled)
+
   halves = fmt.halves(quantizer)
   if halves is not None:
     row_state, col_state = fmt.split_state(quantizer, state)
-    return (_update_leaf(halves[0], row_state, qtensor.rowwise),
-            _update_leaf(halves[1], col_state, qtensor.columnwise))
+    return (leaf(halves[0], row_state, qtensor.rowwise),
+            leaf(halves[1], col_state, qtensor.columnwise))
   scaled = qtensor.rowwise if qtensor.rowwise is not None else qtensor.columnwise
-  return _update_leaf(quantizer, state, scaled)
-
-
-def _update_leaf(quantizer: Quantizer, state: Optional[DelayedScalingState], scaled):
-  fmt = format_of(quantizer)
-  if not fmt.stateful(quantizer) or scaled is None:
-    return state
-  return fmt.update_state(quantizer, state, scaled.amax)
+  return leaf(quantizer, state, scaled)

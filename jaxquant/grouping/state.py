@@ -17,6 +17,7 @@ from jaxquant.formats import format_of
 from jaxquant.grouping.tensors import GroupedQuantizedTensor
 from jaxquant.quantizers import Quantizer
 from jaxquant.state import init_state as _init_single
+from jaxquant.state import update_each_direction
 from jaxquant.tensors import QuantizedTensor
 
 
@@ -26,24 +27,9 @@ def init_state(quantizer: Quantizer, groups: int) -> Any:
                                 _init_single(quantizer))
 
 
-def _update_leaf(quantizer: Quantizer, state, scaled):
-  fmt = format_of(quantizer)
-  if not fmt.stateful(quantizer) or scaled is None:
-    return state
-  return jax.vmap(lambda s, amax: fmt.update_state(quantizer, s, amax))(state, scaled.amax)
-
-
 def update_state(quantizer: Quantizer, state: Any,
                  quantized: Union[GroupedQuantizedTensor, QuantizedTensor]) -> Any:
   """New per-group state after `quantized` (from `jaxquant.grouped.quantize` or
   `quantize_experts`) was made with `state`; mirrors `jaxquant.update_state` group by group."""
-  if state is None or not quantizer.stateful:
-    return state
-  fmt = format_of(quantizer)
-  halves = fmt.halves(quantizer)
-  if halves is not None:
-    row_state, col_state = fmt.split_state(quantizer, state)
-    return (_update_leaf(halves[0], row_state, quantized.rowwise),
-            _update_leaf(halves[1], col_state, quantized.columnwise))
-  scaled = quantized.rowwise if quantized.rowwise is not None else quantized.columnwise
-  return _update_leaf(quantizer, state, scaled)
+  return update_each_direction(quantizer, state, quantized, lambda q, leaf, scaled: jax.vmap(
+      lambda s, amax: format_of(q).update_state(q, s, amax))(leaf, scaled.amax))

@@ -20,6 +20,7 @@ from jaxquant.backends.reference import ops as reference
 from jaxquant.ops import dispatch
 from jaxquant.formats import format_of
 from jaxquant.quantizers import HIGH_PRECISION_DTYPES, Quantizer
+from jaxquant.state import update_each_direction
 from jaxquant.tensors import QuantizedTensor, ScaledTensor
 
 Operand = Union[ScaledTensor, jax.Array]
@@ -142,22 +143,12 @@ def update_state(quantizer: Quantizer, state: Any, qtensor: QuantizedTensor, *,
   (`Format.state_update_kernel`: `jaxquant_delayed_update` for delayed scaling, one call per
   state) where the extension is built, else the format's reference update; bit-identical.
   The choice is recorded for `jaxquant.explain` as a "state-update" decision."""
-  if state is None or not quantizer.stateful:
-    return state
-  fmt = format_of(quantizer)
-  halves = fmt.halves(quantizer)
-  if halves is not None:
-    row_state, col_state = fmt.split_state(quantizer, state)
-    return (_update_leaf(halves[0], row_state, qtensor.rowwise, role),
-            _update_leaf(halves[1], col_state, qtensor.columnwise, role))
-  scaled = qtensor.rowwise if qtensor.rowwise is not None else qtensor.columnwise
-  return _update_leaf(quantizer, state, scaled, role)
+  return update_each_direction(quantizer, state, qtensor,
+                               lambda q, leaf, scaled: _update_leaf(q, leaf, scaled, role))
 
 
-def _update_leaf(quantizer: Quantizer, state: Any, scaled: Optional[ScaledTensor], role: Any):
+def _update_leaf(quantizer: Quantizer, state: Any, scaled: ScaledTensor, role: Any):
   fmt = format_of(quantizer)
-  if not fmt.stateful(quantizer) or scaled is None:
-    return state
   kernel = fmt.state_update_kernel(quantizer)
   ffi = dispatch.ffi_module()
   if kernel is None:
