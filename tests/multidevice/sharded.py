@@ -7,6 +7,7 @@ import dataclasses
 import math
 from typing import Optional
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -137,3 +138,14 @@ def put(mesh: Mesh, layout: Layout, x, w, b, dy):
   return (shard(x, layout.x), shard(w, layout.kernel), shard(b, P(layout.kernel[1])),
           shard(dy, P(*layout.x[:-1], layout.kernel[1])))
 
+
+
+def place_flax(boxed, x, mesh: Mesh, rules, x_spec: P = P(("dp", "fsdp"))):
+  """(variables, x) on `mesh`: the variables `init` returned (`boxed`, with their logical axis
+  names) sharded as `rules` map those names, `x` as `x_spec`. The values are unboxed without
+  a sharding constraint (`nn.meta.unbox` adds one under a mesh, which eager arrays refuse)."""
+  shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
+  boxed_leaf = lambda v: isinstance(v, nn.Partitioned)
+  values = jax.tree.map(lambda v: v.value if boxed_leaf(v) else v, boxed, is_leaf=boxed_leaf)
+  return (jax.device_put(values, nn.meta.unbox(shardings)),
+          jax.device_put(x, NamedSharding(mesh, x_spec)))

@@ -49,12 +49,9 @@ def test_logically_partitioned_mlp_matches_single_device(devices, rng):
   boxed = jax.jit(model.init)(jax.random.key(0), x)
   assert boxed["params"]["fc1"]["kernel"].names == ("embed", "mlp")
   assert boxed["params"]["fc2"]["kernel"].names == ("mlp", "embed")
-  variables = nn.meta.unbox(boxed)
 
   with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
-    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, RULES)
-    sharded_vars = jax.device_put(variables, nn.meta.unbox(shardings))
-    xs = jax.device_put(x, NamedSharding(mesh, P(("dp", "fsdp"))))
+    sharded_vars, xs = sharded.place_flax(boxed, x, mesh, RULES)
     report = jq.explain(jax.value_and_grad(loss), sharded_vars, xs)
     got_loss, got_grads = grad_fn(sharded_vars, xs)
 
@@ -151,11 +148,8 @@ def test_layernorm_mlp_dense_general_take_input_axes(devices, rng, fuse):
   boxed = jax.jit(model.init)(jax.random.key(0), x)
   assert boxed["params"]["mlp"]["fc1"]["kernel"].names == ("embed", None, "mlp")
   assert boxed["params"]["head"]["kernel"].names == ("mlp", None, "embed")
-  variables = nn.meta.unbox(boxed)
   with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
-    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, RULES)
-    sharded_vars = jax.device_put(variables, nn.meta.unbox(shardings))
-    xs = jax.device_put(x, NamedSharding(mesh, P(("dp", "fsdp"))))
+    sharded_vars, xs = sharded.place_flax(boxed, x, mesh, RULES)
     report = jq.explain(jax.value_and_grad(loss), sharded_vars, xs)
     hlo = grad_fn.lower(sharded_vars, xs).compile().as_text()
     got_loss = grad_fn(sharded_vars, xs)[0]

@@ -53,12 +53,8 @@ def test_fused_norms_partition_over_the_batch(devices, rng, recipe_name):
   loss = lambda v, x: jnp.mean(jnp.square(model.apply(v, x)))
   grad_fn = jax.jit(jax.value_and_grad(loss))
   boxed = jax.jit(model.init)(jax.random.key(0), x)
-  variables = nn.meta.unbox(boxed)
-  want_loss, want_grads = grad_fn(variables, x)
   with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
-    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, RULES)
-    sharded_vars = jax.device_put(variables, nn.meta.unbox(shardings))
-    xs = jax.device_put(x, NamedSharding(mesh, P(("dp", "fsdp"))))
+    sharded_vars, xs = sharded.place_flax(boxed, x, mesh, RULES)
     report = jq.explain(jax.value_and_grad(loss), sharded_vars, xs)
     got_loss, got_grads = grad_fn(sharded_vars, xs)
   fused = [d.detail for d in report if d.detail.startswith("fused layernorm+quantize")]
@@ -66,7 +62,7 @@ def test_fused_norms_partition_over_the_batch(devices, rng, recipe_name):
   unfused = {d.detail: d.reason for d in report if d.op == "producer"}
   assert set(unfused) == {"silu, then quantize", "silu gradient, then quantize"}, unfused
   assert all("sharded LayerNormMLP" in r for r in unfused.values())
-  assert np.isfinite(float(got_loss)) and np.isfinite(float(want_loss))
+  assert np.isfinite(float(got_loss))
   assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(got_grads))
   # Values: a whole quantized block is not compared (a reordered float32 sum can flip a later
   # FP8 rounding by a step, docs/design.md 7.3). The fused norms are row-local and compared
@@ -111,11 +107,8 @@ def test_a_sharded_normalized_axis_takes_the_unfused_norm(devices, rng):
                             kernel_axes=("mlp", "embed"))
   x = jnp.asarray(rng.standard_normal((8, 64, 256)), jnp.float32)
   boxed = jax.jit(model.init)(jax.random.key(0), x)
-  variables = nn.meta.unbox(boxed)
   with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
-    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, RULES)
-    variables = jax.device_put(variables, nn.meta.unbox(shardings))
-    xs = jax.device_put(x, NamedSharding(mesh, P(("dp", "fsdp"), None, "tp")))
+    variables, xs = sharded.place_flax(boxed, x, mesh, RULES, P(("dp", "fsdp"), None, "tp"))
     report = jq.explain(lambda v, x: model.apply(v, x), variables, xs)
   unfused = [d for d in report if d.op == "producer"]
   assert len(unfused) == 1 and "the normalized axis is sharded" in unfused[0].reason
