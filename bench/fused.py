@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 
 os.environ.setdefault("JAXQUANT_BACKEND", "ffi")  # an error, never a silent reference path
 
@@ -36,7 +35,7 @@ from jaxquant.backends.ffi import debug  # noqa: E402
 from jaxquant.flax.norm import apply_norm  # noqa: E402
 from jaxquant.layers.fused_activation import jax_activation  # noqa: E402
 from jaxquant.ops import fused as fused_ops  # noqa: E402
-from timing import bench  # noqa: E402  bench/timing.py
+from timing import bench, card as timing_card  # noqa: E402  bench/timing.py
 
 FORMATS = {
     "delayed": jq.Float8DelayedScalingQuantizer(),
@@ -148,11 +147,7 @@ def main():
   parser.add_argument("--json", default=None)
   args = parser.parse_args()
   device = jax.devices()[0]
-  try:
-    card = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,clocks.max.sm",
-                           "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
-  except OSError:
-    card = device.device_kind
+  card = timing_card()
   print(f"device: {device.device_kind} ({card}); jax {jax.__version__}")
   results = {"device": device.device_kind, "card": card, "jax": jax.__version__, "rows": []}
   formats = args.formats.split(",")

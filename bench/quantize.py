@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +28,7 @@ from jaxquant.backends.ffi import transpose as ft
 from jaxquant.numerics import rht16
 from jaxquant.numerics.random_bits import key_words
 from jaxquant.backends.reference import ops as reference
-from timing import bench  # bench/timing.py (this folder is on sys.path when run)
+from timing import bench, card as timing_card  # bench/timing.py (on sys.path when run)
 
 
 def ffi_pair(q, x, rowwise=True, columnwise=True, **kw):
@@ -151,11 +150,7 @@ def main():
   parser.add_argument("--no-reference", action="store_true")
   args = parser.parse_args()
   device = jax.devices()[0]
-  try:
-    card = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,clocks.max.sm",
-                           "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
-  except OSError:
-    card = device.device_kind
+  card = timing_card()
   print(f"device: {device.device_kind} ({card}); jax {jax.__version__}")
   results = {"device": device.device_kind, "card": card, "jax": jax.__version__, "shapes": {}}
   for spec in args.shapes.split(","):
