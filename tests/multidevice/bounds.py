@@ -26,11 +26,22 @@ terms are added differs. With `M = sum_i |t_i|` and `u = 2^-24` (float32's unit 
     roundings of values below `M + |bias|`, `6 u (M + |bias|)` for both.
   * Both round to the output dtype: half an ulp each, the ulp taken at the rounded value (round
     to nearest never leaves a binade downwards).
+  * Where a GEMM operand is quantized from a value that itself came out of reordered sums (a
+    weight gradient's quantized output cotangent, computed upstream by another GEMM), the two
+    programs need not quantize the same codes: an element within that upstream error of a
+    rounding midpoint rounds to one neighbour on one side and to the other on the other. Round
+    to nearest moves such a code by one spacing of the format, at most `2^-m |q|` for m
+    mantissa bits (E5M2: 2^-2, E4M3: 2^-3), so each term moves by at most `2^-m |t_i|`: a
+    further `requantized M`, `requantized = 2^-m` (`Sum.requantized`; 0 where both programs
+    quantize bit-identical inputs). That holds for normal codes; a subnormal code's step (the
+    format's smallest normal times 2^-m, times the scale's inverse) is far below the other
+    terms wherever the tensor's amax sets the scale.
 
 So, per element, with `a` the accumulation dtype's unit roundoff (float32's, or the gradient's
 dtype for a plain `lax.reduce` of bf16 rows, which XLA may add in bf16):
 
-  |got - want| <= (2 gamma_a(n-1) + s u_r (1 + s u_r) + 2 tensor_core) M + 6 u (M + |bias|)
+  |got - want| <= (2 gamma_a(n-1) + s u_r (1 + s u_r) + 2 tensor_core + requantized) M
+                  + 6 u (M + |bias|)
                   + (ulp(got) + ulp(want)) / 2.
 
 `M` comes from the operands: `gemm_magnitude` sums `|a| |b|^T` of what a GEMM multiplies (its
@@ -79,6 +90,8 @@ class Sum:
     reduce_dtype: the dtype the mesh rounded its partials to and reduced them in.
     accumulate_dtype: the dtype each side accumulates in (float32 for every GEMM path).
     tensor_core: the per-GEMM FP8 tensor-core term (`TENSOR_CORE`), 0 elsewhere.
+    requantized: the relative spacing `2^-m` of the format an operand was quantized to from a
+      value that reordered sums produced on each side (`requantized_spacing`), 0 elsewhere.
   """
 
   terms: int
@@ -86,6 +99,7 @@ class Sum:
   reduce_dtype: Any = jnp.float32
   accumulate_dtype: Any = jnp.float32
   tensor_core: float = 0.0
+  requantized: float = 0.0
 
   def coefficient(self) -> float:
     """The factor of M in the bound (see the module doc)."""
@@ -93,7 +107,13 @@ class Sum:
     u_r = unit_roundoff(self.reduce_dtype)
     if self.shards > 1 and u_r > U32:
       coeff += self.shards * u_r * (1 + self.shards * u_r)
-    return coeff + 2 * self.tensor_core
+    return coeff + 2 * self.tensor_core + self.requantized
+
+
+def requantized_spacing(dtype) -> float:
+  """`2^-m`: the most one round-to-nearest step of `dtype` (m mantissa bits) moves a code,
+  relative to its magnitude (`Sum.requantized`)."""
+  return 2.0 ** -int(jnp.finfo(dtype).nmant)
 
 
 def ulp(values: np.ndarray, dtype) -> np.ndarray:

@@ -90,6 +90,15 @@ def _layer_magnitudes(module, variables, x, c):
   return found
 
 
+def _gradient_spacing(recipe) -> float:
+  """`bounds.requantized_spacing` of the format `recipe` quantizes fc1's output gradient to
+  (0 without a recipe: the cotangent stays float32)."""
+  if recipe is None:
+    return 0.0
+  role = jq.QuantizerRole("grouped_linear", "grad_output", "fc1")
+  return bounds.requantized_spacing(recipe.factory()(role).dtype)
+
+
 AXES = {"ep2": {"ep": 2}, "ep4": {"ep": 4}, "dp2xep4": {"dp": 2, "ep": 4}, "ep8": {"ep": 8},
         "dp4": {"dp": 4}}
 
@@ -128,6 +137,13 @@ def test_expert_parallel_moe_equals_one_device(mesh_name, backend, lm, devices, 
   # an FFI CUDA path run on FP8 tensor cores (their fast-accumulation term, the larger).
   tensor_core = bounds.TENSOR_CORE["fast"] if any(
       d.op.startswith("grouped") and d.path == "ffi-cuda" for d in single_report) else 0.0
+  # fc1's weight gradient contracts its output cotangent quantized to the gradient format; that
+  # cotangent comes out of fc2's dgrad and the activation's backward, summed in another order on
+  # the mesh, so a code next to a rounding midpoint may round the other way (bounds.py): each of
+  # fc1's wgrad terms may move by one spacing of the gradient format (seen on 2 H100s: 57 of
+  # 65536 elements of fc1's kernel gradient, the reference backend). fc2's cotangent (c times
+  # the combine weights) and the router's are formed the same way on both sides.
+  requantized = {"fc1": _gradient_spacing(recipe)}
   y_c = jax.jit(lambda v, x: jnp.abs(module.apply(v, x) * c))(variables, x)
   bounds.assert_within(loss, want_loss, np.sum(np.asarray(y_c, np.float64)),
                        bounds.Sum(y_c.size), "loss")
@@ -136,7 +152,8 @@ def test_expert_parallel_moe_equals_one_device(mesh_name, backend, lm, devices, 
   for path, got in jax.tree_util.tree_leaves_with_path(grads):
     name = path[-2].key
     magnitude, rows = magnitudes[name]
-    how = bounds.Sum(rows, tensor_core=0.0 if name == "router" else tensor_core)
+    how = bounds.Sum(rows, tensor_core=0.0 if name == "router" else tensor_core,
+                     requantized=requantized.get(name, 0.0))
     bounds.assert_within(got, flat_want[path], magnitude, how, jax.tree_util.keystr(path))
     compared.add(name)
   assert compared == {"router", "fc1", "fc2"}, compared
