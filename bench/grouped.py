@@ -142,7 +142,7 @@ def run_case(experts: int, spec, args, card: str, torch_result=None) -> list[dic
       state = step(variables, x, sizes, dy, key)[1][0][jq.flax.OVERWRITE_WITH_GRADIENT]
       variables = {**variables, jq.flax.OVERWRITE_WITH_GRADIENT: state}
     paths = why = qpaths = ""
-    backend = _backend("reference" if name == RAGGED_DOT else None)
+    backend = _backend("reference" if name.startswith(RAGGED_DOT) else None)
     with backend:  # every row: which grouped GEMMs and quantizes ran
       report = jq.explain(step, variables, x, sizes, dy, key)
       gemms = [d for d in report if d.op == "grouped_gemm"]
@@ -155,7 +155,7 @@ def run_case(experts: int, spec, args, card: str, torch_result=None) -> list[dic
       except Exception as e:  # noqa: BLE001 - report and go on with the other rows
         print(f"  {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         continue
-    if args.profile_dir and name != RAGGED_DOT:  # every jaxquant row, the bf16 one included
+    if args.profile_dir and not name.startswith(RAGGED_DOT):  # jaxquant's rows, bf16 included
       print_profile(step, (variables, x, sizes, dy, key), args.profile_dir, name)
     base = sec if base is None else base
     row = dict(experts=groups, case=name, tokens=t, k=k, n=n, ms=sec * 1e3,

@@ -498,7 +498,7 @@ def on_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("groups", [1, 8, 64])
-@pytest.mark.parametrize("name", ["fp8-current", "fp8-delayed-e5m2", "mxfp8",
+@pytest.mark.parametrize("name", ["fp8-current", "fp8-delayed-e5m2", "mxfp8", "fp8-block-1x128",
                                   "nvfp4-row-scaled-rowwise"] + NVFP4_TOKENS)
 def test_gpu_grouped_quantize_is_bitwise_the_reference(on_gpu, rng, groups, name):
   _check_quantize(rng, name, 1000 + groups, 192, groups, jnp.bfloat16,
