@@ -12,7 +12,9 @@
 - MXFP8, Float8Block and the rowwise copy of row-scaled NVFP4: XLA gathers the token layout,
   the single-tensor kernel (`jaxquant.backends.ffi.quantize`) quantizes it in one launch (blocks
   never straddle groups in that layout, so this *is* the grouped quantize), and
-  `jaxquant_grouped_amax` gives each group's amax.
+  `jaxquant_grouped_amax` gives each group's amax. The packed rowwise copy of a format with
+  one-row blocks skips the gather: x is quantized as it is and the rows of no group take a zero
+  row's codes and scales (`_packed_rows`).
 Group offsets are computed by XLA from the traced sizes and stay on the device.
 """
 
