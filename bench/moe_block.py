@@ -8,11 +8,12 @@ realistic:
   8 experts, top-2:  8192 tokens, d_model 4096, expert hidden 14336 (Mixtral-8x7B's MLP)
   64 experts, top-8: 2048 tokens, d_model 2048, expert hidden 1408 (Qwen1.5-MoE-style)
 
-    python bench/moe_block.py                          # both cases, bf16 and FP8 (a GPU)
-    python bench/moe_block.py --trace /tmp/moe_trace   # + the GPU time of each part
+    export PYTHONPATH=examples                   # `lm` (bench/run.py sets it for its jobs)
+    python bench/moe_block.py                    # both cases, bf16 and FP8 (a GPU)
+    python bench/moe_block.py --trace /tmp/moe   # + the GPU time of each part
     python bench/moe_block.py --experts 64 --recipes bf16 fp8_delayed --json out.json
-    python bench/moe_block.py --before --trace /tmp/moe_trace  # + the pre-issue-23 block
-    python bench/moe_block.py --tiny                   # smoke check at tiny sizes (CPU)
+    python bench/moe_block.py --before --trace /tmp/moe  # + the pre-issue-23 block
+    python bench/moe_block.py --tiny             # smoke check at tiny sizes (CPU)
 
 One step = `y, vjp = jax.vjp(block.apply, variables, x); vjp(dy)`, jitted (both weight and input
 gradients); time = median over repeats of R back-to-back steps / R after warm-up. A delayed-
@@ -35,7 +36,6 @@ import gzip
 import json
 import math
 import os
-import pathlib
 import re
 import shutil
 import sys
@@ -45,13 +45,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-
-import e2e_trace  # noqa: E402  bench/e2e_trace.py (this folder is on sys.path when run)
-import jaxquant as jq  # noqa: E402
-from lm import moe, recipes  # noqa: E402
-from lm.model import LMConfig  # noqa: E402
-from timing import bench  # noqa: E402  bench/timing.py
+import e2e_trace  # bench/e2e_trace.py (this folder is on sys.path when run)
+import jaxquant as jq
+from lm import moe, recipes
+from lm.model import LMConfig
+from timing import bench  # bench/timing.py
 
 # experts -> (top_k, tokens, d_model, expert hidden, description)
 CASES = {

@@ -176,7 +176,7 @@ def quantize_tokens(x: jax.Array, sizes: jax.Array, leaf: Quantizer, direction: 
                                           not rowwise)
     return _make(row if rowwise else col, scale_inv, amax, sizes, leaf, orig_dtype, direction,
                  layout)
-  if rowwise and not layout.padded and format_of(leaf).blocks(leaf)[0] == 1:
+  if rowwise and not layout.padded and (format_of(leaf).blocks(leaf) or (0,))[0] == 1:
     t = _packed_rows(x, sizes, leaf, orig_dtype)
   else:
     row, col = single.quantize_single(layout.gather(x, sizes), leaf, rowwise=rowwise,
