@@ -13,7 +13,7 @@
 // 2^32 float32 inputs by the `jaxquant_debug_encoder_mismatches` target):
 //   * E4M3/E5M2 on the device use the hardware `cvt.rn.satfinite.{e4m3,e5m2}x2.f32` (sm_89+),
 //     with NaN canonicalized to the spec's code 0x7F;
-//   * E2M1 uses a threshold ladder (E2M1 has 8 magnitudes) on host and device.
+//   * E2M1 is the smallest of three one-add roundings (e2m1_magnitude_code), host and device.
 #pragma once
 
 #include <stdint.h>
@@ -162,6 +162,17 @@ JQ_HD float rcp_f32(float b) {
 #endif
 }
 
+// a * p + c for a power of two p whose product with a is exact (or overflows, or is a subnormal
+// that c absorbs): one rounding either way, so the device's single FFMA (which -fmad=false would
+// not contract) gives the host's multiply-then-add bits.
+JQ_HD float mul_pow2_add(float a, float p, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, p, c);
+#else
+  return a * p + c;
+#endif
+}
+
 // |x| as ordered bits: for non-negative floats the uint32 order is the float order, and every
 // NaN pattern is above +inf, so a max over these bits is a NaN-propagating amax.
 JQ_HD uint32_t abs_bits(float x) { return bits_of(x) & 0x7FFFFFFFu; }
@@ -226,16 +237,21 @@ JQ_HD uint32_t encode_spec(float v, Spec s) {
   return code_from_magnitude(v, min_prop(rounded, s.fmax), s);
 }
 
-// E2M1 magnitude code of |a| rounded half-to-even onto {0, .5, 1, 1.5, 2, 3, 4, 6}, saturating.
-// Midpoints go to the even code: 0.25->0, 0.75->1.0, 1.25->1.0, 1.75->2, 2.5->2, 3.5->4, 5->4.
-// NaN compares false everywhere (the caller maps NaN to 0x7).
+// E2M1 magnitude code of |a| rounded half-to-even onto {0, .5, 1, 1.5, 2, 3, 4, 6}, saturating
+// (a >= 0 or NaN; NaN and inf give 7, the caller maps NaN to 0x7). The code is piecewise linear
+// in the rounded value r: 2r on [0, 2], r + 2 on [2, 4], r / 2 + 4 on [4, 6], and the smallest
+// of the three everywhere (the pieces are concave), so it is the smallest of rne(2a), rne(a) + 2,
+// rne(a / 2) + 4 and 7 (rounding is monotone and commutes with adding an even integer). Each
+// term is one float32 add of 2^23 + c, which rounds to an integer half to even in the low
+// mantissa bits; the minimum of the bit patterns is taken as integers (NaN and inf patterns
+// are above every finite one). Two adds and two multiplies by exact powers of two instead of
+// a compare-and-select ladder: the quantize kernels spent most of their integer pipe there.
 JQ_HD uint32_t e2m1_magnitude_code(float a) {
-  const uint32_t hi = a >= 1.75f ? 1u : 0u;
-  const float t1 = hi ? 3.5f : 0.75f;
-  const uint32_t mid = a >= t1 ? 1u : 0u;
-  const float t0 = hi ? (mid ? 5.0f : 2.5f) : (mid ? 1.25f : 0.25f);
-  const uint32_t lo = a > t0 ? 1u : 0u;
-  return (hi << 2) | (mid << 1) | lo;
+  constexpr float kRound = 8388608.0f;  // 2^23: t + 2^23 holds rne(t) in its mantissa, 0 <= t < 2^23
+  const uint32_t t1 = bits_of(mul_pow2_add(a, 2.0f, kRound));
+  const uint32_t t2 = bits_of(a + (kRound + 2.0f));
+  const uint32_t t3 = bits_of(mul_pow2_add(a, 0.5f, kRound + 4.0f));
+  return min_u(min_u(t1, t2), min_u(t3, bits_of(kRound + 7.0f))) - bits_of(kRound);
 }
 
 // encode(v, E2M1), fast exact form.

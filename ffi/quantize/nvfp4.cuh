@@ -130,17 +130,28 @@ __device__ __forceinline__ Nvfp4Block nvfp4_block(uint32_t amax_bits, float s_en
 }
 
 // Eight E2M1 codes of v * s, packed low nibble first; SR draws at (row hash, col0 + i).
+// `s` is the block's encode scale S_enc_b, NaN whenever some v[i] is (a NaN makes the block amax,
+// hence S_dec_b and S_enc_b, NaN), and otherwise finite and >= 0, so a product is NaN exactly
+// when `s` is: round to nearest checks NaN once per eight codes (every code 0x7, as
+// encode_e2m1 gives NaN) and takes each sign from the product's sign bit.
 __device__ __forceinline__ uint32_t e2m1x8(const float* v, float s, bool sr, uint32_t row_hash,
                                            uint32_t k1, uint32_t col0) {
   uint32_t packed = 0;
+  if (sr) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float y = v[i] * s;
+      packed |= jq::encode_e2m1_stochastic(y, jq::sr_uniform(row_hash, k1, col0 + i)) << (4 * i);
+    }
+    return packed;
+  }
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const float y = v[i] * s;
-    const uint32_t q = sr ? jq::encode_e2m1_stochastic(y, jq::sr_uniform(row_hash, k1, col0 + i))
-                          : jq::encode_e2m1(y);
-    packed |= q << (4 * i);
+    const uint32_t code = jq::e2m1_magnitude_code(jq::abs_f(y)) | ((jq::bits_of(y) >> 31) << 3);
+    packed |= code << (4 * i);
   }
-  return packed;
+  return jq::is_nan(s) ? 0x77777777u : packed;
 }
 
 template <typename In>

@@ -1,0 +1,73 @@
+"""The grouped quantize kernels of a GroupedDense step, each launched once, for Nsight Compute.
+
+    ncu --clock-control none -k regex:"grouped_quantize_kernel|nvfp4_kernel" \
+        --section SpeedOfLight --section WarpStateStats python bench/ncu_quantize.py
+
+Each case is compiled first, then run once, so a kernel filter sees exactly one launch per case
+(in the order printed). The shapes are bench/grouped.py's 8-expert step (Mixtral fc1: tokens
+x [16384, 4096], output gradients dy [16384, 14336], expert weights [8, 14336, 4096]). `--tiny`
+runs small shapes (a CPU smoke check). Timings come from bench/grouped_quantize.py and
+bench/quantize.py; this script only gives a profiler one launch of each kernel to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxquant as jq
+import jaxquant.grouped as jg
+
+SHAPES = {"llm": (8, 16384, 4096, 14336), "tiny": (8, 256, 128, 64)}
+
+
+def cases(groups: int, tokens: int, k: int, n: int):
+  """(name, function, arguments) of each grouped quantize of the step's operands."""
+  rng = np.random.default_rng(0)
+  sizes = jnp.asarray(rng.multinomial(tokens, np.full(groups, 1.0 / groups)).astype(np.int32))
+  x = jax.random.normal(jax.random.key(0), (tokens, k), jnp.bfloat16)
+  dy = jax.random.normal(jax.random.key(1), (tokens, n), jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(2), (groups, n, k), jnp.bfloat16)
+  keys = jax.random.split(jax.random.key(3), groups)
+  delayed = jq.Float8DelayedScalingQuantizer()
+  state = jax.tree_util.tree_map(lambda a: jnp.where(a == 0, 1.0, a).astype(a.dtype),
+                                 jg.init_state(delayed, groups))  # scales set: no amax pass
+  current = jq.Float8CurrentScalingQuantizer()
+  weight4 = jq.NVFP4Quantizer(block_2d=True)
+  input4 = jq.NVFP4Quantizer(rht=True)
+  grad4 = jq.NVFP4Quantizer(rht=True, stochastic_rounding=True)
+  yield ("fp8 delayed: expert weights, both copies",
+         lambda w, s: jg.quantize_experts(w, delayed, state=s), (w, state))
+  yield ("fp8 current: dy, both copies (wgrad block 16)",
+         lambda dy, sz: jg.quantize(dy, sz, current, col_block=16), (dy, sizes))
+  yield ("nvfp4 16x16: expert weights, both copies",
+         lambda w: jg.quantize_experts(w, weight4), (w,))
+  yield ("nvfp4: x rowwise 1x16",
+         lambda x, sz: jg.quantize(x, sz, input4, columnwise=False), (x, sizes))
+  yield ("nvfp4: dy columnwise RHT + SR",
+         lambda dy, sz, k: jg.quantize(dy, sz, grad4, rowwise=False, keys=k), (dy, sizes, keys))
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--tiny", action="store_true", help="small shapes (runs on CPU)")
+  args = parser.parse_args(argv)
+  spec = SHAPES["tiny" if args.tiny else "llm"]
+  compiled = []
+  for name, fn, fn_args in cases(*spec):
+    compiled.append((name, jax.jit(fn).lower(*fn_args).compile(), fn_args))
+  for index, (name, exe, fn_args) in enumerate(compiled):
+    out = exe(*fn_args)
+    jax.block_until_ready(out)
+    leaves = jax.tree_util.tree_leaves(out)
+    print(f"{index}: {name}: {len(leaves)} arrays, first {leaves[0].shape} {leaves[0].dtype}",
+          flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
