@@ -124,10 +124,31 @@ def test_grouped_quantize_is_bitwise_the_reference(rng, name, dtype):
   _check_quantize(rng, name, 150, 72, 5, dtype, empty=(1,), spare=7)
 
 
+@pytest.mark.parametrize("name", ["fp8-current", "fp8-delayed-e5m2"])
 @pytest.mark.parametrize("blocks", [(1, 32), (32, 32), (16, 128)])
-def test_grouped_fp8_quantize_in_padded_layouts(rng, blocks):
-  _check_quantize(rng, "fp8-current", 133, 40, 4, jnp.bfloat16, empty=(0,), spare=3,
+def test_grouped_fp8_quantize_in_padded_layouts(rng, name, blocks):
+  _check_quantize(rng, name, 133, 40, 4, jnp.bfloat16, empty=(0,), spare=3,
                   row_block=blocks[0], col_block=blocks[1])
+
+
+@pytest.mark.parametrize("blocks", [(1, 1), (1, 16), (16, 16), (16, 32)])
+def test_grouped_fp8_copies_share_one_call_when_the_rowwise_copy_is_packed(monkeypatch, blocks):
+  """One read of x for both copies in one layout, or a packed rowwise copy beside a padded
+  columnwise one (GroupedDense's x and dy under the CUTLASS wgrad's token block 16); two
+  padded layouts of different blocks take one call per copy."""
+  q = TOKEN_QUANTIZERS["fp8-current"]
+  x = jnp.zeros((64, 32), jnp.bfloat16)
+  sizes = jnp.asarray([20, 0, 30], jnp.int32)
+  fn = lambda x, sizes: jg.quantize(x, sizes, q, row_block=blocks[0], col_block=blocks[1])
+  monkeypatch.setenv("JAXQUANT_BACKEND", "ffi")
+  hlo = jax.jit(fn).lower(x, sizes).as_text()
+  report = jq.explain(fn, x, sizes)
+  calls = hlo.count("jaxquant_grouped_quantize_fp8")
+  assert calls == (1 if blocks[0] == 1 or blocks[0] == blocks[1] else 2), hlo
+  details = [d.detail for d in report if d.op == "grouped_quantize"]
+  if blocks == (1, 16):
+    assert len(details) == 1 and details[0].startswith(
+        f"rowwise+columnwise: {q} [3 groups, rowwise packed, columnwise token block 16]"), details
 
 
 @pytest.mark.parametrize("name", ["fp8-current", "nvfp4-rht-sr", "nvfp4-2d"])
@@ -503,6 +524,19 @@ def on_gpu():
 def test_gpu_grouped_quantize_is_bitwise_the_reference(on_gpu, rng, groups, name):
   _check_quantize(rng, name, 1000 + groups, 192, groups, jnp.bfloat16,
                   empty=tuple(range(0, groups, 3)) if groups > 1 else (), spare=13)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", [1, 8, 64])
+@pytest.mark.parametrize("name", ["fp8-current", "fp8-delayed-e5m2"])
+@pytest.mark.parametrize("features", [192, 200])
+def test_gpu_grouped_fp8_packed_rows_beside_padded_columns(on_gpu, rng, groups, name, features):
+  """The one-call pair of a packed rowwise and a padded columnwise copy: rowwise bytes at the
+  source rows, the rows of no group zeroed, 200 features for the kernel's unaligned stores."""
+  for col_block in (16, 128):
+    _check_quantize(rng, name, 1000 + groups, features, groups, jnp.bfloat16,
+                    empty=tuple(range(0, groups, 3)) if groups > 1 else (), spare=13,
+                    row_block=1, col_block=col_block)
 
 
 @pytest.mark.gpu

@@ -66,6 +66,8 @@ inline ffi::Error decode_length(const char* t, int64_t length, GroupedRows* p) {
 
 // jaxquant_grouped_quantize_fp8(x[T, C], starts[G+1], pstarts[G+1], s[G])
 //   -> [row f8 [L, C]], [col f8 [C, L] or [G, C, E] (experts)], scale_inv f32[G], amax f32[G]
+//   row_packed: the rowwise copy is [T, C] in the packed layout (row r of x at row r, rows from
+//   starts[G] zero) while the columnwise copy takes pstarts' layout: both from one read of x.
 // jaxquant_grouped_amax(x[T, C], starts[G+1]) -> amax f32[G]  (rowwise = columnwise = false)
 // jaxquant_grouped_amax_gated(x[T, C], starts[G+1], gate f32[G]) -> amax f32[G]: the same amax
 //   when some gate[g] == 0 (a delayed-scaling group with no scale yet), else zeros
@@ -73,7 +75,8 @@ inline ffi::Error decode_grouped_quantize_fp8(const char* t, ffi::AnyBuffer x,
                                               ffi::AnyBuffer starts, ffi::AnyBuffer pstarts,
                                               ffi::AnyBuffer s, ffi::RemainingRets rets,
                                               bool rowwise, bool columnwise, bool delayed,
-                                              bool pow2_scale, float amax_epsilon, int64_t length,
+                                              bool pow2_scale, bool row_packed,
+                                              float amax_epsilon, int64_t length,
                                               int64_t expert_rows, QuantizeParams* p) {
   JQ_RETURN_IF_ERROR(need_direction(t, rowwise, columnwise));
   JQ_RETURN_IF_ERROR(decode_grouped_rows(t, x, starts, &pstarts, p));
@@ -85,6 +88,12 @@ inline ffi::Error decode_grouped_quantize_fp8(const char* t, ffi::AnyBuffer x,
     return invalid(t, "expert_rows=" + std::to_string(expert_rows) + " must be 0 (tokens) or "
                       "length / G = " + std::to_string(length) + " / " + std::to_string(G));
   }
+  if (row_packed && (!rowwise || expert_rows > 0 || length < p->T)) {
+    return invalid(t, "row_packed needs a rowwise copy of tokens (expert_rows = 0) and a layout "
+                      "at least as long as x (length " + std::to_string(length) + ", T = " +
+                      std::to_string(p->T) + ")");
+  }
+  p->row_packed = row_packed;
   p->expert_rows = expert_rows;
   p->delayed = delayed;
   p->pow2_scale = pow2_scale;
@@ -94,7 +103,8 @@ inline ffi::Error decode_grouped_quantize_fp8(const char* t, ffi::AnyBuffer x,
   void* q;
   ffi::DataType row_type = ffi::DataType::INVALID, col_type = ffi::DataType::INVALID;
   if (rowwise) {
-    JQ_RETURN_IF_ERROR(r.next("rowwise data", kFp8Types, {length, C}, &q, &row_type));
+    JQ_RETURN_IF_ERROR(r.next("rowwise data", kFp8Types, {row_packed ? p->T : length, C}, &q,
+                              &row_type));
     p->row = static_cast<uint8_t*>(q);
   }
   if (columnwise) {
@@ -430,7 +440,7 @@ inline ffi::Error decode_grouped_gemm_bf16(const char* t, ffi::AnyBuffer a, ffi:
 template <typename Binding>
 auto BindGroupedQuantizeFp8(Binding binding) {
   auto flags = Attrs<bool>(Args<4>(std::move(binding)).RemainingRets(), "rowwise", "columnwise",
-                           "delayed", "pow2_scale");
+                           "delayed", "pow2_scale", "row_packed");
   return Attrs<int64_t>(std::move(flags).template Attr<float>("amax_epsilon"), "length",
                         "expert_rows");
 }

@@ -51,12 +51,13 @@ void locate(const QuantizeParams& p, int64_t pos, int64_t* group, int64_t* src, 
 ffi::Error GroupedQuantizeFp8Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::AnyBuffer pstarts,
                                  ffi::AnyBuffer s, ffi::RemainingRets rets, bool rowwise,
                                  bool columnwise, bool delayed, bool pow2_scale,
-                                 float amax_epsilon, int64_t length, int64_t expert_rows) {
+                                 bool row_packed, float amax_epsilon, int64_t length,
+                                 int64_t expert_rows) {
   QuantizeParams p;
   JQ_RETURN_IF_ERROR(decode_grouped_quantize_fp8("jaxquant_grouped_quantize_fp8", x, starts,
                                                  pstarts, s, rets, rowwise, columnwise, delayed,
-                                                 pow2_scale, amax_epsilon, length, expert_rows,
-                                                 &p));
+                                                 pow2_scale, row_packed, amax_epsilon, length,
+                                                 expert_rows, &p));
   std::vector<uint32_t> bits;
   group_amax(p, &bits);
   const jq::Fp8 fmt = static_cast<jq::Fp8>(p.fmt);
@@ -73,7 +74,8 @@ ffi::Error GroupedQuantizeFp8Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::A
     for (int64_t c = 0; c < p.C; ++c) {
       const float v = src >= 0 ? load_x(p, src * p.C + c) * scale[g] : 0.0f;
       const uint8_t code = src >= 0 ? uint8_t(jq::encode_fp8(v, fmt)) : uint8_t(0);
-      if (p.row) p.row[pos * p.C + c] = code;
+      if (p.row && !p.row_packed) p.row[pos * p.C + c] = code;
+      if (p.row && p.row_packed && src >= 0) p.row[src * p.C + c] = code;
       if (p.col) {
         if (p.expert_rows > 0) {
           p.col[(g * p.C + c) * p.expert_rows + local] = code;
@@ -82,6 +84,10 @@ ffi::Error GroupedQuantizeFp8Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::A
         }
       }
     }
+  }
+  if (p.row_packed) {  // rows of no group
+    const int64_t total = std::min<int64_t>(p.starts[p.G], p.T);
+    std::fill(p.row + total * p.C, p.row + p.T * p.C, uint8_t(0));
   }
   return ffi::Error::Success();
 }

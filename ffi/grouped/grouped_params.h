@@ -28,7 +28,8 @@ struct QuantizeParams : GroupedRows {
   float amax_epsilon = 0.0f;
   int fmt = 0;               // jq::Fp8
   const float* s = nullptr;  // delayed: scale[G]
-  uint8_t* row = nullptr;    // [L, C]
+  uint8_t* row = nullptr;    // [L, C], or [T, C] packed (row_packed)
+  bool row_packed = false;   // rowwise copy in the packed layout while columnwise follows pstarts
   uint8_t* col = nullptr;    // [C, L] or [G, C, expert_rows]
   float* scale_inv = nullptr;
   float* amax = nullptr;     // [G]

@@ -7,7 +7,9 @@
 //      finds its group and source row (or is padding / no group: code 0), scales by its group's
 //      scale (from the amax, or the delayed-scaling state), writes the rowwise bytes, keeps the
 //      values in shared memory and writes the transposed columnwise bytes from there (for expert
-//      weights the columnwise copy is [G, C, rows]). Delayed scaling has its scales before the
+//      weights the columnwise copy is [G, C, rows]). With `row_packed` the rowwise bytes go to
+//      the source row of the packed layout instead (the rows of no group as zeros), so a packed
+//      rowwise copy and a padded columnwise one come from one read of x. Delayed scaling has its scales before the
 //      launch, so there is no amax pass: the load phase (which runs for either copy and reads
 //      every element of every group's rows exactly once, the layout holding each group's rows
 //      at its positions) also reduces each group's amax, the state's history entry: the rows
@@ -90,17 +92,28 @@ __global__ void __launch_bounds__(256) grouped_quantize_kernel(const QuantizePar
     }
 #pragma unroll
     for (int i = 0; i < 16; ++i) tile[pr][cq + i] = v[i];
-    if (p.row && pos < p.L && c < p.C) {
+    // The rowwise copy's row: the position, or in the packed layout (row_packed) the source row;
+    // a packed row of no group (starts[G] <= pos < T) is written as zeros by position pos.
+    const int64_t out_row = !p.row_packed ? (pos < p.L ? pos : -1) : src;
+    const bool zero_row = p.row_packed && pos < p.T && pos >= int64_t(__ldg(p.starts + p.G));
+    if (p.row && c < p.C && (out_row >= 0 || zero_row)) {
       uint32_t q[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         q[k] = jq::encode_fp8x4(v[4 * k] * scale, v[4 * k + 1] * scale, v[4 * k + 2] * scale, v[4 * k + 3] * scale, fmt);
       }
-      uint8_t* dst = p.row + pos * p.C + c;
-      if (c + 16 <= p.C && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
-        *reinterpret_cast<uint4*>(dst) = make_uint4(q[0], q[1], q[2], q[3]);
-      } else {
-        for (int i = 0; i < 16 && c + i < p.C; ++i) dst[i] = uint8_t(q[i / 4] >> (8 * (i % 4)));
+      const auto store = [&](int64_t row, const uint32_t* words) {
+        uint8_t* dst = p.row + row * p.C + c;
+        if (c + 16 <= p.C && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+          *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
+        } else {
+          for (int i = 0; i < 16 && c + i < p.C; ++i) dst[i] = uint8_t(words[i / 4] >> (8 * (i % 4)));
+        }
+      };
+      if (out_row >= 0) store(out_row, q);
+      if (zero_row) {
+        const uint32_t zeros[4] = {0u, 0u, 0u, 0u};
+        store(pos, zeros);
       }
     }
   }
@@ -147,12 +160,13 @@ constexpr const char* kQuantizeTarget = "jaxquant_grouped_quantize_fp8";
 ffi::Error GroupedQuantizeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer starts,
                                   ffi::AnyBuffer pstarts, ffi::AnyBuffer s, ffi::RemainingRets rets,
                                   bool rowwise, bool columnwise, bool delayed, bool pow2_scale,
-                                  float amax_epsilon, int64_t length, int64_t expert_rows) {
+                                  bool row_packed, float amax_epsilon, int64_t length,
+                                  int64_t expert_rows) {
   const char* t = kQuantizeTarget;
   QuantizeParams p;
   JQ_RETURN_IF_ERROR(decode_grouped_quantize_fp8(t, x, starts, pstarts, s, rets, rowwise,
-                                                 columnwise, delayed, pow2_scale, amax_epsilon,
-                                                 length, expert_rows, &p));
+                                                 columnwise, delayed, pow2_scale, row_packed,
+                                                 amax_epsilon, length, expert_rows, &p));
   if (cudaError_t e = cudaMemsetAsync(p.amax, 0, 4 * p.G, stream); e != cudaSuccess) {
     return launch_status(t, e);
   }

@@ -244,11 +244,11 @@ def quantize(x: jax.Array, group_sizes: jax.Array, quantizer: Quantizer, *,
   fmt = format_of(quantizer)
   halves = fmt.halves(quantizer)
   if halves is None:  # one quantizer makes both copies
-    blocks = {d: _layout_block(quantizer, d, requested[d]) for d in DIRECTIONS}
-    if (rowwise and columnwise and blocks["rowwise"] == blocks["columnwise"]
+    layouts = {d: TokenLayout(tokens, groups, _layout_block(quantizer, d, requested[d]))
+               for d in DIRECTIONS}
+    if (rowwise and columnwise and kernels.pair_layouts_served(*layouts.values())
         and kernels.quantize_route(quantizer, "rowwise")[0] == "fp8"):
-      return _token_pair(x, sizes, quantizer, TokenLayout(tokens, groups, blocks["rowwise"]),
-                         state, orig_dtype, role)
+      return _token_pair(x, sizes, quantizer, layouts, state, orig_dtype, role)
     row = copy(x, quantizer, "rowwise", state) if rowwise else None
     col = copy(x, quantizer, "columnwise", state) if columnwise else None
     return GroupedQuantizedTensor(row, col, quantizer)
@@ -263,17 +263,22 @@ def quantize(x: jax.Array, group_sizes: jax.Array, quantizer: Quantizer, *,
   return GroupedQuantizedTensor(row if rowwise else None, col, quantizer)
 
 
-def _token_pair(x, sizes, leaf: Quantizer, layout: TokenLayout, state, orig_dtype,
+def _token_pair(x, sizes, leaf: Quantizer, layouts: dict, state, orig_dtype,
                 role) -> GroupedQuantizedTensor:
-  """Both copies of per-tensor FP8 tokens in one layout: one FFI call reads x once."""
-  detail = (f"rowwise+columnwise: {leaf} [{layout.groups} groups, "
-            f"{'packed' if not layout.padded else f'token block {layout.block}'}]")
+  """Both copies of per-tensor FP8 tokens, each in its layout (`layouts[direction]`: one
+  layout, or a packed rowwise one beside a padded columnwise one): one FFI call reads x once."""
+  name = lambda layout: "packed" if not layout.padded else f"token block {layout.block}"
+  row_layout, col_layout = layouts["rowwise"], layouts["columnwise"]
+  shape = (name(row_layout) if row_layout == col_layout
+           else f"rowwise {name(row_layout)}, columnwise {name(col_layout)}")
+  detail = f"rowwise+columnwise: {leaf} [{row_layout.groups} groups, {shape}]"
   path = _record("grouped_quantize", role, detail, leaf,
                  lambda: kernels.quantize_unsupported(leaf, "rowwise"), _fp8_note(leaf))
   if path == "ffi":
-    row, col = kernels.quantize_token_pair(x, sizes, leaf, layout, state, orig_dtype)
+    row, col = kernels.quantize_token_pair(x, sizes, leaf, row_layout, col_layout, state,
+                                           orig_dtype)
   else:
-    row, col = (_tokens_reference(x, sizes, leaf, d, layout, None, state, orig_dtype)
+    row, col = (_tokens_reference(x, sizes, leaf, d, layouts[d], None, state, orig_dtype)
                 for d in DIRECTIONS)
   return GroupedQuantizedTensor(row, col, leaf)
 

@@ -74,22 +74,24 @@ def _delayed_scale(quantizer, state, groups: int, x2d: jax.Array, starts: jax.Ar
 
 
 def _fp8_call(x2d, starts, pstarts, quantizer, state, groups: int, length: int, rowwise: bool,
-              columnwise: bool, expert_rows: int = 0):
-  """(row data, col data, scale_inv [G], amax [G]) from `jaxquant_grouped_quantize_fp8`."""
+              columnwise: bool, expert_rows: int = 0, row_packed: bool = False):
+  """(row data, col data, scale_inv [G], amax [G]) from `jaxquant_grouped_quantize_fp8`.
+  `row_packed`: the rowwise copy in the packed layout (`[T, C]`) while the columnwise one takes
+  `pstarts`' layout of `length` positions."""
   delayed = format_of(quantizer).stateful(quantizer)  # scales from the state
   s = (_delayed_scale(quantizer, state, groups, x2d, starts) if delayed
        else jnp.zeros((1,), jnp.float32))
   cols = x2d.shape[1]
   results = []
   if rowwise:
-    results.append(_sds((length, cols), quantizer.dtype))
+    results.append(_sds((x2d.shape[0] if row_packed else length, cols), quantizer.dtype))
   if columnwise:
     shape = (groups, cols, expert_rows) if expert_rows else (cols, length)
     results.append(_sds(shape, quantizer.dtype))
   results += [_sds((groups,), np.float32), _sds((groups,), np.float32)]
   outs = calls.call(support.QUANTIZE_FP8_TARGET, results, x2d, starts, pstarts, s,
                     rowwise=rowwise, columnwise=columnwise, delayed=delayed,
-                    pow2_scale=False if delayed else quantizer.pow2_scale,
+                    pow2_scale=False if delayed else quantizer.pow2_scale, row_packed=row_packed,
                     amax_epsilon=0.0 if delayed else float(quantizer.amax_epsilon),
                     length=np.int64(length), expert_rows=np.int64(expert_rows))
   row = outs.pop(0) if rowwise else None
@@ -146,13 +148,27 @@ def _make(data, scale_inv, amax, sizes, leaf, orig_dtype, direction, layout, rht
                              0 if direction == "rowwise" else 1, layout)
 
 
-def quantize_token_pair(x: jax.Array, sizes: jax.Array, leaf: Quantizer, layout: TokenLayout,
-                        state: Any, orig_dtype) -> tuple[GroupedScaledTensor, GroupedScaledTensor]:
-  """Both copies of per-tensor FP8 tokens in one layout, from one call (one read of x)."""
-  row, col, scale_inv, amax = _fp8_call(x, _offsets(sizes), _offsets(layout.extents(sizes)),
-                                        leaf, state, layout.groups, layout.length, True, True)
-  return (_make(row, scale_inv, amax, sizes, leaf, orig_dtype, "rowwise", layout),
-          _make(col, scale_inv, amax, sizes, leaf, orig_dtype, "columnwise", layout))
+def quantize_token_pair(x: jax.Array, sizes: jax.Array, leaf: Quantizer, row_layout: TokenLayout,
+                        col_layout: TokenLayout, state: Any,
+                        orig_dtype) -> tuple[GroupedScaledTensor, GroupedScaledTensor]:
+  """Both copies of per-tensor FP8 tokens from one call (one read of x): in one layout, or the
+  rowwise copy packed and the columnwise one in its padded layout (`pair_layouts_served`)."""
+  if not pair_layouts_served(row_layout, col_layout):
+    raise ValueError(f"one grouped FP8 call writes both copies in one layout or a packed "
+                     f"rowwise copy beside a padded columnwise one; got token blocks "
+                     f"{row_layout.block} (rowwise) and {col_layout.block} (columnwise)")
+  row_packed = row_layout != col_layout
+  row, col, scale_inv, amax = _fp8_call(x, _offsets(sizes), _offsets(col_layout.extents(sizes)),
+                                        leaf, state, col_layout.groups, col_layout.length, True,
+                                        True, row_packed=row_packed)
+  return (_make(row, scale_inv, amax, sizes, leaf, orig_dtype, "rowwise", row_layout),
+          _make(col, scale_inv, amax, sizes, leaf, orig_dtype, "columnwise", col_layout))
+
+
+def pair_layouts_served(row_layout: TokenLayout, col_layout: TokenLayout) -> bool:
+  """Whether `quantize_token_pair` writes copies in these layouts from one read of x: the same
+  layout, or a packed rowwise layout (x's own rows) beside any columnwise one."""
+  return row_layout == col_layout or not row_layout.padded
 
 
 def quantize_tokens(x: jax.Array, sizes: jax.Array, leaf: Quantizer, direction: str,
