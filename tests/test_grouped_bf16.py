@@ -39,6 +39,7 @@ import oracle
 import test_grouped_ffi as tgf
 from jaxquant.backends.ffi import registry
 from jaxquant.backends.ffi.grouped import bf16, decoded, sm90_configs
+from jaxquant.backends.ffi.grouped import ops as grouped_kernels
 from jaxquant.backends.ffi.grouped import support as kernels
 from jaxquant.layers.dense import DenseQuantizers
 from jaxquant.layers.grouped_dense import token_blocks
@@ -535,3 +536,52 @@ def test_gpu_grouped_dense_gemms_run_decoded_on_the_kernel(on_kernel, rng, recip
   ffi, ref = tgf._on("auto", step, *args), tgf._on("reference", step, *args)
   for u, v in zip(jax.tree_util.tree_leaves(ffi), jax.tree_util.tree_leaves(ref)):
     tgf._assert_close(np.asarray(u, np.float32), np.asarray(v, np.float32), 2.0**-7)
+
+
+# ------------------------- 16x16 NVFP4 weights: one copy, read both ways ----------------------
+
+def test_nvfp4_2d_weights_one_copy_read_along_n(bf16_device, rng, monkeypatch):
+  """NVFP4BlockScaling's 16x16 weights: the dgrad copy [G, K, N] is the forward copy
+  transposed, so GroupedDense quantizes only it and the forward GEMM reads its decoded values
+  along N (explain says so). The step is bit for bit the one that quantizes both copies (the
+  same decoded values, the same float32 sums), and both match the reference."""
+  step, args = tgf._grouped_step(jq.NVFP4BlockScaling(), 4, 96, 64, 48, rng, use_bias=False)
+  monkeypatch.delenv("JAXQUANT_BACKEND", raising=False)
+  monkeypatch.delenv(sm90_configs.ENV, raising=False)
+  report = jq.explain(step, *args)
+  fprop, = [d for d in report if d.op == "grouped_gemm" and str(d.role).endswith("/fprop")]
+  assert "b read along N from its [G, K, N] copy" in fprop.detail, str(report)
+  weight_copies = [d.detail for d in report if d.op == "grouped_quantize" and
+                   str(d.role).endswith("/weight")]
+  assert weight_copies == [weight_copies[0]] and weight_copies[0].startswith("rowwise:"), \
+      str(report)
+  one_copy = tgf._on("auto", step, *args)
+  monkeypatch.setattr(grouped_kernels, "experts_read_transposed", lambda *args: False)
+  report = jq.explain(step, *args)
+  fprop, = [d for d in report if d.op == "grouped_gemm" and str(d.role).endswith("/fprop")]
+  assert "[G, K, N]" not in fprop.detail, str(report)
+  two_copies = tgf._on("auto", step, *args)
+  for u, v in zip(jax.tree_util.tree_leaves(one_copy), jax.tree_util.tree_leaves(two_copies)):
+    assert np.asarray(u).tobytes() == np.asarray(v).tobytes()
+  ref = tgf._on("reference", step, *args)
+  for u, v in zip(jax.tree_util.tree_leaves(one_copy), jax.tree_util.tree_leaves(ref)):
+    tgf._assert_close(np.asarray(u, np.float32), np.asarray(v, np.float32), 2.0**-7)
+
+
+def test_transposed_experts_materialize_as_the_other_copy(rng):
+  """`TransposedExperts(w_kn).materialize()` is bit for bit the [G, N, K] copy quantizing the
+  transposed weights gives, for the formats whose copies are each other's transposes; the
+  reference GEMM takes either operand with the same result."""
+  from jaxquant.grouping.tensors import TransposedExperts
+  w = jnp.asarray(oracle.random_matrix(rng, (3, 64, 48)), jnp.bfloat16)  # [G, K, N]
+  for q in (jq.NVFP4Quantizer(block_2d=True), jq.Float8CurrentScalingQuantizer()):
+    assert jq.formats.format_of(q).columnwise_is_transposed_rowwise(q)
+    kn = tgf._on("reference", lambda w: jg.quantize_experts(w, q, columnwise=False).rowwise, w)
+    nk = tgf._on("reference", lambda w: jg.quantize_experts(jnp.swapaxes(w, 1, 2), q,
+                                                             columnwise=False).rowwise, w)
+    got = TransposedExperts(kn).materialize()
+    for u, v in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(nk)):
+      assert np.asarray(u).tobytes() == np.asarray(v).tobytes(), q
+  for q in (jq.NVFP4Quantizer(), jq.NVFP4Quantizer(block_2d=True, stochastic_rounding=True),
+            jq.MXFP8Quantizer()):
+    assert not jq.formats.format_of(q).columnwise_is_transposed_rowwise(q), q

@@ -479,9 +479,9 @@ ZOO_RECIPES = {"NVFP4BlockScaling": jq.recipes.NVFP4BlockScaling,
                **{name: (lambda f=f: jq.CustomRecipe(f)) for name, f in jq.factories.ZOO.items()}}
 
 
-def _grouped_step(recipe, groups, tokens, k, n, rng):
+def _grouped_step(recipe, groups, tokens, k, n, rng, use_bias=True):
   model = jq.flax.GroupedDense(features=n, num_groups=groups, recipe=recipe, dtype=jnp.bfloat16,
-                               param_dtype=jnp.bfloat16)
+                               param_dtype=jnp.bfloat16, use_bias=use_bias)
   x = jnp.asarray(oracle.random_matrix(rng, (tokens, k)), jnp.bfloat16)
   dy = jnp.asarray(oracle.random_matrix(rng, (tokens, n)), jnp.bfloat16)
   sizes = jnp.asarray(_sizes(rng, tokens, groups, (1,), 5))

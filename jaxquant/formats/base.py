@@ -171,6 +171,12 @@ class Format:
     (stochastic rounding draws per direction and position)."""
     return not (self.uses_rht(quantizer, "columnwise") or self.needs_key(quantizer))
 
+  def columnwise_is_transposed_rowwise(self, quantizer: Quantizer) -> bool:
+    """Whether the columnwise copy is the rowwise copy transposed, payload and block scales
+    alike (per-tensor scales, or square 2-D blocks, with nothing that depends on the
+    direction), so one copy can serve both GEMMs of a weight that read it either way."""
+    return self.transposable(quantizer)
+
   def exact_in_bf16(self, quantizer: Quantizer) -> bool:
     """Whether every decoded value (before the GEMM factor) is exact in bfloat16."""
     return True

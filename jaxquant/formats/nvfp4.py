@@ -156,6 +156,11 @@ class NVFP4Format(Format):
   def needs_key(self, quantizer: NVFP4Quantizer) -> bool:
     return quantizer.stochastic_rounding
 
+  def columnwise_is_transposed_rowwise(self, quantizer: NVFP4Quantizer) -> bool:
+    # 16x16 tiles give both copies one scale per tile; one amax per tensor (not per row)
+    return (quantizer.block_2d and not quantizer.row_scaled
+            and self.copies_swap_with_transpose(quantizer))
+
   def elements_per_byte(self, quantizer) -> int:
     return 2
 

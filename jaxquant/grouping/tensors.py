@@ -131,6 +131,41 @@ class GroupedQuantizedTensor:
   quantizer: Quantizer = dataclasses.field(metadata=dict(static=True))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TransposedExperts:
+  """Expert matrices `[G, N, K]` held as their transposed copy `stored` `[G, K, N]` (a
+  `ScaledTensor` with a leading expert axis) of a quantizer whose columnwise copy is its
+  rowwise copy transposed (`Format.columnwise_is_transposed_rowwise`): the same storage, read
+  the other way. `jaxquant.grouped_dense` passes its dgrad copy of the weights to the forward
+  GEMM this way when that GEMM runs on operands decoded to bfloat16, whose kernel reads the
+  decoded `[G, K, N]` values along N: one quantized copy and one decode instead of two each.
+  Any other GEMM path takes `materialize()`, the `[G, N, K]` storage by an XLA transpose."""
+
+  stored: ScaledTensor
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    g, k, n = self.stored.shape
+    return (g, n, k)
+
+  @property
+  def quantizer(self) -> Quantizer:
+    return self.stored.quantizer
+
+  @property
+  def rht(self) -> bool:
+    return self.stored.rht
+
+  def materialize(self) -> ScaledTensor:
+    """The `[G, N, K]` storage: payload and block scales with their last two axes swapped
+    (per-expert scales and amaxes as they are)."""
+    swap = lambda a: a if a is None or a.ndim < 3 else jnp.swapaxes(a, 1, 2)
+    t = self.stored
+    return ScaledTensor(swap(t.data), swap(t.scale_inv), t.amax, t.quantizer, t.orig_dtype,
+                        t.rht)
+
+
 def positions(t: GroupedScaledTensor) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(group, index in group, holds a token) of every token position of `t`."""
   return t.layout.positions(t.group_sizes)

@@ -47,6 +47,7 @@ from jaxquant.grouping.state import init_state as init_group_state
 from jaxquant.grouping.state import update_state
 from jaxquant.layers.dense import (RESIDUAL_NAMES, TENSOR_TYPES, DenseQuantizers,
                                    compute_dtype_weight, copies_swap_with_transpose)
+from jaxquant.grouping.tensors import TransposedExperts
 from jaxquant.tensors import QuantizedTensor
 
 MODULE_TYPE = "grouped_linear"
@@ -106,32 +107,43 @@ def _forward(config: _Config, x, kernel, bias, sizes, key, states, *, need_dgrad
   qx = grouped_ops.quantize(x, sizes, q.input, rowwise=True, columnwise=need_wgrad,
                             row_block=config.x_row_block, col_block=config.wgrad_block,
                             keys=key_x, state=states[0], role=q.roles[0])
-  qw = _quantize_weights(kernel, q, need_dgrad, key_w, states[1])
-  y = grouped_ops.gemm(qx.rowwise, qw.rowwise, out_dtype=x.dtype, bias=bias,
+  read_transposed = need_dgrad and grouped_kernels.experts_read_transposed(
+      q.weight, x.dtype, bias is not None)
+  qw, w_fprop = _quantize_weights(kernel, q, need_dgrad, read_transposed, key_w, states[1])
+  y = grouped_ops.gemm(qx.rowwise, w_fprop, out_dtype=x.dtype, bias=bias,
                        precision=config.precision, role=config.gemm_label("fprop"))
   return grouped_ops.to_tokens(y, qx.rowwise), qx, qw
 
 
-def _quantize_weights(kernel, q: DenseQuantizers, need_dgrad: bool, keys, state):
-  """The experts' weights with the forward's copy `[G, N, K]` as `rowwise` (and dgrad's
-  `[G, K, N]` as `columnwise`).
+def _quantize_weights(kernel, q: DenseQuantizers, need_dgrad: bool, read_transposed: bool,
+                      keys, state):
+  """The experts' weights: (a `QuantizedTensor` with the forward's copy `[G, N, K]` as `rowwise`
+  and dgrad's `[G, K, N]` as `columnwise`, the forward GEMM's operand).
 
   Where the copies are the same bytes either way (`copies_swap_with_transpose`: one format, no
   RHT, no stochastic rounding) the `[G, K, N]` kernel is quantized as it is and its two copies
   swapped, so XLA never materializes the transpose (a full read and write of the weights each
   step, in float32 for float32 parameters) — unless only the transposed layout has a kernel
   (a block format whose blocks would span experts of K rows). Otherwise the transposed kernel
-  is quantized."""
+  is quantized. With `read_transposed` (`experts_read_transposed`: the dgrad copy is also the
+  forward copy transposed and the forward GEMM reads decoded operands along N, 16x16 NVFP4 on
+  Hopper) only the dgrad copy is made and the forward reads it as `TransposedExperts` (the
+  `rowwise` slot stays empty)."""
   groups, k, n = kernel.shape
   if copies_swap_with_transpose(q.weight) and (
       _experts_reason(q.weight, (groups, k, n), need_dgrad, True) is None
       or _experts_reason(q.weight, (groups, n, k), True, need_dgrad) is not None):
+    if read_transposed and _experts_reason(q.weight, (groups, k, n), True, False) is None:
+      kn = grouped_ops.quantize_experts(kernel, q.weight, rowwise=True, columnwise=False,
+                                        keys=keys, state=state, role=q.roles[1])
+      return QuantizedTensor(None, kn.rowwise, q.weight), TransposedExperts(kn.rowwise)
     kn = grouped_ops.quantize_experts(kernel, q.weight, rowwise=need_dgrad, columnwise=True,
                                       keys=keys, state=state, role=q.roles[1])
-    return QuantizedTensor(kn.columnwise, kn.rowwise, q.weight)
-  return grouped_ops.quantize_experts(jnp.swapaxes(kernel, 1, 2), q.weight, rowwise=True,
-                                      columnwise=need_dgrad, keys=keys, state=state,
-                                      role=q.roles[1])
+    return QuantizedTensor(kn.columnwise, kn.rowwise, q.weight), kn.columnwise
+  qw = grouped_ops.quantize_experts(jnp.swapaxes(kernel, 1, 2), q.weight, rowwise=True,
+                                    columnwise=need_dgrad, keys=keys, state=state,
+                                    role=q.roles[1])
+  return qw, qw.rowwise
 
 
 def _experts_reason(quantizer, shape, rowwise: bool, columnwise: bool):

@@ -25,7 +25,8 @@ from jaxquant.backends.reference import grouped as reference
 from jaxquant.grouping import formats
 from jaxquant.grouping.formats import GroupedContext
 from jaxquant.grouping.layout import TokenLayout, clip_sizes
-from jaxquant.grouping.tensors import GroupedQuantizedTensor, GroupedScaledTensor
+from jaxquant.grouping.tensors import (GroupedQuantizedTensor, GroupedScaledTensor,
+                                       TransposedExperts)
 from jaxquant.numerics import rht16
 from jaxquant.numerics.random_bits import key_words
 from jaxquant.ops import dispatch
@@ -347,7 +348,7 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool = True
 
 # --------------------------------------------- GEMM -------------------------------------------
 
-Operand = Union[GroupedScaledTensor, ScaledTensor, jax.Array]
+Operand = Union[GroupedScaledTensor, ScaledTensor, TransposedExperts, jax.Array]
 
 
 def _describe(operand: Operand) -> str:
@@ -372,7 +373,8 @@ def gemm(a: GroupedScaledTensor, b: Operand, *, out_dtype=None,
   """A grouped GEMM on the TN convention; the mode follows from `a.token_axis`.
 
   - `a.token_axis == 0` (`a[L, K]`, rows are token positions) and experts `b[G, N, K]` (a
-    `ScaledTensor` with a leading expert axis, or an array): `out[r] = a[r] . b[group(r)]^T
+    `ScaledTensor` with a leading expert axis, a `TransposedExperts`, or an array): `out[r] =
+    a[r] . b[group(r)]^T
     (+ bias[group(r)])`, `[L, N]` in `a`'s layout (`to_tokens` packs it). Forward and dgrad.
   - `a.token_axis == 1` (`a[M, L]`) and `b[N, L]` in the same token layout: `out[g] = a_g .
     b_g^T` over group `g`'s positions, `[G, M, N]` (zero for an empty group). Wgrad.
@@ -390,6 +392,12 @@ def gemm(a: GroupedScaledTensor, b: Operand, *, out_dtype=None,
     raise TypeError(f"a: expected a GroupedScaledTensor (from jaxquant.grouped.quantize), got "
                     f"{type(a).__name__}")
   out_dtype = a.orig_dtype if out_dtype is None else out_dtype
+  transposed = b if isinstance(b, TransposedExperts) else None
+  if transposed is not None:
+    if a.token_axis != 0:
+      raise TypeError("b: TransposedExperts are expert matrices; a columnwise (token_axis=1) a "
+                      "needs a columnwise GroupedScaledTensor b")
+    b = transposed.materialize()  # unused (and removed by XLA) where the kernel reads `stored`
   rht_b = isinstance(b, (ScaledTensor, GroupedScaledTensor)) and b.rht
   if a.rht != rht_b:
     raise ValueError(f"a and b disagree on the random Hadamard transform (a.rht={a.rht}, "
@@ -412,11 +420,13 @@ def gemm(a: GroupedScaledTensor, b: Operand, *, out_dtype=None,
     mode, impl = "per-group over tokens", reference.per_group_gemm
   detail = f"{_describe(a)} x {_describe(b)} [{a.groups} groups, {mode}]"
 
+  stored = None if transposed is None else transposed.stored
   path = _record("grouped_gemm", role, detail, None,
                  lambda: kernels.gemm_unsupported(a, b, out_dtype),
-                 lambda: kernels.gemm_kernel_note(a, b, out_dtype, bias))
+                 lambda: kernels.gemm_kernel_note(a, b, out_dtype, bias, stored_kn=stored))
   if path == "ffi":
-    return kernels.gemm(a, b, out_dtype=out_dtype, bias=bias, precision=precision)
+    return kernels.gemm(a, b, out_dtype=out_dtype, bias=bias, precision=precision,
+                        stored_kn=stored)
   kwargs = dict(out_dtype=out_dtype, precision=precision)
   if a.token_axis == 0:
     kwargs["bias"] = bias

@@ -85,22 +85,41 @@ def route_reason(a: GroupedScaledTensor, b, out_dtype, bias=None,
                            out_dtype=kernel_out, token_block=block)
 
 
-def kernel_label(a: GroupedScaledTensor, b, out_dtype, bias=None) -> str:
-  """What `jaxquant.explain` names the kernel of a GEMM `route_reason` accepts."""
-  label = bf16.kernel_label(a.token_axis, a.shape, a.groups, _kernel_out(a, b, out_dtype, bias))
+def n_major_reason(a: GroupedScaledTensor, stored_kn: ScaledTensor, out_dtype,
+                   bias=None) -> Optional[str]:
+  """Why the forward GEMM of `a` (rows) with experts held as their `[G, K, N]` copy
+  `stored_kn` cannot read that copy's decoded values along N (None: it can): the NN instances
+  write bfloat16 only, and per-(group, feature) factors would need the other layout."""
+  if a.token_axis != 0:
+    return "not a ragged-rows GEMM"
+  if getattr(stored_kn, "amax", None) is not None and row_scaled(stored_kn.quantizer):
+    return "row-scaled experts: their factors run along the [G, N, K] copy's rows"
+  kernel_out = _kernel_out(a, stored_kn, out_dtype, bias)
+  return bf16.shape_reason(0, a.shape, stored_kn.shape, a_dtype=_dtype(a),
+                           b_dtype=_dtype(stored_kn), out_dtype=kernel_out, b_k_major=False)
+
+
+def kernel_label(a: GroupedScaledTensor, b, out_dtype, bias=None, b_k_major: bool = True) -> str:
+  """What `jaxquant.explain` names the kernel of a GEMM `route_reason` accepts (`b_k_major`
+  False: experts read along N from their `[G, K, N]` copy)."""
+  label = bf16.kernel_label(a.token_axis, a.shape, a.groups, _kernel_out(a, b, out_dtype, bias),
+                            b_k_major=b_k_major)
   if high_precision(a) and high_precision(b):
     return label
   return label + " on operands decoded to bfloat16"
 
 
-def gemm(a: GroupedScaledTensor, b, *, out_dtype, bias: Optional[jax.Array] = None) -> jax.Array:
-  """`jaxquant.grouped.gemm` of a pair `route_reason` accepts."""
+def gemm(a: GroupedScaledTensor, b, *, out_dtype, bias: Optional[jax.Array] = None,
+         b_k_major: bool = True) -> jax.Array:
+  """`jaxquant.grouped.gemm` of a pair `route_reason` accepts; `b_k_major=False`: experts `b`
+  given as their `[G, K, N]` copy (`n_major_reason` accepts it), decoded as stored and read
+  along N."""
   starts = bf16.group_starts(a.layout.extents(a.group_sizes))
   da = decode.tokens(a)
   db = decode.experts(b) if a.token_axis == 0 else decode.tokens(b)
   kernel_out = _kernel_out(a, b, out_dtype, bias)
   out = bf16.gemm(da.values, db.values, starts, mode=a.token_axis, out_dtype=kernel_out,
-                  alpha=decode.group_alpha(da, db))
+                  alpha=decode.group_alpha(da, db), b_k_major=b_k_major)
   if da.rows is None and db.rows is None and bias is None:
     return out.astype(out_dtype)
   if a.token_axis == 0:

@@ -46,13 +46,18 @@ def _per_group(operand) -> Optional[jax.Array]:
 
 
 def gemm(a: GroupedScaledTensor, b, *, out_dtype, bias: Optional[jax.Array] = None,
-         precision=None) -> jax.Array:
-  """`jaxquant.grouped.gemm` on the FFI (`support.gemm_unsupported(a, b)` must be None)."""
+         precision=None, stored_kn=None) -> jax.Array:
+  """`jaxquant.grouped.gemm` on the FFI (`support.gemm_unsupported(a, b)` must be None).
+  `stored_kn`: experts `b` held as their `[G, K, N]` copy (`TransposedExperts.stored`; `b` is
+  its `[G, N, K]` materialization), read N-major where the decoded route takes that layout
+  (`decoded.n_major_reason`)."""
   del precision  # quantized operands: exact decode, float32 accumulation
   reason = support.gemm_unsupported(a, b, out_dtype)
   if reason is not None:
     raise ValueError(f"grouped FFI GEMM cannot serve this pair: {reason}")
   if support.gemm_kernel(a, b, out_dtype, bias)[0] == support.GEMM_BF16_TARGET:
+    if stored_kn is not None and decoded.n_major_reason(a, stored_kn, out_dtype, bias) is None:
+      return decoded.gemm(a, stored_kn, out_dtype=out_dtype, bias=bias, b_k_major=False)
     return decoded.gemm(a, b, out_dtype=out_dtype, bias=bias)
   groups = a.groups
   pstarts = jnp.concatenate([jnp.zeros((1,), jnp.int32),

@@ -4,14 +4,15 @@ from jaxquant.backends.ffi.grouped.gemm import gemm
 from jaxquant.backends.ffi.grouped.quantize import (pair_layouts_served, quantize_experts,
                                                     quantize_token_pair, quantize_tokens)
 from jaxquant.backends.ffi.grouped.support import (GEMM_SM90_TARGET, expert_route,
+                                                   experts_read_transposed,
                                                    fp8_kernel_note, gemm_kernel,
                                                    gemm_kernel_note, gemm_scaling,
                                                    gemm_unsupported, quantize_experts_unsupported,
                                                    quantize_route, quantize_unsupported,
                                                    sm90_kernel_label, sm90_wgrad_block)
 
-__all__ = ["gemm", "pair_layouts_served", "quantize_experts", "quantize_token_pair", "quantize_tokens", "expert_route",
-           "fp8_kernel_note", "gemm_kernel", "gemm_kernel_note", "gemm_scaling", "gemm_unsupported",
-           "sm90_kernel_label", "sm90_wgrad_block",
-           "quantize_experts_unsupported", "quantize_route", "quantize_unsupported",
-           "GEMM_SM90_TARGET"]
+__all__ = ["gemm", "pair_layouts_served", "quantize_experts", "quantize_token_pair",
+           "quantize_tokens", "expert_route", "experts_read_transposed", "fp8_kernel_note",
+           "gemm_kernel", "gemm_kernel_note", "gemm_scaling", "gemm_unsupported",
+           "sm90_kernel_label", "sm90_wgrad_block", "quantize_experts_unsupported",
+           "quantize_route", "quantize_unsupported", "GEMM_SM90_TARGET"]

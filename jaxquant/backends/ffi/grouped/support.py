@@ -427,16 +427,47 @@ def gemm_kernel(a, b, out_dtype=None, bias=None) -> tuple[str, str]:
   return GEMM_TARGET, f"mma.sync grouped kernel: {reason}"
 
 
-def gemm_kernel_note(a, b, out_dtype=None, bias=None) -> tuple[str, str]:
+def gemm_kernel_note(a, b, out_dtype=None, bias=None, stored_kn=None) -> tuple[str, str]:
   """What `jaxquant.explain` appends to an FFI grouped GEMM's detail ("kernel: ..." naming the
-  kernel and any non-default configuration) and why a slower kernel serves it ("")."""
+  kernel and any non-default configuration) and why a slower kernel serves it (""). With
+  `stored_kn` (experts `b` held as their `[G, K, N]` copy) it also says whether the kernel reads
+  that copy along N or XLA transposes it first, and why."""
   target, why = gemm_kernel(a, b, out_dtype, bias)
+  out = a.orig_dtype if out_dtype is None else out_dtype
+  transpose = ""
+  if stored_kn is not None:
+    reason = (decoded.n_major_reason(a, stored_kn, out, bias) if target == GEMM_BF16_TARGET
+              else "only the bfloat16 kernel reads decoded experts along N")
+    transpose = ("; b read along N from its [G, K, N] copy" if reason is None else
+                 f"; b transposed by XLA from its [G, K, N] copy ({reason})")
   if target == GEMM_SM90_TARGET:
-    return "kernel: CUTLASS sm90 wgmma" + sm90_kernel_label(a, b, out_dtype), ""
+    return "kernel: CUTLASS sm90 wgmma" + sm90_kernel_label(a, b, out_dtype) + transpose, ""
   if target == GEMM_BF16_TARGET:
-    out = a.orig_dtype if out_dtype is None else out_dtype
-    return "kernel: " + decoded.kernel_label(a, b, out, bias), ""
-  return "kernel: mma.sync", why
+    if stored_kn is not None and not transpose.startswith("; b transposed"):
+      return "kernel: " + decoded.kernel_label(a, stored_kn, out, bias, b_k_major=False) + \
+          transpose, ""
+    return "kernel: " + decoded.kernel_label(a, b, out, bias) + transpose, ""
+  return "kernel: mma.sync" + transpose, why
+
+
+# Formats whose grouped GEMMs run on operands decoded to bfloat16 on Hopper (no FP8 CUTLASS
+# instance takes their block scales, and Hopper has no FP4 tensor cores).
+_DECODED_FAMILIES = ("mxfp8", "nvfp4")
+
+
+def experts_read_transposed(quantizer, out_dtype, bias: bool) -> bool:
+  """Whether `jaxquant.grouped_dense` should quantize one copy of its expert weights and hand
+  the forward GEMM (output `out_dtype`, with or without a `bias`) the dgrad copy as
+  `TransposedExperts`: the format's two copies are each other's transposes and its grouped
+  GEMMs run decoded on the bfloat16 CUTLASS kernel here, whose N-major instances read the
+  decoded `[G, K, N]` values along N and write bfloat16 (a bias, or another output dtype, needs
+  the float32 output only the K-major instances write). Elsewhere two copies are cheaper than an
+  XLA transpose of one."""
+  fmt = format_of(quantizer)
+  return (fmt.columnwise_is_transposed_rowwise(quantizer)
+          and fmt.gemm_family(quantizer) in _DECODED_FAMILIES
+          and not bias and np.dtype(out_dtype) == np.dtype(jnp.bfloat16)
+          and bf16.device_reason() is None and decoded.kernel_choice() == "auto")
 
 
 def sm90_selection(a, b, out_dtype=None) -> sm90_configs.Selection:
