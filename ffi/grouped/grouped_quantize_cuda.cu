@@ -63,6 +63,8 @@ struct TileShape {
   float* col_sums = nullptr;
 };
 
+constexpr int kSharedGroups = 512;
+
 // One CTA a 128-position x 128-feature tile of the output layout, on the single-tensor FP8
 // kernels' tile (quantize/tile.cuh: every load issued up front, a swizzled tile in shared
 // memory, the column phase reading 16-row chunks): the tile rows' source rows, groups and
@@ -74,6 +76,7 @@ __global__ void __launch_bounds__(kThreads) grouped_quantize_kernel(const Quanti
   __shared__ float scales[G::TR];
   __shared__ int groups[G::TR];  // -1: the row holds no token
   __shared__ uint32_t red[kThreads / 32];
+  __shared__ int32_t bounds[2][kSharedGroups + 1];  // starts, pstarts
   const jq::Fp8 fmt = static_cast<jq::Fp8>(p.fmt);
   const float fmax = jq::spec_of(fmt).fmax;
   const int tid = threadIdx.x;
@@ -81,15 +84,31 @@ __global__ void __launch_bounds__(kThreads) grouped_quantize_kernel(const Quanti
   if (blockIdx.x == 0) {
     for (int g = tid; g < p.G; g += kThreads) p.scale_inv[g] = jq::rcp_f32(group_scale(p, g, fmax));
   }
+  // The group starts in shared memory (up to kSharedGroups groups): one coalesced read instead
+  // of a chain of dependent global reads per tile row before the tile's loads can start.
+  // Expert weights need no search: row pos is expert pos / E's, at its own place.
+  const bool shared_starts = p.expert_rows == 0 && p.G <= kSharedGroups;
+  if (shared_starts) {
+    for (int i = tid; i <= p.G; i += kThreads) {
+      bounds[0][i] = __ldg(p.starts + i);
+      bounds[1][i] = __ldg(p.pstarts + i);
+    }
+    __syncthreads();
+  }
   if (tid < G::TR) {
     const int64_t pos = t.r0 + tid;
     int64_t row = -1;
     int g = int(p.G);
-    if (pos < p.L) {
-      g = upper_group(p.pstarts, int(p.G), pos);
+    if (pos < p.L && p.expert_rows > 0) {
+      g = int(pos / p.expert_rows);
+      row = pos;
+    } else if (pos < p.L) {
+      const int32_t* starts = shared_starts ? bounds[0] : p.starts;
+      const int32_t* pstarts = shared_starts ? bounds[1] : p.pstarts;
+      g = shared_starts ? upper_group_generic(pstarts, int(p.G), pos) : upper_group(pstarts, int(p.G), pos);
       if (g < p.G) {
-        const int64_t local = pos - __ldg(p.pstarts + g);
-        if (local < int64_t(__ldg(p.starts + g + 1)) - __ldg(p.starts + g)) row = __ldg(p.starts + g) + local;
+        const int64_t local = pos - pstarts[g];
+        if (local < int64_t(starts[g + 1]) - starts[g]) row = starts[g] + local;
       }
     }
     src[tid] = row;
