@@ -69,16 +69,6 @@ __device__ __forceinline__ int upper_group(const int32_t* starts, int G, int64_t
   return lo;
 }
 
-// upper_group over starts in shared memory (or any generic address: plain loads).
-__device__ __forceinline__ int upper_group_generic(const int32_t* starts, int G, int64_t pos) {
-  int lo = 0, hi = G;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (int64_t(starts[mid]) <= pos) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
-
 // One warp a row of x at a time; a lane keeps kLoads 16-byte loads of its row in flight (one
 // at a time would leave too few bytes in flight per SM to cover the memory latency).
 template <int TYPE>
