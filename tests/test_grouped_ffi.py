@@ -1070,3 +1070,67 @@ def test_explain_names_the_grouped_gemm_kernel(monkeypatch):
   gemms = [d for d in report if d.op == "grouped_gemm"]
   assert gemms and all(d.detail.endswith("kernel: mma.sync") for d in gemms)
   assert all(d.reason.startswith("mma.sync grouped kernel: ") for d in gemms)
+
+
+# ------------------------ weights quantized as stored: Hybrid halves swapped -------------------
+
+@pytest.mark.parametrize("backend", ["reference", "ffi"])
+def test_hybrid_of_swappable_halves_quantizes_the_weights_as_stored(rng, backend):
+  """Hybrid(A, B) of W^T is Hybrid(B, A) of W with its copies swapped when each half's copies
+  swap and nothing ties the halves: bit for bit, so GroupedDense quantizes the stored kernel
+  [G, K, N] instead of an XLA transpose of it. A Hybrid with a dequantized columnwise source, a
+  stateful or stochastic half has no such quantizer."""
+  q = jq.HybridQuantizer(rowwise=jq.NVFP4Quantizer(), columnwise=jq.MXFP8Quantizer())
+  swapped = jq.formats.format_of(q).transposed_quantizer(q)
+  assert swapped == jq.HybridQuantizer(rowwise=jq.MXFP8Quantizer(),
+                                       columnwise=jq.NVFP4Quantizer())
+  w = jnp.asarray(oracle.random_matrix(rng, (3, 64, 96)), jnp.bfloat16)  # [G, K, N]
+  want = _on(backend, lambda w: jg.quantize_experts(jnp.swapaxes(w, 1, 2), q), w)
+  got = _on(backend, lambda w: jg.quantize_experts(w, swapped), w)
+  assert_same_leaves(got.rowwise, want.columnwise, "rowwise of the swapped hybrid")
+  assert_same_leaves(got.columnwise, want.rowwise, "columnwise of the swapped hybrid")
+  for tied in (jq.HybridQuantizer(jq.NVFP4Quantizer(), jq.MXFP8Quantizer(),
+                                  columnwise_source="rowwise_dequantized"),
+               jq.HybridQuantizer(jq.Float8DelayedScalingQuantizer(),
+                                  jq.Float8CurrentScalingQuantizer()),
+               jq.HybridQuantizer(jq.MXFP8Quantizer(),
+                                  jq.NVFP4Quantizer(stochastic_rounding=True))):
+    assert jq.formats.format_of(tied).transposed_quantizer(tied) is None, tied
+
+
+def test_grouped_dense_hybrid_weights_need_no_transpose(rng, monkeypatch):
+  """The MoE hybrid recipe's GroupedDense step quantizes the stored kernel (no transpose of it
+  in the lowered step) and gives bit for bit the step that quantizes the transposed kernel."""
+  step, args = _grouped_step(ZOO_RECIPES["moe_nvfp4_fwd_mxfp8_bwd"](), 4, 96, 64, 96, rng)
+  monkeypatch.setenv("JAXQUANT_BACKEND", "ffi")
+  kernel_shape = args[0]["params"]["kernel"].shape
+  hlo = jax.jit(lambda *a: step(*a)).lower(*args).as_text()  # fresh traces: no jit cache
+  transposes = [line for line in hlo.splitlines() if "stablehlo.transpose" in line
+                and "x".join(map(str, kernel_shape)) + "xbf16>" in line.split("->")[0]]
+  as_stored = jax.jit(lambda *a: step(*a))(*args)
+  monkeypatch.setattr(jq.formats.hybrid.HybridFormat, "transposed_quantizer",
+                      lambda self, q: None)
+  hlo_before = jax.jit(lambda *a: step(*a)).lower(*args).as_text()
+  transposed = jax.jit(lambda *a: step(*a))(*args)
+  before = [line for line in hlo_before.splitlines() if "stablehlo.transpose" in line
+            and "x".join(map(str, kernel_shape)) + "xbf16>" in line.split("->")[0]]
+  assert not transposes and before, (transposes, before)
+  for u, v in zip(jax.tree_util.tree_leaves(as_stored), jax.tree_util.tree_leaves(transposed)):
+    assert np.asarray(u).tobytes() == np.asarray(v).tobytes()
+
+
+@pytest.mark.parametrize("name, rowwise", [("mxfp8", False), ("fp8-block-1x128", False),
+                                           ("fp8-block-128x128", True)])
+def test_block_formats_read_their_token_layout_through_the_offsets(monkeypatch, name, rowwise):
+  """A padded token layout of MXFP8 / Float8Block is quantized by the grouped twin of the
+  single-tensor target, which reads x's rows through the group offsets: the lowered program
+  has no single-tensor call on an XLA-gathered copy (bit-exactness: the tests above)."""
+  q = TOKEN_QUANTIZERS[name] if name in TOKEN_QUANTIZERS else jq.Float8BlockQuantizer((128, 128))
+  x = jnp.zeros((300, 256), jnp.bfloat16)
+  sizes = jnp.asarray([100, 0, 150], jnp.int32)
+  fn = lambda x, sizes: jg.quantize(x, sizes, q, rowwise=rowwise, columnwise=not rowwise,
+                                    row_block=128 if rowwise else None)
+  monkeypatch.setenv("JAXQUANT_BACKEND", "ffi")
+  hlo = jax.jit(fn).lower(x, sizes).as_text()
+  fmt = "mxfp8" if name == "mxfp8" else "fp8_block"
+  assert f"jaxquant_grouped_quantize_{fmt}" in hlo and f"jaxquant_quantize_{fmt}" not in hlo

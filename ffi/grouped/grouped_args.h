@@ -434,6 +434,44 @@ inline ffi::Error decode_grouped_gemm_bf16(const char* t, ffi::AnyBuffer a, ffi:
   return decode_gemm_out(t, out, {ffi::DataType::BF16, ffi::DataType::F32}, p);
 }
 
+// jaxquant_grouped_quantize_mxfp8 / _fp8_block(x[T, C], starts[G+1], pstarts[G+1]): the results
+// of jaxquant_quantize_mxfp8 / _fp8_block for the token layout of `length` positions gathered
+// from x (position pstarts[g] + i holds row starts[g] + i while inside group g, else zeros),
+// without the gathered copy: the kernel reads x through the offsets. `a->x` describes that
+// [length, C] matrix for the results (its data pointer stays x's); `rows` the groups and x.
+template <typename Args, typename SetAttrs>
+ffi::Error decode_gathered(const char* t, ffi::AnyBuffer x, ffi::AnyBuffer starts,
+                           ffi::AnyBuffer pstarts, ffi::RemainingRets rets, int64_t length,
+                           Args* a, GroupedRows* rows, SetAttrs set_attrs) {
+  JQ_RETURN_IF_ERROR(decode_input(t, x, &a->x));
+  JQ_RETURN_IF_ERROR(decode_grouped_rows(t, x, starts, &pstarts, rows));
+  JQ_RETURN_IF_ERROR(decode_length(t, length, rows));
+  a->x.rows = length;
+  JQ_RETURN_IF_ERROR(set_attrs(a));
+  return read_all_results(t, rets, a);
+}
+
+inline ffi::Error decode_gathered_mxfp8(ffi::AnyBuffer x, ffi::AnyBuffer starts,
+                                        ffi::AnyBuffer pstarts, ffi::RemainingRets rets,
+                                        bool rowwise, bool columnwise, int64_t length,
+                                        Mxfp8Args* a, GroupedRows* rows) {
+  const char* t = "jaxquant_grouped_quantize_mxfp8";
+  return decode_gathered(t, x, starts, pstarts, rets, length, a, rows, [&](Mxfp8Args* m) {
+    return set_directions(t, rowwise, columnwise, m);
+  });
+}
+
+inline ffi::Error decode_gathered_fp8_block(ffi::AnyBuffer x, ffi::AnyBuffer starts,
+                                            ffi::AnyBuffer pstarts, ffi::RemainingRets rets,
+                                            bool rowwise, bool columnwise, bool block_2d,
+                                            bool pow2_scale, float amax_epsilon, int64_t length,
+                                            Fp8BlockArgs* a, GroupedRows* rows) {
+  const char* t = "jaxquant_grouped_quantize_fp8_block";
+  return decode_gathered(t, x, starts, pstarts, rets, length, a, rows, [&](Fp8BlockArgs* b) {
+    return set_fp8_block_attrs(t, rowwise, columnwise, block_2d, pow2_scale, amax_epsilon, b);
+  });
+}
+
 // The FFI signatures of the grouped targets, one copy for both platforms: the CPU handlers bind
 // `BindX(ffi::Ffi::Bind())`, the CUDA ones `BindX(ffi::Ffi::Bind().Ctx<Stream>())`.
 // jaxquant_grouped_quantize_fp8: x, starts, padded starts, delayed scales -> outputs.
@@ -443,6 +481,18 @@ auto BindGroupedQuantizeFp8(Binding binding) {
                            "delayed", "pow2_scale", "row_packed");
   return Attrs<int64_t>(std::move(flags).template Attr<float>("amax_epsilon"), "length",
                         "expert_rows");
+}
+
+// jaxquant_grouped_quantize_mxfp8 / _fp8_block: x, starts, padded starts -> the single-tensor
+// target's outputs for the gathered layout; its attributes, then the layout length.
+template <typename Binding>
+auto BindGroupedQuantizeMxfp8(Binding binding) {
+  return Attrs<int64_t>(Mxfp8Attrs(Args<3>(std::move(binding)).RemainingRets()), "length");
+}
+
+template <typename Binding>
+auto BindGroupedQuantizeFp8Block(Binding binding) {
+  return Attrs<int64_t>(Fp8BlockAttrs(Args<3>(std::move(binding)).RemainingRets()), "length");
 }
 
 // jaxquant_grouped_quantize_nvfp4: x, starts, padded starts, row key, col key -> outputs.

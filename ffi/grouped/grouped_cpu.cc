@@ -8,6 +8,7 @@
 #include "grouped/grouped_args.h"
 #include "grouped/handlers.h"
 #include "quantize/nvfp4_cpu.h"
+#include "quantize/quantize_cpu.h"
 
 namespace jqffi {
 namespace {
@@ -335,8 +336,51 @@ ffi::Error GroupedGemmBf16Cpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
+// The token layout of rows.L positions gathered from x (zeros for padding and no group), as the
+// float32 matrix the single-tensor CPU quantize takes.
+Matrix gathered_matrix(const Input& x, const GroupedRows& rows) {
+  QuantizeParams p;
+  static_cast<GroupedRows&>(p) = rows;
+  Matrix m{std::vector<float>(size_t(rows.L * rows.C), 0.0f), rows.L, rows.C};
+  for (int64_t pos = 0; pos < rows.L; ++pos) {
+    int64_t g, src, local;
+    locate(p, pos, &g, &src, &local);
+    if (src < 0) continue;
+    for (int64_t c = 0; c < rows.C; ++c) m.v[pos * rows.C + c] = input_value(x, src * rows.C + c);
+  }
+  return m;
+}
+
+ffi::Error GroupedQuantizeMxfp8Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::AnyBuffer pstarts,
+                                   ffi::RemainingRets rets, bool rowwise, bool columnwise,
+                                   int64_t length) {
+  Mxfp8Args a;
+  GroupedRows rows;
+  JQ_RETURN_IF_ERROR(decode_gathered_mxfp8(x, starts, pstarts, rets, rowwise, columnwise, length,
+                                           &a, &rows));
+  quantize_matrix(gathered_matrix(a.x, rows), a);
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupedQuantizeFp8BlockCpu(ffi::AnyBuffer x, ffi::AnyBuffer starts,
+                                      ffi::AnyBuffer pstarts, ffi::RemainingRets rets,
+                                      bool rowwise, bool columnwise, bool block_2d,
+                                      bool pow2_scale, float amax_epsilon, int64_t length) {
+  Fp8BlockArgs a;
+  GroupedRows rows;
+  JQ_RETURN_IF_ERROR(decode_gathered_fp8_block(x, starts, pstarts, rets, rowwise, columnwise,
+                                               block_2d, pow2_scale, amax_epsilon, length, &a,
+                                               &rows));
+  quantize_matrix(gathered_matrix(a.x, rows), a);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
+XLA_FFI_DEFINE_HANDLER(kGroupedQuantizeMxfp8Cpu, GroupedQuantizeMxfp8Cpu,
+                       BindGroupedQuantizeMxfp8(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kGroupedQuantizeFp8BlockCpu, GroupedQuantizeFp8BlockCpu,
+                       BindGroupedQuantizeFp8Block(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kGroupedQuantizeFp8Cpu, GroupedQuantizeFp8Cpu,
                        BindGroupedQuantizeFp8(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kGroupedQuantizeNvfp4Cpu, GroupedQuantizeNvfp4Cpu,
@@ -351,6 +395,8 @@ XLA_FFI_DEFINE_HANDLER(kGroupedGemmBf16Cpu, GroupedGemmBf16Cpu,
 std::vector<Target> grouped_cpu_targets() {
   return {target("jaxquant_grouped_quantize_fp8", kGroupedQuantizeFp8Cpu),
           target("jaxquant_grouped_quantize_nvfp4", kGroupedQuantizeNvfp4Cpu),
+          target("jaxquant_grouped_quantize_mxfp8", kGroupedQuantizeMxfp8Cpu),
+          target("jaxquant_grouped_quantize_fp8_block", kGroupedQuantizeFp8BlockCpu),
           target("jaxquant_grouped_amax", kGroupedAmaxCpu),
           target("jaxquant_grouped_amax_gated", kGroupedAmaxGatedCpu),
           target("jaxquant_grouped_gemm", kGroupedGemmCpu),

@@ -171,6 +171,12 @@ class Format:
     (stochastic rounding draws per direction and position)."""
     return not (self.uses_rht(quantizer, "columnwise") or self.needs_key(quantizer))
 
+  def transposed_quantizer(self, quantizer: Quantizer) -> Optional[Quantizer]:
+    """A quantizer whose copies of `W` are `quantizer`'s copies of `W^T` swapped, bit for bit
+    (so a weight is quantized as it is stored, never transposed first), or None: the quantizer
+    itself where `copies_swap_with_transpose` holds."""
+    return quantizer if self.copies_swap_with_transpose(quantizer) else None
+
   def columnwise_is_transposed_rowwise(self, quantizer: Quantizer) -> bool:
     """Whether the columnwise copy is the rowwise copy transposed, payload and block scales
     alike (per-tensor scales, or square 2-D blocks, with nothing that depends on the

@@ -10,7 +10,7 @@ one direction to that direction's half; questions about a single storage are an 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from jaxquant.formats.base import Format, format_of, register
 from jaxquant.quantizers import (Float8CurrentScalingQuantizer, Float8DelayedScalingQuantizer,
@@ -105,6 +105,18 @@ class HybridFormat(Format):
 
   def copies_swap_with_transpose(self, quantizer) -> bool:
     return False  # a format per direction: the copies are not one quantize
+
+  def transposed_quantizer(self, quantizer: HybridQuantizer) -> Optional[Quantizer]:
+    # Hybrid(A, B) of W^T has A's rowwise copy of W^T (= A's columnwise copy of W) and B's
+    # columnwise copy of W^T (= B's rowwise copy of W): Hybrid(B, A) of W, swapped, where each
+    # half's copies swap and nothing ties the halves (an independent columnwise source, no
+    # state or key, whose split follows the direction).
+    rowwise, columnwise = quantizer.rowwise, quantizer.columnwise
+    if (quantizer.columnwise_source != "original" or quantizer.stateful
+        or self.needs_key(quantizer)
+        or not all(format_of(q).copies_swap_with_transpose(q) for q in (rowwise, columnwise))):
+      return None
+    return HybridQuantizer(rowwise=columnwise, columnwise=rowwise)
 
   def variants(self):
     return (HybridQuantizer(MXFP8Quantizer(), NVFP4Quantizer(rht=True, stochastic_rounding=True)),

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxquant.backends.ffi.grouped import ops as grouped_kernels
+from jaxquant.formats import format_of
 from jaxquant.grouping import formats
 from jaxquant.layers import grouped_plain
 from jaxquant.ops import grouped as grouped_ops
@@ -46,7 +47,7 @@ from jaxquant.grouping.layout import TokenLayout, clip_sizes
 from jaxquant.grouping.state import init_state as init_group_state
 from jaxquant.grouping.state import update_state
 from jaxquant.layers.dense import (RESIDUAL_NAMES, TENSOR_TYPES, DenseQuantizers,
-                                   compute_dtype_weight, copies_swap_with_transpose)
+                                   compute_dtype_weight)
 from jaxquant.grouping.tensors import TransposedExperts
 from jaxquant.tensors import QuantizedTensor
 
@@ -120,24 +121,27 @@ def _quantize_weights(kernel, q: DenseQuantizers, need_dgrad: bool, read_transpo
   """The experts' weights: (a `QuantizedTensor` with the forward's copy `[G, N, K]` as `rowwise`
   and dgrad's `[G, K, N]` as `columnwise`, the forward GEMM's operand).
 
-  Where the copies are the same bytes either way (`copies_swap_with_transpose`: one format, no
-  RHT, no stochastic rounding) the `[G, K, N]` kernel is quantized as it is and its two copies
-  swapped, so XLA never materializes the transpose (a full read and write of the weights each
-  step, in float32 for float32 parameters) — unless only the transposed layout has a kernel
+  Where the copies are the same bytes either way (`Format.transposed_quantizer`: one format
+  with no RHT and no stochastic rounding, or a Hybrid of two such halves, which quantizes the
+  stored kernel with its halves exchanged) the `[G, K, N]` kernel is quantized as it is and its
+  two copies swapped, so XLA never materializes the transpose (a full read and write of the
+  weights each step, in float32 for float32 parameters) — unless only the transposed layout has
+  a kernel
   (a block format whose blocks would span experts of K rows). Otherwise the transposed kernel
   is quantized. With `read_transposed` (`experts_read_transposed`: the dgrad copy is also the
   forward copy transposed and the forward GEMM reads decoded operands along N, 16x16 NVFP4 on
   Hopper) only the dgrad copy is made and the forward reads it as `TransposedExperts` (the
   `rowwise` slot stays empty)."""
   groups, k, n = kernel.shape
-  if copies_swap_with_transpose(q.weight) and (
-      _experts_reason(q.weight, (groups, k, n), need_dgrad, True) is None
+  swapped = format_of(q.weight).transposed_quantizer(q.weight)
+  if swapped is not None and (
+      _experts_reason(swapped, (groups, k, n), need_dgrad, True) is None
       or _experts_reason(q.weight, (groups, n, k), True, need_dgrad) is not None):
-    if read_transposed and _experts_reason(q.weight, (groups, k, n), True, False) is None:
-      kn = grouped_ops.quantize_experts(kernel, q.weight, rowwise=True, columnwise=False,
+    if read_transposed and _experts_reason(swapped, (groups, k, n), True, False) is None:
+      kn = grouped_ops.quantize_experts(kernel, swapped, rowwise=True, columnwise=False,
                                         keys=keys, state=state, role=q.roles[1])
       return QuantizedTensor(None, kn.rowwise, q.weight), TransposedExperts(kn.rowwise)
-    kn = grouped_ops.quantize_experts(kernel, q.weight, rowwise=need_dgrad, columnwise=True,
+    kn = grouped_ops.quantize_experts(kernel, swapped, rowwise=need_dgrad, columnwise=True,
                                       keys=keys, state=state, role=q.roles[1])
     return QuantizedTensor(kn.columnwise, kn.rowwise, q.weight), kn.columnwise
   qw = grouped_ops.quantize_experts(jnp.swapaxes(kernel, 1, 2), q.weight, rowwise=True,

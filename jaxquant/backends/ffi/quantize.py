@@ -55,9 +55,14 @@ class Request:
   row_key_words: Optional[jax.Array] = None
   col_key_words: Optional[jax.Array] = None
   state: Any = None
+  # A token layout gathered from x2d's rows (`quantize_gathered`): (starts, pstarts, length).
+  gather: Optional[tuple[jax.Array, jax.Array, int]] = None
 
   @property
   def shape(self) -> tuple[int, int]:
+    """The quantized matrix: x2d, or the gathered layout's `[length, cols]`."""
+    if self.gather is not None:
+      return (self.gather[2], self.x2d.shape[1])
     return tuple(self.x2d.shape)
 
 
@@ -99,6 +104,22 @@ def _layout(req: Request, target: str, operands, row_scale=None, col_scale=None,
   return Layout(operands=tuple(operands), results=tuple(results) + tuple(tail),
                 reduce=tuple((first_tail + i, axes) for i, axes in reduce), keys=tuple(keys),
                 what=target)
+
+
+# The grouped twin of a single-tensor target: the same results for a token layout read from x
+# through group offsets (`Request.gather`).
+GATHERED_TARGETS = {"jaxquant_quantize_mxfp8": "jaxquant_grouped_quantize_mxfp8",
+                    "jaxquant_quantize_fp8_block": "jaxquant_grouped_quantize_fp8_block"}
+
+
+def _call(req: Request, target: str, results: list, layout: Layout, **attributes) -> list:
+  """`target` on `req.x2d`, or its grouped twin on the gathered layout `req.gather` (not
+  partitioned: the grouped calls run per device, inside the expert-parallel shard_map)."""
+  if req.gather is None:
+    return calls.call(target, results, req.x2d, layout=layout, **attributes)
+  starts, pstarts, length = req.gather
+  return calls.call(GATHERED_TARGETS[target], results, req.x2d, starts, pstarts,
+                    length=np.int64(length), **attributes)
 
 
 def _split(req: Request, outs: list, with_scales: bool):
@@ -191,8 +212,8 @@ def _mxfp8(req: Request, quantizer: MXFP8Quantizer) -> Pair:
   results = _data_results(req, quantizer.dtype, row_scale, col_scale) + [_sds((), np.float32)]
   layout = _layout(req, "jaxquant_quantize_mxfp8", (X_DIMS,), row_dims, col_dims, tail=((),),
                    reduce=((0, ("m", "k")),))
-  outs = calls.call("jaxquant_quantize_mxfp8", results, req.x2d, layout=layout,
-                    rowwise=req.rowwise, columnwise=req.columnwise)
+  outs = _call(req, "jaxquant_quantize_mxfp8", results, layout, rowwise=req.rowwise,
+               columnwise=req.columnwise)
   row, row_scale, col, col_scale = _split(req, outs, with_scales=True)
   amax = outs.pop(0)
   return _pair(req, quantizer, row, row_scale, amax, col, col_scale, amax)
@@ -206,10 +227,9 @@ def _fp8_block(req: Request, quantizer: Float8BlockQuantizer) -> Pair:
   results = _data_results(req, quantizer.dtype, row_scale, col_scale) + [_sds((), np.float32)]
   layout = _layout(req, "jaxquant_quantize_fp8_block", (X_DIMS,), row_dims, col_dims,
                    tail=((),), reduce=((0, ("m", "k")),))
-  outs = calls.call("jaxquant_quantize_fp8_block", results, req.x2d, layout=layout,
-                    rowwise=req.rowwise,
-                    columnwise=req.columnwise, block_2d=block_2d,
-                    pow2_scale=quantizer.pow2_scale, amax_epsilon=float(quantizer.amax_epsilon))
+  outs = _call(req, "jaxquant_quantize_fp8_block", results, layout, rowwise=req.rowwise,
+               columnwise=req.columnwise, block_2d=block_2d, pow2_scale=quantizer.pow2_scale,
+               amax_epsilon=float(quantizer.amax_epsilon))
   row, row_scale, col, col_scale = _split(req, outs, with_scales=True)
   amax = outs.pop(0)
   return _pair(req, quantizer, row, row_scale, amax, col, col_scale, amax)
@@ -306,4 +326,28 @@ def quantize_single(x2d, quantizer: Quantizer, *, rowwise: bool, columnwise: boo
   if reason is not None:
     raise ValueError(f"FFI quantize cannot serve {quantizer}: {reason}")
   req = Request(x2d, rowwise, columnwise, orig_dtype, row_key_words, col_key_words, state)
+  return KERNEL_FORMATS[format_of(quantizer).quantize_kernel(quantizer)](req, quantizer)
+
+
+def gathered_kernel(quantizer: Quantizer) -> Optional[str]:
+  """The grouped target that quantizes a token layout gathered from x through group offsets in
+  `quantizer`'s format (MXFP8, Float8Block), or None (the layout is gathered by XLA first)."""
+  kind = format_of(quantizer).quantize_kernel(quantizer)
+  single = {"mxfp8": "jaxquant_quantize_mxfp8", "fp8-block": "jaxquant_quantize_fp8_block"}
+  return GATHERED_TARGETS.get(single.get(kind, ""))
+
+
+def quantize_gathered(x2d, starts: jax.Array, pstarts: jax.Array, length: int,
+                      quantizer: Quantizer, *, rowwise: bool, columnwise: bool,
+                      orig_dtype: Any) -> Pair:
+  """`quantize_single` of the token layout of `length` positions gathered from `x2d`'s rows
+  (position pstarts[g] + i holds row starts[g] + i while inside group g, else zeros), bit for
+  bit, with no gathered copy: `gathered_kernel(quantizer)` reads x through the offsets."""
+  if gathered_kernel(quantizer) is None:
+    raise ValueError(f"no gathered quantize kernel for {quantizer}")
+  reason = unsupported(x2d, quantizer, rowwise=rowwise, columnwise=columnwise)
+  if reason is not None:
+    raise ValueError(f"FFI quantize cannot serve {quantizer}: {reason}")
+  req = Request(x2d, rowwise, columnwise, orig_dtype,
+                gather=(starts.astype(jnp.int32), pstarts.astype(jnp.int32), int(length)))
   return KERNEL_FORMATS[format_of(quantizer).quantize_kernel(quantizer)](req, quantizer)

@@ -9,12 +9,14 @@
   `jaxquant_grouped_quantize_nvfp4`, the per-group amax launch(es) and one quantize launch
   that reads x through the group offsets (no gathered layout), RHT and stochastic rounding
   included;
-- MXFP8, Float8Block and the rowwise copy of row-scaled NVFP4: XLA gathers the token layout,
-  the single-tensor kernel (`jaxquant.backends.ffi.quantize`) quantizes it in one launch (blocks
-  never straddle groups in that layout, so this *is* the grouped quantize), and
-  `jaxquant_grouped_amax` gives each group's amax. The packed rowwise copy of a format with
-  one-row blocks skips the gather: x is quantized as it is and the rows of no group take a zero
-  row's codes and scales (`_packed_rows`).
+- MXFP8, Float8Block and the rowwise copy of row-scaled NVFP4: the single-tensor kernel
+  (`jaxquant.backends.ffi.quantize`) quantizes the token layout in one launch (blocks never
+  straddle groups in that layout, so this *is* the grouped quantize), and
+  `jaxquant_grouped_amax` gives each group's amax. For MXFP8 and Float8Block the kernel reads
+  the layout's rows from x through the group offsets (`jaxquant_grouped_quantize_mxfp8` /
+  `_fp8_block`); row-scaled NVFP4 quantizes an XLA-gathered copy. The packed rowwise copy of
+  a format with one-row blocks needs no layout: x is quantized as it is and the rows of no
+  group take a zero row's codes and scales (`_packed_rows`).
 Group offsets are computed by XLA from the traced sizes and stay on the device.
 """
 
@@ -28,8 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant.backends.ffi import calls
+from jaxquant.backends.ffi import registry
 from jaxquant.backends.ffi import quantize as single
 from jaxquant.backends.ffi.grouped import support
+from jaxquant.backends.platform import current_platform
 from jaxquant.formats import format_of
 from jaxquant.formats.base import tensor_amax
 from jaxquant.grouping.layout import TokenLayout
@@ -194,12 +198,25 @@ def quantize_tokens(x: jax.Array, sizes: jax.Array, leaf: Quantizer, direction: 
                  layout)
   if rowwise and not layout.padded and (format_of(leaf).blocks(leaf) or (0,))[0] == 1:
     t = _packed_rows(x, sizes, leaf, orig_dtype)
+  elif gathered_served(leaf):  # the kernel reads the layout's rows through the offsets
+    row, col = single.quantize_gathered(x, _offsets(sizes), _offsets(layout.extents(sizes)),
+                                        layout.length, leaf, rowwise=rowwise,
+                                        columnwise=not rowwise, orig_dtype=orig_dtype)
+    t = row if rowwise else col
   else:
     row, col = single.quantize_single(layout.gather(x, sizes), leaf, rowwise=rowwise,
                                       columnwise=not rowwise, orig_dtype=orig_dtype)
     t = row if rowwise else col
   amax = t.amax if _row_scaled(leaf) else group_amax(x, sizes)
   return _make(t.data, t.scale_inv, amax, sizes, leaf, orig_dtype, direction, layout, t.rht)
+
+
+def gathered_served(leaf: Quantizer) -> bool:
+  """Whether the platform's extension quantizes `leaf`'s format on a token layout read through
+  the group offsets (`jaxquant_grouped_quantize_mxfp8` / `_fp8_block`); else XLA gathers the
+  layout (a bfloat16 copy of x) for the single-tensor kernel, the same bytes."""
+  target = single.gathered_kernel(leaf)
+  return target is not None and target in registry.registered_targets(current_platform())
 
 
 def _packed_rows(x: jax.Array, sizes: jax.Array, leaf: Quantizer, orig_dtype) -> ScaledTensor:

@@ -1,0 +1,98 @@
+// CUDA handlers of jaxquant_grouped_quantize_mxfp8 and _fp8_block: the single-tensor MXFP8 /
+// Float8Block tile kernels (quantize/fp8_tiles.cuh) on the token layout gathered from x, read
+// through the group offsets instead of from an XLA-gathered bfloat16 copy (issue 23: that copy
+// was a full read and write of x or dy a step). Each tile row is a layout position: its group
+// is found by a search of pstarts (a few cached loads; every pass's search is independent, so
+// they overlap), then the row starts[g] + i of x is loaded, or zeros (padding, no group). The
+// math and the outputs are the single-tensor kernel's for that [L, C] matrix, bit for bit.
+// Group offsets stay on the device (no host sync, no allocation: command-buffer compatible).
+#include <cuda_runtime.h>
+
+#include <vector>
+
+#include "cuda_handler.h"
+#include "grouped/grouped_amax.cuh"
+#include "grouped/grouped_args.h"
+#include "grouped/handlers.h"
+#include "quantize/fp8_tiles.cuh"
+
+namespace jqffi {
+namespace {
+
+// The tile kernels' producer for a gathered token layout (quantize/tile.cuh's `Direct` reads x
+// itself): position r holds row starts[g] + (r - pstarts[g]) of x while inside group g.
+template <typename In>
+struct GatheredRows {
+  using Out = In;
+  const In* x;
+  int64_t T, C, L;
+  bool vec;
+  const int32_t* starts;
+  const int32_t* pstarts;
+  int G;
+  __device__ __forceinline__ void load8(int64_t r, int64_t c, In* out) const {
+    int64_t src = -1;
+    if (r < L) {
+      const int g = upper_group(pstarts, G, r);
+      if (g < G) {
+        const int64_t local = r - __ldg(pstarts + g);
+        if (local < int64_t(__ldg(starts + g + 1)) - __ldg(starts + g)) src = __ldg(starts + g) + local;
+      }
+    }
+    jqffi::load8(x, src >= 0 ? T : 0, C, src >= 0 ? src : 0, c, vec, out);  // R = 0: zeros
+  }
+};
+
+template <typename Args, typename Params>
+ffi::Error quantize_gathered(const char* target, cudaStream_t stream, const Args& a,
+                             const GroupedRows& rows, const Params& p) {
+  JQ_RETURN_IF_ERROR(clear(stream, a.amax, 4));
+  cudaError_t e = cudaSuccess;
+  by_input_type(a.x.type, [&](auto tag) {
+    using T = decltype(tag);
+    const GatheredRows<T> x{static_cast<const T*>(a.x.data), rows.T, rows.C, rows.L,
+                            aligned(a.x.data, 16) && rows.C % 8 == 0, rows.starts, rows.pstarts,
+                            int(rows.G)};
+    e = launch_fp8_tiles(stream, p, x);
+  });
+  return launch_status(target, e);
+}
+
+ffi::Error GroupedQuantizeMxfp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer starts,
+                                    ffi::AnyBuffer pstarts, ffi::RemainingRets rets, bool rowwise,
+                                    bool columnwise, int64_t length) {
+  Mxfp8Args a;
+  GroupedRows rows;
+  JQ_RETURN_IF_ERROR(decode_gathered_mxfp8(x, starts, pstarts, rets, rowwise, columnwise, length,
+                                           &a, &rows));
+  return quantize_gathered("jaxquant_grouped_quantize_mxfp8", stream, a, rows,
+                           mxfp8_params(a, a.x.rows, a.x.cols));
+}
+
+ffi::Error GroupedQuantizeFp8BlockCuda(cudaStream_t stream, ffi::AnyBuffer x,
+                                       ffi::AnyBuffer starts, ffi::AnyBuffer pstarts,
+                                       ffi::RemainingRets rets, bool rowwise, bool columnwise,
+                                       bool block_2d, bool pow2_scale, float amax_epsilon,
+                                       int64_t length) {
+  Fp8BlockArgs a;
+  GroupedRows rows;
+  JQ_RETURN_IF_ERROR(decode_gathered_fp8_block(x, starts, pstarts, rets, rowwise, columnwise,
+                                               block_2d, pow2_scale, amax_epsilon, length, &a,
+                                               &rows));
+  return quantize_gathered("jaxquant_grouped_quantize_fp8_block", stream, a, rows,
+                           fp8_block_params(a, a.x.rows, a.x.cols));
+}
+
+}  // namespace
+
+JQ_DEFINE_CUDA_HANDLER(kGroupedQuantizeMxfp8Cuda, GroupedQuantizeMxfp8Cuda,
+                       BindGroupedQuantizeMxfp8);
+JQ_DEFINE_CUDA_HANDLER(kGroupedQuantizeFp8BlockCuda, GroupedQuantizeFp8BlockCuda,
+                       BindGroupedQuantizeFp8Block);
+
+std::vector<Target> grouped_gathered_cuda_targets() {
+  return {target("jaxquant_grouped_quantize_mxfp8", kGroupedQuantizeMxfp8Cuda),
+          target("jaxquant_grouped_quantize_fp8_block", kGroupedQuantizeFp8BlockCuda)};
+}
+
+}  // namespace jqffi
