@@ -373,9 +373,9 @@ def gemm(a: GroupedScaledTensor, b: Operand, *, out_dtype=None,
   """A grouped GEMM on the TN convention; the mode follows from `a.token_axis`.
 
   - `a.token_axis == 0` (`a[L, K]`, rows are token positions) and experts `b[G, N, K]` (a
-    `ScaledTensor` with a leading expert axis, a `TransposedExperts`, or an array): `out[r] =
-    a[r] . b[group(r)]^T
-    (+ bias[group(r)])`, `[L, N]` in `a`'s layout (`to_tokens` packs it). Forward and dgrad.
+    `ScaledTensor` with a leading expert axis, a `TransposedExperts`, or an array):
+    `out[r] = a[r] . b[group(r)]^T (+ bias[group(r)])`, `[L, N]` in `a`'s layout (`to_tokens`
+    packs it). Forward and dgrad.
   - `a.token_axis == 1` (`a[M, L]`) and `b[N, L]` in the same token layout: `out[g] = a_g .
     b_g^T` over group `g`'s positions, `[G, M, N]` (zero for an empty group). Wgrad.
 

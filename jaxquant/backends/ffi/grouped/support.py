@@ -434,19 +434,19 @@ def gemm_kernel_note(a, b, out_dtype=None, bias=None, stored_kn=None) -> tuple[s
   that copy along N or XLA transposes it first, and why."""
   target, why = gemm_kernel(a, b, out_dtype, bias)
   out = a.orig_dtype if out_dtype is None else out_dtype
-  transpose = ""
+  along_n, transpose = False, ""
   if stored_kn is not None:
     reason = (decoded.n_major_reason(a, stored_kn, out, bias) if target == GEMM_BF16_TARGET
               else "only the bfloat16 kernel reads decoded experts along N")
-    transpose = ("; b read along N from its [G, K, N] copy" if reason is None else
+    along_n = reason is None
+    transpose = ("; b read along N from its [G, K, N] copy" if along_n else
                  f"; b transposed by XLA from its [G, K, N] copy ({reason})")
   if target == GEMM_SM90_TARGET:
     return "kernel: CUTLASS sm90 wgmma" + sm90_kernel_label(a, b, out_dtype) + transpose, ""
   if target == GEMM_BF16_TARGET:
-    if stored_kn is not None and not transpose.startswith("; b transposed"):
-      return "kernel: " + decoded.kernel_label(a, stored_kn, out, bias, b_k_major=False) + \
-          transpose, ""
-    return "kernel: " + decoded.kernel_label(a, b, out, bias) + transpose, ""
+    label = (decoded.kernel_label(a, stored_kn, out, bias, b_k_major=False) if along_n
+             else decoded.kernel_label(a, b, out, bias))
+    return "kernel: " + label + transpose, ""
   return "kernel: mma.sync" + transpose, why
 
 
