@@ -260,6 +260,55 @@ def test_weight_copies_swap_with_the_transpose_exactly_where_claimed(rng, prng_k
     assert not same, f"{case}: the copies agree here, so the predicate could claim them"
 
 
+def _independent_hybrids(role):
+  """NVFP4 forward, MXFP8 backward for every role: weights Hybrid(NVFP4, MXFP8), whose halves
+  each swap with the transpose and are independent."""
+  if role is not None and role.tensor_type in ("input", "weight"):
+    return jq.HybridQuantizer(rowwise=jq.NVFP4Quantizer(), columnwise=jq.MXFP8Quantizer())
+  return jq.MXFP8Quantizer()
+
+
+@pytest.mark.parametrize("quantizer", [
+    jq.HybridQuantizer(jq.MXFP8Quantizer(), jq.Float8CurrentScalingQuantizer()),
+    jq.HybridQuantizer(jq.NVFP4Quantizer(), jq.MXFP8Quantizer())], ids=str)
+def test_a_hybrid_of_swappable_halves_quantizes_w_with_its_halves_exchanged(rng, quantizer):
+  """`Format.transposed_quantizer`: Hybrid(A, B) of W^T is Hybrid(B, A) of W with the copies
+  swapped, bit for bit, so a layer quantizes its kernel as stored."""
+  swapped = jq.formats.format_of(quantizer).transposed_quantizer(quantizer)
+  assert swapped == jq.HybridQuantizer(quantizer.columnwise, quantizer.rowwise)
+  w = jnp.asarray(rng.standard_normal((K, N)) * 0.1, jnp.float32)
+  stored = jax.jit(lambda w: ops.quantize(w, swapped))(w)
+  transposed = jax.jit(lambda w: ops.quantize(w.T, quantizer))(w)
+  assert_same_leaves((stored.columnwise, stored.rowwise),
+                     (transposed.rowwise, transposed.columnwise), str(quantizer))
+
+
+def test_a_float32_params_hybrid_grouped_step_quantizes_the_kernel_as_stored(rng, monkeypatch):
+  """Expert weights Hybrid(NVFP4, MXFP8) under float32 parameters: the compiled GroupedDense
+  step holds fewer transposed float32 copies of the kernel than the step that quantizes the
+  transposed kernel (the reference's NVFP4 columnwise copy transposes on CPU too, so count),
+  and equals it bit for bit. (Dense keeps quantizing W^T for Hybrids: not measured on a GPU.)"""
+  model = jf.GroupedDense(N, num_groups=G, use_bias=False, dtype=jnp.bfloat16,
+                          recipe=jq.CustomRecipe(_independent_hybrids))
+  x, sizes, dy = _inputs(rng)
+  variables = model.init(jax.random.key(0), x, sizes)
+
+  def step(v, x):
+    y, vjp = jax.vjp(lambda v, x: model.apply(v, x, sizes), v, x)
+    return y, vjp(dy)
+
+  as_stored_hlo = jax.jit(lambda *a: step(*a)).lower(variables, x).compile().as_text()
+  as_stored = jax.jit(lambda *a: step(*a))(variables, x)
+  monkeypatch.setattr(jq.formats.hybrid.HybridFormat, "transposed_quantizer",
+                      lambda self, q: None)
+  transposing_hlo = jax.jit(lambda *a: step(*a)).lower(variables, x).compile().as_text()
+  transposing = jax.jit(lambda *a: step(*a))(variables, x)
+  stored_copies = _arrays_of_shape(as_stored_hlo, "f32", (G, N, K))
+  transposed_copies = _arrays_of_shape(transposing_hlo, "f32", (G, N, K))
+  assert len(stored_copies) < len(transposed_copies), (stored_copies, transposed_copies)
+  assert_same_leaves(as_stored, transposing, "GroupedDense")
+
+
 def _every_module():
   """(name, init(x) -> variables, apply(variables, x)) of every module kind with a quantized
   weight, float32 parameters and bf16 compute, under per-tensor FP8."""
