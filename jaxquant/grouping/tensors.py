@@ -144,19 +144,6 @@ class TransposedExperts:
 
   stored: ScaledTensor
 
-  @property
-  def shape(self) -> tuple[int, ...]:
-    g, k, n = self.stored.shape
-    return (g, n, k)
-
-  @property
-  def quantizer(self) -> Quantizer:
-    return self.stored.quantizer
-
-  @property
-  def rht(self) -> bool:
-    return self.stored.rht
-
   def materialize(self) -> ScaledTensor:
     """The `[G, N, K]` storage: payload and block scales with their last two axes swapped
     (per-expert scales and amaxes as they are)."""
