@@ -322,6 +322,20 @@ JQ_HD float decode_e4m3(uint32_t code) {
   return sign ? -mag : mag;
 }
 
+// Exact float32 value of an E2M1 code (low 4 bits; XLA's f4e2m1fn -> f32 conversion):
+// magnitude code m = 2e + mantissa is 2^(e-1) (1 + mantissa / 2) for e > 0, mantissa / 2 for
+// e == 0, built as float32 bits (no table: a table indexed per element spills on the device).
+JQ_HD float decode_e2m1(uint32_t code) {
+  const uint32_t m = code & 7u, e = m >> 1, mantissa = m & 1u;
+  const uint32_t normal = ((e + 126u) << 23) | (mantissa << 22);
+  const uint32_t magnitude = e ? normal : mantissa * 0x3F000000u;  // 0.5 or 0
+  return float_of(magnitude | ((code & 8u) << 28));
+}
+
+// NVFP4's raw value (minifloat.decode(code) * decode(scale), formats.nvfp4.dequantize_raw):
+// exact in float32 and in bfloat16 (at most 6 significant bits, magnitudes 2^-10 .. 2688).
+JQ_HD float nvfp4_raw(uint32_t code, float block_scale) { return decode_e2m1(code) * block_scale; }
+
 // ---------------------------------------------------------------------------------------------
 // Scales (scales.py).
 // ---------------------------------------------------------------------------------------------

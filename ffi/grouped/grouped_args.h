@@ -472,6 +472,46 @@ inline ffi::Error decode_gathered_fp8_block(ffi::AnyBuffer x, ffi::AnyBuffer sta
   });
 }
 
+// jaxquant_grouped_decode_nvfp4(data f4[B, R, C], scales e4m3[B, ceil(R / block_rows), C / 16])
+//   -> out bf16[B, R, C]: NVFP4's raw values (code x block scale, exact in bfloat16) for the
+// grouped GEMMs on decoded operands. C % 16 == 0 keeps each 16-wide block in whole bytes.
+struct Nvfp4DecodeParams {
+  const uint8_t* data;   // packed codes, first element in the low nibble
+  const uint8_t* scale;  // E4M3 codes
+  uint16_t* out;         // bfloat16 bits
+  int64_t B, R, C, scale_rows;
+  int block_rows;
+};
+
+inline ffi::Error decode_nvfp4_decode(const char* t, ffi::AnyBuffer data, ffi::AnyBuffer scale,
+                                      ffi::Result<ffi::AnyBuffer> out, int64_t block_rows,
+                                      Nvfp4DecodeParams* p) {
+  const auto dims = data.dimensions();
+  if (dims.size() != 3) {
+    return invalid(t, "data must be float4_e2m1fn[batch, rows, cols]; got shape " + dims_str(dims));
+  }
+  if (block_rows != 1 && block_rows != 16) {
+    return invalid(t, "block_rows=" + std::to_string(block_rows) + "; expected 1 (1x16 blocks) "
+                      "or 16 (16x16 blocks)");
+  }
+  const int64_t B = dims[0], R = dims[1], C = dims[2];
+  if (C % 16) {
+    return invalid(t, "cols=" + std::to_string(C) + " must be a multiple of 16 (whole blocks)");
+  }
+  if (B * R * (C / 16) >= (int64_t(1) << 32)) {
+    return invalid(t, "more than 2^32 blocks of 16 values");
+  }
+  JQ_RETURN_IF_ERROR(expect(t, "data", data, {ffi::DataType::F4E2M1FN}, {B, R, C}));
+  const int64_t scale_rows = ceil_div(R, block_rows);
+  JQ_RETURN_IF_ERROR(
+      expect(t, "scales", scale, {ffi::DataType::F8E4M3FN}, {B, scale_rows, C / 16}));
+  JQ_RETURN_IF_ERROR(expect(t, "out", *out, {ffi::DataType::BF16}, {B, R, C}));
+  *p = {static_cast<const uint8_t*>(data.untyped_data()),
+        static_cast<const uint8_t*>(scale.untyped_data()),
+        static_cast<uint16_t*>(out->untyped_data()), B, R, C, scale_rows, int(block_rows)};
+  return ffi::Error::Success();
+}
+
 // The FFI signatures of the grouped targets, one copy for both platforms: the CPU handlers bind
 // `BindX(ffi::Ffi::Bind())`, the CUDA ones `BindX(ffi::Ffi::Bind().Ctx<Stream>())`.
 // jaxquant_grouped_quantize_fp8: x, starts, padded starts, delayed scales -> outputs.
@@ -507,6 +547,12 @@ auto BindGroupedQuantizeNvfp4(Binding binding) {
 template <typename Binding>
 auto BindGroupedAmax(Binding binding) {
   return Rets<1>(Args<2>(std::move(binding)));
+}
+
+// jaxquant_grouped_decode_nvfp4: data, scales -> bfloat16 raw values; block_rows.
+template <typename Binding>
+auto BindGroupedDecodeNvfp4(Binding binding) {
+  return std::move(Rets<1>(Args<2>(std::move(binding)))).template Attr<int64_t>("block_rows");
 }
 
 // jaxquant_grouped_amax_gated: x, starts, gate -> per-group amax (zeros when no gate is 0).

@@ -375,6 +375,26 @@ ffi::Error GroupedQuantizeFp8BlockCpu(ffi::AnyBuffer x, ffi::AnyBuffer starts,
   return ffi::Error::Success();
 }
 
+// NVFP4 raw values to bfloat16 (XLA:CPU's f32 -> bf16 rounding; the values are exact).
+ffi::Error GroupedDecodeNvfp4Cpu(ffi::AnyBuffer data, ffi::AnyBuffer scale,
+                                 ffi::Result<ffi::AnyBuffer> out, int64_t block_rows) {
+  Nvfp4DecodeParams p;
+  JQ_RETURN_IF_ERROR(
+      decode_nvfp4_decode("jaxquant_grouped_decode_nvfp4", data, scale, out, block_rows, &p));
+  const int64_t blocks_per_row = p.C / 16;
+  for (int64_t row = 0; row < p.B * p.R; ++row) {
+    const int64_t b = row / p.R, r = row % p.R;
+    const uint8_t* scales = p.scale + (b * p.scale_rows + r / p.block_rows) * blocks_per_row;
+    for (int64_t c = 0; c < p.C; ++c) {
+      const int64_t i = row * p.C + c;
+      const uint32_t code = (p.data[i / 2] >> (4 * (i % 2))) & 0xFu;
+      const float value = jq::nvfp4_raw(code, jq::decode_e4m3(scales[c / 16]));
+      p.out[i] = static_cast<uint16_t>(jq::bf16_bits_rne(value));
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER(kGroupedQuantizeMxfp8Cpu, GroupedQuantizeMxfp8Cpu,
@@ -385,6 +405,8 @@ XLA_FFI_DEFINE_HANDLER(kGroupedQuantizeFp8Cpu, GroupedQuantizeFp8Cpu,
                        BindGroupedQuantizeFp8(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kGroupedQuantizeNvfp4Cpu, GroupedQuantizeNvfp4Cpu,
                        BindGroupedQuantizeNvfp4(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kGroupedDecodeNvfp4Cpu, GroupedDecodeNvfp4Cpu,
+                       BindGroupedDecodeNvfp4(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kGroupedAmaxCpu, GroupedAmaxCpu, BindGroupedAmax(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kGroupedAmaxGatedCpu, GroupedAmaxGatedCpu,
                        BindGroupedAmaxGated(ffi::Ffi::Bind()));
@@ -397,6 +419,7 @@ std::vector<Target> grouped_cpu_targets() {
           target("jaxquant_grouped_quantize_nvfp4", kGroupedQuantizeNvfp4Cpu),
           target("jaxquant_grouped_quantize_mxfp8", kGroupedQuantizeMxfp8Cpu),
           target("jaxquant_grouped_quantize_fp8_block", kGroupedQuantizeFp8BlockCpu),
+          target("jaxquant_grouped_decode_nvfp4", kGroupedDecodeNvfp4Cpu),
           target("jaxquant_grouped_amax", kGroupedAmaxCpu),
           target("jaxquant_grouped_amax_gated", kGroupedAmaxGatedCpu),
           target("jaxquant_grouped_gemm", kGroupedGemmCpu),

@@ -5,6 +5,7 @@
 //   jaxquant_grouped_quantize_nvfp4 NVFP4 with one second-level scale per group
 //   jaxquant_grouped_quantize_mxfp8 / _fp8_block  the single-tensor kernels on a token layout
 //                                   read through the group offsets (no gathered copy of x)
+//   jaxquant_grouped_decode_nvfp4   NVFP4 storages decoded to bfloat16 (the decoded GEMM route)
 //   jaxquant_grouped_amax           per-group amax (block formats: their scales are block-local)
 //   jaxquant_grouped_amax_gated     the same, run only while some group's delayed-scaling scale
 //                                   is 0 (the just-in-time first scale); else zeros, no pass
@@ -30,6 +31,7 @@ std::vector<Target> grouped_quantize_cuda_targets();  // quantize_fp8, amax, ama
 std::vector<Target> grouped_nvfp4_cuda_targets();     // quantize_nvfp4 (nvfp4_cuda.cu)
 std::vector<Target> grouped_gathered_cuda_targets();  // quantize_mxfp8, quantize_fp8_block
                                                       // (gathered_cuda.cu)
+std::vector<Target> grouped_decode_cuda_targets();    // decode_nvfp4 (decode_nvfp4_cuda.cu)
 std::vector<Target> grouped_gemm_cuda_targets();      // gemm (grouped_gemm_cuda.cu)
 #ifdef JAXQUANT_GROUPED_SM90
 std::vector<Target> grouped_sm90_cuda_targets();       // gemm_sm90 (grouped_sm90.cu)
@@ -42,7 +44,8 @@ inline std::vector<Target> grouped_cuda_targets() {
   std::vector<Target> targets;
 #ifdef JAXQUANT_WITH_CUDA
   targets = join({grouped_quantize_cuda_targets(), grouped_nvfp4_cuda_targets(),
-                  grouped_gathered_cuda_targets(), grouped_gemm_cuda_targets()});
+                  grouped_gathered_cuda_targets(), grouped_decode_cuda_targets(),
+                  grouped_gemm_cuda_targets()});
 #ifdef JAXQUANT_GROUPED_SM90
   targets = join({targets, grouped_sm90_cuda_targets(), grouped_sm90_bf16_cuda_targets()});
 #endif

@@ -24,7 +24,7 @@ decode into one pass over each operand.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +33,16 @@ from jaxquant.formats import format_of
 from jaxquant.grouping.tensors import (GroupedScaledTensor, factor, per_group_scale, raw,
                                        row_scaled)
 from jaxquant.tensors import ScaledTensor
+
+
+# A backend's decode of a storage's raw values to bfloat16 (the same bits), or None where XLA's
+# decode below serves it.
+RawDecoder = Callable[[Union[GroupedScaledTensor, ScaledTensor]], Optional[jax.Array]]
+
+
+def _raw_bf16(storage, xla_raw, decoder: Optional[RawDecoder]) -> jax.Array:
+  values = decoder(storage) if decoder is not None else None
+  return xla_raw().astype(jnp.bfloat16) if values is None else values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,17 +60,19 @@ def _split(values: jax.Array, f: Optional[jax.Array], quantizer) -> Decoded:
   return Decoded(values, rows=f) if row_scaled(quantizer) else Decoded(values, group=f)
 
 
-def tokens(t: GroupedScaledTensor) -> Decoded:
-  """A grouped token matrix (either copy) decoded; Identity storages as they are."""
+def tokens(t: GroupedScaledTensor, decoder: Optional[RawDecoder] = None) -> Decoded:
+  """A grouped token matrix (either copy) decoded; Identity storages as they are. `decoder`
+  may decode block-scaled raw values (a kernel's same bits)."""
   if t.scale_inv is None:
     return Decoded(t.data)
   if per_group_scale(t.quantizer):
     return Decoded(t.data.astype(jnp.bfloat16), group=t.scale_inv.astype(jnp.float32))
-  return _split(raw(t).astype(jnp.bfloat16), factor(t), t.quantizer)
+  return _split(_raw_bf16(t, lambda: raw(t), decoder), factor(t), t.quantizer)
 
 
-def experts(b: Union[ScaledTensor, jax.Array]) -> Decoded:
-  """Expert matrices `[G, N, K]` (a `ScaledTensor` with a leading expert axis, or an array)."""
+def experts(b: Union[ScaledTensor, jax.Array], decoder: Optional[RawDecoder] = None) -> Decoded:
+  """Expert matrices `[G, N, K]` (a `ScaledTensor` with a leading expert axis, or an array);
+  `decoder` as for `tokens`."""
   if not isinstance(b, ScaledTensor):
     return Decoded(b)
   if b.scale_inv is None:
@@ -68,7 +80,7 @@ def experts(b: Union[ScaledTensor, jax.Array]) -> Decoded:
   if per_group_scale(b.quantizer):
     return Decoded(b.data.astype(jnp.bfloat16), group=b.scale_inv.astype(jnp.float32))
   fmt = format_of(b.quantizer)
-  values = jax.vmap(fmt.dequantize_raw)(b).astype(jnp.bfloat16)
+  values = _raw_bf16(b, lambda: jax.vmap(fmt.dequantize_raw)(b), decoder)
   return _split(values, None if b.amax is None else fmt.gemm_factor(b), b.quantizer)
 
 

@@ -66,7 +66,7 @@ import numpy as np
 
 from jaxquant.backends.ffi import quantize as single_quantize
 from jaxquant.backends.ffi import registry
-from jaxquant.backends.ffi.grouped import bf16, decoded, sm90_configs
+from jaxquant.backends.ffi.grouped import bf16, decode_nvfp4, decoded, sm90_configs
 from jaxquant.backends.platform import compute_capability
 from jaxquant.backends.platform import current_platform as _platform
 from jaxquant.formats import format_of
@@ -446,7 +446,8 @@ def gemm_kernel_note(a, b, out_dtype=None, bias=None, stored_kn=None) -> tuple[s
   if target == GEMM_BF16_TARGET:
     label = (decoded.kernel_label(a, stored_kn, out, bias, b_k_major=False) if along_n
              else decoded.kernel_label(a, b, out, bias))
-    return "kernel: " + label + transpose, ""
+    return "kernel: " + label + transpose, decode_nvfp4.slower_note(
+        a, stored_kn if along_n else b)
   return "kernel: mma.sync" + transpose, why
 
 

@@ -1,0 +1,89 @@
+// CUDA handler of jaxquant_grouped_decode_nvfp4: NVFP4 storages decoded to bfloat16 for the
+// grouped GEMMs on decoded operands (jaxquant/backends/ffi/grouped/decoded.py). XLA's fused
+// decode of the packed float4 payload ran at about half of the copy rate on an H100 (1.6 TB/s:
+// four values a thread); this kernel gives each thread one 16-wide block: an 8-byte load of
+// codes, one scale, two 16-byte stores. Values are jq::nvfp4_raw (ffi/jaxquant_numerics.h),
+// exact in float32 and bfloat16, converted as XLA converts on the device (cvt.rn.bf16x2.f32).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <vector>
+
+#include "cuda_handler.h"
+#include "grouped/grouped_args.h"
+#include "grouped/handlers.h"
+#include "jaxquant_numerics.h"
+
+namespace jqffi {
+namespace {
+
+constexpr int kDecodeThreads = 256;
+
+// Four E2M1 codes (the low 16 bits of `codes`, first in the low nibble) times the block scale,
+// as two bfloat16x2 words. The magnitudes' bfloat16 bytes come from two 8-entry byte tables
+// (prmt selects byte k of the result by selector nibble k), the signs are moved from bit 3 of
+// each nibble to bit 15 of each half, and one packed bfloat16 multiply applies the scale: the
+// products have at most 6 significant bits and lie in 2^-10 .. 2688, so they are exact and
+// equal jq::nvfp4_raw rounded to bfloat16 (XLA's decode) bit for bit; the GPU tests compare
+// them with it.
+__device__ __forceinline__ void raw4(uint32_t codes, __nv_bfloat162 s, uint32_t* out) {
+  // bfloat16 of {0, .5, 1, 1.5, 2, 3, 4, 6}: low bytes 00 00 80 C0 00 40 80 C0, high bytes
+  // 00 3F 3F 3F 40 40 40 40.
+  const uint32_t sel = codes & 0x7777u;
+  const uint32_t lo = __byte_perm(0xC0800000u, 0xC0804000u, sel);
+  const uint32_t hi = __byte_perm(0x3F3F3F00u, 0x40404040u, sel);
+  uint32_t pair[2] = {__byte_perm(lo, hi, 0x5140u), __byte_perm(lo, hi, 0x7362u)};
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const uint32_t nibbles = codes >> (8 * k);  // codes 2k (bits 0-3), 2k + 1 (bits 4-7)
+    pair[k] |= ((nibbles << 12) & 0x8000u) | ((nibbles << 24) & 0x80000000u);
+    const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&pair[k]), s);
+    out[k] = *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+// Block i of the [B * R, C / 16] grid: its 16 codes, its scale, its 32 output bytes.
+__global__ void __launch_bounds__(kDecodeThreads)
+    decode_nvfp4_kernel(const uint2* __restrict__ data, const uint8_t* __restrict__ scale,
+                        uint4* __restrict__ out, uint32_t blocks, uint32_t blocks_per_row,
+                        uint32_t R, uint32_t scale_rows, int row_shift) {
+  const uint32_t i = blockIdx.x * kDecodeThreads + threadIdx.x;
+  if (i >= blocks) return;
+  const uint32_t row = i / blocks_per_row, cb = i - row * blocks_per_row;
+  const uint32_t b = row / R, r = row - b * R;
+  const uint32_t si = (b * scale_rows + (r >> row_shift)) * blocks_per_row + cb;
+  const __nv_bfloat162 s = __float2bfloat162_rn(jq::decode_e4m3(__ldg(scale + si)));
+  const uint2 codes = __ldg(data + i);
+  uint32_t v[8];
+  raw4(codes.x, s, v);
+  raw4(codes.x >> 16, s, v + 2);
+  raw4(codes.y, s, v + 4);
+  raw4(codes.y >> 16, s, v + 6);
+  out[2 * size_t(i)] = make_uint4(v[0], v[1], v[2], v[3]);
+  out[2 * size_t(i) + 1] = make_uint4(v[4], v[5], v[6], v[7]);
+}
+
+ffi::Error GroupedDecodeNvfp4Cuda(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer scale,
+                                  ffi::Result<ffi::AnyBuffer> out, int64_t block_rows) {
+  const char* t = "jaxquant_grouped_decode_nvfp4";
+  Nvfp4DecodeParams p;
+  JQ_RETURN_IF_ERROR(decode_nvfp4_decode(t, data, scale, out, block_rows, &p));
+  const uint32_t blocks = uint32_t(p.B * p.R * (p.C / 16));
+  if (blocks == 0) return ffi::Error::Success();
+  decode_nvfp4_kernel<<<(blocks + kDecodeThreads - 1) / kDecodeThreads, kDecodeThreads, 0,
+                        stream>>>(reinterpret_cast<const uint2*>(p.data), p.scale,
+                                  reinterpret_cast<uint4*>(p.out), blocks, uint32_t(p.C / 16),
+                                  uint32_t(p.R), uint32_t(p.scale_rows),
+                                  p.block_rows == 16 ? 4 : 0);
+  return launch_status(t, cudaGetLastError());
+}
+
+}  // namespace
+
+JQ_DEFINE_CUDA_HANDLER(kGroupedDecodeNvfp4Cuda, GroupedDecodeNvfp4Cuda, BindGroupedDecodeNvfp4);
+
+std::vector<Target> grouped_decode_cuda_targets() {
+  return {target("jaxquant_grouped_decode_nvfp4", kGroupedDecodeNvfp4Cuda)};
+}
+
+}  // namespace jqffi
