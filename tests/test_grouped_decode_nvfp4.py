@@ -18,10 +18,11 @@ import jaxquant.grouped as jg
 import oracle
 import test_grouped_bf16 as tgb
 import test_grouped_ffi as tgf
-from test_grouped_bf16 import bf16_device  # noqa: F401  (fixture)
 from jaxquant.backends.ffi import calls, registry
 from jaxquant.backends.ffi.grouped import decode_nvfp4
 from jaxquant.grouping import decode
+
+bf16_device = tgb.bf16_device  # the fixture: the bfloat16 kernel's route on the CPU handler
 
 QUANTIZERS = {"1x16": jq.NVFP4Quantizer(), "16x16": jq.NVFP4Quantizer(block_2d=True),
               "row": jq.NVFP4Quantizer(row_scaled=True), "rht": jq.NVFP4Quantizer(rht=True),
