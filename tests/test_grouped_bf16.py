@@ -41,6 +41,7 @@ from jaxquant.backends.ffi import registry
 from jaxquant.backends.ffi.grouped import bf16, decoded, sm90_configs
 from jaxquant.backends.ffi.grouped import ops as grouped_kernels
 from jaxquant.backends.ffi.grouped import support as kernels
+from jaxquant.grouping import decode
 from jaxquant.layers.dense import DenseQuantizers
 from jaxquant.layers.grouped_dense import token_blocks
 
@@ -297,6 +298,58 @@ def test_decoded_wgrad_gemm_matches_the_reference(bf16_device, rng, pair):
                   kernel=DECODED)
 
 
+ROWS_IN_EPILOGUE = KERNEL + " with per-row factors in the epilogue"
+
+
+def check_rows_in_epilogue(rng, groups, tokens, k, n, out_dtype, kernel_config=""):
+  """Row-scaled NVFP4 tokens x NVFP4 experts: the kernel applies the per-token factors in its
+  epilogue (explain says so), bit for bit the float32 output XLA scaled before (same float32
+  products, one rounding), and within the stated bound of the reference."""
+  a, e = _tokens_and_experts(rng, jq.NVFP4Quantizer(row_scaled=True), jq.NVFP4Quantizer(),
+                             tokens=tokens, k=k, n=n, groups=groups)
+  fn = lambda a, e: jg.gemm(a, e, out_dtype=out_dtype)
+  assert tgf._gemm_kernels(fn, a, e) == {
+      ROWS_IN_EPILOGUE + kernel_config + " on operands decoded to bfloat16"}
+  ours = tgf._on("ffi", fn, a, e)
+
+  def xla_scaled(a, e):  # the kernel's float32 output, scaled by XLA as before
+    da, db = decode.tokens(a), decode.experts(e)
+    out = bf16.gemm(da.values, db.values, bf16.group_starts(a.layout.extents(a.group_sizes)),
+                    mode=0, out_dtype=jnp.float32, alpha=decode.group_alpha(da, db))
+    return (out * da.rows[:, None]).astype(out_dtype)
+
+  theirs = tgf._on("ffi", xla_scaled, a, e)
+  ours, theirs = np.asarray(ours), np.asarray(theirs)
+  assert ours.dtype == np.dtype(out_dtype)
+  assert np.array_equal(ours.view(np.uint8), theirs.view(np.uint8)), (
+      f"{np.sum(ours != theirs)} elements differ from the float32 output scaled by XLA")
+  rel = 2.0**-14 if jax.default_backend() == "cpu" else 2.0**-10
+  rel += 2.0**-8 if out_dtype == jnp.bfloat16 else 0.0
+  tgf._assert_close(ours, np.asarray(tgf._on("reference", fn, a, e)), rel, "rows in epilogue")
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_row_scaled_tokens_take_the_epilogue_bit_for_bit(bf16_device, rng, out_dtype):
+  check_rows_in_epilogue(rng, 5, 150, 64, 40, out_dtype)
+
+
+def test_row_scale_only_where_an_instance_applies_it(bf16_device, rng):
+  """A bias, row-scaled experts or experts read along N keep XLA's float32 scaling; a wgrad
+  cannot take row factors (an error naming the argument)."""
+  qa = jq.NVFP4Quantizer(row_scaled=True)
+  a, e = _tokens_and_experts(rng, qa, jq.NVFP4Quantizer(row_scaled=True))
+  assert not decoded.rows_in_epilogue(a, e, jnp.bfloat16)
+  a, e = _tokens_and_experts(rng, qa, jq.NVFP4Quantizer())
+  assert decoded.rows_in_epilogue(a, e, jnp.bfloat16)
+  assert not decoded.rows_in_epilogue(a, e, jnp.bfloat16, bias=jnp.zeros((5, 40)))
+  assert not decoded.rows_in_epilogue(a, e, jnp.bfloat16, b_k_major=False)
+  assert not decoded.rows_in_epilogue(a, e, jnp.float16)
+  x = jnp.zeros((16, 8), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"row_scale: per-row factors scale a ragged GEMM's rows"):
+    bf16.gemm(x.T, x.T, jnp.asarray([0, 16], jnp.int32), mode=1, out_dtype=jnp.bfloat16,
+              row_scale=jnp.ones((16,), jnp.float32))
+
+
 def test_identity_operands_take_the_kernel_undecoded(bf16_device, rng, monkeypatch):
   """Identity (bfloat16) x Identity runs as it is, Identity x MXFP8 with the MXFP8 side decoded;
   both match the reference; the wgrad of packed Identity copies (group starts not 8-aligned)
@@ -503,6 +556,17 @@ def test_gpu_decoded_wgrad_gemm_matches_the_reference(on_kernel, bf16_device, rn
   tgf.check_wgrad(rng, pair, 1500 + 5 * groups, 136, 200, groups,
                   empty=tuple(range(2, groups, 5)), spare=7, rel=2.0**-10, block=8,
                   kernel=DECODED)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", [8, 64])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_row_scaled_tokens_take_the_epilogue_bit_for_bit(on_kernel, rng, groups, out_dtype):
+  """The row-scaled instances (automatic configuration: bf16_c2x1 for bfloat16 out, the default
+  for float32) against XLA's scaling of the float32 output, bit for bit."""
+  config = " [config bf16_c2x1: 128x256x64 tiles, cluster 2x1, cooperative, float32 " \
+           "accumulation]" if out_dtype == jnp.bfloat16 else ""
+  check_rows_in_epilogue(rng, groups, 1500 + 7 * groups, 320, 200, out_dtype, config)
 
 
 @pytest.mark.gpu

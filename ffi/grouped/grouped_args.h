@@ -390,9 +390,10 @@ inline ffi::Error decode_grouped_gemm(const char* t, ffi::AnyBuffer a, ffi::AnyB
 // the workspace is checked by the CUDA handler, unused on the CPU).
 inline ffi::Error decode_grouped_gemm_bf16(const char* t, ffi::AnyBuffer a, ffi::AnyBuffer b,
                                            ffi::AnyBuffer pstarts, ffi::AnyBuffer alpha,
+                                           ffi::AnyBuffer row_scale,
                                            ffi::Result<ffi::AnyBuffer> out, int32_t mode,
                                            bool a_k_major, bool b_k_major, bool has_alpha,
-                                           Bf16GemmParams* p) {
+                                           bool has_row_scale, Bf16GemmParams* p) {
   JQ_RETURN_IF_ERROR(decode_gemm_groups(t, pstarts, mode, p));
   if (mode == kModeRagged && !a_k_major) {
     return invalid(t, "mode 0 takes a [L, K] with K contiguous (a_k_major = true)");
@@ -429,6 +430,11 @@ inline ffi::Error decode_grouped_gemm_bf16(const char* t, ffi::AnyBuffer a, ffi:
     p->N = bd[b_k_major ? 0 : 1];
   }
   JQ_RETURN_IF_ERROR(decode_factor(t, "alpha", alpha, G, has_alpha, &p->alpha));
+  if (has_row_scale && mode != kModeRagged) {
+    return invalid(t, "row_scale scales the rows of a ragged GEMM (mode 0); mode is " +
+                          std::to_string(mode));
+  }
+  JQ_RETURN_IF_ERROR(decode_factor(t, "row_scale", row_scale, p->L, has_row_scale, &p->row_scale));
   p->a = static_cast<const uint16_t*>(a.untyped_data());
   p->b = static_cast<const uint16_t*>(b.untyped_data());
   return decode_gemm_out(t, out, {ffi::DataType::BF16, ffi::DataType::F32}, p);
@@ -589,8 +595,8 @@ auto BindGroupedGemmSm90(Binding binding) {
 // layouts, and (CUDA) the kernel configuration and tile order.
 template <typename Binding>
 auto BindGroupedGemmBf16(Binding binding) {
-  auto layout = Attrs<bool>(Rets<2>(Args<4>(std::move(binding))).template Attr<int32_t>("mode"),
-                            "a_k_major", "b_k_major", "has_alpha");
+  auto layout = Attrs<bool>(Rets<2>(Args<5>(std::move(binding))).template Attr<int32_t>("mode"),
+                            "a_k_major", "b_k_major", "has_alpha", "has_row_scale");
   return std::move(layout).template Attr<int32_t>("config").template Attr<bool>("raster_along_n");
 }
 

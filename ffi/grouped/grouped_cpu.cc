@@ -287,16 +287,18 @@ ffi::Error GroupedGemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer a_scale, ffi::AnyBuff
 // zeros where no group writes) in plain loops, float32 sums in k order. The routing sends the
 // no-recipe and decoded GEMMs to the CUDA kernel only; tests call this handler directly.
 ffi::Error GroupedGemmBf16Cpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer pstarts,
-                              ffi::AnyBuffer alpha, ffi::Result<ffi::AnyBuffer> out,
+                              ffi::AnyBuffer alpha, ffi::AnyBuffer row_scale,
+                              ffi::Result<ffi::AnyBuffer> out,
                               ffi::Result<ffi::AnyBuffer> workspace, int32_t mode, bool a_k_major,
-                              bool b_k_major, bool has_alpha, int32_t config,
+                              bool b_k_major, bool has_alpha, bool has_row_scale, int32_t config,
                               bool raster_along_n) {
   (void)workspace;
   (void)config;
   (void)raster_along_n;
   Bf16GemmParams p;
   JQ_RETURN_IF_ERROR(decode_grouped_gemm_bf16("jaxquant_grouped_gemm_bf16", a, b, pstarts, alpha,
-                                              out, mode, a_k_major, b_k_major, has_alpha, &p));
+                                              row_scale, out, mode, a_k_major, b_k_major,
+                                              has_alpha, has_row_scale, &p));
   auto value = [](const uint16_t* v, int64_t i) { return value_at(v, kOutBF16, i); };
   auto store = [&](int64_t i, float v) { store_at(p.out, p.out_kind, i, v); };
   const int64_t N = p.N, M = p.M, L = p.L;
@@ -313,7 +315,9 @@ ffi::Error GroupedGemmBf16Cpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer
                                          : value(p.b, (g * K + k) * N + n);
             acc += value(p.a, r * K + k) * bv;
           }
-          store(r * N + n, g < p.G && p.alpha ? acc * p.alpha[g] : acc);
+          float v = g < p.G && p.alpha ? acc * p.alpha[g] : acc;
+          if (g < p.G && p.row_scale) v = v * p.row_scale[r];  // after alpha, as the reference
+          store(r * N + n, v);
         }
       }
     }

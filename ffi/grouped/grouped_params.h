@@ -96,6 +96,7 @@ struct Bf16GemmParams : GroupedGemm {
   const uint16_t* a = nullptr;       // bfloat16 bits
   const uint16_t* b = nullptr;
   const float* alpha = nullptr;      // [G], or nullptr (1)
+  const float* row_scale = nullptr;  // mode 0: [L] per-row factor applied after alpha, or nullptr
 };
 
 }  // namespace jqffi

@@ -50,9 +50,24 @@ std::string unserved(const Bf16GemmParams& p) {
   return sm90_device_reason(p);
 }
 
-template <int CFG, int LAYOUT, int OUT>
+template <int CFG, int LAYOUT, int OUT, int EPI = sm90::kEpiAlpha>
 constexpr Sm90Runner instance() {
-  return sm90::run_instance<sm90::kBF16, sm90::kBF16, OUT, CFG, LAYOUT>;
+  return sm90::run_instance<sm90::kBF16, sm90::kBF16, OUT, CFG, LAYOUT, EPI>;
+}
+
+// The row-scaled instance (layout TN) of (config, output); nullptr when sm90.cmake built none
+// (bfloat16 out: bf16 and bf16_c2x1, the configurations TN takes; float32 out: bf16).
+Sm90Runner row_scaled_runner(int cfg, int layout, int out) {
+  if (layout != sm90::kLayoutTN) return nullptr;
+  constexpr int kTN = sm90::kLayoutTN, kRow = sm90::kEpiRowScale;
+  if (out == kOutF32) {
+    return cfg == sm90::kCfgBf16 ? instance<sm90::kCfgBf16, kTN, kOutF32, kRow>() : nullptr;
+  }
+  switch (cfg) {
+    case sm90::kCfgBf16: return instance<sm90::kCfgBf16, kTN, kOutBF16, kRow>();
+    case sm90::kCfgBf16C2x1: return instance<sm90::kCfgBf16C2x1, kTN, kOutBF16, kRow>();
+    default: return nullptr;
+  }
 }
 
 // The bfloat16-output instance of configuration CFG for `layout` (every layout is built).
@@ -83,20 +98,23 @@ Sm90Runner runner(int cfg, int layout, int out) {
 
 ffi::Error GroupedGemmBf16Cuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
                                ffi::AnyBuffer pstarts, ffi::AnyBuffer alpha,
-                               ffi::Result<ffi::AnyBuffer> out,
+                               ffi::AnyBuffer row_scale, ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::AnyBuffer> workspace, int32_t mode, bool a_k_major,
-                               bool b_k_major, bool has_alpha, int32_t config,
+                               bool b_k_major, bool has_alpha, bool has_row_scale, int32_t config,
                                bool raster_along_n) {
   Bf16GemmParams p;
-  JQ_RETURN_IF_ERROR(decode_grouped_gemm_bf16(kTarget, a, b, pstarts, alpha, out, mode, a_k_major,
-                                              b_k_major, has_alpha, &p));
+  JQ_RETURN_IF_ERROR(decode_grouped_gemm_bf16(kTarget, a, b, pstarts, alpha, row_scale, out, mode,
+                                              a_k_major, b_k_major, has_alpha, has_row_scale,
+                                              &p));
   const std::string why = unserved(p);
   if (!why.empty()) return invalid(kTarget, why);
   JQ_RETURN_IF_ERROR(check_sm90_workspace(kTarget, *workspace, sm90::workspace_bytes(p.G)));
   const int layout = layout_of(p);
-  const Sm90Runner run = runner(config, layout, p.out_kind);
+  const Sm90Runner run = p.row_scale ? row_scaled_runner(config, layout, p.out_kind)
+                                     : runner(config, layout, p.out_kind);
   if (run == nullptr) {
-    return invalid(kTarget, "config " + std::to_string(config) + " has no instance for layout " +
+    return invalid(kTarget, "config " + std::to_string(config) + " has no " +
+                                (p.row_scale ? "row-scaled " : "") + "instance for layout " +
                                 std::to_string(layout) + " -> " +
                                 (p.out_kind == kOutF32 ? "float32" : "bfloat16") +
                                 " (jaxquant/backends/ffi/grouped/sm90_configs.py lists the "
@@ -107,6 +125,7 @@ ffi::Error GroupedGemmBf16Cuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBu
   q.b = reinterpret_cast<const uint8_t*>(p.b);
   q.layout = layout;
   q.a_elem = q.b_elem = sm90::kBF16;
+  q.row_scale = p.row_scale;
   return run_sm90(kTarget, run, q, stream);
 }
 

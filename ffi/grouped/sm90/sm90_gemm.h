@@ -58,6 +58,11 @@ enum : int {
 //   kLayoutNT: A [K, M] and B [K, N] both M/N-major: the no-recipe wgrad, whose operands are
 //     the tokens x [T, M] and dy [T, N] themselves (contraction over each group's tokens).
 enum : int { kLayoutTN = 0, kLayoutNN = 1, kLayoutNT = 2 };
+
+// Epilogues: D = alpha[g] * acc (kEpiAlpha, every instance), or (alpha[g] * acc) * row_scale[m]
+// (kEpiRowScale, mode 0: the per-token factors of row-scaled NVFP4 tokens, in float32 before
+// the one rounding to D, the order XLA applied them to a float32 output before).
+enum : int { kEpiAlpha = 0, kEpiRowScale = 1 };
 __host__ __device__ constexpr bool a_k_major(int layout) { return layout != kLayoutNT; }
 __host__ __device__ constexpr bool b_k_major(int layout) { return layout == kLayoutTN; }
 
@@ -73,6 +78,7 @@ struct Problem {
   const uint8_t* b = nullptr;
   int layout = kLayoutTN;
   const float* alpha = nullptr;  // [G] per-group scale product, or nullptr (1)
+  const float* row_scale = nullptr;  // kEpiRowScale instances: [L] per-row factor (mode 0)
   void* out = nullptr;           // mode 0: [L, N]; mode 1: [G, M, N]
   int a_elem = kE4M3, b_elem = kE4M3, out_kind = kOutBF16;
   // Float8Block operands (block_scaled): float32 scales as jaxquant stores them, row-major.
@@ -125,8 +131,10 @@ inline std::string device_reason() {
 
 // One kernel instance (sm90_kernel.cuh; explicitly instantiated in the generated sm90_inst_*.cu
 // files): returns "" on success, else what went wrong (CUTLASS status or CUDA error). A, B:
-// kE4M3 / kE5M2 with LAYOUT kLayoutTN, or kBF16 x kBF16 with any layout; OUT kOutBF16 / kOutF32.
-template <int A, int B, int OUT, int CFG = kCfgDefault, int LAYOUT = kLayoutTN>
+// kE4M3 / kE5M2 with LAYOUT kLayoutTN, or kBF16 x kBF16 with any layout; OUT kOutBF16 / kOutF32;
+// EPI kEpiAlpha, or kEpiRowScale (bfloat16 TN instances, mode 0).
+template <int A, int B, int OUT, int CFG = kCfgDefault, int LAYOUT = kLayoutTN,
+          int EPI = kEpiAlpha>
 std::string run_instance(const Problem& p, cudaStream_t stream);
 
 // One Float8Block instance (sm90_block_kernel.cuh; E4M3 x E4M3, A 1 x 128 blocks, B

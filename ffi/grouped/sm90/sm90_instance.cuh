@@ -15,6 +15,7 @@
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
 #include "cutlass/epilogue/thread/linear_combination.h"
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
@@ -77,13 +78,31 @@ template <> struct TileConfig<kCfgBf16C2x1> : Tiles<128, 256, 64, 2, 1> {};
 // epilogue under the other's mainloop; 64-row tiles waste less of a short group than 128.
 template <> struct TileConfig<kCfgBf16Pingpong> : Tiles<64, 128, 128, 1, 1, true> {};
 
+// kEpiRowScale's epilogue tree: D = convert((alpha[g] * acc) * row_scale[m]), float32 products
+// rounded once to ElementD (XLA's order when it scaled a float32 output). alpha: one float32
+// per group through a strided pointer (or the literal 1); row_scale: a pointer per group to its
+// rows' factors (scalar loads: a group starts at any row, so its pointer is only 4-byte aligned).
+template <class ElementD, class TileShape>
+using RowScaledEpilogue = cutlass::epilogue::fusion::Sm90EVT<
+    cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, ElementD, float,
+                                           cutlass::FloatRoundStyle::round_to_nearest>,
+    cutlass::epilogue::fusion::Sm90EVT<
+        cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, float, float,
+                                               cutlass::FloatRoundStyle::round_to_nearest>,
+        cutlass::epilogue::fusion::Sm90ScalarBroadcastPtrArray<
+            float, cute::Stride<cute::_0, cute::_0, int64_t>>,
+        cutlass::epilogue::fusion::Sm90AccFetch>,
+    cutlass::epilogue::fusion::Sm90ColBroadcast<0, TileShape, float*, float,
+                                                cute::Stride<cute::_1, cute::_0, cute::_0>, 1>>;
+
 // The CUTLASS types of one instance. `Ops` provides ElementA / ElementB, the mainloop's layout
 // arguments MainloopLayoutA / MainloopLayoutB (a layout tag pointer, or a tuple of it and the
 // scale layout), `Schedule<Config>` (the mainloop's kernel schedule), whether the operands are
 // K-major (kAKMajor / kBKMajor), and kBlockScaled with the per-group scale arrays `Scales`.
-template <class Operands, int OUT, int CFG>
+template <class Operands, int OUT, int CFG, int EPI = kEpiAlpha>
 struct Instance {
   using Ops = Operands;
+  static constexpr bool kRowScale = EPI == kEpiRowScale;
   using ElementA = typename Ops::ElementA;
   using ElementB = typename Ops::ElementB;
   using ElementD = typename OutputOf<OUT>::type;
@@ -103,7 +122,9 @@ struct Instance {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
       void, LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD, EpilogueSchedule,
-      cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
+      cute::conditional_t<kRowScale, RowScaledEpilogue<ElementD, TileShape>,
+                          cutlass::epilogue::fusion::LinearCombination<ElementD, float, void,
+                                                                       float>>>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,

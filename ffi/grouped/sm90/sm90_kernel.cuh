@@ -50,10 +50,10 @@ struct DenseOperands {
   }
 };
 
-template <int A, int B, int OUT, int CFG, int LAYOUT>
+template <int A, int B, int OUT, int CFG, int LAYOUT, int EPI>
 std::string run_instance(const Problem& p, cudaStream_t stream) {
   if (p.layout != LAYOUT) return "operand layout does not match the instance";
-  return launch<Instance<DenseOperands<A, B, LAYOUT>, OUT, CFG>>(p, stream);
+  return launch<Instance<DenseOperands<A, B, LAYOUT>, OUT, CFG, EPI>>(p, stream);
 }
 
 }  // namespace sm90
@@ -62,6 +62,8 @@ std::string run_instance(const Problem& p, cudaStream_t stream) {
 // Explicit instantiation, used by the generated sm90_inst_*.cu files.
 #define JQ_SM90_INSTANTIATE(A, B, OUT, CFG) \
   JQ_SM90_INSTANTIATE_LAYOUT(A, B, OUT, CFG, jqffi::sm90::kLayoutTN)
-#define JQ_SM90_INSTANTIATE_LAYOUT(A, B, OUT, CFG, LAYOUT)                   \
-  template std::string jqffi::sm90::run_instance<A, B, OUT, CFG, LAYOUT>(    \
+#define JQ_SM90_INSTANTIATE_LAYOUT(A, B, OUT, CFG, LAYOUT) \
+  JQ_SM90_INSTANTIATE_EPI(A, B, OUT, CFG, LAYOUT, jqffi::sm90::kEpiAlpha)
+#define JQ_SM90_INSTANTIATE_EPI(A, B, OUT, CFG, LAYOUT, EPI)                     \
+  template std::string jqffi::sm90::run_instance<A, B, OUT, CFG, LAYOUT, EPI>(   \
       const jqffi::sm90::Problem&, cudaStream_t);

@@ -63,6 +63,7 @@ struct GroupArrays {
   typename K::StrideB* stride_b;
   typename K::StrideD* stride_d;
   typename K::Ops::Scales scales;  // Float8Block: scale pointers, layouts, repacked scales
+  const float** ptr_row;           // kEpiRowScale: each group's first row factor
   size_t bytes;
 };
 
@@ -70,7 +71,8 @@ template <class K>
 GroupArrays<K> carve(void* base, const Problem& p) {
   static_assert(sizeof(typename ProblemShape::UnderlyingProblemShape) + 3 * sizeof(void*) +
                         sizeof(typename K::StrideA) + sizeof(typename K::StrideB) +
-                        sizeof(typename K::StrideD) + K::Ops::kScaleBytesPerGroup <=
+                        sizeof(typename K::StrideD) + K::Ops::kScaleBytesPerGroup +
+                        (K::kRowScale ? sizeof(void*) : 0) <=
                     kPerGroupBytes,
                 "per-group setup arrays exceed kPerGroupBytes");
   GroupArrays<K> s;
@@ -86,6 +88,7 @@ GroupArrays<K> carve(void* base, const Problem& p) {
   s.stride_b = reinterpret_cast<decltype(s.stride_b)>(take(G * sizeof(*s.stride_b)));
   s.stride_d = reinterpret_cast<decltype(s.stride_d)>(take(G * sizeof(*s.stride_d)));
   s.scales = K::Ops::carve_scales(take, p);
+  s.ptr_row = K::kRowScale ? reinterpret_cast<const float**>(take(G * sizeof(float*))) : nullptr;
   s.bytes = off;
   return s;
 }
@@ -137,6 +140,7 @@ __global__ void setup_kernel(const Problem p, GroupArrays<K> s) {
         s.ptr_d[g] = static_cast<ElementD*>(p.out) + lo * p.N;
         s.stride_a[g] = leading<Ops::kAKMajor, typename K::StrideA>(p.K);
         s.stride_b[g] = leading<Ops::kBKMajor, typename K::StrideB>(Ops::kBKMajor ? p.K : p.N);
+        if constexpr (K::kRowScale) s.ptr_row[g] = p.row_scale + lo;
       } else {
         m = hi > lo ? int(p.M) : 0;
         k = int(hi - lo);
@@ -188,11 +192,22 @@ std::string launch(const Problem& p, cudaStream_t stream) {
       return {arrays.ptr_a, arrays.stride_a, arrays.ptr_b, arrays.stride_b};
     }
   }();
-  auto& fusion = args.epilogue.thread;
-  fusion.alpha = 1.0f;
-  fusion.beta = 0.0f;
-  fusion.alpha_ptr = p.alpha;  // alpha[g] per group (stride 1 along groups) or the literal 1
-  fusion.dAlpha = {cute::_0{}, cute::_0{}, p.alpha ? 1 : 0};
+  if constexpr (K::kRowScale) {
+    if (p.mode != 0 || p.row_scale == nullptr) return "a row-scaled instance needs mode 0 and row_scale";
+    // {{alpha, acc, alpha * acc}, row_scale, (.) * row_scale}
+    auto& outer = args.epilogue.thread;
+    auto& alpha = outer.op_0.op_0;
+    alpha.scalars[0] = 1.0f;
+    alpha.scalar_ptrs[0] = p.alpha;  // alpha[g] per group (stride 1 along groups) or the 1
+    alpha.dScalar[0] = {cute::_0{}, cute::_0{}, p.alpha ? 1 : 0};
+    outer.op_1.ptr_col = arrays.ptr_row;
+  } else {
+    auto& fusion = args.epilogue.thread;
+    fusion.alpha = 1.0f;
+    fusion.beta = 0.0f;
+    fusion.alpha_ptr = p.alpha;  // alpha[g] per group (stride 1 along groups) or the literal 1
+    fusion.dAlpha = {cute::_0{}, cute::_0{}, p.alpha ? 1 : 0};
+  }
   args.epilogue.ptr_C = nullptr;
   args.epilogue.dC = nullptr;
   args.epilogue.ptr_D = arrays.ptr_d;

@@ -117,21 +117,26 @@ def shape_reason(mode: int, a_shape: Sequence[int], b_shape: Sequence[int], *, a
 
 
 def selection(mode: int, a_shape, groups: int, out_dtype, *, a_k_major: bool = True,
-              b_k_major: bool = True) -> sm90_configs.Selection:
-  """The configuration (`sm90_configs.bf16_selection`) of a GEMM `shape_reason` accepts."""
+              b_k_major: bool = True, row_scaled: bool = False) -> sm90_configs.Selection:
+  """The configuration (`sm90_configs.bf16_selection`) of a GEMM `shape_reason` accepts
+  (`row_scaled`: with per-row factors in the epilogue)."""
   layout = LAYOUTS.get((a_k_major, b_k_major))
   if layout is None:
     raise ValueError(f"a_k_major={a_k_major}, b_k_major={b_k_major}: no bfloat16 grouped GEMM "
                      "instance (layouts TN, NN, NT)")
   tokens = a_shape[0] if mode == 0 else (a_shape[1] if a_k_major else a_shape[0])
-  return sm90_configs.bf16_selection(layout, out_dtype, tokens / max(groups, 1))
+  return sm90_configs.bf16_selection(layout, out_dtype, tokens / max(groups, 1),
+                                     row_scaled=row_scaled)
 
 
 def kernel_label(mode: int, a_shape, groups: int, out_dtype, *, a_k_major: bool = True,
-                 b_k_major: bool = True) -> str:
-  """`KERNEL` with the configuration when it is not the default, for `jaxquant.explain`."""
-  chosen = selection(mode, a_shape, groups, out_dtype, a_k_major=a_k_major, b_k_major=b_k_major)
-  return KERNEL + sm90_configs.kernel_label(chosen)
+                 b_k_major: bool = True, row_scaled: bool = False) -> str:
+  """`KERNEL` with the configuration when it is not the default, for `jaxquant.explain`
+  (`row_scaled`: " with per-row factors in the epilogue")."""
+  chosen = selection(mode, a_shape, groups, out_dtype, a_k_major=a_k_major, b_k_major=b_k_major,
+                     row_scaled=row_scaled)
+  epilogue = " with per-row factors in the epilogue" if row_scaled else ""
+  return KERNEL + epilogue + sm90_configs.kernel_label(chosen)
 
 
 def group_starts(extents: jax.Array) -> jax.Array:
@@ -139,9 +144,21 @@ def group_starts(extents: jax.Array) -> jax.Array:
   return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(extents.astype(jnp.int32))])
 
 
+def row_scale_reason(mode: int, out_dtype, *, b_k_major: bool = True) -> Optional[str]:
+  """Why the kernel cannot apply per-row factors in its epilogue (None: the row-scaled TN
+  instances can): they scale the rows of a ragged GEMM with experts read K-major."""
+  if mode != 0:
+    return "per-row factors scale a ragged GEMM's rows (mode 0)"
+  if not b_k_major:
+    return "no row-scaled instance reads the experts along N (layout NN)"
+  if np.dtype(out_dtype) not in OUT_DTYPES:
+    return f"{np.dtype(out_dtype).name} output"
+  return None
+
+
 def gemm(a: jax.Array, b: jax.Array, starts: jax.Array, *, mode: int, out_dtype,
          alpha: Optional[jax.Array] = None, a_k_major: bool = True,
-         b_k_major: bool = True) -> jax.Array:
+         b_k_major: bool = True, row_scale: Optional[jax.Array] = None) -> jax.Array:
   """One `jaxquant_grouped_gemm_bf16` call (its shapes checked by `shape_reason` first).
 
   Args:
@@ -150,6 +167,9 @@ def gemm(a: jax.Array, b: jax.Array, starts: jax.Array, *, mode: int, out_dtype,
     mode: 0 (ragged rows x experts) or 1 (wgrad).
     out_dtype: bfloat16 or float32.
     alpha: optional float32 `[G]`, multiplied into each group's float32 sums.
+    row_scale: optional float32 `[L]` (mode 0, `row_scale_reason` None): each row's factor,
+      multiplied in float32 after alpha, before the one rounding to `out_dtype` (the row-scaled
+      instances: `sm90_configs`).
   """
   groups = starts.shape[0] - 1
   if mode == 0:
@@ -159,13 +179,22 @@ def gemm(a: jax.Array, b: jax.Array, starts: jax.Array, *, mode: int, out_dtype,
     m = a.shape[0] if a_k_major else a.shape[1]
     n = b.shape[0] if b_k_major else b.shape[1]
     out_shape = (groups, m, n)
-  chosen = selection(mode, a.shape, groups, out_dtype, a_k_major=a_k_major, b_k_major=b_k_major)
+  has_row_scale = row_scale is not None
+  if has_row_scale:
+    reason = row_scale_reason(mode, out_dtype, b_k_major=b_k_major)
+    if reason is not None:
+      raise ValueError(f"row_scale: {reason}")
+  chosen = selection(mode, a.shape, groups, out_dtype, a_k_major=a_k_major, b_k_major=b_k_major,
+                     row_scaled=has_row_scale)
   has_alpha = alpha is not None
   alpha = (alpha.astype(jnp.float32).reshape(groups) if has_alpha
            else jnp.zeros((1,), jnp.float32))
+  row_scale = (row_scale.astype(jnp.float32).reshape(a.shape[0]) if has_row_scale
+               else jnp.zeros((1,), jnp.float32))
   out, _ = calls.call(
       TARGET, [jax.ShapeDtypeStruct(out_shape, np.dtype(out_dtype)),
                jax.ShapeDtypeStruct((workspace_bytes(groups),), np.uint8)],
-      a, b, starts.astype(jnp.int32), alpha, mode=np.int32(mode), a_k_major=a_k_major,
-      b_k_major=b_k_major, has_alpha=has_alpha, **chosen.attributes())
+      a, b, starts.astype(jnp.int32), alpha, row_scale, mode=np.int32(mode),
+      a_k_major=a_k_major, b_k_major=b_k_major, has_alpha=has_alpha,
+      has_row_scale=has_row_scale, **chosen.attributes())
   return out

@@ -5,11 +5,13 @@ This is the route `support.gemm_kernel` takes for MXFP8, NVFP4 (row-scaled, 2-D,
 power-of-two Float8Block and per-tensor FP8 pairs the FP8 CUTLASS instances do not serve (mixed
 formats, a bias, E5M2 x E5M2, ...), and for GEMMs with high-precision operands. The decode is
 exact, the kernel sums in float32 and multiplies each group's sums by the product of the
-per-group factors (per-tensor FP8 scales, NVFP4's per-tensor second level); per-row / per-(group,
-column) NVFP4 factors and the bias are applied by XLA to a float32 output, in the reference's
-order (factors, then bias), then cast; two high-precision operands give a bfloat16 output
-first, as the reference's ragged_dot does. Results equal `jaxquant.backends.reference.grouped`
-within float32 summation order (and one bfloat16 rounding where that rounds).
+per-group factors (per-tensor FP8 scales, NVFP4's per-tensor second level); the epilogue then
+multiplies by row-scaled tokens' per-row factors (in float32, then the one rounding:
+`rows_in_epilogue`); other per-row / per-(group, column) NVFP4 factors and the bias are applied
+by XLA to a float32 output, in the reference's order (factors, then bias), then cast; two
+high-precision operands give a bfloat16 output first, as the reference's ragged_dot does.
+Results equal `jaxquant.backends.reference.grouped` within float32 summation order (and one
+bfloat16 rounding where that rounds).
 
 `JAXQUANT_GROUPED_GEMM_KERNEL=mma_sync` (read when the GEMM is traced) sends quantized pairs
 to the mma.sync kernel (`jaxquant_grouped_gemm`, in-kernel decode) instead, so both can be timed
@@ -54,14 +56,29 @@ def _dtype(operand):
   return np.dtype(data.dtype) if high_precision(operand) else np.dtype(jnp.bfloat16)
 
 
-def _kernel_out(a, b, out_dtype, bias):
+def _has_rows(o) -> bool:
+  return (not high_precision(o) and getattr(o, "amax", None) is not None
+          and row_scaled(o.quantizer))
+
+
+def rows_in_epilogue(a, b, out_dtype, bias=None, b_k_major: bool = True) -> bool:
+  """Whether the kernel's epilogue applies `a`'s per-row (per-token) factors: row-scaled tokens
+  times experts without per-column factors, no bias, an output the row-scaled instances write
+  (`bf16.row_scale_reason`). Else XLA applies them to a float32 output."""
+  return (a.token_axis == 0 and _has_rows(a) and not _has_rows(b) and bias is None
+          and bf16.row_scale_reason(0, out_dtype, b_k_major=b_k_major) is None)
+
+
+def _kernel_out(a, b, out_dtype, bias, b_k_major: bool = True):
   """The kernel's output dtype: bfloat16 for two high-precision operands (the reference's
   ragged_dot rounds to their dtype, then adds the bias and casts), else `out_dtype` unless XLA
-  finishes the output (per-row factors, a bias, an output the kernel lacks: float32)."""
+  finishes the output (per-row factors the epilogue does not apply, a bias, an output the
+  kernel lacks: float32)."""
   if high_precision(a) and high_precision(b):
     return np.dtype(jnp.bfloat16)
-  rows = any(getattr(o, "amax", None) is not None and row_scaled(o.quantizer)
-             for o in (a, b) if not high_precision(o))
+  if rows_in_epilogue(a, b, out_dtype, bias, b_k_major):
+    return np.dtype(out_dtype)
+  rows = _has_rows(a) or _has_rows(b)
   if rows or bias is not None or np.dtype(out_dtype) not in bf16.OUT_DTYPES:
     return np.dtype(np.float32)
   return np.dtype(out_dtype)
@@ -94,7 +111,7 @@ def n_major_reason(a: GroupedScaledTensor, stored_kn: ScaledTensor, out_dtype,
     return "not a ragged-rows GEMM"
   if getattr(stored_kn, "amax", None) is not None and row_scaled(stored_kn.quantizer):
     return "row-scaled experts: their factors run along the [G, N, K] copy's rows"
-  kernel_out = _kernel_out(a, stored_kn, out_dtype, bias)
+  kernel_out = _kernel_out(a, stored_kn, out_dtype, bias, b_k_major=False)
   return bf16.shape_reason(0, a.shape, stored_kn.shape, a_dtype=_dtype(a),
                            b_dtype=_dtype(stored_kn), out_dtype=kernel_out, b_k_major=False)
 
@@ -102,8 +119,9 @@ def n_major_reason(a: GroupedScaledTensor, stored_kn: ScaledTensor, out_dtype,
 def kernel_label(a: GroupedScaledTensor, b, out_dtype, bias=None, b_k_major: bool = True) -> str:
   """What `jaxquant.explain` names the kernel of a GEMM `route_reason` accepts (`b_k_major`
   False: experts read along N from their `[G, K, N]` copy)."""
-  label = bf16.kernel_label(a.token_axis, a.shape, a.groups, _kernel_out(a, b, out_dtype, bias),
-                            b_k_major=b_k_major)
+  label = bf16.kernel_label(a.token_axis, a.shape, a.groups,
+                            _kernel_out(a, b, out_dtype, bias, b_k_major), b_k_major=b_k_major,
+                            row_scaled=rows_in_epilogue(a, b, out_dtype, bias, b_k_major))
   if high_precision(a) and high_precision(b):
     return label
   return label + " on operands decoded to bfloat16"
@@ -118,10 +136,12 @@ def gemm(a: GroupedScaledTensor, b, *, out_dtype, bias: Optional[jax.Array] = No
   da = decode.tokens(a, decode_nvfp4.raw_bf16)
   db = (decode.experts(b, decode_nvfp4.raw_bf16) if a.token_axis == 0
         else decode.tokens(b, decode_nvfp4.raw_bf16))
-  kernel_out = _kernel_out(a, b, out_dtype, bias)
+  kernel_out = _kernel_out(a, b, out_dtype, bias, b_k_major)
+  epilogue_rows = rows_in_epilogue(a, b, out_dtype, bias, b_k_major)
   out = bf16.gemm(da.values, db.values, starts, mode=a.token_axis, out_dtype=kernel_out,
-                  alpha=decode.group_alpha(da, db), b_k_major=b_k_major)
-  if da.rows is None and db.rows is None and bias is None:
+                  alpha=decode.group_alpha(da, db), b_k_major=b_k_major,
+                  row_scale=da.rows if epilogue_rows else None)
+  if epilogue_rows or (da.rows is None and db.rows is None and bias is None):
     return out.astype(out_dtype)
   if a.token_axis == 0:
     group, _, _ = positions(a)

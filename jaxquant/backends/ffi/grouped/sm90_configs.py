@@ -46,6 +46,9 @@ BF16_TN_BF16 = "bfloat16 TN -> bfloat16"
 BF16_TN_F32 = "bfloat16 TN -> float32"
 BF16_NN_BF16 = "bfloat16 NN -> bfloat16"
 BF16_NT_BF16 = "bfloat16 NT -> bfloat16"
+# ... with per-row factors in the epilogue (row-scaled NVFP4 tokens: kEpiRowScale).
+BF16_TN_BF16_ROWS = "bfloat16 TN -> bfloat16, row-scaled"
+BF16_TN_F32_ROWS = "bfloat16 TN -> float32, row-scaled"
 _BF16_LAYOUTS = (BF16_TN_BF16, BF16_NN_BF16, BF16_NT_BF16)
 
 
@@ -82,8 +85,9 @@ CONFIGS = {c.name: c for c in (
                (FLOAT8BLOCK_1x128_BF16,)),
     # bfloat16: float32 accumulation throughout (no FP8 promotion question), 64-deep k-tiles
     Sm90Config("bf16", 6, (128, 256, 64), (1, 2), "cooperative", "float32",
-               _BF16_LAYOUTS + (BF16_TN_F32,)),
-    Sm90Config("bf16_c2x1", 7, (128, 256, 64), (2, 1), "cooperative", "float32", _BF16_LAYOUTS),
+               _BF16_LAYOUTS + (BF16_TN_F32, BF16_TN_BF16_ROWS, BF16_TN_F32_ROWS)),
+    Sm90Config("bf16_c2x1", 7, (128, 256, 64), (2, 1), "cooperative", "float32",
+               _BF16_LAYOUTS + (BF16_TN_BF16_ROWS,)),
     Sm90Config("bf16_pingpong", 8, (64, 128, 128), (1, 1), "pingpong", "float32",
                _BF16_LAYOUTS),
 )}
@@ -181,10 +185,11 @@ def unserved(selection: Selection, a, b, out_dtype, block: bool) -> Optional[str
           f"{', '.join(config.instances)} only, not {what} -> {out}")
 
 
-def bf16_kind(layout: str, out_dtype) -> str:
+def bf16_kind(layout: str, out_dtype, row_scaled: bool = False) -> str:
   """The bfloat16 instance kind of a GEMM with operand `layout` ("TN", "NN" or "NT") writing
-  `out_dtype` (bfloat16 or float32)."""
-  return f"bfloat16 {layout} -> {np.dtype(out_dtype).name}"
+  `out_dtype` (bfloat16 or float32), with per-row factors in the epilogue or not."""
+  return f"bfloat16 {layout} -> {np.dtype(out_dtype).name}" + (", row-scaled" if row_scaled
+                                                                else "")
 
 
 def automatic_bf16(kind: str, tokens_per_group: float) -> Selection:
@@ -202,10 +207,12 @@ def automatic_bf16(kind: str, tokens_per_group: float) -> Selection:
   return Selection(config if kind in config.instances else BF16_DEFAULT)
 
 
-def bf16_selection(layout: str, out_dtype, tokens_per_group: float) -> Selection:
+def bf16_selection(layout: str, out_dtype, tokens_per_group: float,
+                   row_scaled: bool = False) -> Selection:
   """The configuration a bfloat16 GEMM is traced with: the one `JAXQUANT_SM90_CONFIG` forces
-  (ValueError when it has no instance for this layout and output), else `automatic_bf16`."""
-  kind = bf16_kind(layout, out_dtype)
+  (ValueError when it has no instance for this layout and output), else `automatic_bf16`.
+  `row_scaled`: with per-row factors in the epilogue (their own instances)."""
+  kind = bf16_kind(layout, out_dtype, row_scaled)
   selection = selected()
   if selection is None:
     return automatic_bf16(kind, tokens_per_group)
