@@ -386,8 +386,9 @@ inline ffi::Error decode_grouped_gemm(const char* t, ffi::AnyBuffer a, ffi::AnyB
   return decode_gemm_out(t, out, {ffi::DataType::BF16, ffi::DataType::F16, ffi::DataType::F32}, p);
 }
 
-// jaxquant_grouped_gemm_bf16(a, b, pstarts[G+1], alpha) -> out, workspace (Bf16GemmParams;
-// the workspace is checked by the CUDA handler, unused on the CPU).
+// jaxquant_grouped_gemm_bf16(a, b, pstarts[G+1], alpha, row_scale) -> out, workspace
+// (Bf16GemmParams; alpha f32[G] with has_alpha, row_scale f32[L] with has_row_scale (mode 0),
+// else placeholders; the workspace is checked by the CUDA handler, unused on the CPU).
 inline ffi::Error decode_grouped_gemm_bf16(const char* t, ffi::AnyBuffer a, ffi::AnyBuffer b,
                                            ffi::AnyBuffer pstarts, ffi::AnyBuffer alpha,
                                            ffi::AnyBuffer row_scale,
@@ -591,8 +592,8 @@ auto BindGroupedGemmSm90(Binding binding) {
   return std::move(gemm).template Attr<int32_t>("config").template Attr<bool>("raster_along_n");
 }
 
-// jaxquant_grouped_gemm_bf16: a, b, pstarts, alpha -> out, workspace; the mode, the operand
-// layouts, and (CUDA) the kernel configuration and tile order.
+// jaxquant_grouped_gemm_bf16: a, b, pstarts, alpha, row_scale -> out, workspace; the mode, the
+// operand layouts, which factors are given, and (CUDA) the kernel configuration and tile order.
 template <typename Binding>
 auto BindGroupedGemmBf16(Binding binding) {
   auto layout = Attrs<bool>(Rets<2>(Args<5>(std::move(binding))).template Attr<int32_t>("mode"),

@@ -2,7 +2,8 @@
 
 CUTLASS's Hopper pointer-array grouped GEMM on bfloat16 operands (ffi/grouped/sm90, CUDA only,
 built with CUTLASS; a CPU handler with the same contract serves tests), float32 accumulation,
-`out = alpha[g] * acc` written as bfloat16 or float32. Two modes, as `jaxquant_grouped_gemm`:
+`out = alpha[g] * acc` (times `row_scale[r]` in mode 0 when given: the row-scaled instances)
+written as bfloat16 or float32. Two modes, as `jaxquant_grouped_gemm`:
 
   mode 0 (ragged rows x experts): `out[r] = a[r] . b[group(r)]^T`, rows past the last group 0;
   mode 1 (wgrad): `out[g] = sum over group g's tokens of a[:, t] b[:, t]^T` (0 for empty groups).
