@@ -12,13 +12,15 @@ computes the reference's sums (up to float32 summation order), and the factors f
   `group`  float32 `[G]`: per-tensor FP8 scale_inv, NVFP4's per-tensor second level (one per
            group or expert): the GEMM's per-group alpha;
   `rows`   row-scaled NVFP4's per-row factors: `[L]` for token rows, `[G, rows]` for the
-           feature rows of a columnwise copy or of expert weights: applied by XLA to a float32
-           GEMM output, as the reference's epilogue does.
+           feature rows of a columnwise copy or of expert weights: applied to the float32 GEMM
+           output, as the reference's epilogue does (by the GEMM's epilogue or by XLA: the
+           backend's choice).
 
 (MXFP8 / Float8Block scales below 2^-124 would push decoded values under bfloat16's subnormal
 range and lose bits; the amax-derived scales of real data are nowhere near.) Which operands may
 take this path is the backend's choice (`jaxquant.backends.ffi.grouped.decoded`); XLA fuses the
-decode into one pass over each operand.
+decode into one pass over each operand, unless the backend passes a `RawDecoder` (a kernel
+writing the same bits: NVFP4's).
 """
 
 from __future__ import annotations

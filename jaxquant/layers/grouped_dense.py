@@ -126,12 +126,11 @@ def _quantize_weights(kernel, q: DenseQuantizers, need_dgrad: bool, read_transpo
   stored kernel with its halves exchanged) the `[G, K, N]` kernel is quantized as it is and its
   two copies swapped, so XLA never materializes the transpose (a full read and write of the
   weights each step, in float32 for float32 parameters) — unless only the transposed layout has
-  a kernel
-  (a block format whose blocks would span experts of K rows). Otherwise the transposed kernel
-  is quantized. With `read_transposed` (`experts_read_transposed`: the dgrad copy is also the
-  forward copy transposed and the forward GEMM reads decoded operands along N, 16x16 NVFP4 on
-  Hopper) only the dgrad copy is made and the forward reads it as `TransposedExperts` (the
-  `rowwise` slot stays empty)."""
+  a kernel (a block format whose blocks would span experts of K rows). Otherwise the
+  transposed kernel is quantized. With `read_transposed` (`experts_read_transposed`: the dgrad
+  copy is also the forward copy transposed and the forward GEMM reads decoded operands along N,
+  16x16 NVFP4 on Hopper) only the dgrad copy is made and the forward reads it as
+  `TransposedExperts` (the `rowwise` slot stays empty)."""
   groups, k, n = kernel.shape
   swapped = format_of(q.weight).transposed_quantizer(q.weight)
   if swapped is not None and (

@@ -58,13 +58,13 @@ enum : int {
 //   kLayoutNT: A [K, M] and B [K, N] both M/N-major: the no-recipe wgrad, whose operands are
 //     the tokens x [T, M] and dy [T, N] themselves (contraction over each group's tokens).
 enum : int { kLayoutTN = 0, kLayoutNN = 1, kLayoutNT = 2 };
+__host__ __device__ constexpr bool a_k_major(int layout) { return layout != kLayoutNT; }
+__host__ __device__ constexpr bool b_k_major(int layout) { return layout == kLayoutTN; }
 
 // Epilogues: D = alpha[g] * acc (kEpiAlpha, every instance), or (alpha[g] * acc) * row_scale[m]
 // (kEpiRowScale, mode 0: the per-token factors of row-scaled NVFP4 tokens, in float32 before
 // the one rounding to D, the order XLA applied them to a float32 output before).
 enum : int { kEpiAlpha = 0, kEpiRowScale = 1 };
-__host__ __device__ constexpr bool a_k_major(int layout) { return layout != kLayoutNT; }
-__host__ __device__ constexpr bool b_k_major(int layout) { return layout == kLayoutTN; }
 
 struct Problem {
   int mode = 0;              // 0: ragged rows x experts (fprop / dgrad); 1: wgrad

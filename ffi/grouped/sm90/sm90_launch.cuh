@@ -193,7 +193,9 @@ std::string launch(const Problem& p, cudaStream_t stream) {
     }
   }();
   if constexpr (K::kRowScale) {
-    if (p.mode != 0 || p.row_scale == nullptr) return "a row-scaled instance needs mode 0 and row_scale";
+    if (p.mode != 0 || p.row_scale == nullptr) {
+      return "a row-scaled instance needs mode 0 and row_scale";
+    }
     // {{alpha, acc, alpha * acc}, row_scale, (.) * row_scale}
     auto& outer = args.epilogue.thread;
     auto& alpha = outer.op_0.op_0;
