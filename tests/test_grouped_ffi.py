@@ -21,6 +21,7 @@ import jaxquant as jq
 import jaxquant.flax  # noqa: F401
 import jaxquant.grouped as jg
 import oracle
+from jaxquant.backends.ffi import quantize as single_ffi
 from helpers import assert_same_leaves
 from jaxquant.backends.ffi.grouped import sm90_configs
 from jaxquant.backends.ffi.grouped import support as kernels
@@ -263,6 +264,38 @@ def test_expert_weights_block_formats_are_bitwise_the_reference(rng, name, rows=
   got, want = _on("ffi", fn, w), _on("reference", fn, w)
   assert_same_leaves(got, want, name)
   assert got.columnwise.data.shape == (3, 200, rows)
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "fp8-block-1x128", "fp8-block-128x128"])
+def test_expert_weights_columnwise_written_per_expert_without_a_transpose(rng, name):
+  """MXFP8 / Float8Block expert weights' columnwise copy comes from one gathered-kernel call
+  with expert_rows (each expert's [cols, rows] written on its own): no transpose of the
+  quantized copy in the lowered program, and bit for bit the reference with 2 and 3 experts."""
+  q = EXPERT_QUANTIZERS[name]
+  for groups in (2, 3):
+    w = jnp.asarray(oracle.random_matrix(rng, (groups, 128, 256)), jnp.bfloat16)
+    fn = lambda w: jg.quantize_experts(w, q, rowwise=False).columnwise
+    os.environ["JAXQUANT_BACKEND"] = "ffi"
+    try:
+      text = jax.jit(lambda w: fn(w)).lower(w).as_text()
+    finally:
+      del os.environ["JAXQUANT_BACKEND"]
+    assert "jaxquant_grouped_quantize_" in text and "expert_rows = 128" in text, text[:2000]
+    assert "transpose" not in text, "the columnwise copy should not be regrouped by XLA"
+    assert_same_leaves(_on("ffi", fn, w), _on("reference", fn, w), name)
+
+
+def test_gathered_kernel_names_a_bad_expert_rows():
+  x = jnp.zeros((256, 64), jnp.bfloat16)
+  starts = jnp.asarray([0, 128, 256], jnp.int32)
+  with pytest.raises(ValueError, match="the columnwise copy alone"):
+    single_ffi.quantize_gathered(x, starts, starts, 256, jq.MXFP8Quantizer(), rowwise=True,
+                                 columnwise=True, orig_dtype=jnp.bfloat16, expert_rows=128)
+  with pytest.raises(Exception, match=r"expert_rows=48 must be 0 \(tokens\) or length / G "
+                                      r"\(= 48\) and a multiple of 32"):
+    jax.jit(lambda x: single_ffi.quantize_gathered(
+        x, starts, starts, 96, jq.MXFP8Quantizer(), rowwise=False, columnwise=True,
+        orig_dtype=jnp.bfloat16, expert_rows=48))(x)
 
 
 def test_expert_weights_nvfp4_stochastic_rounding_is_bitwise_the_reference(rng):

@@ -53,34 +53,36 @@ ffi::Error quantize_gathered(const char* target, cudaStream_t stream, const Args
     const GatheredRows<T> x{static_cast<const T*>(a.x.data), rows.T, rows.C, rows.L,
                             aligned(a.x.data, 16) && rows.C % 8 == 0, rows.starts, rows.pstarts,
                             int(rows.G)};
-    e = launch_fp8_tiles(stream, p, x);
+    e = p.expert_rows ? launch_fp8_tiles<true>(stream, p, x) : launch_fp8_tiles(stream, p, x);
   });
   return launch_status(target, e);
 }
 
 ffi::Error GroupedQuantizeMxfp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer starts,
                                     ffi::AnyBuffer pstarts, ffi::RemainingRets rets, bool rowwise,
-                                    bool columnwise, int64_t length) {
+                                    bool columnwise, int64_t length, int64_t expert_rows) {
   Mxfp8Args a;
   GroupedRows rows;
   JQ_RETURN_IF_ERROR(decode_gathered_mxfp8(x, starts, pstarts, rets, rowwise, columnwise, length,
-                                           &a, &rows));
-  return quantize_gathered("jaxquant_grouped_quantize_mxfp8", stream, a, rows,
-                           mxfp8_params(a, a.x.rows, a.x.cols));
+                                           expert_rows, &a, &rows));
+  Mxfp8Params p = mxfp8_params(a, a.x.rows, a.x.cols);
+  p.expert_rows = rows.expert_rows;
+  return quantize_gathered("jaxquant_grouped_quantize_mxfp8", stream, a, rows, p);
 }
 
 ffi::Error GroupedQuantizeFp8BlockCuda(cudaStream_t stream, ffi::AnyBuffer x,
                                        ffi::AnyBuffer starts, ffi::AnyBuffer pstarts,
                                        ffi::RemainingRets rets, bool rowwise, bool columnwise,
                                        bool block_2d, bool pow2_scale, float amax_epsilon,
-                                       int64_t length) {
+                                       int64_t length, int64_t expert_rows) {
   Fp8BlockArgs a;
   GroupedRows rows;
   JQ_RETURN_IF_ERROR(decode_gathered_fp8_block(x, starts, pstarts, rets, rowwise, columnwise,
-                                               block_2d, pow2_scale, amax_epsilon, length, &a,
-                                               &rows));
-  return quantize_gathered("jaxquant_grouped_quantize_fp8_block", stream, a, rows,
-                           fp8_block_params(a, a.x.rows, a.x.cols));
+                                               block_2d, pow2_scale, amax_epsilon, length,
+                                               expert_rows, &a, &rows));
+  Fp8BlockParams p = fp8_block_params(a, a.x.rows, a.x.cols);
+  p.expert_rows = rows.expert_rows;
+  return quantize_gathered("jaxquant_grouped_quantize_fp8_block", stream, a, rows, p);
 }
 
 }  // namespace

@@ -446,24 +446,72 @@ inline ffi::Error decode_grouped_gemm_bf16(const char* t, ffi::AnyBuffer a, ffi:
 // from x (position pstarts[g] + i holds row starts[g] + i while inside group g, else zeros),
 // without the gathered copy: the kernel reads x through the offsets. `a->x` describes that
 // [length, C] matrix for the results (its data pointer stays x's); `rows` the groups and x.
+//
+// Expert weights (expert_rows E > 0; starts[g] = pstarts[g] = g E, length G E): the columnwise
+// copy alone, each expert's written on its own, `[G, C, E]` data and scales `[G, C, E / block]`
+// (Float8Block 128x128: `[G, ceil(C / 128), E / 128]`), then the amax. E must be a multiple of
+// the format's block (`e_block`).
+template <typename Args, typename Scale>
+ffi::Error read_expert_columnwise(const char* t, ffi::RemainingRets rets, int64_t G, int64_t C,
+                                  int64_t E, ffi::DataType scale_type, int64_t scale_rows,
+                                  int64_t block, Args* a, Scale** scale) {
+  RetReader r(t, rets);
+  void* p;
+  ffi::DataType type = ffi::DataType::INVALID;
+  JQ_RETURN_IF_ERROR(r.next("columnwise data", kFp8Types, {G, C, E}, &p, &type));
+  a->col_data = static_cast<uint8_t*>(p);
+  JQ_RETURN_IF_ERROR(r.next("columnwise scale_inv", {scale_type}, {G, scale_rows, E / block}, &p));
+  *scale = static_cast<Scale*>(p);
+  JQ_RETURN_IF_ERROR(read_format(t, *a, ffi::DataType::INVALID, type, &a->fmt));
+  JQ_RETURN_IF_ERROR(read_scalar(r, "amax", &a->amax));
+  return r.done();
+}
+
+inline ffi::Error read_expert_results(const char* t, ffi::RemainingRets rets, int64_t G,
+                                      int64_t E, Mxfp8Args* a) {
+  return read_expert_columnwise(t, rets, G, a->x.cols, E, ffi::DataType::F8E8M0FNU, a->x.cols,
+                                32, a, &a->col_scale);
+}
+
+inline ffi::Error read_expert_results(const char* t, ffi::RemainingRets rets, int64_t G,
+                                      int64_t E, Fp8BlockArgs* a) {
+  const int64_t scale_rows = a->block_2d ? ceil_div(a->x.cols, 128) : a->x.cols;
+  return read_expert_columnwise(t, rets, G, a->x.cols, E, ffi::DataType::F32, scale_rows, 128, a,
+                                &a->col_scale);
+}
+
 template <typename Args, typename SetAttrs>
 ffi::Error decode_gathered(const char* t, ffi::AnyBuffer x, ffi::AnyBuffer starts,
                            ffi::AnyBuffer pstarts, ffi::RemainingRets rets, int64_t length,
-                           Args* a, GroupedRows* rows, SetAttrs set_attrs) {
+                           int64_t expert_rows, int64_t e_block, Args* a, GroupedRows* rows,
+                           SetAttrs set_attrs) {
   JQ_RETURN_IF_ERROR(decode_input(t, x, &a->x));
   JQ_RETURN_IF_ERROR(decode_grouped_rows(t, x, starts, &pstarts, rows));
   JQ_RETURN_IF_ERROR(decode_length(t, length, rows));
   a->x.rows = length;
   JQ_RETURN_IF_ERROR(set_attrs(a));
-  return read_all_results(t, rets, a);
+  if (expert_rows < 0 || (expert_rows > 0 && (expert_rows * rows->G != length ||
+                                              expert_rows % e_block))) {
+    return invalid(t, "expert_rows=" + std::to_string(expert_rows) + " must be 0 (tokens) or "
+                      "length / G (= " + std::to_string(length / rows->G) + ") and a multiple of " +
+                      std::to_string(e_block));
+  }
+  rows->expert_rows = expert_rows;
+  if (expert_rows == 0) return read_all_results(t, rets, a);
+  if (a->rowwise || !a->columnwise) {
+    return invalid(t, "expert_rows > 0 writes the columnwise copy alone (rowwise = false, "
+                      "columnwise = true)");
+  }
+  return read_expert_results(t, rets, rows->G, expert_rows, a);
 }
 
 inline ffi::Error decode_gathered_mxfp8(ffi::AnyBuffer x, ffi::AnyBuffer starts,
                                         ffi::AnyBuffer pstarts, ffi::RemainingRets rets,
                                         bool rowwise, bool columnwise, int64_t length,
-                                        Mxfp8Args* a, GroupedRows* rows) {
+                                        int64_t expert_rows, Mxfp8Args* a, GroupedRows* rows) {
   const char* t = "jaxquant_grouped_quantize_mxfp8";
-  return decode_gathered(t, x, starts, pstarts, rets, length, a, rows, [&](Mxfp8Args* m) {
+  return decode_gathered(t, x, starts, pstarts, rets, length, expert_rows, 32, a, rows,
+                         [&](Mxfp8Args* m) {
     return set_directions(t, rowwise, columnwise, m);
   });
 }
@@ -472,9 +520,11 @@ inline ffi::Error decode_gathered_fp8_block(ffi::AnyBuffer x, ffi::AnyBuffer sta
                                             ffi::AnyBuffer pstarts, ffi::RemainingRets rets,
                                             bool rowwise, bool columnwise, bool block_2d,
                                             bool pow2_scale, float amax_epsilon, int64_t length,
-                                            Fp8BlockArgs* a, GroupedRows* rows) {
+                                            int64_t expert_rows, Fp8BlockArgs* a,
+                                            GroupedRows* rows) {
   const char* t = "jaxquant_grouped_quantize_fp8_block";
-  return decode_gathered(t, x, starts, pstarts, rets, length, a, rows, [&](Fp8BlockArgs* b) {
+  return decode_gathered(t, x, starts, pstarts, rets, length, expert_rows, 128, a, rows,
+                         [&](Fp8BlockArgs* b) {
     return set_fp8_block_attrs(t, rowwise, columnwise, block_2d, pow2_scale, amax_epsilon, b);
   });
 }
@@ -534,12 +584,14 @@ auto BindGroupedQuantizeFp8(Binding binding) {
 // target's outputs for the gathered layout; its attributes, then the layout length.
 template <typename Binding>
 auto BindGroupedQuantizeMxfp8(Binding binding) {
-  return Attrs<int64_t>(Mxfp8Attrs(Args<3>(std::move(binding)).RemainingRets()), "length");
+  return Attrs<int64_t>(Mxfp8Attrs(Args<3>(std::move(binding)).RemainingRets()), "length",
+                        "expert_rows");
 }
 
 template <typename Binding>
 auto BindGroupedQuantizeFp8Block(Binding binding) {
-  return Attrs<int64_t>(Fp8BlockAttrs(Args<3>(std::move(binding)).RemainingRets()), "length");
+  return Attrs<int64_t>(Fp8BlockAttrs(Args<3>(std::move(binding)).RemainingRets()), "length",
+                        "expert_rows");
 }
 
 // jaxquant_grouped_quantize_nvfp4: x, starts, padded starts, row key, col key -> outputs.

@@ -298,6 +298,15 @@ struct Fp8TileLoad {
 // Column phase, iteration `it`: this thread's 16-row chunk of its tile column (matrix column c,
 // rows rr .. rr+15) as floats, and its share of the column sums when `col_sums` is not null
 // (every lane takes part: shuffles).
+// Index of (row c, position r) in expert weights' columnwise copy [G, rows, E / per] (E rows an
+// expert; per = positions an element covers: 1 for data, the block for scales; rows = C, or
+// the row blocks for 2-D scales): expert r / E's [rows, E / per] matrix.
+__device__ __forceinline__ int64_t expert_column_index(int64_t c, int64_t r, int64_t rows,
+                                                       int64_t E, int per) {
+  const int64_t len = E / per;
+  return (r / E) * rows * len + c * len + (r % E) / per;
+}
+
 template <typename G>
 struct Fp8TileColumn {
   ColumnSlot<G> slot;
@@ -312,13 +321,20 @@ struct Fp8TileColumn {
   }
 
   // Writes the chunk's 16 one-byte codes (`code4(w + 4 * k)` packs four) to the columnwise copy
-  // `out` [C, R] (the matrix transposed): row c, columns rr .. rr+15, clipped to R.
+  // `out` [C, R] (the matrix transposed): row c, columns rr .. rr+15, clipped to R. Expert
+  // weights (`E` > 0 rows an expert, a multiple of 16): `out` is [R / E, C, E], each expert's
+  // copy on its own (`expert_column_index`).
   template <typename Code4>
-  __device__ __forceinline__ void store(uint8_t* out, int64_t R, bool vec, Code4 code4) const {
+  __device__ __forceinline__ void store(uint8_t* out, int64_t R, bool vec, Code4 code4,
+                                        int64_t C = 0, int64_t E = 0) const {
     uint32_t q[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) q[k] = code4(w + 4 * k);
-    store_bytes16(out + c * R + rr, q, int(min64(16, R - rr)), vec);
+    if (E > 0) {
+      store_bytes16(out + expert_column_index(c, rr, C, E, 1), q, 16, vec);
+    } else {
+      store_bytes16(out + c * R + rr, q, int(min64(16, R - rr)), vec);
+    }
   }
 };
 

@@ -332,16 +332,25 @@ def _experts_fp8(w, quantizer, rowwise: bool, columnwise: bool, state, orig_dtyp
 
 def _experts_single(w: jax.Array, leaf: Quantizer, direction: str, orig_dtype,
                     expert_amax: Optional[jax.Array]) -> ScaledTensor:
-  """One copy of block-scaled expert weights from one single-tensor kernel launch on
-  `[G * rows, cols]`: `support.expert_route` checked that no block spans two experts, so every
-  block (and, for row-scaled NVFP4, every row amax) is the expert's own. The rowwise copy is a
-  reshape; the columnwise copy `[cols, G * rows]` is regrouped to `[G, cols, rows]` (data and
-  block scales) by one XLA transpose; `expert_amax[G]` is each expert's own tensor amax
-  (`tensor_amax`, as the reference computes it), passed in so both copies share one pass."""
+  """One copy of block-scaled expert weights from one kernel launch on `[G * rows, cols]`:
+  `support.expert_route` checked that no block spans two experts, so every block (and, for
+  row-scaled NVFP4, every row amax) is the expert's own. The rowwise copy is a reshape. The
+  columnwise copy of MXFP8 / Float8Block comes from the gathered kernel with `expert_rows`,
+  which writes each expert's `[cols, rows]` on its own; other formats' `[cols, G * rows]` is
+  regrouped to `[G, cols, rows]` (data and block scales) by one XLA transpose.
+  `expert_amax[G]` is each expert's own tensor amax (`tensor_amax`, as the reference computes
+  it), passed in so both copies share one pass."""
   groups, rows, cols = w.shape
   rowwise = direction == "rowwise"
-  row, col = single.quantize_single(w.reshape(groups * rows, cols), leaf, rowwise=rowwise,
-                                    columnwise=not rowwise, orig_dtype=orig_dtype)
+  w2d = w.reshape(groups * rows, cols)
+  if not rowwise and gathered_served(leaf):
+    # MXFP8 / Float8Block: the kernel writes each expert's columnwise copy [G, cols, rows].
+    starts = jnp.arange(groups + 1, dtype=jnp.int32) * rows
+    _, col = single.quantize_gathered(w2d, starts, starts, groups * rows, leaf, rowwise=False,
+                                      columnwise=True, orig_dtype=orig_dtype, expert_rows=rows)
+    return ScaledTensor(col.data, col.scale_inv, expert_amax, leaf, orig_dtype, col.rht)
+  row, col = single.quantize_single(w2d, leaf, rowwise=rowwise, columnwise=not rowwise,
+                                    orig_dtype=orig_dtype)
   t = row if rowwise else col
   if rowwise:
     regroup = lambda a: a.reshape(groups, a.shape[0] // groups, *a.shape[1:])
