@@ -569,6 +569,38 @@ inline ffi::Error decode_nvfp4_decode(const char* t, ffi::AnyBuffer data, ffi::A
   return ffi::Error::Success();
 }
 
+// jaxquant_grouped_decode_mxfp8(data f8[B, R, C], scales e8m0[B, R, ceil(C / 32)])
+//   -> out bf16[B, R, C]: MXFP8's raw values (code x 2^(e - 127), rounded once to bfloat16 as
+// XLA's decode does). C % 16 == 0: a thread's 16 values share one scale.
+struct Mxfp8DecodeParams {
+  const uint8_t* data;   // E4M3 or E5M2 codes
+  const uint8_t* scale;  // E8M0 exponents
+  uint16_t* out;         // bfloat16 bits
+  int64_t B, R, C, scale_cols;
+  bool e5m2;
+};
+
+inline ffi::Error decode_mxfp8_decode(const char* t, ffi::AnyBuffer data, ffi::AnyBuffer scale,
+                                      ffi::Result<ffi::AnyBuffer> out, Mxfp8DecodeParams* p) {
+  const auto dims = data.dimensions();
+  if (dims.size() != 3) {
+    return invalid(t, "data must be float8[batch, rows, cols]; got shape " + dims_str(dims));
+  }
+  const int64_t B = dims[0], R = dims[1], C = dims[2];
+  if (C % 16) return invalid(t, "cols=" + std::to_string(C) + " must be a multiple of 16");
+  if (B * R * (C / 16) >= (int64_t(1) << 32)) return invalid(t, "more than 2^32 16-value chunks");
+  JQ_RETURN_IF_ERROR(expect(t, "data", data, kFp8Types, {B, R, C}));
+  const int64_t scale_cols = ceil_div(C, 32);
+  JQ_RETURN_IF_ERROR(
+      expect(t, "scales", scale, {ffi::DataType::F8E8M0FNU}, {B, R, scale_cols}));
+  JQ_RETURN_IF_ERROR(expect(t, "out", *out, {ffi::DataType::BF16}, {B, R, C}));
+  *p = {static_cast<const uint8_t*>(data.untyped_data()),
+        static_cast<const uint8_t*>(scale.untyped_data()),
+        static_cast<uint16_t*>(out->untyped_data()), B, R, C, scale_cols,
+        data.element_type() == ffi::DataType::F8E5M2};
+  return ffi::Error::Success();
+}
+
 // The FFI signatures of the grouped targets, one copy for both platforms: the CPU handlers bind
 // `BindX(ffi::Ffi::Bind())`, the CUDA ones `BindX(ffi::Ffi::Bind().Ctx<Stream>())`.
 // jaxquant_grouped_quantize_fp8: x, starts, padded starts, delayed scales -> outputs.
@@ -605,6 +637,12 @@ auto BindGroupedQuantizeNvfp4(Binding binding) {
 // jaxquant_grouped_amax: x, starts -> per-group amax.
 template <typename Binding>
 auto BindGroupedAmax(Binding binding) {
+  return Rets<1>(Args<2>(std::move(binding)));
+}
+
+// jaxquant_grouped_decode_mxfp8: data, scales -> bfloat16 raw values.
+template <typename Binding>
+auto BindGroupedDecodeMxfp8(Binding binding) {
   return Rets<1>(Args<2>(std::move(binding)));
 }
 

@@ -414,6 +414,22 @@ ffi::Error GroupedQuantizeFp8BlockCpu(ffi::AnyBuffer x, ffi::AnyBuffer starts,
   return ffi::Error::Success();
 }
 
+// MXFP8 raw values to bfloat16 (XLA:CPU's f32 product and f32 -> bf16 rounding).
+ffi::Error GroupedDecodeMxfp8Cpu(ffi::AnyBuffer data, ffi::AnyBuffer scale,
+                                 ffi::Result<ffi::AnyBuffer> out) {
+  Mxfp8DecodeParams p;
+  JQ_RETURN_IF_ERROR(decode_mxfp8_decode("jaxquant_grouped_decode_mxfp8", data, scale, out, &p));
+  for (int64_t row = 0; row < p.B * p.R; ++row) {
+    for (int64_t c = 0; c < p.C; ++c) {
+      const int64_t i = row * p.C + c;
+      const float v = p.e5m2 ? jq::decode_e5m2(p.data[i]) : jq::decode_e4m3(p.data[i]);
+      const float value = jq::mxfp8_raw(v, jq::e8m0_scale(p.scale[row * p.scale_cols + c / 32]));
+      p.out[i] = static_cast<uint16_t>(jq::bf16_bits_rne(value));
+    }
+  }
+  return ffi::Error::Success();
+}
+
 // NVFP4 raw values to bfloat16 (XLA:CPU's f32 -> bf16 rounding; the values are exact).
 ffi::Error GroupedDecodeNvfp4Cpu(ffi::AnyBuffer data, ffi::AnyBuffer scale,
                                  ffi::Result<ffi::AnyBuffer> out, int64_t block_rows) {
@@ -444,6 +460,8 @@ XLA_FFI_DEFINE_HANDLER(kGroupedQuantizeFp8Cpu, GroupedQuantizeFp8Cpu,
                        BindGroupedQuantizeFp8(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kGroupedQuantizeNvfp4Cpu, GroupedQuantizeNvfp4Cpu,
                        BindGroupedQuantizeNvfp4(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kGroupedDecodeMxfp8Cpu, GroupedDecodeMxfp8Cpu,
+                       BindGroupedDecodeMxfp8(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kGroupedDecodeNvfp4Cpu, GroupedDecodeNvfp4Cpu,
                        BindGroupedDecodeNvfp4(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kGroupedAmaxCpu, GroupedAmaxCpu, BindGroupedAmax(ffi::Ffi::Bind()));
@@ -459,6 +477,7 @@ std::vector<Target> grouped_cpu_targets() {
           target("jaxquant_grouped_quantize_mxfp8", kGroupedQuantizeMxfp8Cpu),
           target("jaxquant_grouped_quantize_fp8_block", kGroupedQuantizeFp8BlockCpu),
           target("jaxquant_grouped_decode_nvfp4", kGroupedDecodeNvfp4Cpu),
+          target("jaxquant_grouped_decode_mxfp8", kGroupedDecodeMxfp8Cpu),
           target("jaxquant_grouped_amax", kGroupedAmaxCpu),
           target("jaxquant_grouped_amax_gated", kGroupedAmaxGatedCpu),
           target("jaxquant_grouped_gemm", kGroupedGemmCpu),
