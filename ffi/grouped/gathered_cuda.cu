@@ -50,10 +50,15 @@ ffi::Error quantize_gathered(const char* target, cudaStream_t stream, const Args
   cudaError_t e = cudaSuccess;
   by_input_type(a.x.type, [&](auto tag) {
     using T = decltype(tag);
-    const GatheredRows<T> x{static_cast<const T*>(a.x.data), rows.T, rows.C, rows.L,
-                            aligned(a.x.data, 16) && rows.C % 8 == 0, rows.starts, rows.pstarts,
-                            int(rows.G)};
-    e = p.expert_rows ? launch_fp8_tiles<true>(stream, p, x) : launch_fp8_tiles(stream, p, x);
+    const bool vec = aligned(a.x.data, 16) && rows.C % 8 == 0;
+    if (p.expert_rows) {  // position r is row r: read x directly, not through the offsets
+      const Direct<T> w{static_cast<const T*>(a.x.data), rows.T, rows.C, vec};
+      e = launch_fp8_tiles<true>(stream, p, w);
+    } else {
+      const GatheredRows<T> x{static_cast<const T*>(a.x.data), rows.T, rows.C, rows.L, vec,
+                              rows.starts, rows.pstarts, int(rows.G)};
+      e = launch_fp8_tiles(stream, p, x);
+    }
   });
   return launch_status(target, e);
 }

@@ -447,37 +447,47 @@ inline ffi::Error decode_grouped_gemm_bf16(const char* t, ffi::AnyBuffer a, ffi:
 // without the gathered copy: the kernel reads x through the offsets. `a->x` describes that
 // [length, C] matrix for the results (its data pointer stays x's); `rows` the groups and x.
 //
-// Expert weights (expert_rows E > 0; starts[g] = pstarts[g] = g E, length G E): the columnwise
-// copy alone, each expert's written on its own, `[G, C, E]` data and scales `[G, C, E / block]`
-// (Float8Block 128x128: `[G, ceil(C / 128), E / 128]`), then the amax. E must be a multiple of
-// the format's block (`e_block`).
+// Expert weights (expert_rows E > 0; starts[g] = pstarts[g] = g E, length L = G E): the
+// rowwise copy as for tokens (`[L, C]`, which is `[G, E, C]`), and the columnwise copy with each
+// expert's written on its own, `[G, C, E]` data and scales `[G, C, E / block]` (Float8Block
+// 128x128: `[G, ceil(C / 128), E / 128]`), then the amax. E must be a multiple of the format's
+// block (`e_block`).
 template <typename Args, typename Scale>
-ffi::Error read_expert_columnwise(const char* t, ffi::RemainingRets rets, int64_t G, int64_t C,
-                                  int64_t E, ffi::DataType scale_type, int64_t scale_rows,
-                                  int64_t block, Args* a, Scale** scale) {
+ffi::Error read_expert_copies(const char* t, ffi::RemainingRets rets, int64_t G, int64_t E,
+                              ffi::DataType scale_type, int64_t row_block_rows,
+                              int64_t col_scale_rows, int64_t block, Args* a, Scale** row_scale,
+                              Scale** col_scale) {
   RetReader r(t, rets);
-  void* p;
-  ffi::DataType type = ffi::DataType::INVALID;
-  JQ_RETURN_IF_ERROR(r.next("columnwise data", kFp8Types, {G, C, E}, &p, &type));
-  a->col_data = static_cast<uint8_t*>(p);
-  JQ_RETURN_IF_ERROR(r.next("columnwise scale_inv", {scale_type}, {G, scale_rows, E / block}, &p));
-  *scale = static_cast<Scale*>(p);
-  JQ_RETURN_IF_ERROR(read_format(t, *a, ffi::DataType::INVALID, type, &a->fmt));
+  const int64_t C = a->x.cols;
+  ffi::DataType row_type = ffi::DataType::INVALID, col_type = ffi::DataType::INVALID;
+  if (a->rowwise) {
+    JQ_RETURN_IF_ERROR(read_blocks(r, "rowwise", G * E, C, kFp8Types, scale_type,
+                                   row_block_rows, block, &a->row_data, row_scale, &row_type));
+  }
+  if (a->columnwise) {
+    void* p;
+    JQ_RETURN_IF_ERROR(r.next("columnwise data", kFp8Types, {G, C, E}, &p, &col_type));
+    a->col_data = static_cast<uint8_t*>(p);
+    JQ_RETURN_IF_ERROR(
+        r.next("columnwise scale_inv", {scale_type}, {G, col_scale_rows, E / block}, &p));
+    *col_scale = static_cast<Scale*>(p);
+  }
+  JQ_RETURN_IF_ERROR(read_format(t, *a, row_type, col_type, &a->fmt));
   JQ_RETURN_IF_ERROR(read_scalar(r, "amax", &a->amax));
   return r.done();
 }
 
 inline ffi::Error read_expert_results(const char* t, ffi::RemainingRets rets, int64_t G,
                                       int64_t E, Mxfp8Args* a) {
-  return read_expert_columnwise(t, rets, G, a->x.cols, E, ffi::DataType::F8E8M0FNU, a->x.cols,
-                                32, a, &a->col_scale);
+  return read_expert_copies(t, rets, G, E, ffi::DataType::F8E8M0FNU, 1, a->x.cols, 32, a,
+                            &a->row_scale, &a->col_scale);
 }
 
 inline ffi::Error read_expert_results(const char* t, ffi::RemainingRets rets, int64_t G,
                                       int64_t E, Fp8BlockArgs* a) {
-  const int64_t scale_rows = a->block_2d ? ceil_div(a->x.cols, 128) : a->x.cols;
-  return read_expert_columnwise(t, rets, G, a->x.cols, E, ffi::DataType::F32, scale_rows, 128, a,
-                                &a->col_scale);
+  const int64_t col_scale_rows = a->block_2d ? ceil_div(a->x.cols, 128) : a->x.cols;
+  return read_expert_copies(t, rets, G, E, ffi::DataType::F32, a->block_2d ? 128 : 1,
+                            col_scale_rows, 128, a, &a->row_scale, &a->col_scale);
 }
 
 template <typename Args, typename SetAttrs>
@@ -498,9 +508,13 @@ ffi::Error decode_gathered(const char* t, ffi::AnyBuffer x, ffi::AnyBuffer start
   }
   rows->expert_rows = expert_rows;
   if (expert_rows == 0) return read_all_results(t, rets, a);
-  if (a->rowwise || !a->columnwise) {
-    return invalid(t, "expert_rows > 0 writes the columnwise copy alone (rowwise = false, "
-                      "columnwise = true)");
+  if (!a->columnwise) {
+    return invalid(t, "expert_rows > 0 needs the columnwise copy (columnwise = true): the "
+                      "rowwise copy alone is the tokens' (expert_rows = 0)");
+  }
+  if (length >= (int64_t(1) << 31)) {  // the kernels index positions in 32 bits
+    return invalid(t, "expert weights of " + std::to_string(length) + " rows (G E) must have "
+                      "fewer than 2^31");
   }
   return read_expert_results(t, rets, rows->G, expert_rows, a);
 }

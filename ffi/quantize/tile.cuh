@@ -301,10 +301,13 @@ struct Fp8TileLoad {
 // Index of (row c, position r) in expert weights' columnwise copy [G, rows, E / per] (E rows an
 // expert; per = positions an element covers: 1 for data, the block for scales; rows = C, or
 // the row blocks for 2-D scales): expert r / E's [rows, E / per] matrix.
+// Positions are below 2^31 (the handlers check), so the division by E is a 32-bit one.
 __device__ __forceinline__ int64_t expert_column_index(int64_t c, int64_t r, int64_t rows,
                                                        int64_t E, int per) {
+  const uint32_t e32 = uint32_t(E), expert = uint32_t(r) / e32;
+  const uint32_t local = uint32_t(r) - expert * e32;
   const int64_t len = E / per;
-  return (r / E) * rows * len + c * len + (r % E) / per;
+  return int64_t(expert) * rows * len + c * len + local / uint32_t(per);
 }
 
 template <typename G>
