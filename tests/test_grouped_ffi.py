@@ -139,7 +139,8 @@ def test_packed_rowwise_block_copy_reads_rows_of_no_group_as_zeros(rng, q):
     text = jax.jit(fn).lower(x, sizes).as_text()
   finally:
     del os.environ["JAXQUANT_BACKEND"]
-  calls = [line.split("@")[1].split("(")[0] for line in text.splitlines() if "custom_call @" in line]
+  calls = [line.split("@")[1].split("(")[0] for line in text.splitlines()
+           if "custom_call @" in line]
   assert sorted(calls) == ["jaxquant_grouped_amax", single_ffi.gathered_kernel(q)], calls
   assert "select" not in text
   assert_same_leaves(_on("ffi", fn, x, sizes), _on("reference", fn, x, sizes), str(q))
