@@ -254,6 +254,13 @@ __host__ __device__ __forceinline__ bool has_column_phase(const Params& p) {
   return p.do_col || p.col_sums != nullptr;
 }
 
+// What reads a tile whose first row is r0: the producer itself, unless an overload for its type
+// (found by argument-dependent lookup) gives a reader that does per-tile work once.
+template <typename P>
+__device__ __forceinline__ const P& tile_reader(const P& prod, int64_t) {
+  return prod;
+}
+
 // The load phase of the FP8-format tile kernels: the CTA's tile, this thread's place in it (tile
 // row pass * RPP + lr, columns lc .. lc+7) and its 8 values of each pass, read from the producer
 // with every load issued before any is used.
@@ -272,8 +279,9 @@ struct Fp8TileLoad {
   __device__ __forceinline__ Fp8TileLoad(const P& prod, const Params& p)
       : tile(shared_tile<In>()), column_phase(has_column_phase(p)), t(tile_index(p.C, G::TR, G::TC)),
         lr(threadIdx.x / G::TPR), lc((threadIdx.x % G::TPR) * 8) {
+    const auto& reader = tile_reader(prod, t.r0);
 #pragma unroll
-    for (int pp = 0; pp < G::NP; ++pp) prod.load8(row(pp), col(), raw[pp]);
+    for (int pp = 0; pp < G::NP; ++pp) reader.load8(row(pp), col(), raw[pp]);
   }
 
   // The matrix row of pass pp and the matrix column of this thread's first value.
