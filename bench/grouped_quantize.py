@@ -1,8 +1,13 @@
-"""Grouped NVFP4 quantize bandwidth next to the single-tensor NVFP4 kernel's, in one run.
+"""Grouped NVFP4 (or per-tensor FP8) quantize bandwidth next to the single-tensor kernel's.
 
     python bench/grouped_quantize.py                 # 8 and 64 experts at LLM sizes (a GPU)
+    python bench/grouped_quantize.py --format fp8    # per-tensor FP8 (current scaling)
     python bench/grouped_quantize.py --tiny          # smoke check (runs on CPU)
     python bench/grouped.py --quantize               # the same table after the step table
+
+With `--format fp8` the rows are current-scaling FP8 copies (both directions, amax pass
+included on both sides) of the step's operands: x `[T, K]` (E4M3), dy `[T, N]` (E5M2, and
+E4M3 to separate the encoder's cost) and the expert weights; bytes as below with no scales.
 
 Each row quantizes the same bf16 matrix twice: `jaxquant.grouped.quantize` (tokens `x[T, K]`
 sorted by group, one second-level scale per group: `jaxquant_grouped_quantize_nvfp4`) or
@@ -42,8 +47,27 @@ GRAD = jq.NVFP4Quantizer(rht=True, stochastic_rounding=True)
 WEIGHT = jq.NVFP4Quantizer(block_2d=True)
 
 
+FP8_X = jq.Float8CurrentScalingQuantizer()
+FP8_DY = jq.Float8CurrentScalingQuantizer(dtype=jnp.float8_e5m2)
+
+
 def _bytes(elements: int, copies: int, scale_block: int) -> int:
+  """NVFP4 (scale_block > 0): E2M1 copies plus scales; FP8 (scale_block 0): 1 B a value."""
+  if scale_block == 0:
+    return 2 * elements + copies * elements
   return 2 * elements + copies * (elements // 2 + elements // scale_block)
+
+
+def _fp8_rows():
+  """The per-tensor FP8 rows, as `_rows`: (name, grouped, single, copies, 0, operand)."""
+  tok = lambda q: (lambda x, s, keys, key: jg.quantize(x, s, q, rowwise=True, columnwise=True))
+  one = lambda q: (lambda x, s, keys, key: jq.ops.quantize(x, q, rowwise=True, columnwise=True))
+  yield "x both E4M3", tok(FP8_X), one(FP8_X), 2, 0, "tokens"
+  yield "dy both E5M2", tok(FP8_DY), one(FP8_DY), 2, 0, "grads"
+  yield "dy both E4M3", tok(FP8_X), one(FP8_X), 2, 0, "grads"
+  experts = lambda w, keys, key: jg.quantize_experts(w, FP8_X)
+  single = lambda w, keys, key: jq.ops.quantize(w.reshape(-1, w.shape[-1]), FP8_X)
+  yield "w both E4M3", experts, single, 2, 0, "experts"
 
 
 def _rows():
@@ -71,19 +95,25 @@ def _positions(fn, args) -> int:
   return int(col[0] * col[2]) if len(col) == 3 else int(col[-1])
 
 
-def run(experts: int, spec, timing: dict, seed: int = 0) -> list[dict]:
+def run(experts: int, spec, timing: dict, seed: int = 0, fmt: str = "nvfp4",
+        only: str = "") -> list[dict]:
   groups, t, k, n = spec
   rng = np.random.default_rng(seed)
   sizes = jnp.asarray(rng.multinomial(t, np.full(groups, 1.0 / groups)).astype(np.int32))
   x = jax.random.normal(jax.random.key(seed), (t, k), jnp.bfloat16)
+  dy = jax.random.normal(jax.random.key(seed + 2), (t, n), jnp.bfloat16)
   w = jax.random.normal(jax.random.key(seed + 1), (groups, n, k), jnp.bfloat16)
   keys = jax.random.split(jax.random.key(1), groups)
   key = jax.random.key(2)
-  print(f"\ngrouped NVFP4 quantize, {groups} experts: tokens [{t}, {k}], experts "
-        f"[{groups}, {n}, {k}], bfloat16", flush=True)
+  print(f"\ngrouped {fmt.upper()} quantize, {groups} experts: tokens [{t}, {k}], grads "
+        f"[{t}, {n}], experts [{groups}, {n}, {k}], bfloat16", flush=True)
   rows = []
-  for name, grouped_fn, single_fn, copies, block, operand in _rows():
-    args = (x, sizes, keys, key) if operand == "tokens" else (w, keys, key)
+  for name, grouped_fn, single_fn, copies, block, operand in (
+      _fp8_rows() if fmt == "fp8" else _rows()):
+    if only not in name:
+      continue
+    args = {"tokens": (x, sizes, keys, key), "grads": (dy, sizes, keys, key)}.get(
+        operand, (w, keys, key))
     paths = {d.path for d in jq.explain(grouped_fn, *args) if d.op == "grouped_quantize"}
     nbytes = _bytes(int(np.prod(args[0].shape)), copies, block)
     grouped_s = bench(jax.jit(grouped_fn), *args, **timing)
@@ -117,6 +147,9 @@ def main(argv=None) -> int:
                       default=sorted(CASES))
   parser.add_argument("--tiny", action="store_true", help="tiny sizes (a CPU smoke check)")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--format", choices=["nvfp4", "fp8"], default="nvfp4",
+                      help="NVFP4 (the recipe's options) or per-tensor FP8 (current scaling)")
+  parser.add_argument("--only", default="", help="only the rows whose name contains this")
   args = parser.parse_args(argv)
   timing = dict(repeats=1, calls=1, warmup=1) if args.tiny else dict(repeats=5, calls=10,
                                                                       warmup=2)
@@ -125,7 +158,7 @@ def main(argv=None) -> int:
   cases = TINY if args.tiny else CASES
   rows = []
   for experts in args.experts:
-    rows += run(experts, cases[experts], timing, args.seed)
+    rows += run(experts, cases[experts], timing, args.seed, args.format, args.only)
   print_table(rows)
   return 0
 

@@ -332,6 +332,27 @@ JQ_HD float decode_e2m1(uint32_t code) {
   return float_of(magnitude | ((code & 8u) << 28));
 }
 
+// Exact float32 value of an E5M2 code (the high byte of a float16).
+JQ_HD float decode_e5m2(uint32_t code) {
+  const uint32_t sign = (code >> 7) & 1u, e = (code >> 2) & 0x1Fu, m = code & 3u;
+  float mag;
+  if (e == 0x1Fu) {
+    mag = m ? float_of(0x7FC00000u) : float_of(0x7F800000u);
+  } else if (e == 0) {
+    mag = static_cast<float>(m) * 0x1p-16f;
+  } else {
+    mag = float_of(((e - 15u + 127u) << 23) | (m << 21));
+  }
+  return sign ? -mag : mag;
+}
+
+// scales.e8m0_decode_exponent: 2^(e - 127) (subnormal for e = 0), NaN for e = 255.
+JQ_HD float e8m0_scale(uint32_t e) { return e == 255u ? float_of(0x7FC00000u) : exp2i(int(e) - 127); }
+
+// MXFP8's raw value (formats.mxfp8.dequantize_raw): decode(code) * 2^(e - 127) in float32 (one
+// rounding, below 2^-126 only).
+JQ_HD float mxfp8_raw(float value, float block_scale) { return value * block_scale; }
+
 // NVFP4's raw value (minifloat.decode(code) * decode(scale), formats.nvfp4.dequantize_raw):
 // exact in float32 and in bfloat16 (at most 6 significant bits, magnitudes 2^-10 .. 2688).
 JQ_HD float nvfp4_raw(uint32_t code, float block_scale) { return decode_e2m1(code) * block_scale; }

@@ -21,6 +21,7 @@ import jaxquant as jq
 import jaxquant.flax  # noqa: F401
 import jaxquant.grouped as jg
 import oracle
+from jaxquant.backends.ffi import quantize as single_ffi
 from helpers import assert_same_leaves
 from jaxquant.backends.ffi.grouped import sm90_configs
 from jaxquant.backends.ffi.grouped import support as kernels
@@ -122,6 +123,27 @@ def _check_quantize(rng, name, tokens, features, groups, dtype, empty, spare, ro
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_grouped_quantize_is_bitwise_the_reference(rng, name, dtype):
   _check_quantize(rng, name, 150, 72, 5, dtype, empty=(1,), spare=7)
+
+
+@pytest.mark.parametrize("q", [jq.MXFP8Quantizer(), jq.Float8BlockQuantizer()],
+                         ids=["mxfp8", "fp8-block-1x128"])
+def test_packed_rowwise_block_copy_reads_rows_of_no_group_as_zeros(rng, q):
+  """The packed rowwise copy of a one-row-block format is one gathered-kernel call on the packed
+  layout (rows past sum(sizes) read as zeros): no select over the quantized rows and no zero-row
+  launch in the lowered program, and bit for bit the reference with rows of no group."""
+  x = jnp.asarray(oracle.random_matrix(rng, (200, 256)), jnp.bfloat16)
+  sizes = jnp.asarray([60, 0, 77], jnp.int32)  # 63 rows of no group
+  fn = lambda x, sizes: jg.quantize(x, sizes, q, columnwise=False)
+  os.environ["JAXQUANT_BACKEND"] = "ffi"
+  try:
+    text = jax.jit(fn).lower(x, sizes).as_text()
+  finally:
+    del os.environ["JAXQUANT_BACKEND"]
+  calls = [line.split("@")[1].split("(")[0] for line in text.splitlines()
+           if "custom_call @" in line]
+  assert sorted(calls) == ["jaxquant_grouped_amax", single_ffi.gathered_kernel(q)], calls
+  assert "select" not in text
+  assert_same_leaves(_on("ffi", fn, x, sizes), _on("reference", fn, x, sizes), str(q))
 
 
 @pytest.mark.parametrize("name", ["fp8-current", "fp8-delayed-e5m2"])
@@ -263,6 +285,43 @@ def test_expert_weights_block_formats_are_bitwise_the_reference(rng, name, rows=
   got, want = _on("ffi", fn, w), _on("reference", fn, w)
   assert_same_leaves(got, want, name)
   assert got.columnwise.data.shape == (3, 200, rows)
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "fp8-block-1x128", "fp8-block-128x128"])
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_expert_weights_written_per_expert_in_one_call(rng, name, rowwise):
+  """MXFP8 / Float8Block expert weights' copies come from one gathered-kernel call with
+  expert_rows (each expert's columnwise [cols, rows] written on its own; the rowwise copy, when
+  asked for too, from the same call and read of w): no transpose of a quantized copy in the
+  lowered program, and bit for bit the reference with 2 and 3 experts."""
+  q = EXPERT_QUANTIZERS[name]
+  for groups in (2, 3):
+    w = jnp.asarray(oracle.random_matrix(rng, (groups, 128, 256)), jnp.bfloat16)
+    fn = lambda w: jg.quantize_experts(w, q, rowwise=rowwise)
+    os.environ["JAXQUANT_BACKEND"] = "ffi"
+    try:
+      text = jax.jit(lambda w: fn(w)).lower(w).as_text()
+    finally:
+      del os.environ["JAXQUANT_BACKEND"]
+    assert "expert_rows = 128" in text, text[:2000]
+    assert text.count("custom_call @jaxquant_") == 1, text[:4000]
+    assert "transpose" not in text, "the columnwise copy should not be regrouped by XLA"
+    got, want = _on("ffi", fn, w), _on("reference", fn, w)
+    assert (got.rowwise is None) == (not rowwise)
+    assert_same_leaves(got, want, name)
+
+
+def test_gathered_kernel_names_a_bad_expert_rows():
+  x = jnp.zeros((256, 64), jnp.bfloat16)
+  starts = jnp.asarray([0, 128, 256], jnp.int32)
+  with pytest.raises(ValueError, match="needs columnwise=True"):
+    single_ffi.quantize_gathered(x, starts, starts, 256, jq.MXFP8Quantizer(), rowwise=True,
+                                 columnwise=False, orig_dtype=jnp.bfloat16, expert_rows=128)
+  with pytest.raises(Exception, match=r"expert_rows=48 must be 0 \(tokens\) or length / G "
+                                      r"\(= 48\) and a multiple of 32"):
+    jax.jit(lambda x: single_ffi.quantize_gathered(
+        x, starts, starts, 96, jq.MXFP8Quantizer(), rowwise=False, columnwise=True,
+        orig_dtype=jnp.bfloat16, expert_rows=48))(x)
 
 
 def test_expert_weights_nvfp4_stochastic_rounding_is_bitwise_the_reference(rng):

@@ -5,6 +5,8 @@
 // codes, one scale, two 16-byte stores. Values are jq::nvfp4_raw (ffi/jaxquant_numerics.h),
 // exact in float32 and bfloat16, converted as XLA converts on the device (cvt.rn.bf16x2.f32).
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <vector>
@@ -63,6 +65,51 @@ __global__ void __launch_bounds__(kDecodeThreads)
   out[2 * size_t(i) + 1] = make_uint4(v[4], v[5], v[6], v[7]);
 }
 
+// MXFP8: chunk i (16 values of one 32-block) of the [B * R, C / 16] grid: 16 codes to float32
+// (exact: through float16), times 2^(e - 127) in float32, rounded once to bfloat16: XLA's decode.
+__global__ void __launch_bounds__(kDecodeThreads)
+    decode_mxfp8_kernel(const uint4* __restrict__ data, const uint8_t* __restrict__ scale,
+                        uint4* __restrict__ out, uint32_t chunks, uint32_t chunks_per_row,
+                        uint32_t scale_cols, bool e5m2) {
+  const uint32_t i = blockIdx.x * kDecodeThreads + threadIdx.x;
+  if (i >= chunks) return;
+  const uint32_t row = i / chunks_per_row, cc = i - row * chunks_per_row;
+  const float s = jq::e8m0_scale(__ldg(scale + size_t(row) * scale_cols + cc / 2));
+  const uint4 codes = __ldg(data + i);
+  const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
+  uint32_t v[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const uint32_t pair = (words[k / 2] >> (16 * (k % 2))) & 0xFFFFu;
+    __half2_raw h;
+    if (e5m2) {
+      h.x = uint16_t((pair & 0xFFu) << 8);
+      h.y = uint16_t(pair & 0xFF00u);
+    } else {
+      h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(pair), __NV_E4M3);
+    }
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    const __nv_bfloat162 b = __floats2bfloat162_rn(jq::mxfp8_raw(f.x, s), jq::mxfp8_raw(f.y, s));
+    v[k] = *reinterpret_cast<const uint32_t*>(&b);
+  }
+  out[2 * size_t(i)] = make_uint4(v[0], v[1], v[2], v[3]);
+  out[2 * size_t(i) + 1] = make_uint4(v[4], v[5], v[6], v[7]);
+}
+
+ffi::Error GroupedDecodeMxfp8Cuda(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer scale,
+                                  ffi::Result<ffi::AnyBuffer> out) {
+  const char* t = "jaxquant_grouped_decode_mxfp8";
+  Mxfp8DecodeParams p;
+  JQ_RETURN_IF_ERROR(decode_mxfp8_decode(t, data, scale, out, &p));
+  const uint32_t chunks = uint32_t(p.B * p.R * (p.C / 16));
+  if (chunks == 0) return ffi::Error::Success();
+  decode_mxfp8_kernel<<<(chunks + kDecodeThreads - 1) / kDecodeThreads, kDecodeThreads, 0,
+                        stream>>>(reinterpret_cast<const uint4*>(p.data), p.scale,
+                                  reinterpret_cast<uint4*>(p.out), chunks, uint32_t(p.C / 16),
+                                  uint32_t(p.scale_cols), p.e5m2);
+  return launch_status(t, cudaGetLastError());
+}
+
 ffi::Error GroupedDecodeNvfp4Cuda(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer scale,
                                   ffi::Result<ffi::AnyBuffer> out, int64_t block_rows) {
   const char* t = "jaxquant_grouped_decode_nvfp4";
@@ -81,9 +128,11 @@ ffi::Error GroupedDecodeNvfp4Cuda(cudaStream_t stream, ffi::AnyBuffer data, ffi:
 }  // namespace
 
 JQ_DEFINE_CUDA_HANDLER(kGroupedDecodeNvfp4Cuda, GroupedDecodeNvfp4Cuda, BindGroupedDecodeNvfp4);
+JQ_DEFINE_CUDA_HANDLER(kGroupedDecodeMxfp8Cuda, GroupedDecodeMxfp8Cuda, BindGroupedDecodeMxfp8);
 
 std::vector<Target> grouped_decode_cuda_targets() {
-  return {target("jaxquant_grouped_decode_nvfp4", kGroupedDecodeNvfp4Cuda)};
+  return {target("jaxquant_grouped_decode_nvfp4", kGroupedDecodeNvfp4Cuda),
+          target("jaxquant_grouped_decode_mxfp8", kGroupedDecodeMxfp8Cuda)};
 }
 
 }  // namespace jqffi

@@ -446,24 +446,86 @@ inline ffi::Error decode_grouped_gemm_bf16(const char* t, ffi::AnyBuffer a, ffi:
 // from x (position pstarts[g] + i holds row starts[g] + i while inside group g, else zeros),
 // without the gathered copy: the kernel reads x through the offsets. `a->x` describes that
 // [length, C] matrix for the results (its data pointer stays x's); `rows` the groups and x.
+//
+// Expert weights (expert_rows E > 0; starts[g] = pstarts[g] = g E, length L = G E): the
+// rowwise copy as for tokens (`[L, C]`, which is `[G, E, C]`), and the columnwise copy with each
+// expert's written on its own, `[G, C, E]` data and scales `[G, C, E / block]` (Float8Block
+// 128x128: `[G, ceil(C / 128), E / 128]`), then the amax. E must be a multiple of the format's
+// block (`e_block`).
+template <typename Args, typename Scale>
+ffi::Error read_expert_copies(const char* t, ffi::RemainingRets rets, int64_t G, int64_t E,
+                              ffi::DataType scale_type, int64_t row_block_rows,
+                              int64_t col_scale_rows, int64_t block, Args* a, Scale** row_scale,
+                              Scale** col_scale) {
+  RetReader r(t, rets);
+  const int64_t C = a->x.cols;
+  ffi::DataType row_type = ffi::DataType::INVALID, col_type = ffi::DataType::INVALID;
+  if (a->rowwise) {
+    JQ_RETURN_IF_ERROR(read_blocks(r, "rowwise", G * E, C, kFp8Types, scale_type,
+                                   row_block_rows, block, &a->row_data, row_scale, &row_type));
+  }
+  if (a->columnwise) {
+    void* p;
+    JQ_RETURN_IF_ERROR(r.next("columnwise data", kFp8Types, {G, C, E}, &p, &col_type));
+    a->col_data = static_cast<uint8_t*>(p);
+    JQ_RETURN_IF_ERROR(
+        r.next("columnwise scale_inv", {scale_type}, {G, col_scale_rows, E / block}, &p));
+    *col_scale = static_cast<Scale*>(p);
+  }
+  JQ_RETURN_IF_ERROR(read_format(t, *a, row_type, col_type, &a->fmt));
+  JQ_RETURN_IF_ERROR(read_scalar(r, "amax", &a->amax));
+  return r.done();
+}
+
+inline ffi::Error read_expert_results(const char* t, ffi::RemainingRets rets, int64_t G,
+                                      int64_t E, Mxfp8Args* a) {
+  return read_expert_copies(t, rets, G, E, ffi::DataType::F8E8M0FNU, 1, a->x.cols, 32, a,
+                            &a->row_scale, &a->col_scale);
+}
+
+inline ffi::Error read_expert_results(const char* t, ffi::RemainingRets rets, int64_t G,
+                                      int64_t E, Fp8BlockArgs* a) {
+  const int64_t col_scale_rows = a->block_2d ? ceil_div(a->x.cols, 128) : a->x.cols;
+  return read_expert_copies(t, rets, G, E, ffi::DataType::F32, a->block_2d ? 128 : 1,
+                            col_scale_rows, 128, a, &a->row_scale, &a->col_scale);
+}
+
 template <typename Args, typename SetAttrs>
 ffi::Error decode_gathered(const char* t, ffi::AnyBuffer x, ffi::AnyBuffer starts,
                            ffi::AnyBuffer pstarts, ffi::RemainingRets rets, int64_t length,
-                           Args* a, GroupedRows* rows, SetAttrs set_attrs) {
+                           int64_t expert_rows, int64_t e_block, Args* a, GroupedRows* rows,
+                           SetAttrs set_attrs) {
   JQ_RETURN_IF_ERROR(decode_input(t, x, &a->x));
   JQ_RETURN_IF_ERROR(decode_grouped_rows(t, x, starts, &pstarts, rows));
   JQ_RETURN_IF_ERROR(decode_length(t, length, rows));
   a->x.rows = length;
   JQ_RETURN_IF_ERROR(set_attrs(a));
-  return read_all_results(t, rets, a);
+  if (expert_rows < 0 || (expert_rows > 0 && (expert_rows * rows->G != length ||
+                                              expert_rows % e_block))) {
+    return invalid(t, "expert_rows=" + std::to_string(expert_rows) + " must be 0 (tokens) or "
+                      "length / G (= " + std::to_string(length / rows->G) + ") and a multiple of " +
+                      std::to_string(e_block));
+  }
+  rows->expert_rows = expert_rows;
+  if (expert_rows == 0) return read_all_results(t, rets, a);
+  if (!a->columnwise) {
+    return invalid(t, "expert_rows > 0 needs the columnwise copy (columnwise = true): the "
+                      "rowwise copy alone is the tokens' (expert_rows = 0)");
+  }
+  if (length >= (int64_t(1) << 31)) {  // the kernels index positions in 32 bits
+    return invalid(t, "expert weights of " + std::to_string(length) + " rows (G E) must have "
+                      "fewer than 2^31");
+  }
+  return read_expert_results(t, rets, rows->G, expert_rows, a);
 }
 
 inline ffi::Error decode_gathered_mxfp8(ffi::AnyBuffer x, ffi::AnyBuffer starts,
                                         ffi::AnyBuffer pstarts, ffi::RemainingRets rets,
                                         bool rowwise, bool columnwise, int64_t length,
-                                        Mxfp8Args* a, GroupedRows* rows) {
+                                        int64_t expert_rows, Mxfp8Args* a, GroupedRows* rows) {
   const char* t = "jaxquant_grouped_quantize_mxfp8";
-  return decode_gathered(t, x, starts, pstarts, rets, length, a, rows, [&](Mxfp8Args* m) {
+  return decode_gathered(t, x, starts, pstarts, rets, length, expert_rows, 32, a, rows,
+                         [&](Mxfp8Args* m) {
     return set_directions(t, rowwise, columnwise, m);
   });
 }
@@ -472,9 +534,11 @@ inline ffi::Error decode_gathered_fp8_block(ffi::AnyBuffer x, ffi::AnyBuffer sta
                                             ffi::AnyBuffer pstarts, ffi::RemainingRets rets,
                                             bool rowwise, bool columnwise, bool block_2d,
                                             bool pow2_scale, float amax_epsilon, int64_t length,
-                                            Fp8BlockArgs* a, GroupedRows* rows) {
+                                            int64_t expert_rows, Fp8BlockArgs* a,
+                                            GroupedRows* rows) {
   const char* t = "jaxquant_grouped_quantize_fp8_block";
-  return decode_gathered(t, x, starts, pstarts, rets, length, a, rows, [&](Fp8BlockArgs* b) {
+  return decode_gathered(t, x, starts, pstarts, rets, length, expert_rows, 128, a, rows,
+                         [&](Fp8BlockArgs* b) {
     return set_fp8_block_attrs(t, rowwise, columnwise, block_2d, pow2_scale, amax_epsilon, b);
   });
 }
@@ -519,6 +583,38 @@ inline ffi::Error decode_nvfp4_decode(const char* t, ffi::AnyBuffer data, ffi::A
   return ffi::Error::Success();
 }
 
+// jaxquant_grouped_decode_mxfp8(data f8[B, R, C], scales e8m0[B, R, ceil(C / 32)])
+//   -> out bf16[B, R, C]: MXFP8's raw values (code x 2^(e - 127), rounded once to bfloat16 as
+// XLA's decode does). C % 16 == 0: a thread's 16 values share one scale.
+struct Mxfp8DecodeParams {
+  const uint8_t* data;   // E4M3 or E5M2 codes
+  const uint8_t* scale;  // E8M0 exponents
+  uint16_t* out;         // bfloat16 bits
+  int64_t B, R, C, scale_cols;
+  bool e5m2;
+};
+
+inline ffi::Error decode_mxfp8_decode(const char* t, ffi::AnyBuffer data, ffi::AnyBuffer scale,
+                                      ffi::Result<ffi::AnyBuffer> out, Mxfp8DecodeParams* p) {
+  const auto dims = data.dimensions();
+  if (dims.size() != 3) {
+    return invalid(t, "data must be float8[batch, rows, cols]; got shape " + dims_str(dims));
+  }
+  const int64_t B = dims[0], R = dims[1], C = dims[2];
+  if (C % 16) return invalid(t, "cols=" + std::to_string(C) + " must be a multiple of 16");
+  if (B * R * (C / 16) >= (int64_t(1) << 32)) return invalid(t, "more than 2^32 16-value chunks");
+  JQ_RETURN_IF_ERROR(expect(t, "data", data, kFp8Types, {B, R, C}));
+  const int64_t scale_cols = ceil_div(C, 32);
+  JQ_RETURN_IF_ERROR(
+      expect(t, "scales", scale, {ffi::DataType::F8E8M0FNU}, {B, R, scale_cols}));
+  JQ_RETURN_IF_ERROR(expect(t, "out", *out, {ffi::DataType::BF16}, {B, R, C}));
+  *p = {static_cast<const uint8_t*>(data.untyped_data()),
+        static_cast<const uint8_t*>(scale.untyped_data()),
+        static_cast<uint16_t*>(out->untyped_data()), B, R, C, scale_cols,
+        data.element_type() == ffi::DataType::F8E5M2};
+  return ffi::Error::Success();
+}
+
 // The FFI signatures of the grouped targets, one copy for both platforms: the CPU handlers bind
 // `BindX(ffi::Ffi::Bind())`, the CUDA ones `BindX(ffi::Ffi::Bind().Ctx<Stream>())`.
 // jaxquant_grouped_quantize_fp8: x, starts, padded starts, delayed scales -> outputs.
@@ -534,12 +630,14 @@ auto BindGroupedQuantizeFp8(Binding binding) {
 // target's outputs for the gathered layout; its attributes, then the layout length.
 template <typename Binding>
 auto BindGroupedQuantizeMxfp8(Binding binding) {
-  return Attrs<int64_t>(Mxfp8Attrs(Args<3>(std::move(binding)).RemainingRets()), "length");
+  return Attrs<int64_t>(Mxfp8Attrs(Args<3>(std::move(binding)).RemainingRets()), "length",
+                        "expert_rows");
 }
 
 template <typename Binding>
 auto BindGroupedQuantizeFp8Block(Binding binding) {
-  return Attrs<int64_t>(Fp8BlockAttrs(Args<3>(std::move(binding)).RemainingRets()), "length");
+  return Attrs<int64_t>(Fp8BlockAttrs(Args<3>(std::move(binding)).RemainingRets()), "length",
+                        "expert_rows");
 }
 
 // jaxquant_grouped_quantize_nvfp4: x, starts, padded starts, row key, col key -> outputs.
@@ -553,6 +651,12 @@ auto BindGroupedQuantizeNvfp4(Binding binding) {
 // jaxquant_grouped_amax: x, starts -> per-group amax.
 template <typename Binding>
 auto BindGroupedAmax(Binding binding) {
+  return Rets<1>(Args<2>(std::move(binding)));
+}
+
+// jaxquant_grouped_decode_mxfp8: data, scales -> bfloat16 raw values.
+template <typename Binding>
+auto BindGroupedDecodeMxfp8(Binding binding) {
   return Rets<1>(Args<2>(std::move(binding)));
 }
 

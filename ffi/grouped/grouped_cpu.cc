@@ -355,27 +355,78 @@ Matrix gathered_matrix(const Input& x, const GroupedRows& rows) {
   return m;
 }
 
+// Expert `[G, rows, E]` copy of a `[rows, G E]` one (`per` positions an element: 1 for data, the
+// scale block for scales): expert e's columns as its own matrix, as the CUDA kernels store them.
+template <typename T>
+void regroup_experts(const std::vector<T>& flat, int64_t rows, int64_t L, int64_t E, int64_t per,
+                     T* out) {
+  const int64_t len = E / per, total = L / per;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < total; ++i) out[(i / len) * rows * len + r * len + i % len] = flat[r * total + i];
+  }
+}
+
+// The gathered quantize of `a` (directions and attributes decoded); expert weights (E > 0) by
+// way of the [C, L] columnwise copy, regrouped.
+template <typename Args, typename Scale>
+void quantize_gathered(const GroupedRows& rows, Args& a, Scale** col_scale, int64_t scale_rows,
+                       int64_t block) {
+  const Matrix m = gathered_matrix(a.x, rows);
+  const int64_t E = rows.expert_rows;
+  if (E == 0) {
+    quantize_matrix(m, a);
+    return;
+  }
+  const int64_t C = rows.C, L = rows.L;
+  std::vector<uint8_t> data(size_t(C * L));
+  std::vector<Scale> scale(size_t(scale_rows * (L / block)));
+  uint8_t* out_data = a.col_data;
+  Scale* out_scale = *col_scale;
+  a.col_data = data.data();
+  *col_scale = scale.data();
+  quantize_matrix(m, a);
+  regroup_experts(data, C, L, E, 1, out_data);
+  regroup_experts(scale, scale_rows, L, E, block, out_scale);
+}
+
 ffi::Error GroupedQuantizeMxfp8Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::AnyBuffer pstarts,
                                    ffi::RemainingRets rets, bool rowwise, bool columnwise,
-                                   int64_t length) {
+                                   int64_t length, int64_t expert_rows) {
   Mxfp8Args a;
   GroupedRows rows;
   JQ_RETURN_IF_ERROR(decode_gathered_mxfp8(x, starts, pstarts, rets, rowwise, columnwise, length,
-                                           &a, &rows));
-  quantize_matrix(gathered_matrix(a.x, rows), a);
+                                           expert_rows, &a, &rows));
+  quantize_gathered(rows, a, &a.col_scale, rows.C, 32);
   return ffi::Error::Success();
 }
 
 ffi::Error GroupedQuantizeFp8BlockCpu(ffi::AnyBuffer x, ffi::AnyBuffer starts,
                                       ffi::AnyBuffer pstarts, ffi::RemainingRets rets,
                                       bool rowwise, bool columnwise, bool block_2d,
-                                      bool pow2_scale, float amax_epsilon, int64_t length) {
+                                      bool pow2_scale, float amax_epsilon, int64_t length,
+                                      int64_t expert_rows) {
   Fp8BlockArgs a;
   GroupedRows rows;
   JQ_RETURN_IF_ERROR(decode_gathered_fp8_block(x, starts, pstarts, rets, rowwise, columnwise,
-                                               block_2d, pow2_scale, amax_epsilon, length, &a,
-                                               &rows));
-  quantize_matrix(gathered_matrix(a.x, rows), a);
+                                               block_2d, pow2_scale, amax_epsilon, length,
+                                               expert_rows, &a, &rows));
+  quantize_gathered(rows, a, &a.col_scale, block_2d ? ceil_div(rows.C, 128) : rows.C, 128);
+  return ffi::Error::Success();
+}
+
+// MXFP8 raw values to bfloat16 (XLA:CPU's f32 product and f32 -> bf16 rounding).
+ffi::Error GroupedDecodeMxfp8Cpu(ffi::AnyBuffer data, ffi::AnyBuffer scale,
+                                 ffi::Result<ffi::AnyBuffer> out) {
+  Mxfp8DecodeParams p;
+  JQ_RETURN_IF_ERROR(decode_mxfp8_decode("jaxquant_grouped_decode_mxfp8", data, scale, out, &p));
+  for (int64_t row = 0; row < p.B * p.R; ++row) {
+    for (int64_t c = 0; c < p.C; ++c) {
+      const int64_t i = row * p.C + c;
+      const float v = p.e5m2 ? jq::decode_e5m2(p.data[i]) : jq::decode_e4m3(p.data[i]);
+      const float value = jq::mxfp8_raw(v, jq::e8m0_scale(p.scale[row * p.scale_cols + c / 32]));
+      p.out[i] = static_cast<uint16_t>(jq::bf16_bits_rne(value));
+    }
+  }
   return ffi::Error::Success();
 }
 
@@ -409,6 +460,8 @@ XLA_FFI_DEFINE_HANDLER(kGroupedQuantizeFp8Cpu, GroupedQuantizeFp8Cpu,
                        BindGroupedQuantizeFp8(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kGroupedQuantizeNvfp4Cpu, GroupedQuantizeNvfp4Cpu,
                        BindGroupedQuantizeNvfp4(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kGroupedDecodeMxfp8Cpu, GroupedDecodeMxfp8Cpu,
+                       BindGroupedDecodeMxfp8(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kGroupedDecodeNvfp4Cpu, GroupedDecodeNvfp4Cpu,
                        BindGroupedDecodeNvfp4(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kGroupedAmaxCpu, GroupedAmaxCpu, BindGroupedAmax(ffi::Ffi::Bind()));
@@ -424,6 +477,7 @@ std::vector<Target> grouped_cpu_targets() {
           target("jaxquant_grouped_quantize_mxfp8", kGroupedQuantizeMxfp8Cpu),
           target("jaxquant_grouped_quantize_fp8_block", kGroupedQuantizeFp8BlockCpu),
           target("jaxquant_grouped_decode_nvfp4", kGroupedDecodeNvfp4Cpu),
+          target("jaxquant_grouped_decode_mxfp8", kGroupedDecodeMxfp8Cpu),
           target("jaxquant_grouped_amax", kGroupedAmaxCpu),
           target("jaxquant_grouped_amax_gated", kGroupedAmaxGatedCpu),
           target("jaxquant_grouped_gemm", kGroupedGemmCpu),

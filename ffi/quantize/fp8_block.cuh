@@ -17,6 +17,7 @@ struct Fp8BlockParams {
   uint8_t *row, *col;
   float *row_scale, *col_scale, *amax;
   float* col_sums = nullptr;  // [ceil(R/128), C] per-tile column sums (fused dact's bias gradient)
+  int64_t expert_rows = 0;    // > 0: expert weights, the columnwise copy [R / E, C, E] (E % 128 == 0)
 };
 
 // The kernel's parameters for the decoded call `a` quantizing an R x C matrix (col_sums: the
@@ -28,7 +29,8 @@ inline Fp8BlockParams fp8_block_params(const Fp8BlockArgs& a, int64_t R, int64_t
           a.row_data, a.col_data, a.row_scale, a.col_scale, a.amax, col_sums};
 }
 
-template <typename P>
+// kExperts: p.expert_rows > 0 (a separate instance, so the other kernels keep their registers).
+template <typename P, bool kExperts = false>
 __global__ void __launch_bounds__(kThreads) fp8_block_kernel(const Fp8BlockParams p, const P prod) {
   using G = FP8Tile<typename P::Out>;
   static_assert(G::TPR == 16 && G::NJ == 8, "a tile row is one 1x128 block; 8 lanes a column");
@@ -79,12 +81,26 @@ __global__ void __launch_bounds__(kThreads) fp8_block_kernel(const Fp8BlockParam
     const float scale = p.block_2d ? tile_scale
                                    : jq::scale_from_amax(__uint_as_float(m), fmax, p.pow2_scale, p.amax_epsilon);
     if (!p.do_col || chunk.c >= p.C || chunk.rr >= p.R) continue;
-    if (p.block_2d) {
-      if (tid == 0) p.col_scale[(t.c0 / 128) * col_nb + t.r0 / 128] = jq::rcp_f32(scale);
-    } else if (chunk.slot.j == 0) {
-      p.col_scale[chunk.c * col_nb + t.r0 / 128] = jq::rcp_f32(scale);
+    const auto codes4 = [&](const float* v) { return fp8_codes4(v, scale, p.fmt); };
+    if constexpr (kExperts) {
+      const int64_t E = p.expert_rows;
+      if (p.block_2d) {
+        if (tid == 0) {
+          p.col_scale[expert_column_index(t.c0 / 128, t.r0, (p.C + 127) / 128, E, 128)] =
+              jq::rcp_f32(scale);
+        }
+      } else if (chunk.slot.j == 0) {
+        p.col_scale[expert_column_index(chunk.c, t.r0, p.C, E, 128)] = jq::rcp_f32(scale);
+      }
+      chunk.store(p.col, p.R, p.vec_col, codes4, p.C, E);
+    } else {
+      if (p.block_2d) {
+        if (tid == 0) p.col_scale[(t.c0 / 128) * col_nb + t.r0 / 128] = jq::rcp_f32(scale);
+      } else if (chunk.slot.j == 0) {
+        p.col_scale[chunk.c * col_nb + t.r0 / 128] = jq::rcp_f32(scale);
+      }
+      chunk.store(p.col, p.R, p.vec_col, codes4);
     }
-    chunk.store(p.col, p.R, p.vec_col, [&](const float* v) { return fp8_codes4(v, scale, p.fmt); });
   }
 }
 

@@ -16,6 +16,7 @@ struct Mxfp8Params {
   uint8_t *row, *row_scale, *col, *col_scale;
   float* amax;
   float* col_sums = nullptr;  // [ceil(R/128), C] per-tile column sums (fused dact's bias gradient)
+  int64_t expert_rows = 0;    // > 0: expert weights, the columnwise copy [R / E, C, E] (E % 32 == 0)
 };
 
 // The kernel's parameters for the decoded call `a` quantizing an R x C matrix (col_sums: the
@@ -31,7 +32,8 @@ __device__ __forceinline__ uint32_t mxfp8_codes4(const float* v, jq::Mxfp8Factor
   return jq::encode_fp8x4(v[0] * f.a * f.b, v[1] * f.a * f.b, v[2] * f.a * f.b, v[3] * f.a * f.b, fmt);
 }
 
-template <typename P>
+// kExperts: p.expert_rows > 0 (a separate instance, so the other kernels keep their registers).
+template <typename P, bool kExperts = false>
 __global__ void __launch_bounds__(kThreads) mxfp8_kernel(const Mxfp8Params p, const P prod) {
   using G = FP8Tile<typename P::Out>;
   __shared__ uint32_t red[kThreads / 32];
@@ -69,8 +71,16 @@ __global__ void __launch_bounds__(kThreads) mxfp8_kernel(const Mxfp8Params p, co
     if (!p.do_col || chunk.c >= p.C || chunk.rr >= p.R) continue;
     const uint32_t e = jq::e8m0_from_amax(__uint_as_float(m), inv_fmax);
     const jq::Mxfp8Factors f = jq::mxfp8_factors(e);
-    if ((chunk.slot.j & 1) == 0) p.col_scale[chunk.c * col_nb + chunk.rr / 32] = uint8_t(e);
-    chunk.store(p.col, p.R, p.vec_col, [&](const float* v) { return mxfp8_codes4(v, f, e, p.fmt); });
+    const auto codes4 = [&](const float* v) { return mxfp8_codes4(v, f, e, p.fmt); };
+    if constexpr (kExperts) {
+      if ((chunk.slot.j & 1) == 0) {
+        p.col_scale[expert_column_index(chunk.c, chunk.rr, p.C, p.expert_rows, 32)] = uint8_t(e);
+      }
+      chunk.store(p.col, p.R, p.vec_col, codes4, p.C, p.expert_rows);
+    } else {
+      if ((chunk.slot.j & 1) == 0) p.col_scale[chunk.c * col_nb + chunk.rr / 32] = uint8_t(e);
+      chunk.store(p.col, p.R, p.vec_col, codes4);
+    }
   }
 }
 

@@ -254,6 +254,13 @@ __host__ __device__ __forceinline__ bool has_column_phase(const Params& p) {
   return p.do_col || p.col_sums != nullptr;
 }
 
+// What reads a tile whose first row is r0: the producer itself, unless an overload for its type
+// (found by argument-dependent lookup) gives a reader that does per-tile work once.
+template <typename P>
+__device__ __forceinline__ const P& tile_reader(const P& prod, int64_t) {
+  return prod;
+}
+
 // The load phase of the FP8-format tile kernels: the CTA's tile, this thread's place in it (tile
 // row pass * RPP + lr, columns lc .. lc+7) and its 8 values of each pass, read from the producer
 // with every load issued before any is used.
@@ -272,8 +279,9 @@ struct Fp8TileLoad {
   __device__ __forceinline__ Fp8TileLoad(const P& prod, const Params& p)
       : tile(shared_tile<In>()), column_phase(has_column_phase(p)), t(tile_index(p.C, G::TR, G::TC)),
         lr(threadIdx.x / G::TPR), lc((threadIdx.x % G::TPR) * 8) {
+    const auto& reader = tile_reader(prod, t.r0);
 #pragma unroll
-    for (int pp = 0; pp < G::NP; ++pp) prod.load8(row(pp), col(), raw[pp]);
+    for (int pp = 0; pp < G::NP; ++pp) reader.load8(row(pp), col(), raw[pp]);
   }
 
   // The matrix row of pass pp and the matrix column of this thread's first value.
@@ -298,6 +306,18 @@ struct Fp8TileLoad {
 // Column phase, iteration `it`: this thread's 16-row chunk of its tile column (matrix column c,
 // rows rr .. rr+15) as floats, and its share of the column sums when `col_sums` is not null
 // (every lane takes part: shuffles).
+// Index of (row c, position r) in expert weights' columnwise copy [G, rows, E / per] (E rows an
+// expert; per = positions an element covers: 1 for data, the block for scales; rows = C, or
+// the row blocks for 2-D scales): expert r / E's [rows, E / per] matrix.
+// Positions are below 2^31 (the handlers check), so the division by E is a 32-bit one.
+__device__ __forceinline__ int64_t expert_column_index(int64_t c, int64_t r, int64_t rows,
+                                                       int64_t E, int per) {
+  const uint32_t e32 = uint32_t(E), expert = uint32_t(r) / e32;
+  const uint32_t local = uint32_t(r) - expert * e32;
+  const int64_t len = E / per;
+  return int64_t(expert) * rows * len + c * len + local / uint32_t(per);
+}
+
 template <typename G>
 struct Fp8TileColumn {
   ColumnSlot<G> slot;
@@ -312,13 +332,20 @@ struct Fp8TileColumn {
   }
 
   // Writes the chunk's 16 one-byte codes (`code4(w + 4 * k)` packs four) to the columnwise copy
-  // `out` [C, R] (the matrix transposed): row c, columns rr .. rr+15, clipped to R.
+  // `out` [C, R] (the matrix transposed): row c, columns rr .. rr+15, clipped to R. Expert
+  // weights (`E` > 0 rows an expert, a multiple of 16): `out` is [R / E, C, E], each expert's
+  // copy on its own (`expert_column_index`).
   template <typename Code4>
-  __device__ __forceinline__ void store(uint8_t* out, int64_t R, bool vec, Code4 code4) const {
+  __device__ __forceinline__ void store(uint8_t* out, int64_t R, bool vec, Code4 code4,
+                                        int64_t C = 0, int64_t E = 0) const {
     uint32_t q[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) q[k] = code4(w + 4 * k);
-    store_bytes16(out + c * R + rr, q, int(min64(16, R - rr)), vec);
+    if (E > 0) {
+      store_bytes16(out + expert_column_index(c, rr, C, E, 1), q, 16, vec);
+    } else {
+      store_bytes16(out + c * R + rr, q, int(min64(16, R - rr)), vec);
+    }
   }
 };
 

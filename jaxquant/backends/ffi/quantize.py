@@ -57,6 +57,9 @@ class Request:
   state: Any = None
   # A token layout gathered from x2d's rows (`quantize_gathered`): (starts, pstarts, length).
   gather: Optional[tuple[jax.Array, jax.Array, int]] = None
+  # > 0 with `gather`: expert weights of this many rows each, the columnwise copy written as
+  # [G, cols, expert_rows] (each expert's on its own) with its scales likewise.
+  expert_rows: int = 0
 
   @property
   def shape(self) -> tuple[int, int]:
@@ -118,8 +121,14 @@ def _call(req: Request, target: str, results: list, layout: Layout, **attributes
   if req.gather is None:
     return calls.call(target, results, req.x2d, layout=layout, **attributes)
   starts, pstarts, length = req.gather
+  if req.expert_rows:  # [cols, G E] -> [G, cols, E] (scales: [s, G E / b] -> [G, s, E / b])
+    groups = length // req.expert_rows
+    first = 2 if req.rowwise else 0  # the columnwise data and scales
+    results = [_sds((groups, r.shape[0], r.shape[1] // groups), r.dtype)
+               if first <= i < first + 2 else r for i, r in enumerate(results)]
   return calls.call(GATHERED_TARGETS[target], results, req.x2d, starts, pstarts,
-                    length=np.int64(length), **attributes)
+                    length=np.int64(length), expert_rows=np.int64(req.expert_rows),
+                    **attributes)
 
 
 def _split(req: Request, outs: list, with_scales: bool):
@@ -339,15 +348,24 @@ def gathered_kernel(quantizer: Quantizer) -> Optional[str]:
 
 def quantize_gathered(x2d, starts: jax.Array, pstarts: jax.Array, length: int,
                       quantizer: Quantizer, *, rowwise: bool, columnwise: bool,
-                      orig_dtype: Any) -> Pair:
+                      orig_dtype: Any, expert_rows: int = 0) -> Pair:
   """`quantize_single` of the token layout of `length` positions gathered from `x2d`'s rows
   (position pstarts[g] + i holds row starts[g] + i while inside group g, else zeros), bit for
-  bit, with no gathered copy: `gathered_kernel(quantizer)` reads x through the offsets."""
+  bit, with no gathered copy: `gathered_kernel(quantizer)` reads x through the offsets.
+
+  `expert_rows` > 0: x2d is expert weights `[G expert_rows, cols]` (starts = pstarts = g
+  expert_rows), and the columnwise copy comes back as `[G, cols, expert_rows]` with its scales
+  likewise: each expert's copy, written so by the kernel (no regrouping transpose), which reads
+  x2d directly; the rowwise copy, when asked for too, is `[G expert_rows, cols]` as for tokens."""
   if gathered_kernel(quantizer) is None:
     raise ValueError(f"no gathered quantize kernel for {quantizer}")
+  if expert_rows and (not columnwise or length % expert_rows):
+    raise ValueError(f"expert_rows={expert_rows}: needs columnwise=True and a length "
+                     f"({length}) of whole experts")
   reason = unsupported(x2d, quantizer, rowwise=rowwise, columnwise=columnwise)
   if reason is not None:
     raise ValueError(f"FFI quantize cannot serve {quantizer}: {reason}")
   req = Request(x2d, rowwise, columnwise, orig_dtype,
-                gather=(starts.astype(jnp.int32), pstarts.astype(jnp.int32), int(length)))
+                gather=(starts.astype(jnp.int32), pstarts.astype(jnp.int32), int(length)),
+                expert_rows=int(expert_rows))
   return KERNEL_FORMATS[format_of(quantizer).quantize_kernel(quantizer)](req, quantizer)

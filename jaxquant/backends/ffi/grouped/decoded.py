@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant.backends.ffi.grouped import bf16, decode_nvfp4
+from jaxquant.backends.ffi.grouped import bf16, decode_kernel
 from jaxquant.grouping import decode
 from jaxquant.grouping.layout import per_position
 from jaxquant.grouping.tensors import GroupedScaledTensor, positions, row_scaled
@@ -133,9 +133,9 @@ def gemm(a: GroupedScaledTensor, b, *, out_dtype, bias: Optional[jax.Array] = No
   given as their `[G, K, N]` copy (`n_major_reason` accepts it), decoded as stored and read
   along N."""
   starts = bf16.group_starts(a.layout.extents(a.group_sizes))
-  da = decode.tokens(a, decode_nvfp4.raw_bf16)
-  db = (decode.experts(b, decode_nvfp4.raw_bf16) if a.token_axis == 0
-        else decode.tokens(b, decode_nvfp4.raw_bf16))
+  da = decode.tokens(a, decode_kernel.raw_bf16)
+  db = (decode.experts(b, decode_kernel.raw_bf16) if a.token_axis == 0
+        else decode.tokens(b, decode_kernel.raw_bf16))
   kernel_out = _kernel_out(a, b, out_dtype, bias, b_k_major)
   epilogue_rows = rows_in_epilogue(a, b, out_dtype, bias, b_k_major)
   out = bf16.gemm(da.values, db.values, starts, mode=a.token_axis, out_dtype=kernel_out,

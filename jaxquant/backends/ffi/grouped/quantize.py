@@ -225,8 +225,15 @@ def _packed_rows(x: jax.Array, sizes: jax.Array, leaf: Quantizer, orig_dtype) ->
   `sum(sizes)` zeroed, and each row quantizes on its own, so x is quantized as it is and the
   rows of no group take a zero row's codes, scales and amax: bit for bit the gathered layout's
   storage, without XLA's gathered bfloat16 copy of x (read and written, twice the bytes of the
-  select on the quantized rows that replaces it)."""
+  select on the quantized rows that replaces it). MXFP8 / Float8Block take the gathered kernel
+  on the packed layout (starts = pstarts), which reads the rows of no group as zeros: no select
+  pass either."""
   rows, cols = x.shape
+  if gathered_served(leaf):
+    starts = _offsets(sizes)
+    t, _ = single.quantize_gathered(x, starts, starts, rows, leaf, rowwise=True, columnwise=False,
+                                    orig_dtype=orig_dtype)
+    return t
   t, _ = single.quantize_single(x, leaf, rowwise=True, columnwise=False, orig_dtype=orig_dtype)
   zero, _ = single.quantize_single(jnp.zeros((1, cols), x.dtype), leaf, rowwise=True,
                                    columnwise=False, orig_dtype=orig_dtype)
@@ -264,6 +271,12 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool, colum
     return QuantizedTensor(pair["rowwise"], pair["columnwise"], quantizer)
   states = fmt.split_state(quantizer, state)
   from_rowwise = columnwise and fmt.columnwise_from_rowwise(quantizer)
+  if (one_quantizer and rowwise and columnwise and not from_rowwise and gathered_served(quantizer)
+      and all(support.expert_route(quantizer, d, tuple(w.shape))[1] is None
+              for d in ("rowwise", "columnwise"))):
+    # MXFP8 / Float8Block: both copies from one launch (one read of w).
+    copies = _experts_gathered(w, quantizer, True, orig_dtype, jax.vmap(tensor_amax)(w))
+    return QuantizedTensor(copies["rowwise"], copies["columnwise"], quantizer)
   expert_amax = None  # each expert's tensor amax, one pass over w shared by both copies
   copies = {}
   for index, (direction, wanted) in enumerate((("rowwise", rowwise or from_rowwise),
@@ -332,14 +345,18 @@ def _experts_fp8(w, quantizer, rowwise: bool, columnwise: bool, state, orig_dtyp
 
 def _experts_single(w: jax.Array, leaf: Quantizer, direction: str, orig_dtype,
                     expert_amax: Optional[jax.Array]) -> ScaledTensor:
-  """One copy of block-scaled expert weights from one single-tensor kernel launch on
-  `[G * rows, cols]`: `support.expert_route` checked that no block spans two experts, so every
-  block (and, for row-scaled NVFP4, every row amax) is the expert's own. The rowwise copy is a
-  reshape; the columnwise copy `[cols, G * rows]` is regrouped to `[G, cols, rows]` (data and
-  block scales) by one XLA transpose; `expert_amax[G]` is each expert's own tensor amax
-  (`tensor_amax`, as the reference computes it), passed in so both copies share one pass."""
+  """One copy of block-scaled expert weights from one kernel launch on `[G * rows, cols]`:
+  `support.expert_route` checked that no block spans two experts, so every block (and, for
+  row-scaled NVFP4, every row amax) is the expert's own. The rowwise copy is a reshape. The
+  columnwise copy of MXFP8 / Float8Block comes from the gathered kernel with `expert_rows`,
+  which writes each expert's `[cols, rows]` on its own; other formats' `[cols, G * rows]` is
+  regrouped to `[G, cols, rows]` (data and block scales) by one XLA transpose.
+  `expert_amax[G]` is each expert's own tensor amax (`tensor_amax`, as the reference computes
+  it), passed in so both copies share one pass."""
   groups, rows, cols = w.shape
   rowwise = direction == "rowwise"
+  if not rowwise and gathered_served(leaf):
+    return _experts_gathered(w, leaf, False, orig_dtype, expert_amax)["columnwise"]
   row, col = single.quantize_single(w.reshape(groups * rows, cols), leaf, rowwise=rowwise,
                                     columnwise=not rowwise, orig_dtype=orig_dtype)
   t = row if rowwise else col
@@ -349,3 +366,22 @@ def _experts_single(w: jax.Array, leaf: Quantizer, direction: str, orig_dtype,
     regroup = lambda a: jnp.swapaxes(a.reshape(a.shape[0], groups, a.shape[1] // groups), 0, 1)
   amax = regroup(t.amax) if _row_scaled(leaf) else expert_amax
   return ScaledTensor(regroup(t.data), regroup(t.scale_inv), amax, leaf, orig_dtype, t.rht)
+
+
+def _experts_gathered(w: jax.Array, leaf: Quantizer, rowwise: bool, orig_dtype,
+                      expert_amax: jax.Array) -> dict:
+  """MXFP8 / Float8Block expert weights from one launch of the gathered kernel with
+  `expert_rows`: the columnwise copy with each expert's `[cols, rows]` written on its own (no
+  regrouping transpose), and with `rowwise` the rowwise copy too (a reshape), one read of `w`."""
+  groups, rows, cols = w.shape
+  starts = jnp.arange(groups + 1, dtype=jnp.int32) * rows
+  row, col = single.quantize_gathered(w.reshape(groups * rows, cols), starts, starts,
+                                      groups * rows, leaf, rowwise=rowwise, columnwise=True,
+                                      orig_dtype=orig_dtype, expert_rows=rows)
+  out = {"columnwise": ScaledTensor(col.data, col.scale_inv, expert_amax, leaf, orig_dtype,
+                                    col.rht)}
+  if rowwise:
+    regroup = lambda a: a.reshape(groups, a.shape[0] // groups, *a.shape[1:])
+    out["rowwise"] = ScaledTensor(regroup(row.data), regroup(row.scale_inv), expert_amax, leaf,
+                                  orig_dtype, row.rht)
+  return out

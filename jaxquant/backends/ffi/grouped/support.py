@@ -16,9 +16,9 @@ Targets (ffi/grouped, CPU and CUDA handlers with the same numerics):
       within the group; also the expert weights `[G, rows, cols]` (each expert its own amax,
       columnwise `[G, cols, rows]`). Amax launches + one launch of the single-tensor NVFP4 tile
       kernel instantiated over the token layout. Bit-for-bit `jaxquant.grouping.formats`.
-  jaxquant_grouped_decode_nvfp4  NVFP4 storages (any leading axes, columns whole 16-blocks)
-      decoded to their bfloat16 raw values (code x block scale, exact) for the GEMMs on decoded
-      operands; bit for bit XLA's decode (`decode_nvfp4`).
+  jaxquant_grouped_decode_nvfp4 / _mxfp8  NVFP4 / MXFP8 storages (any leading axes, columns
+      whole 16-chunks) decoded to their bfloat16 raw values (code x block scale) for the GEMMs on
+      decoded operands; bit for bit XLA's decode (`decode_kernel`).
   jaxquant_grouped_amax  the per-group amax of tokens (one launch).
   jaxquant_grouped_amax_gated  the same amax for delayed scaling's just-in-time first scale
       (`first_scale="current"`): its grid exits at once, leaving zeros, unless some group's
@@ -41,8 +41,8 @@ Targets (ffi/grouped, CPU and CUDA handlers with the same numerics):
       It serves GroupedDense without a recipe (`jaxquant.layers.grouped_plain`), GEMMs of
       high-precision (Identity) bfloat16 operands, and every other pair of exactly decodable
       operands (MXFP8, NVFP4 in all its options, power-of-two Float8Block, per-tensor FP8 pairs
-      the FP8 instances do not take): decoded to bfloat16 (NVFP4 by
-      jaxquant_grouped_decode_nvfp4, the rest by XLA); row-scaled tokens' per-row factors in the
+      the FP8 instances do not take): decoded to bfloat16 (NVFP4 and MXFP8 by
+      jaxquant_grouped_decode_*, the rest by XLA); row-scaled tokens' per-row factors in the
       kernel's epilogue (`has_row_scale`), other per-row / per-column factors and the bias
       applied to a float32 output (`decoded`). Else, or with
       JAXQUANT_GROUPED_GEMM_KERNEL=mma_sync, the mma.sync kernel, with the reason
@@ -71,7 +71,7 @@ import numpy as np
 
 from jaxquant.backends.ffi import quantize as single_quantize
 from jaxquant.backends.ffi import registry
-from jaxquant.backends.ffi.grouped import bf16, decode_nvfp4, decoded, sm90_configs
+from jaxquant.backends.ffi.grouped import bf16, decode_kernel, decoded, sm90_configs
 from jaxquant.backends.platform import compute_capability
 from jaxquant.backends.platform import current_platform as _platform
 from jaxquant.formats import format_of
@@ -451,7 +451,7 @@ def gemm_kernel_note(a, b, out_dtype=None, bias=None, stored_kn=None) -> tuple[s
   if target == GEMM_BF16_TARGET:
     label = (decoded.kernel_label(a, stored_kn, out, bias, b_k_major=False) if along_n
              else decoded.kernel_label(a, b, out, bias))
-    return "kernel: " + label + transpose, decode_nvfp4.slower_note(
+    return "kernel: " + label + transpose, decode_kernel.slower_note(
         a, stored_kn if along_n else b)
   return "kernel: mma.sync" + transpose, why
 
