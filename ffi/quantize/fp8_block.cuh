@@ -29,8 +29,18 @@ inline Fp8BlockParams fp8_block_params(const Fp8BlockArgs& a, int64_t R, int64_t
           a.row_data, a.col_data, a.row_scale, a.col_scale, a.amax, col_sums};
 }
 
+// 128x128 blocks: the rowwise codes wait for the tile's amax, and the tile's values are read
+// back from shared memory for them rather than kept in registers across the reduction.
+__host__ __device__ __forceinline__ bool rows_from_tile(const Fp8BlockParams& p) {
+  return p.block_2d && p.do_row;
+}
+
 // kExperts: p.expert_rows > 0 (a separate instance, so the other kernels keep their registers).
-template <typename P, bool kExperts = false>
+// kBlock2d: p.block_2d (128x128 blocks), its own instance. 1x128 blocks write each pass's row
+// codes as it is loaded (as the MXFP8 kernel does); with the 128x128 rows read back from the
+// tile, neither holds its loaded values across the CTA's reduction (bfloat16 input: 119 -> 76
+// registers, 2 -> 3 CTAs a multiprocessor).
+template <typename P, bool kExperts = false, bool kBlock2d = false>
 __global__ void __launch_bounds__(kThreads) fp8_block_kernel(const Fp8BlockParams p, const P prod) {
   using G = FP8Tile<typename P::Out>;
   static_assert(G::TPR == 16 && G::NJ == 8, "a tile row is one 1x128 block; 8 lanes a column");
@@ -40,35 +50,40 @@ __global__ void __launch_bounds__(kThreads) fp8_block_kernel(const Fp8BlockParam
   const int64_t row_nb = (p.C + 127) / 128, col_nb = (p.R + 127) / 128;
   Fp8TileLoad<P> ld(prod, p);
   const TileIndex t = ld.t;
-  uint32_t row_m[G::NP];
+  [[maybe_unused]] uint32_t row_m[kBlock2d ? G::NP : 1];
 #pragma unroll
   for (int pp = 0; pp < G::NP; ++pp) {
     float v[8];
     uint32_t m = ld.pass(pp, v);
 #pragma unroll
     for (int o = 1; o < 16; o <<= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-    row_m[pp] = m;
+    if constexpr (kBlock2d) {
+      row_m[pp] = m;
+    } else {  // the row's 1x128 block is complete: write its codes now
+      const int64_t r = ld.row(pp), c = ld.col();
+      if (!p.do_row || r >= p.R || c >= p.C) continue;
+      const float scale = jq::scale_from_amax(__uint_as_float(m), fmax, p.pow2_scale, p.amax_epsilon);
+      store_bytes8(p.row + r * p.C + c, fp8_codes4(v, scale, p.fmt), fp8_codes4(v + 4, scale, p.fmt),
+                   int(min64(8, p.C - c)), p.vec_row);
+      if (ld.lc == 0) p.row_scale[r * row_nb + t.c0 / 128] = jq::rcp_f32(scale);
+    }
   }
   const uint32_t tile_amax = cta_max(ld.amax, red);  // also the 128x128 block amax; orders the tile
   if (p.amax && tid == 0) atomic_max_float(p.amax, tile_amax);
   const float tile_scale = jq::scale_from_amax(__uint_as_float(tile_amax), fmax, p.pow2_scale, p.amax_epsilon);
-  if (p.do_row) {
+  if (kBlock2d && p.do_row) {
 #pragma unroll
     for (int pp = 0; pp < G::NP; ++pp) {
       const int64_t r = ld.row(pp), c = ld.col();
       if (r >= p.R || c >= p.C) continue;
-      const float scale = p.block_2d ? tile_scale
-                                     : jq::scale_from_amax(__uint_as_float(row_m[pp]), fmax, p.pow2_scale, p.amax_epsilon);
+      typename P::Out raw[8];
+      tile_load8<G>(ld.tile, pp * G::RPP + ld.lr, ld.lc, raw);
       float v[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] = to_float(ld.raw[pp][i]);
-      store_bytes8(p.row + r * p.C + c, fp8_codes4(v, scale, p.fmt), fp8_codes4(v + 4, scale, p.fmt),
-                   int(min64(8, p.C - c)), p.vec_row);
-      if (p.block_2d) {
-        if (tid == 0) p.row_scale[(t.r0 / 128) * row_nb + t.c0 / 128] = jq::rcp_f32(scale);
-      } else if (ld.lc == 0) {
-        p.row_scale[r * row_nb + t.c0 / 128] = jq::rcp_f32(scale);
-      }
+      for (int i = 0; i < 8; ++i) v[i] = to_float(raw[i]);
+      store_bytes8(p.row + r * p.C + c, fp8_codes4(v, tile_scale, p.fmt),
+                   fp8_codes4(v + 4, tile_scale, p.fmt), int(min64(8, p.C - c)), p.vec_row);
+      if (tid == 0) p.row_scale[(t.r0 / 128) * row_nb + t.c0 / 128] = jq::rcp_f32(tile_scale);
     }
   }
   if (!ld.column_phase) return;
@@ -78,13 +93,13 @@ __global__ void __launch_bounds__(kThreads) fp8_block_kernel(const Fp8BlockParam
     uint32_t m = abs_bits_max<16>(chunk.w);
 #pragma unroll
     for (int o = 1; o < G::NJ; o <<= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));  // 128 rows
-    const float scale = p.block_2d ? tile_scale
+    const float scale = kBlock2d ? tile_scale
                                    : jq::scale_from_amax(__uint_as_float(m), fmax, p.pow2_scale, p.amax_epsilon);
     if (!p.do_col || chunk.c >= p.C || chunk.rr >= p.R) continue;
     const auto codes4 = [&](const float* v) { return fp8_codes4(v, scale, p.fmt); };
     if constexpr (kExperts) {
       const int64_t E = p.expert_rows;
-      if (p.block_2d) {
+      if constexpr (kBlock2d) {
         if (tid == 0) {
           p.col_scale[expert_column_index(t.c0 / 128, t.r0, (p.C + 127) / 128, E, 128)] =
               jq::rcp_f32(scale);
@@ -94,7 +109,7 @@ __global__ void __launch_bounds__(kThreads) fp8_block_kernel(const Fp8BlockParam
       }
       chunk.store(p.col, p.R, p.vec_col, codes4, p.C, E);
     } else {
-      if (p.block_2d) {
+      if constexpr (kBlock2d) {
         if (tid == 0) p.col_scale[(t.c0 / 128) * col_nb + t.r0 / 128] = jq::rcp_f32(scale);
       } else if (chunk.slot.j == 0) {
         p.col_scale[chunk.c * col_nb + t.r0 / 128] = jq::rcp_f32(scale);

@@ -21,7 +21,9 @@ auto tile_kernel_of(const Fp8TensorParams&, const P&) {
 template <bool kExperts, typename P>
 auto tile_kernel_of(const Mxfp8Params&, const P&) { return mxfp8_kernel<P, kExperts>; }
 template <bool kExperts, typename P>
-auto tile_kernel_of(const Fp8BlockParams&, const P&) { return fp8_block_kernel<P, kExperts>; }
+auto tile_kernel_of(const Fp8BlockParams& p, const P&) {
+  return p.block_2d ? fp8_block_kernel<P, kExperts, true> : fp8_block_kernel<P, kExperts, false>;
+}
 
 // Launches the tile kernel of `p`'s format over the matrix `prod` produces, with the tile's
 // shared memory when it has a column phase.
@@ -29,7 +31,7 @@ template <bool kExperts = false, typename Params, typename P>
 cudaError_t launch_fp8_tiles(cudaStream_t stream, const Params& p, const P& prod) {
   using G = FP8Tile<typename P::Out>;
   return launch_tiles(tile_kernel_of<kExperts>(p, prod), num_tiles(p.R, p.C, G::TR, G::TC),
-                      has_column_phase(p) ? G::kSmemBytes : 0, stream, p, prod);
+                      keeps_tile(p) ? G::kSmemBytes : 0, stream, p, prod);
 }
 
 }  // namespace

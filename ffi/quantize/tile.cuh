@@ -141,6 +141,15 @@ __device__ __forceinline__ void tile_store8(In* tile, int r, int c, const In* v)
   }
 }
 
+// Reads back the 8 elements a load-phase thread stored at (r, c..c+7).
+template <typename G, typename In>
+__device__ __forceinline__ void tile_load8(const In* tile, int r, int c, In* v) {
+  reinterpret_cast<uint4*>(v)[0] = reinterpret_cast<const uint4*>(tile + G::offset(r, c))[0];
+  if constexpr (sizeof(In) == 4) {
+    reinterpret_cast<uint4*>(v)[1] = reinterpret_cast<const uint4*>(tile + G::offset(r, c + 4))[0];
+  }
+}
+
 // Reads 16 rows (r0 .. r0+15) of tile column c as floats.
 template <typename G, typename In>
 __device__ __forceinline__ void tile_column16(const In* tile, int r0, int c, float* w) {
@@ -254,6 +263,16 @@ __host__ __device__ __forceinline__ bool has_column_phase(const Params& p) {
   return p.do_col || p.col_sums != nullptr;
 }
 
+// Whether a kernel keeps its tile in shared memory: for a column phase, or (`rows_from_tile`,
+// overloaded by a format that reads its rowwise values back after a CTA-wide reduction rather
+// than keeping them in registers across it) for the rows.
+template <typename Params>
+__host__ __device__ __forceinline__ bool rows_from_tile(const Params&) { return false; }
+template <typename Params>
+__host__ __device__ __forceinline__ bool keeps_tile(const Params& p) {
+  return has_column_phase(p) || rows_from_tile(p);
+}
+
 // What reads a tile whose first row is r0: the producer itself, unless an overload for its type
 // (found by argument-dependent lookup) gives a reader that does per-tile work once.
 template <typename P>
@@ -269,7 +288,7 @@ struct Fp8TileLoad {
   using In = typename P::Out;
   using G = FP8Tile<In>;
   In* tile;
-  bool column_phase;
+  bool column_phase, keep_tile;
   TileIndex t;
   int lr, lc;
   alignas(16) In raw[G::NP][8];
@@ -277,7 +296,8 @@ struct Fp8TileLoad {
 
   template <typename Params>
   __device__ __forceinline__ Fp8TileLoad(const P& prod, const Params& p)
-      : tile(shared_tile<In>()), column_phase(has_column_phase(p)), t(tile_index(p.C, G::TR, G::TC)),
+      : tile(shared_tile<In>()), column_phase(has_column_phase(p)), keep_tile(keeps_tile(p)),
+        t(tile_index(p.C, G::TR, G::TC)),
         lr(threadIdx.x / G::TPR), lc((threadIdx.x % G::TPR) * 8) {
     const auto& reader = tile_reader(prod, t.r0);
 #pragma unroll
@@ -291,7 +311,7 @@ struct Fp8TileLoad {
   // Pass pp: keeps its values in the shared tile when there is a column phase, and returns them
   // as floats in v with the largest of their |bits| (also taken into `amax`).
   __device__ __forceinline__ uint32_t pass(int pp, float* v) {
-    if (column_phase) tile_store8<G>(tile, pp * G::RPP + lr, lc, raw[pp]);
+    if (keep_tile) tile_store8<G>(tile, pp * G::RPP + lr, lc, raw[pp]);
     uint32_t m = 0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
