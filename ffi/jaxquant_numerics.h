@@ -347,7 +347,7 @@ JQ_HD float decode_e5m2(uint32_t code) {
 }
 
 // scales.e8m0_decode_exponent: 2^(e - 127) (subnormal for e = 0), NaN for e = 255.
-JQ_HD float e8m0_scale(uint32_t e) { return e == 255u ? float_of(0x7FC00000u) : exp2i(int(e) - 127); }
+JQ_HD float decode_e8m0(uint32_t e) { return e == 255u ? float_of(0x7FC00000u) : exp2i(int(e) - 127); }
 
 // MXFP8's raw value (formats.mxfp8.dequantize_raw): decode(code) * 2^(e - 127) in float32 (one
 // rounding, below 2^-126 only).

@@ -11,37 +11,12 @@
 
 namespace jqffi {
 
-// E5M2 code -> float32 (E5M2 is the high byte of an IEEE half).
-inline float decode_e5m2(uint32_t code) {
-  const uint32_t sign = (code >> 7) & 1u, e = (code >> 2) & 0x1Fu, m = code & 3u;
-  float mag;
-  if (e == 0x1Fu) {
-    mag = m ? jq::float_of(0x7FC00000u) : jq::float_of(0x7F800000u);
-  } else if (e == 0) {
-    mag = static_cast<float>(m) * 0x1p-16f;
-  } else {
-    mag = jq::float_of(((e - 15u + 127u) << 23) | (m << 21));
-  }
-  return sign ? -mag : mag;
-}
-
-// E2M1 code (the low nibble) -> float32.
-inline float decode_e2m1(uint32_t code) {
-  static constexpr float kMagnitude[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-  const float mag = kMagnitude[code & 7u];
-  return (code & 8u) ? -mag : mag;
-}
-
-// E8M0 code -> 2^(e - 127), NaN for 255.
-inline float decode_e8m0(uint32_t e) {
-  return e == 255u ? jq::float_of(0x7FC00000u) : jq::exp2i(static_cast<int>(e) - 127);
-}
-
+// Operand codes decode with the numerics header's jq::decode_e4m3 / _e5m2 / _e2m1 / _e8m0.
 inline float decode_elem(Elem elem, uint32_t code) {
   switch (elem) {
     case Elem::kE4M3: return jq::decode_e4m3(code);
-    case Elem::kE5M2: return decode_e5m2(code);
-    default: return decode_e2m1(code);
+    case Elem::kE5M2: return jq::decode_e5m2(code);
+    default: return jq::decode_e2m1(code);
   }
 }
 

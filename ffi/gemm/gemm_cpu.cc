@@ -83,9 +83,9 @@ std::vector<float> dequantize(const DequantOperand& op, int64_t K) {
       float x;
       if (op.elem == Elem::kE2M1) {
         const uint32_t byte = q[k / 2];
-        x = decode_e2m1((k & 1) ? byte >> 4 : byte & 0xFu) * jq::decode_e4m3(s[k / 16]);
+        x = jq::decode_e2m1((k & 1) ? byte >> 4 : byte & 0xFu) * jq::decode_e4m3(s[k / 16]);
       } else {
-        x = decode_elem(op.elem, q[k]) * decode_e8m0(s[k / 32]);
+        x = decode_elem(op.elem, q[k]) * jq::decode_e8m0(s[k / 32]);
       }
       v[static_cast<size_t>(r * K + k)] = x;
     }

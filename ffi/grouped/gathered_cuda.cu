@@ -20,7 +20,8 @@ namespace jqffi {
 namespace {
 
 // The tile kernels' producer for a gathered token layout (quantize/tile.cuh's `Direct` reads x
-// itself): position r holds row starts[g] + (r - pstarts[g]) of x while inside group g.
+// itself): position r holds row starts[g] + (r - pstarts[g]) of x while inside group g. The
+// kernels read it through `tile_reader` (below), which knows the group of the tile's first row.
 template <typename In>
 struct GatheredRows {
   using Out = In;
@@ -43,9 +44,6 @@ struct GatheredRows {
       }
     }
     jqffi::load8(x, src >= 0 ? T : 0, C, src >= 0 ? src : 0, c, vec, out);  // R = 0: zeros
-  }
-  __device__ __forceinline__ void load8(int64_t r, int64_t c, In* out) const {
-    load8(r, upper_group(pstarts, G, r), c, out);
   }
 };
 

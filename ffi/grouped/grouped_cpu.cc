@@ -197,7 +197,7 @@ ffi::Error GroupedQuantizeNvfp4Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi:
 float block_scale(const GemmOperand& op, const uint8_t* s, int64_t row, int64_t k) {
   const float* f32 = reinterpret_cast<const float*>(s);
   switch (op.scaling) {
-    case kScaleMx: return decode_e8m0(s[row * op.scale_cols + k / 32]);
+    case kScaleMx: return jq::decode_e8m0(s[row * op.scale_cols + k / 32]);
     case kScaleNv: return jq::decode_e4m3(s[row * op.scale_cols + k / 16]);
     case kScaleNv2d: return jq::decode_e4m3(s[(row / 16) * op.scale_cols + k / 16]);
     case kScaleBlock: return f32[row * op.scale_cols + k / 128];
@@ -423,7 +423,7 @@ ffi::Error GroupedDecodeMxfp8Cpu(ffi::AnyBuffer data, ffi::AnyBuffer scale,
     for (int64_t c = 0; c < p.C; ++c) {
       const int64_t i = row * p.C + c;
       const float v = p.e5m2 ? jq::decode_e5m2(p.data[i]) : jq::decode_e4m3(p.data[i]);
-      const float value = jq::mxfp8_raw(v, jq::e8m0_scale(p.scale[row * p.scale_cols + c / 32]));
+      const float value = jq::mxfp8_raw(v, jq::decode_e8m0(p.scale[row * p.scale_cols + c / 32]));
       p.out[i] = static_cast<uint16_t>(jq::bf16_bits_rne(value));
     }
   }

@@ -31,7 +31,7 @@ std::vector<Target> grouped_quantize_cuda_targets();  // quantize_fp8, amax, ama
 std::vector<Target> grouped_nvfp4_cuda_targets();     // quantize_nvfp4 (nvfp4_cuda.cu)
 std::vector<Target> grouped_gathered_cuda_targets();  // quantize_mxfp8, quantize_fp8_block
                                                       // (gathered_cuda.cu)
-std::vector<Target> grouped_decode_cuda_targets();    // decode_nvfp4 (decode_nvfp4_cuda.cu)
+std::vector<Target> grouped_decode_cuda_targets();    // decode_nvfp4, _mxfp8 (decode_cuda.cu)
 std::vector<Target> grouped_gemm_cuda_targets();      // gemm (grouped_gemm_cuda.cu)
 #ifdef JAXQUANT_GROUPED_SM90
 std::vector<Target> grouped_sm90_cuda_targets();       // gemm_sm90 (grouped_sm90.cu)

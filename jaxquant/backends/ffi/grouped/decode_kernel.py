@@ -2,7 +2,7 @@
 
 The grouped GEMMs on decoded operands (`decoded`) read bfloat16 raw values (payload times block
 scale). XLA's fused decodes ran below the copy rate on an H100: NVFP4's packed float4 at ~1.6
-TB/s (4 values a thread), MXFP8's at ~2.5 TB/s. The kernels (ffi/grouped/decode_nvfp4_cuda.cu)
+TB/s (4 values a thread), MXFP8's at ~2.5 TB/s. The kernels (ffi/grouped/decode_cuda.cu)
 give a thread 16 values of one block and write the same bits as XLA's decode:
 
   jaxquant_grouped_decode_nvfp4  NVFP4 (1x16 or 16x16 blocks; row-scaled, RHT and stochastic

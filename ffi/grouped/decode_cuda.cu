@@ -1,9 +1,10 @@
-// CUDA handler of jaxquant_grouped_decode_nvfp4: NVFP4 storages decoded to bfloat16 for the
-// grouped GEMMs on decoded operands (jaxquant/backends/ffi/grouped/decoded.py). XLA's fused
-// decode of the packed float4 payload ran at about half of the copy rate on an H100 (1.6 TB/s:
-// four values a thread); this kernel gives each thread one 16-wide block: an 8-byte load of
-// codes, one scale, two 16-byte stores. Values are jq::nvfp4_raw (ffi/jaxquant_numerics.h),
-// exact in float32 and bfloat16, converted as XLA converts on the device (cvt.rn.bf16x2.f32).
+// CUDA handlers of jaxquant_grouped_decode_nvfp4 / _mxfp8: NVFP4 and MXFP8 storages decoded to
+// bfloat16 for the grouped GEMMs on decoded operands (jaxquant/backends/ffi/grouped/decoded.py).
+// XLA's fused decodes ran below the copy rate on an H100 (packed float4 at 1.6 TB/s, four
+// values a thread; MXFP8 at ~2.5 TB/s); each kernel gives a thread 16 values of one block. NVFP4:
+// an 8-byte load of codes, one scale, two 16-byte stores; values jq::nvfp4_raw
+// (ffi/jaxquant_numerics.h), exact in float32 and bfloat16, converted as XLA converts on the
+// device (cvt.rn.bf16x2.f32). MXFP8: below.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -74,7 +75,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const uint32_t i = blockIdx.x * kDecodeThreads + threadIdx.x;
   if (i >= chunks) return;
   const uint32_t row = i / chunks_per_row, cc = i - row * chunks_per_row;
-  const float s = jq::e8m0_scale(__ldg(scale + size_t(row) * scale_cols + cc / 2));
+  const float s = jq::decode_e8m0(__ldg(scale + size_t(row) * scale_cols + cc / 2));
   const uint4 codes = __ldg(data + i);
   const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
   uint32_t v[8];
