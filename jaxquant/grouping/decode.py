@@ -20,7 +20,7 @@ computes the reference's sums (up to float32 summation order), and the factors f
 range and lose bits; the amax-derived scales of real data are nowhere near.) Which operands may
 take this path is the backend's choice (`jaxquant.backends.ffi.grouped.decoded`); XLA fuses the
 decode into one pass over each operand, unless the backend passes a `RawDecoder` (a kernel
-writing the same bits: NVFP4's).
+writing the same bits: NVFP4's and MXFP8's).
 """
 
 from __future__ import annotations
