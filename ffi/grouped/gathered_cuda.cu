@@ -47,6 +47,9 @@ struct GatheredRows {
   }
 };
 
+template <typename In>
+struct TileMinCtas<GatheredRows<In>> : TileMinCtas<Direct<In>> {};
+
 // The reader of one tile's rows (r0 and on): the group of r0 found once by binary search, each
 // row's from there by a forward scan (a tile spans few groups). The search per row took the
 // packed rowwise copies 60% longer than reading x directly (H100, session 9).

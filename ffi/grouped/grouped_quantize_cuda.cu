@@ -39,7 +39,7 @@ __device__ __forceinline__ float group_scale(const QuantizeParams& p, int g, flo
 }
 
 template <int TYPE>
-__global__ void __launch_bounds__(256) grouped_quantize_kernel(const QuantizeParams p) {
+__global__ void __launch_bounds__(256, 8) grouped_quantize_kernel(const QuantizeParams p) {
   __shared__ float tile[kQP][kQC + 1];
   __shared__ float scales[kQP];
   __shared__ int tile_group;         // delayed: the group of the tile's first position
@@ -105,19 +105,21 @@ __global__ void __launch_bounds__(256) grouped_quantize_kernel(const QuantizePar
       for (int k = 0; k < 4; ++k) {
         q[k] = jq::encode_fp8x4(v[4 * k] * scale, v[4 * k + 1] * scale, v[4 * k + 2] * scale, v[4 * k + 3] * scale, fmt);
       }
-      const auto store = [&](int64_t row, const uint32_t* words) {
+      // The 16 codes by value (an array passed by pointer took a 16-byte stack frame).
+      const auto store = [&](int64_t row, const uint4 w) {
         uint8_t* dst = p.row + row * p.C + c;
         if (c + 16 <= p.C && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
-          *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
+          *reinterpret_cast<uint4*>(dst) = w;
         } else {
-          for (int i = 0; i < 16 && c + i < p.C; ++i) dst[i] = uint8_t(words[i / 4] >> (8 * (i % 4)));
+          const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+          for (int i = 0; i < 16; ++i) {  // constant indices: the words stay in registers
+            if (c + i < p.C) dst[i] = uint8_t(words[i / 4] >> (8 * (i % 4)));
+          }
         }
       };
-      if (out_row >= 0) store(out_row, q);
-      if (zero_row) {
-        const uint32_t zeros[4] = {0u, 0u, 0u, 0u};
-        store(pos, zeros);
-      }
+      if (out_row >= 0) store(out_row, make_uint4(q[0], q[1], q[2], q[3]));
+      if (zero_row) store(pos, make_uint4(0u, 0u, 0u, 0u));
     }
   }
   if (!p.col) return;
@@ -140,7 +142,10 @@ __global__ void __launch_bounds__(256) grouped_quantize_kernel(const QuantizePar
       if (n == 16 && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
         *reinterpret_cast<uint4*>(dst) = make_uint4(q[0], q[1], q[2], q[3]);
       } else {
-        for (int i = 0; i < n; ++i) dst[i] = uint8_t(q[i / 4] >> (8 * (i % 4)));
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          if (i < n) dst[i] = uint8_t(q[i / 4] >> (8 * (i % 4)));
+        }
       }
     } else {
       const int64_t E = p.expert_rows;
@@ -149,9 +154,10 @@ __global__ void __launch_bounds__(256) grouped_quantize_kernel(const QuantizePar
       if (n == 16 && local + 16 <= E && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
         *reinterpret_cast<uint4*>(dst) = make_uint4(q[0], q[1], q[2], q[3]);
       } else {
-        for (int i = 0; i < n; ++i) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
           const int64_t pi = pos + i;
-          p.col[((pi / E) * p.C + c) * E + pi % E] = uint8_t(q[i / 4] >> (8 * (i % 4)));
+          if (i < n) p.col[((pi / E) * p.C + c) * E + pi % E] = uint8_t(q[i / 4] >> (8 * (i % 4)));
         }
       }
     }

@@ -42,7 +42,8 @@ __host__ __device__ __forceinline__ bool rows_from_tile(const Fp8BlockParams& p)
 // registers before: 1x128 75 (3 CTAs a multiprocessor), 128x128 64 (4 CTAs); H100 16384 x 8192
 // both copies: 280 -> 253 and 256 -> 208 µs).
 template <typename P, bool kExperts = false, bool kBlock2d = false>
-__global__ void __launch_bounds__(kThreads) fp8_block_kernel(const Fp8BlockParams p, const P prod) {
+__global__ void __launch_bounds__(kThreads, TileMinCtas<P>::value) fp8_block_kernel(const Fp8BlockParams p,
+                                                                         const P prod) {
   using G = FP8Tile<typename P::Out>;
   static_assert(G::TPR == 16 && G::NJ == 8, "a tile row is one 1x128 block; 8 lanes a column");
   __shared__ uint32_t red[kThreads / 32];

@@ -235,6 +235,19 @@ struct Direct {
   }
 };
 
+// The fewest CTAs a multiprocessor a tile kernel reading producer P is compiled for
+// (`__launch_bounds__`'s second argument): 4 for 16-bit x read directly (64 registers a thread
+// at 256 threads), 1 (no bound) for producers with arithmetic of their own, whose registers it
+// would spill.
+template <typename P>
+struct TileMinCtas {
+  static constexpr int value = 1;
+};
+template <typename In>
+struct TileMinCtas<Direct<In>> {
+  static constexpr int value = sizeof(In) == 2 ? 4 : 1;
+};
+
 // The column phase's share of reductions.column_tile_sums (a bias gradient): the 16 values a
 // thread holds, summed top to bottom, then the NJ chunks of the column pairwise by xor shuffles
 // 1, 2, 4 (neighbours first). Every lane must call it (shuffles); `out` is [tiles, C].
