@@ -497,6 +497,8 @@ def main(argv=None) -> int:
   parser.add_argument("--no-float32-params", action="store_true",
                       help="time the steps with bf16 parameters only (default: each row also "
                            "with float32 parameters, Flax's default, quantized from float32)")
+  parser.add_argument("--calls", type=int, default=5,
+                      help="back-to-back calls a timing round (bench/timing.py), every row alike")
   parser.add_argument("--no-steps", action="store_true",
                       help="skip the GroupedDense step table (with --gemms / --quantize)")
   args = parser.parse_args(argv)
@@ -504,7 +506,7 @@ def main(argv=None) -> int:
     args.sm90_configs = list(sm90_configs.CONFIGS) + ["default:rn", "bf16:rn"]
   for config in args.sm90_configs or []:
     sm90_configs.parse(config)  # an unknown name fails here, not after the first timings
-  args.repeats, args.calls, args.warmup = (1, 1, 1) if args.tiny else (5, 5, 2)
+  args.repeats, args.calls, args.warmup = (1, 1, 1) if args.tiny else (5, args.calls, 2)
   cases = TINY if args.tiny else CASES
   torch_results = {}  # before JAX starts on the GPU: see torch_grouped_mm_step
   if not args.no_steps and not args.no_torch:

@@ -47,8 +47,12 @@ __global__ void __launch_bounds__(256, 8) grouped_quantize_kernel(const Quantize
   const jq::Fp8 fmt = static_cast<jq::Fp8>(p.fmt);
   const float fmax = jq::spec_of(fmt).fmax;
   const int tid = threadIdx.x;
-  const int64_t c_tiles = (p.C + kQC - 1) / kQC;
-  const int64_t p0 = int64_t(blockIdx.x / c_tiles) * kQP, c0 = int64_t(blockIdx.x % c_tiles) * kQC;
+  // 32-bit tile and position arithmetic (positions < 2^31, checked by the handler, and fewer
+  // than 2^31 tiles): a 64-bit division is a called subroutine of ~70 instructions, as many as
+  // the quantize of a thread's 16 values.
+  const uint32_t c_tiles = uint32_t((p.C + kQC - 1) / kQC);
+  const uint32_t tile_p = blockIdx.x / c_tiles;
+  const int64_t p0 = int64_t(tile_p) * kQP, c0 = int64_t(blockIdx.x - tile_p * c_tiles) * kQC;
   if (blockIdx.x == 0) {
     for (int g = tid; g < p.G; g += 256) p.scale_inv[g] = jq::rcp_f32(group_scale(p, g, fmax));
   }
@@ -58,7 +62,7 @@ __global__ void __launch_bounds__(256, 8) grouped_quantize_kernel(const Quantize
     int64_t src = -1;
     int g = int(p.G);
     if (pos < p.L && p.expert_rows > 0) {  // expert weights: row pos is expert pos / E's
-      g = int(pos / p.expert_rows);
+      g = int(uint32_t(pos) / uint32_t(p.expert_rows));
       src = pos;
     } else if (pos < p.L) {
       g = upper_group(p.pstarts, int(p.G), pos);
@@ -148,14 +152,13 @@ __global__ void __launch_bounds__(256, 8) grouped_quantize_kernel(const Quantize
         }
       }
     } else {
-      const int64_t E = p.expert_rows;
-      const int64_t g = pos / E, local = pos % E;
-      uint8_t* dst = p.col + (g * p.C + c) * E + local;
+      const uint32_t E = uint32_t(p.expert_rows), g = uint32_t(pos) / E, local = uint32_t(pos) - g * E;
+      uint8_t* dst = p.col + (int64_t(g) * p.C + c) * E + local;
       if (n == 16 && local + 16 <= E && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
         *reinterpret_cast<uint4*>(dst) = make_uint4(q[0], q[1], q[2], q[3]);
       } else {
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
+        for (int i = 0; i < 16; ++i) {  // rare (E not a multiple of 16): 64-bit arithmetic kept
           const int64_t pi = pos + i;
           if (i < n) p.col[((pi / E) * p.C + c) * E + pi % E] = uint8_t(q[i / 4] >> (8 * (i % 4)));
         }
@@ -180,6 +183,10 @@ ffi::Error GroupedQuantizeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
     return launch_status(t, e);
   }
   const int64_t tiles = ((p.L + kQP - 1) / kQP) * ((p.C + kQC - 1) / kQC);
+  if (tiles >= (int64_t{1} << 31)) {  // the grid's limit, and the kernel's 32-bit tile index
+    return invalid(t, "x's columns C=" + std::to_string(p.C) + " and length=" + std::to_string(p.L) +
+                      " make " + std::to_string(tiles) + " 64 x 64 tiles; at most 2^31 - 1 are valid");
+  }
   by_type(p.in_type, [&](auto tag) {
     constexpr int TYPE = decltype(tag)::value;
     if (!p.delayed) grouped_amax_kernel<TYPE><<<amax_grid(p.T), 256, 0, stream>>>(p);
