@@ -262,18 +262,20 @@ JQ_HD uint32_t encode_e2m1(float v) {
 
 // minifloat.encode_stochastic for E2M1: round |v| (clamped to fmax) up to the next grid value
 // when u < (|v| - lo) / quantum.
+// In the binade e = max(exponent(|v|), 0) (0, 1 or 2 below the clamp at 6) the quantum is
+// 2^(e - 1) and t = |v| / quantum lies in [0, 4); lo = floor(t) quantum and frac = t - floor(t)
+// (exact). The E2M1 codes are monotone on the grid and lo's code is floor(t) + 2e (codes 0-3 in
+// [0, 2), 4-5 in [2, 4), 6-7 in [4, 6]), so the code is floor(t) + 2e, plus one when rounding up
+// (to the next grid value; at 6, frac is 0).
 JQ_HD uint32_t encode_e2m1_stochastic(float v, float u) {
   if (is_nan(v)) return 0x7u;
   const float a = min_prop(abs_f(v), 6.0f);
-  const int exponent = static_cast<int>((bits_of(a) >> 23) & 0xFFu) - 127;
-  const int quantum_exp = max_i(exponent, 0) - 1;  // E2M1: emin 0, 1 mantissa bit
-  const float quantum = pow2_normal(quantum_exp);
-  const float inv_quantum = pow2_normal(-quantum_exp);
-  const float lo = floor_nonneg(a * inv_quantum) * quantum;
-  const float frac = (a - lo) * inv_quantum;
-  const float mag = u < frac ? lo + quantum : lo;
-  // `mag` is on the grid, where the RNE ladder is the identity map to its code.
-  return e2m1_magnitude_code(mag) | ((bits_of(v) >> 31) << 3);
+  const int e = max_i(static_cast<int>(bits_of(a) >> 23) - 127, 0);  // E2M1: emin 0, 1 mantissa bit
+  const float t = a * pow2_normal(1 - e);
+  const float steps = floor_nonneg(t);
+  const uint32_t up = u < t - steps ? 1u : 0u;
+  const uint32_t code = bits_of(steps + 8388608.0f) - bits_of(8388608.0f) + 2u * static_cast<uint32_t>(e) + up;
+  return code | ((bits_of(v) >> 31) << 3);
 }
 
 // encode(v, E4M3 | E5M2) for one value (host: spec form; device: hardware cvt).
@@ -309,17 +311,15 @@ __device__ __forceinline__ uint32_t encode_fp8x4(float v0, float v1, float v2, f
 }
 #endif
 
-// Exact float32 value of an E4M3 code (XLA's f8e4m3fn -> f32 conversion).
+// Exact float32 value of an E4M3 code (XLA's f8e4m3fn -> f32 conversion), without branches
+// (the NVFP4 kernels decode a block scale per 16 values): exponent field e >= 1 is the float
+// with bits (e + 120) << 23 | m << 20, i.e. ((code & 0x7F) << 20) + (120 << 23); a subnormal
+// code (e = 0) is m 2^-9 = (1 + m / 8) 2^-6 - 2^-6, both terms and the difference exact.
 JQ_HD float decode_e4m3(uint32_t code) {
-  const uint32_t sign = (code >> 7) & 1u, e = (code >> 3) & 0xFu, m = code & 7u;
-  if (e == 0xFu && m == 7u) return float_of(0x7FC00000u | (sign << 31));
-  float mag;
-  if (e == 0) {
-    mag = static_cast<float>(m) * 0x1p-9f;
-  } else {
-    mag = float_of(((e - 7u + 127u) << 23) | (m << 20));
-  }
-  return sign ? -mag : mag;
+  const uint32_t em = code & 0x7Fu, sign = (code & 0x80u) << 24;
+  const bool subnormal = em < 8u;
+  const float mag = float_of((em << 20) + ((subnormal ? 121u : 120u) << 23)) - (subnormal ? 0x1p-6f : 0.0f);
+  return float_of((em == 0x7Fu ? 0x7FC00000u : bits_of(mag)) | sign);
 }
 
 // Exact float32 value of an E2M1 code (low 4 bits; XLA's f4e2m1fn -> f32 conversion):

@@ -235,16 +235,40 @@ __global__ void __launch_bounds__(kThreads, GROUPED ? 4 : 3) nvfp4_kernel(const 
     for (int pp = 0; pp < G::NP; ++pp) blk[pp] = tile2d[pp][lc / 16];
   }
   if (p.do_row) {
+    static_assert(G::NP % 2 == 0, "the row phase's passes go in pairs");
     const float tensor_s_enc = GROUPED || p.row_scaled ? 0.0f : jq::nvfp4_global_encode_scale(*p.row_amax);
     const uint32_t k0 = !GROUPED && p.sr ? p.row_key[0] : 0u, k1 = !GROUPED && p.sr ? p.row_key[1] : 0u;
+    // Threads tid and tid ^ 1 hold the two halves of each pass's 16-value block: of a pair of
+    // passes, the even thread computes the first block's scale and the odd one the second's,
+    // and they exchange them (the block scale is ~60 instructions; the pass's own row's
+    // second-level scale, 1 for a row past R, which writes nothing).
+    const bool odd = (tid & 1) != 0;
+    Nvfp4Block pair_block[2];
+    const auto row_s_enc = [&](int q) -> float {
+      if constexpr (GROUPED) {
+        return rows.s_row[q * G::RPP + lr];
+      } else {
+        const int64_t r = t.r0 + q * G::RPP + lr;
+        return p.row_scaled ? (r < p.R ? jq::nvfp4_global_encode_scale(p.row_amax[r]) : 1.0f) : tensor_s_enc;
+      }
+    };
 #pragma unroll
     for (int pp = 0; pp < G::NP; ++pp) {
+      if (pp % 2 == 0) {  // this pair of passes' block scales, one computed here, one by the partner
+        const Nvfp4Block mine = nvfp4_block(odd ? blk[pp + 1] : blk[pp], row_s_enc(pp + int(odd)));
+        const Nvfp4Block theirs = {__shfl_xor_sync(0xFFFFFFFFu, mine.code, 1),
+                                   __shfl_xor_sync(0xFFFFFFFFu, mine.s_enc_b, 1)};
+        pair_block[0] = odd ? theirs : mine;
+        pair_block[1] = odd ? mine : theirs;
+      }
       const int64_t r = t.r0 + pp * G::RPP + lr, c = t.c0 + lc;
       if (r >= p.R || c >= p.C) continue;
-      float s_enc = p.row_scaled ? jq::nvfp4_global_encode_scale(p.row_amax[r]) : tensor_s_enc;
       uint32_t sr_row = uint32_t(r), sr_k0 = k0, sr_k1 = k1;
-      if constexpr (GROUPED) rows.draw(pp * G::RPP + lr, true, p.sr, &s_enc, &sr_row, &sr_k0, &sr_k1);
-      const Nvfp4Block b = nvfp4_block(blk[pp], s_enc);
+      if constexpr (GROUPED) {
+        float s_enc;  // (in the pair's block scale already)
+        rows.draw(pp * G::RPP + lr, true, p.sr, &s_enc, &sr_row, &sr_k0, &sr_k1);
+      }
+      const Nvfp4Block b = pair_block[pp % 2];
       float v[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) v[i] = to_float(raw[pp][i]);
