@@ -76,6 +76,27 @@ def kernel_times(path: str) -> tuple[dict[str, float], list[str]]:
   return dict(totals), names
 
 
+def occupancy(events: list[dict]) -> dict:
+  """The GPU span of `events` (first start to last end), the time some event runs (the union
+  of their intervals, overlaps counted once) and the idle rest, in microseconds, with the
+  longest idle gap: whether a traced loop kept the GPU busy."""
+  intervals = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events)
+  if not intervals:
+    return {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "longest_gap_us": 0.0}
+  busy, longest = 0.0, 0.0
+  start, end = intervals[0]
+  for lo, hi in intervals[1:]:
+    if lo > end:  # a gap: close the current run of overlapping events
+      busy += end - start
+      longest = max(longest, lo - end)
+      start, end = lo, hi
+    else:
+      end = max(end, hi)
+  busy += end - start
+  span = max(hi for _, hi in intervals) - intervals[0][0]
+  return {"span_us": span, "busy_us": busy, "idle_us": span - busy, "longest_gap_us": longest}
+
+
 def split(times: dict[str, float], steps: int) -> dict:
   """Milliseconds per step by class and the top kernels (summed over every GPU in the trace:
   divide by the device count for a mesh step)."""

@@ -156,7 +156,7 @@ def run_case(experts: int, spec, args, card: str, torch_result=None) -> list[dic
         print(f"  {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         continue
     if args.profile_dir and not name.startswith(RAGGED_DOT):  # jaxquant's rows, bf16 included
-      print_profile(step, (variables, x, sizes, dy, key), args.profile_dir, name)
+      print_profile(step, (variables, x, sizes, dy, key), args.profile_dir, name, steps=args.calls)
     base = sec if base is None else base
     row = dict(experts=groups, case=name, tokens=t, k=k, n=n, ms=sec * 1e3,
                tflops=flops / sec / 1e12, speedup_vs_bf16=base / sec, gemm_paths=paths,
@@ -170,21 +170,31 @@ def run_case(experts: int, spec, args, card: str, torch_result=None) -> list[dic
   return rows
 
 
-def print_profile(step, step_args, profile_dir: str, name: str, steps: int = 3) -> None:
+def print_profile(step, step_args, profile_dir: str, name: str, steps: int = 5) -> None:
   """GPU kernel time per step of `steps` more steps under `jax.profiler`, by kernel name
-  (bench/e2e_trace.py's split): where a grouped step's time goes."""
+  (bench/e2e_trace.py's split): where a grouped step's time goes. Also the traced loop's
+  wall time per step (host clock, first dispatch to the last result) against the GPU's span
+  and busy time per step: a timed step above its kernels is idle GPU time or host time."""
   import os
   import shutil
+  import time
   import e2e_trace  # bench/e2e_trace.py
   logdir = os.path.join(profile_dir, name.replace(" ", "_"))
   shutil.rmtree(logdir, ignore_errors=True)
   with jax.profiler.trace(logdir):
+    t0 = time.perf_counter()
     for _ in range(steps):
       out = step(*step_args)
     jax.block_until_ready(out)
-  split = e2e_trace.split(e2e_trace.kernel_times(e2e_trace.latest_trace(logdir))[0], steps)
+    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+  path = e2e_trace.latest_trace(logdir)
+  split = e2e_trace.split(e2e_trace.kernel_times(path)[0], steps)
+  gpu = e2e_trace.occupancy(e2e_trace.gpu_stream_events(path)[0])
   print(f"    profile {name}: gemm {split['gemm_ms']:.3f} ms, quantize {split['quantize_ms']:.3f} "
-        f"ms, other {split['other_ms']:.3f} ms per step; top kernels:", flush=True)
+        f"ms, other {split['other_ms']:.3f} ms per step; traced loop {wall_ms:.3f} ms a step "
+        f"(wall), GPU span {gpu['span_us'] / 1e3 / steps:.3f}, "
+        f"busy {gpu['busy_us'] / 1e3 / steps:.3f}, longest idle gap "
+        f"{gpu['longest_gap_us'] / 1e3:.3f} ms; top kernels:", flush=True)
   for kernel, ms, kind in split["top"][:20]:
     print(f"      {ms:8.3f} ms  {kind:9s} {kernel[:110]}", flush=True)
 
