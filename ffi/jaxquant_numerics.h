@@ -270,11 +270,12 @@ JQ_HD uint32_t encode_e2m1(float v) {
 JQ_HD uint32_t encode_e2m1_stochastic(float v, float u) {
   if (is_nan(v)) return 0x7u;
   const float a = min_prop(abs_f(v), 6.0f);
-  const int e = max_i(static_cast<int>(bits_of(a) >> 23) - 127, 0);  // E2M1: emin 0, 1 mantissa bit
+  const int e = max_i(static_cast<int>(bits_of(a) >> 23) - 127, 0);  // E2M1: emin 0
   const float t = a * pow2_normal(1 - e);
   const float steps = floor_nonneg(t);
   const uint32_t up = u < t - steps ? 1u : 0u;
-  const uint32_t code = bits_of(steps + 8388608.0f) - bits_of(8388608.0f) + 2u * static_cast<uint32_t>(e) + up;
+  const uint32_t code =
+      bits_of(steps + 8388608.0f) - bits_of(8388608.0f) + 2u * static_cast<uint32_t>(e) + up;
   return code | ((bits_of(v) >> 31) << 3);
 }
 
@@ -318,7 +319,8 @@ __device__ __forceinline__ uint32_t encode_fp8x4(float v0, float v1, float v2, f
 JQ_HD float decode_e4m3(uint32_t code) {
   const uint32_t em = code & 0x7Fu, sign = (code & 0x80u) << 24;
   const bool subnormal = em < 8u;
-  const float mag = float_of((em << 20) + ((subnormal ? 121u : 120u) << 23)) - (subnormal ? 0x1p-6f : 0.0f);
+  const float mag =
+      float_of((em << 20) + ((subnormal ? 121u : 120u) << 23)) - (subnormal ? 0x1p-6f : 0.0f);
   return float_of((em == 0x7Fu ? 0x7FC00000u : bits_of(mag)) | sign);
 }
 

@@ -336,9 +336,6 @@ struct Fp8TileLoad {
   }
 };
 
-// Column phase, iteration `it`: this thread's 16-row chunk of its tile column (matrix column c,
-// rows rr .. rr+15) as floats, and its share of the column sums when `col_sums` is not null
-// (every lane takes part: shuffles).
 // Index of (row c, position r) in expert weights' columnwise copy [G, rows, E / per] (E rows an
 // expert; per = positions an element covers: 1 for data, the block for scales; rows = C, or
 // the row blocks for 2-D scales): expert r / E's [rows, E / per] matrix.
@@ -351,6 +348,9 @@ __device__ __forceinline__ int64_t expert_column_index(int64_t c, int64_t r, int
   return int64_t(expert) * rows * len + c * len + local / uint32_t(per);
 }
 
+// Column phase, iteration `it`: this thread's 16-row chunk of its tile column (matrix column c,
+// rows rr .. rr+15) as floats, and its share of the column sums when `col_sums` is not null
+// (every lane takes part: shuffles).
 template <typename G>
 struct Fp8TileColumn {
   ColumnSlot<G> slot;
