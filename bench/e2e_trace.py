@@ -76,6 +76,24 @@ def kernel_times(path: str) -> tuple[dict[str, float], list[str]]:
   return dict(totals), names
 
 
+def host_times(path: str, top: int = 12) -> list[tuple[str, int, float]]:
+  """The host side of a trace: (event name, count, total microseconds) of the complete events
+  on threads of processes that are not GPUs (the Python thread's dispatch, XLA's thunk
+  launches, CUDA driver calls), most time first: where a loop's host time goes."""
+  with gzip.open(path, "rt") as f:
+    trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+              and "gpu" in str(e.get("args", {}).get("name", "")).lower()}
+  count: dict[str, int] = collections.defaultdict(int)
+  total: dict[str, float] = collections.defaultdict(float)
+  for e in events:
+    if e.get("ph") == "X" and e.get("pid") not in gpu_pids:
+      count[e.get("name", "?")] += 1
+      total[e.get("name", "?")] += float(e.get("dur", 0.0))
+  return sorted(((n, count[n], total[n]) for n in total), key=lambda r: -r[2])[:top]
+
+
 def occupancy(events: list[dict]) -> dict:
   """The GPU span of `events` (first start to last end), the time some event runs (the union
   of their intervals, overlaps counted once) and the idle rest, in microseconds, with the
@@ -95,6 +113,23 @@ def occupancy(events: list[dict]) -> dict:
   busy += end - start
   span = max(hi for _, hi in intervals) - intervals[0][0]
   return {"span_us": span, "busy_us": busy, "idle_us": span - busy, "longest_gap_us": longest}
+
+
+def idle_gaps(events: list[dict], top: int = 5) -> list[dict]:
+  """The `top` longest idle gaps between `events` (overlaps counted as busy), longest first, each
+  with the event that ran last before it and the one that starts it: what the GPU waited on."""
+  ordered = sorted(events, key=lambda e: float(e["ts"]))
+  gaps = []
+  if not ordered:
+    return gaps
+  end, last = float(ordered[0]["ts"]) + float(ordered[0].get("dur", 0.0)), ordered[0]
+  for e in ordered[1:]:
+    lo, hi = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
+    if lo > end:
+      gaps.append({"gap_us": lo - end, "before": last.get("name", ""), "after": e.get("name", "")})
+    if hi > end:
+      end, last = hi, e
+  return sorted(gaps, key=lambda g: -g["gap_us"])[:top]
 
 
 def split(times: dict[str, float], steps: int) -> dict:

@@ -128,7 +128,7 @@ def run_case(experts: int, spec, args, card: str, torch_result=None) -> list[dic
   flops = 3 * 2 * t * k * n
   rows, base = [], None
   timing = dict(repeats=args.repeats, calls=args.calls, warmup=args.warmup)
-  dense_row = dense_step_peer(t, k, n, x, dy, timing, flops, groups, card)
+  dense_row = dense_step_peer(t, k, n, x, dy, timing, flops, groups, card, args.profile_dir)
   if dense_row is not None:
     rows.append(dense_row)
   if torch_result is not None:
@@ -197,6 +197,11 @@ def print_profile(step, step_args, profile_dir: str, name: str, steps: int = 5) 
         f"{gpu['longest_gap_us'] / 1e3:.3f} ms; top kernels:", flush=True)
   for kernel, ms, kind in split["top"][:20]:
     print(f"      {ms:8.3f} ms  {kind:9s} {kernel[:110]}", flush=True)
+  for g in e2e_trace.idle_gaps(e2e_trace.gpu_stream_events(path)[0], top=6):
+    print(f"      idle {g['gap_us']:8.1f} us  after {g['before'][:60]}  before {g['after'][:60]}",
+          flush=True)
+  for event, count, us in e2e_trace.host_times(path):  # the host's side of the same loop
+    print(f"      host {us / 1e3 / steps:8.3f} ms a step  x{count:<5d} {event[:90]}", flush=True)
 
 
 TORCH_GROUP_ALIGN = 8  # rows per token group for torch._grouped_mm bf16 (torchtitan's minimum)
@@ -282,7 +287,8 @@ def torch_row(experts: int, t, k, n, flops, result, dense_row, card) -> dict | N
   return row
 
 
-def dense_step_peer(t, k, n, x, dy, timing, flops, groups, card) -> dict | None:
+def dense_step_peer(t, k, n, x, dy, timing, flops, groups, card,
+                    profile_dir: str | None = None) -> dict | None:
   """The step of a bf16 `flax.linen.Dense` of the same FLOPs (all T rows through one K -> N
   matrix: forward, dgrad and wgrad), the peer a grouped step is judged against."""
   import flax.linen as nn
@@ -301,6 +307,9 @@ def dense_step_peer(t, k, n, x, dy, timing, flops, groups, card) -> dict | None:
     return None
   print(f"  {'bf16 nn.Dense step (same FLOPs)':38s} {sec * 1e3:9.3f} ms  "
         f"{flops / sec / 1e12:7.1f} TFLOP/s", flush=True)
+  if profile_dir:  # the peer's own wall time against its GPU span, as for the grouped rows
+    print_profile(step, (variables, x, dy), profile_dir, "bf16 nn.Dense step",
+                  steps=timing["calls"])
   return dict(experts=groups, case="bf16 nn.Dense step (same FLOPs)", tokens=t, k=k, n=n,
               ms=sec * 1e3, tflops=flops / sec / 1e12, speedup_vs_bf16=float("nan"),
               gemm_paths="", quantize_paths="", why="", card=card)

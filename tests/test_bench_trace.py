@@ -43,3 +43,33 @@ def test_occupancy_counts_overlapping_kernels_once_and_finds_the_longest_gap(rng
 def test_occupancy_of_no_events_is_zero():
   assert _e2e_trace().occupancy([]) == {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0,
                                         "longest_gap_us": 0.0}
+
+
+def test_idle_gaps_are_the_longest_holes_with_the_kernels_around_them(rng):
+  idle_gaps = _e2e_trace().idle_gaps
+  # kernels laid end to end with fresh random holes between some of them; one long kernel
+  # overlaps its successor, so the hole after the successor is measured from the long one's end
+  durations = rng.integers(5, 50, size=40)
+  # distinct even holes, so the one shortened by 1 (after the long kernel) is distinct as well
+  holes = np.where(rng.random(40) < 0.5, 2 * rng.choice(np.arange(1, 400), 40, replace=False), 0)
+  holes[4] = max(holes[4], 2)
+  events, t = [], 0
+  for i, (d, h) in enumerate(zip(durations, holes)):
+    events.append({"ts": float(t), "dur": float(d), "name": f"k{i}"})
+    t += int(d) + int(h)
+  events.append({"ts": float(events[3]["ts"]), "name": "long",
+                 "dur": float(durations[3] + holes[3] + 1 + durations[4])})
+  end = {e["name"]: e["ts"] + e["dur"] for e in events}
+  want = []
+  for i in range(39):
+    prev_end, prev = end[f"k{i}"], f"k{i}"
+    if i in (3, 4):
+      prev_end, prev = end["long"], "long"
+    gap = events[i + 1]["ts"] - prev_end
+    if gap > 0:
+      want.append((gap, prev, f"k{i + 1}"))
+  want.sort(key=lambda g: -g[0])
+  got = idle_gaps(rng.permutation(np.array(events, dtype=object)).tolist(), top=6)
+  assert [g["gap_us"] for g in got] == [g for g, _, _ in want[:6]]
+  assert [(g["before"], g["after"]) for g in got] == [(b, a) for _, b, a in want[:6]]
+  assert ("long", "k5") in [(b, a) for _, b, a in want]
