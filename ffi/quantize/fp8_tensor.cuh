@@ -35,7 +35,7 @@ inline Fp8TensorParams fp8_tensor_params(const Fp8TensorArgs& a, int64_t R, int6
 }
 
 template <typename P>
-__global__ void __launch_bounds__(kThreads) fp8_tensor_kernel(const Fp8TensorParams p, const P prod) {
+__global__ void __launch_bounds__(kThreads, ProducerMinCtas<P>::value) fp8_tensor_kernel(const Fp8TensorParams p, const P prod) {
   using G = FP8Tile<typename P::Out>;
   __shared__ uint32_t red[kThreads / 32];
   const float fmax = jq::spec_of(p.fmt).fmax;

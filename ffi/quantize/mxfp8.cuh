@@ -34,7 +34,7 @@ __device__ __forceinline__ uint32_t mxfp8_codes4(const float* v, jq::Mxfp8Factor
 
 // kExperts: p.expert_rows > 0 (a separate instance, so the other kernels keep their registers).
 template <typename P, bool kExperts = false>
-__global__ void __launch_bounds__(kThreads) mxfp8_kernel(const Mxfp8Params p, const P prod) {
+__global__ void __launch_bounds__(kThreads, ProducerMinCtas<P>::value) mxfp8_kernel(const Mxfp8Params p, const P prod) {
   using G = FP8Tile<typename P::Out>;
   __shared__ uint32_t red[kThreads / 32];
   const int tid = threadIdx.x;

@@ -247,6 +247,13 @@ template <typename In>
 struct TileMinCtas<Direct<In>> {
   static constexpr int value = sizeof(In) == 2 ? 4 : 1;
 };
+// The same for the per-tensor FP8 and MXFP8 tile kernels: 0 (no bound: ptxas allocates as
+// without the argument, where an explicit 1 gives it more registers) unless a producer
+// specializes it (their readers of x, direct or gathered, measured at their rate unbounded).
+template <typename P>
+struct ProducerMinCtas {
+  static constexpr int value = 0;
+};
 
 // The column phase's share of reductions.column_tile_sums (a bias gradient): the 16 values a
 // thread holds, summed top to bottom, then the NJ chunks of the column pairwise by xor shuffles
