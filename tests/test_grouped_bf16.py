@@ -51,7 +51,7 @@ KERNEL = bf16.KERNEL  # "CUTLASS sm90 bf16 wgmma"
 DECODED = KERNEL + " on operands decoded to bfloat16"
 # (mode, layout, output): the instances of the default configuration
 CASES = [(0, "TN", BF16), (0, "TN", F32), (0, "NN", BF16), (1, "TN", BF16), (1, "TN", F32),
-         (1, "NT", BF16)]
+         (1, "NT", BF16), (1, "NT", F32)]
 K_MAJOR = {"TN": (True, True), "NN": (True, False), "NT": (False, False)}
 
 
@@ -215,6 +215,7 @@ def test_shape_reasons_say_what_no_instance_takes():
   assert "N = 36" in r(0, (64, 64), (4, 64, 36), b_k_major=False)
   assert "float32 output of layout NN" in r(0, (64, 64), (4, 64, 32), b_k_major=False,
                                             out_dtype=f32)
+  assert r(1, (64, 32), (64, 24), a_k_major=False, b_k_major=False, out_dtype=f32) is None
   assert "M-major a with a K-major b" in r(1, (64, 32), (24, 64), a_k_major=False)
   assert "token layout block 1" in r(1, (32, 64), (24, 64), token_block=1)
   assert "token length L = 60" in r(1, (32, 60), (24, 60), token_block=4)
@@ -242,7 +243,10 @@ def test_bf16_configurations_their_choice_and_errors(monkeypatch):
   assert sel("NT", BF16, large).config.name == "bf16_c2x1"
   assert sel("NT", BF16, 256.0).config.name == "bf16"
   assert sel("TN", BF16, 256.0).config.name == "bf16_c2x1"
-  assert sel("TN", F32, 100.0).config.name == "bf16"  # the only float32 instance
+  assert sel("TN", F32, 100.0).config.name == "bf16"  # the only float32 TN instance
+  # the float32 wgrad of float32 experts takes the bfloat16 wgrad's configuration
+  assert sel("NT", F32, large).config.name == "bf16_c2x1"
+  assert sel("NT", F32, 256.0).config.name == "bf16"
   assert sel("NN", BF16, large).is_default and not sel("NN", BF16, 64.0).is_default
   assert {c.ident for c in sm90_configs.CONFIGS.values()} == set(range(len(sm90_configs.CONFIGS)))
   assert bf16.kernel_label(1, (64, 512), 8, BF16, a_k_major=False, b_k_major=False) == KERNEL
@@ -417,9 +421,9 @@ def test_wgrad_token_block_aligns_bfloat16_group_starts(bf16_device, monkeypatch
 
 # --------------------------------- GroupedDense without a recipe ------------------------------
 
-def _plain_step(groups, tokens, k, n, rng, use_bias=True):
+def _plain_step(groups, tokens, k, n, rng, use_bias=True, param_dtype=jnp.bfloat16):
   model = jq.flax.GroupedDense(features=n, num_groups=groups, use_bias=use_bias,
-                               dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+                               dtype=jnp.bfloat16, param_dtype=param_dtype)
   x = jnp.asarray(oracle.random_matrix(rng, (tokens, k)), jnp.bfloat16)
   dy = jnp.asarray(oracle.random_matrix(rng, (tokens, n)), jnp.bfloat16)
   sizes = jnp.asarray(tgf._sizes(rng, tokens, groups, (1,) if groups > 1 else (), 7))
@@ -490,6 +494,48 @@ def test_no_recipe_grouped_dense_says_why_ragged_dot_runs(rng, monkeypatch):
   assert "JAXQUANT_BACKEND=reference" in gemm.reason
 
 
+def check_float32_kernel_step(rng, groups, tokens, k, n, path):
+  """float32 parameters, bfloat16 compute: y, dx and dbias as ragged_dot on the kernel cast to
+  bfloat16 (within one bfloat16 rounding, as `check_plain_step`), and the kernel's gradient
+  float32 against float64 sums of the exact bfloat16 products within the kernel's float32
+  bound (`_assert_within`). Most elements of a gradient that went through bfloat16 would
+  equal the bfloat16 rounding of the exact sums; the last assert checks they do not."""
+  step, plain, args = _plain_step(groups, tokens, k, n, rng, param_dtype=jnp.float32)
+  variables, x, dy, sizes = args
+  report = jq.explain(step, *args)
+  gemms = [d for d in report if d.op == "grouped_gemm"]
+  assert [d.path for d in gemms] == [path] * (3 if path != "reference" else 1), str(report)
+  ours = jax.jit(step)(*args)
+  cast = jax.tree_util.tree_map(lambda v: v.astype(jnp.bfloat16), variables)
+  spec = jax.jit(plain)(cast, x, dy, sizes)
+  y, (grads, dx) = ours
+  assert grads["params"]["kernel"].dtype == jnp.float32
+  for u, v in ((y, spec[0]), (dx, spec[1][1]),
+               (grads["params"]["bias"], spec[1][0]["params"]["bias"])):
+    u, v = np.asarray(u, np.float32), np.asarray(v, np.float32)
+    np.testing.assert_allclose(u, v, rtol=0, atol=2**-7 * np.abs(v).max())
+  ends = np.cumsum(np.asarray(sizes))
+  x64, dy64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+  groups_of = list(zip(ends, np.asarray(sizes)))
+  exact = np.stack([x64[e - c:e].T @ dy64[e - c:e] for e, c in groups_of])
+  magnitude = np.stack([np.abs(x64[e - c:e]).T @ np.abs(dy64[e - c:e]) for e, c in groups_of])
+  dw = np.asarray(grads["params"]["kernel"], np.float64)
+  _assert_within(dw, exact, magnitude, int(np.max(np.asarray(sizes))), F32, "float32 wgrad")
+  rounded = np.asarray(jnp.asarray(exact, jnp.bfloat16), np.float64)
+  assert np.mean(dw != rounded) > 0.5, "the float32 gradient must not be rounded to bfloat16"
+
+
+def test_float32_kernel_gradient_is_the_float32_sums(bf16_device, rng):
+  check_float32_kernel_step(rng, 4, 96, 64, 48, "ffi-cpu" if jax.default_backend() == "cpu"
+                            else "ffi-cuda")
+
+
+def test_float32_kernel_reference_gives_the_same_sums(rng, monkeypatch):
+  """The reference path (ragged_dot on the cast kernel, the gradient from float32 copies)."""
+  monkeypatch.setenv("JAXQUANT_BACKEND", "reference")
+  check_float32_kernel_step(rng, 3, 80, 32, 24, "reference")
+
+
 # ------------------------------------------- GPU ----------------------------------------------
 
 @pytest.fixture
@@ -537,6 +583,21 @@ def test_gpu_bf16_all_groups_empty_gives_zeros(on_kernel, rng, mode, layout, out
 @pytest.mark.parametrize("groups,tokens,k,n", [(8, 2048, 256, 512), (64, 4096, 128, 176)])
 def test_gpu_no_recipe_grouped_dense_runs_on_the_kernel(on_kernel, rng, groups, tokens, k, n):
   check_plain_step(rng, groups, tokens, k, n, "ffi-cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups,tokens,k,n", [(8, 2048, 256, 512), (64, 4096, 128, 176)])
+def test_gpu_float32_kernel_gradient_is_the_float32_sums(on_kernel, rng, groups, tokens, k, n):
+  check_float32_kernel_step(rng, groups, tokens, k, n, "ffi-cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["bf16", "bf16_c2x1"])
+@pytest.mark.parametrize("groups", [1, 8, 64])
+def test_gpu_float32_wgrad_configurations_are_within_the_bound(on_kernel, rng, config, groups):
+  empty = tuple(range(2, groups, 5)) if groups > 1 else ()
+  check_kernel(rng, 1, "NT", F32, 1500 + 5 * groups, 136, 200, groups, empty=empty, spare=7,
+               config=config)
 
 
 @pytest.mark.gpu

@@ -81,12 +81,18 @@ Sm90Runner bf16_out(int layout) {
 }
 
 // The instance of (config, layout, output); nullptr when sm90.cmake built none (float32 output:
-// the default configuration, layout TN only).
+// layout TN in the default configuration, layout NT in the two the no-recipe wgrad takes).
 Sm90Runner runner(int cfg, int layout, int out) {
   if (out == kOutF32) {
-    return cfg == sm90::kCfgBf16 && layout == sm90::kLayoutTN
-               ? instance<sm90::kCfgBf16, sm90::kLayoutTN, kOutF32>()
-               : nullptr;
+    if (layout == sm90::kLayoutTN && cfg == sm90::kCfgBf16) {
+      return instance<sm90::kCfgBf16, sm90::kLayoutTN, kOutF32>();
+    }
+    if (layout != sm90::kLayoutNT) return nullptr;
+    switch (cfg) {
+      case sm90::kCfgBf16: return instance<sm90::kCfgBf16, sm90::kLayoutNT, kOutF32>();
+      case sm90::kCfgBf16C2x1: return instance<sm90::kCfgBf16C2x1, sm90::kLayoutNT, kOutF32>();
+      default: return nullptr;
+    }
   }
   switch (cfg) {
     case sm90::kCfgBf16: return bf16_out<sm90::kCfgBf16>(layout);

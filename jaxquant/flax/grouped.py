@@ -30,7 +30,9 @@ class GroupedDense(nn.Module):
   if it were its own `jaxquant.flax.Dense` (see `jaxquant.grouped_dense`): per-expert scales,
   and per-expert delayed-scaling state (variables of shape `[num_groups]` and
   `[num_groups, history]` in `"_overwrite_with_gradient"`). Without a recipe it is
-  `jax.lax.ragged_dot`.
+  `jax.lax.ragged_dot` on the kernel cast to `dtype`; the kernel's gradient is the float32 sums
+  rounded once to `param_dtype` (float32 parameters get float32 sums, not a widened bfloat16
+  gradient; `jaxquant.grouped_dense`).
 
   Example::
 
@@ -88,8 +90,8 @@ class GroupedDense(nn.Module):
     param_kernel = kernel
     inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
     quantizers = module_quantizers(self, MODULE_TYPE)
-    if quantizers is not None:  # quantized from param_dtype (see the class docstring)
-      kernel = param_kernel
+    kernel = param_kernel  # quantized, or cast for the products, from param_dtype (docstring)
+    if quantizers is not None:
       record_uncached_weight(self, quantizers, "GroupedDense")
     layout = self._layout(kernel_shape)
     if layout is not None:

@@ -235,9 +235,10 @@ def grouped_dense(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array,
 
   Args:
     x: `[T, K]` tokens sorted by group (bfloat16/float16/float32).
-    kernel: `[G, K, N]`, one matrix per group: in `x`'s dtype, or (with quantizers) in its
-      parameter dtype, which quantized copies are read from directly and the kernel's
-      gradient comes in (Identity directions are cast to `x`'s dtype).
+    kernel: `[G, K, N]`, one matrix per group, in its parameter dtype: quantized copies are
+      read from it directly (Identity directions and the no-recipe GEMMs cast it to `x`'s
+      dtype), and its gradient comes in that dtype (without quantizers: the float32 sums of
+      `x_g^T dy_g` rounded once to it, `jaxquant.layers.grouped_plain`).
     group_sizes: integer `[G]` tokens per group, in order (zeros allowed; >= 0, summing to at
       most T; rows past the sum belong to no group and give zeros). Traced under `jit`.
     bias: optional `[G, N]`.

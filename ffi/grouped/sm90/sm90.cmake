@@ -126,11 +126,14 @@ function(jaxquant_add_grouped_sm90 target)
   # bfloat16 x bfloat16 (jaxquant_grouped_gemm_bf16, sm90_kernel.cuh with kBF16): every
   # configuration for the three operand layouts (kLayout*: TN decoded / dgrad, NN the no-recipe
   # forward, NT the no-recipe wgrad), bfloat16 out; the default also TN -> float32 (float32
-  # outputs, decoded pairs whose experts carry per-column factors). Layout TN also with the
-  # row-scaled epilogue (kEpiRowScale: row-scaled NVFP4 tokens) for the configurations TN takes,
-  # bfloat16 out, and the default's float32 out. Mirrored in sm90_configs.py.
+  # outputs, decoded pairs whose experts carry per-column factors). NT -> float32 for the two
+  # configurations the no-recipe wgrad takes (float32 experts: their gradient written as float32
+  # by the GEMM). Layout TN also with the row-scaled epilogue (kEpiRowScale: row-scaled NVFP4
+  # tokens) for the configurations TN takes, bfloat16 out, and the default's float32 out.
+  # Mirrored in sm90_configs.py.
   set(bf16_instances "kCfgBf16 kLayoutTN kOutF32 kEpiAlpha" "kCfgBf16 kLayoutTN kOutF32 kEpiRowScale"
-      "kCfgBf16 kLayoutTN kOutBF16 kEpiRowScale" "kCfgBf16C2x1 kLayoutTN kOutBF16 kEpiRowScale")
+      "kCfgBf16 kLayoutTN kOutBF16 kEpiRowScale" "kCfgBf16C2x1 kLayoutTN kOutBF16 kEpiRowScale"
+      "kCfgBf16 kLayoutNT kOutF32 kEpiAlpha" "kCfgBf16C2x1 kLayoutNT kOutF32 kEpiAlpha")
   foreach(cfg kCfgBf16 kCfgBf16C2x1 kCfgBf16Pingpong)
     foreach(layout kLayoutTN kLayoutNN kLayoutNT)
       list(APPEND bf16_instances "${cfg} ${layout} kOutBF16 kEpiAlpha")

@@ -86,9 +86,9 @@ def shape_reason(mode: int, a_shape: Sequence[int], b_shape: Sequence[int], *, a
   if layout is None or (mode == 0 and not a_k_major):
     return "an M-major a with a K-major b (no instance: layouts TN, NN, NT)"
   out = np.dtype(out_dtype)
-  if out not in OUT_DTYPES or (out == np.dtype(np.float32) and layout != "TN"):
+  if out not in OUT_DTYPES or (out == np.dtype(np.float32) and layout == "NN"):
     return (f"{out.name} output of layout {layout} (instances: bfloat16 out for TN / NN / NT, "
-            "float32 out for TN)")
+            "float32 out for TN / NT)")
   if mode == 0:
     (length, k), n = a_shape, b_shape[1 if b_k_major else 2]
     m, groups = length, b_shape[0]

@@ -46,6 +46,7 @@ BF16_TN_BF16 = "bfloat16 TN -> bfloat16"
 BF16_TN_F32 = "bfloat16 TN -> float32"
 BF16_NN_BF16 = "bfloat16 NN -> bfloat16"
 BF16_NT_BF16 = "bfloat16 NT -> bfloat16"
+BF16_NT_F32 = "bfloat16 NT -> float32"  # the no-recipe wgrad of float32 experts
 # ... with per-row factors in the epilogue (row-scaled NVFP4 tokens: kEpiRowScale).
 BF16_TN_BF16_ROWS = "bfloat16 TN -> bfloat16, row-scaled"
 BF16_TN_F32_ROWS = "bfloat16 TN -> float32, row-scaled"
@@ -85,9 +86,9 @@ CONFIGS = {c.name: c for c in (
                (FLOAT8BLOCK_1x128_BF16,)),
     # bfloat16: float32 accumulation throughout (no FP8 promotion question), 64-deep k-tiles
     Sm90Config("bf16", 6, (128, 256, 64), (1, 2), "cooperative", "float32",
-               _BF16_LAYOUTS + (BF16_TN_F32, BF16_TN_BF16_ROWS, BF16_TN_F32_ROWS)),
+               _BF16_LAYOUTS + (BF16_TN_F32, BF16_NT_F32, BF16_TN_BF16_ROWS, BF16_TN_F32_ROWS)),
     Sm90Config("bf16_c2x1", 7, (128, 256, 64), (2, 1), "cooperative", "float32",
-               _BF16_LAYOUTS + (BF16_TN_BF16_ROWS,)),
+               _BF16_LAYOUTS + (BF16_NT_F32, BF16_TN_BF16_ROWS)),
     Sm90Config("bf16_pingpong", 8, (64, 128, 128), (1, 1), "pingpong", "float32",
                _BF16_LAYOUTS),
 )}
