@@ -173,6 +173,49 @@ def test_grouped_fp8_copies_share_one_call_when_the_rowwise_copy_is_packed(monke
         f"rowwise+columnwise: {q} [3 groups, rowwise packed, columnwise token block 16]"), details
 
 
+@pytest.mark.parametrize("name,blocks", [("mxfp8", (1, 32)), ("mxfp8", (1, 64)),
+                                         ("mxfp8", (32, 32)), ("fp8-block-1x128", (1, 128)),
+                                         ("fp8-block-1x128", (1, 256)),
+                                         ("fp8-block-128x128", (128, 128)),
+                                         ("fp8-block-128x128", (128, 256))])
+def test_block_format_copies_share_one_gathered_call(rng, name, blocks):
+  """MXFP8 / Float8Block tokens: both copies from one gathered-kernel call (one read of x), the
+  rowwise copy packed (`row_packed`: each position's codes at its source row, the rows of no
+  group as zeros) beside the padded columnwise copy, or both in one layout; bit for bit the
+  reference. Float8Block 128x128 tokens have no one-row rowwise blocks: one call for one layout,
+  else one call per copy."""
+  q = TOKEN_QUANTIZERS[name]
+  _check_quantize(rng, name, 150, 72, 5, jnp.bfloat16, empty=(1,), spare=7,
+                  row_block=blocks[0], col_block=blocks[1])
+  x = jnp.asarray(oracle.random_matrix(rng, (96, 64)), jnp.bfloat16)
+  sizes = jnp.asarray([20, 0, 30], jnp.int32)  # 46 rows of no group
+  fn = lambda x, sizes: jg.quantize(x, sizes, q, row_block=blocks[0], col_block=blocks[1])
+  os.environ["JAXQUANT_BACKEND"] = "ffi"
+  try:
+    text = jax.jit(fn).lower(x, sizes).as_text()
+    report = jq.explain(fn, x, sizes)
+  finally:
+    del os.environ["JAXQUANT_BACKEND"]
+  one_call = blocks[0] == 1 or blocks[0] == blocks[1]
+  assert text.count(f"custom_call @{single_ffi.gathered_kernel(q)}") == (1 if one_call else 2)
+  assert ("row_packed = true" in text) == (one_call and blocks[0] == 1), text[:3000]
+  details = [d.detail for d in report if d.op == "grouped_quantize"]
+  assert (len(details) == 1 and details[0].startswith("rowwise+columnwise")) == one_call, details
+
+
+def test_row_packed_needs_one_row_blocks_of_tokens():
+  x = jnp.zeros((256, 64), jnp.bfloat16)
+  starts = jnp.asarray([0, 100, 200], jnp.int32)
+  pstarts = jnp.asarray([0, 128, 256], jnp.int32)
+  with pytest.raises(ValueError, match="row_packed: needs the rowwise copy of tokens in one-row"):
+    single_ffi.quantize_gathered(x, starts, pstarts, 256, jq.Float8BlockQuantizer((128, 128)),
+                                 rowwise=True, columnwise=True, orig_dtype=jnp.bfloat16,
+                                 row_packed=True)
+  with pytest.raises(ValueError, match="layout of at least 256 positions"):
+    single_ffi.quantize_gathered(x, starts, pstarts, 128, jq.MXFP8Quantizer(), rowwise=True,
+                                 columnwise=True, orig_dtype=jnp.bfloat16, row_packed=True)
+
+
 @pytest.mark.parametrize("name", ["fp8-current", "nvfp4-rht-sr", "nvfp4-2d"])
 def test_grouped_quantize_of_all_empty_groups(rng, name):
   _check_quantize(rng, name, 32, 16, 3, jnp.float32, empty=(0, 1, 2), spare=0)
@@ -594,6 +637,23 @@ def test_gpu_grouped_fp8_packed_rows_beside_padded_columns(on_gpu, rng, groups, 
   source rows, the rows of no group zeroed, 200 features for the kernel's unaligned stores."""
   for col_block in (16, 128):
     _check_quantize(rng, name, 1000 + groups, features, groups, jnp.bfloat16,
+                    empty=tuple(range(0, groups, 3)) if groups > 1 else (), spare=13,
+                    row_block=1, col_block=col_block)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", [1, 8, 64])
+@pytest.mark.parametrize("name", ["mxfp8", "fp8-block-1x128"])
+@pytest.mark.parametrize("features", [192, 200])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_block_formats_packed_rows_beside_padded_columns(on_gpu, rng, groups, name,
+                                                             features, dtype):
+  """The gathered kernel's `row_packed` pair: rowwise codes and scales at the source rows (a
+  position past starts[G] can hold a token and also write a row of no group), the rows of no
+  group as zeros, 200 features for unaligned stores, float32 input (its own instance)."""
+  block = 32 if name == "mxfp8" else 128
+  for col_block in (block, 2 * block):
+    _check_quantize(rng, name, 1000 + groups, features, groups, dtype,
                     empty=tuple(range(0, groups, 3)) if groups > 1 else (), spare=13,
                     row_block=1, col_block=col_block)
 

@@ -22,7 +22,10 @@ namespace {
 // The tile kernels' producer for a gathered token layout (quantize/tile.cuh's `Direct` reads x
 // itself): position r holds row starts[g] + (r - pstarts[g]) of x while inside group g. The
 // kernels read it through `tile_reader` (below), which knows the group of the tile's first row.
-template <typename In>
+// kPacked (row_packed): the rowwise codes of position r go to that source row of the packed copy
+// `[T, C]` instead (none for padding), and positions starts[G] <= r < T also write packed row r
+// as a row of no group (zeros); the columnwise copy keeps the layout.
+template <typename In, bool kPacked = false>
 struct GatheredRows {
   using Out = In;
   const In* x;
@@ -32,40 +35,50 @@ struct GatheredRows {
   const int32_t* pstarts;
   int G;
 
-  // Position r's row, read as zeros past L, in padding and past the groups; g: the group of a
+  // Position r's row of x, or -1 past L, in padding and past the groups; g: the group of a
   // position at or before r (the search for r's goes forward from it).
+  __device__ __forceinline__ int64_t source(int64_t r, int g) const {
+    if (r >= L) return -1;
+    while (g < G && int64_t(__ldg(pstarts + g + 1)) <= r) ++g;
+    if (g >= G) return -1;
+    const int64_t local = r - __ldg(pstarts + g);
+    return local < int64_t(__ldg(starts + g + 1)) - __ldg(starts + g) ? __ldg(starts + g) + local : -1;
+  }
+
+  // Position r's row, read as zeros where it has no source row.
   __device__ __forceinline__ void load8(int64_t r, int g, int64_t c, In* out) const {
-    int64_t src = -1;
-    if (r < L) {
-      while (g < G && int64_t(__ldg(pstarts + g + 1)) <= r) ++g;
-      if (g < G) {
-        const int64_t local = r - __ldg(pstarts + g);
-        if (local < int64_t(__ldg(starts + g + 1)) - __ldg(starts + g)) src = __ldg(starts + g) + local;
-      }
-    }
+    const int64_t src = source(r, g);
     jqffi::load8(x, src >= 0 ? T : 0, C, src >= 0 ? src : 0, c, vec, out);  // R = 0: zeros
   }
 };
 
-template <typename In>
-struct TileMinCtas<GatheredRows<In>> : TileMinCtas<Direct<In>> {};
+template <typename In, bool kPacked>
+struct TileMinCtas<GatheredRows<In, kPacked>> : TileMinCtas<Direct<In>> {};
 
 // The reader of one tile's rows (r0 and on): the group of r0 found once by binary search, each
 // row's from there by a forward scan (a tile spans few groups). The search per row took the
 // packed rowwise copies 60% longer than reading x directly (H100, session 9).
-template <typename In>
+template <typename In, bool kPacked>
 struct GatheredTile {
   using Out = In;
-  GatheredRows<In> rows;  // a copy: a reference to the kernel's parameter would copy it to local
+  GatheredRows<In, kPacked> rows;  // a copy: a reference to the kernel's parameter would copy it to local
   int g0;
   __device__ __forceinline__ void load8(int64_t r, int64_t c, In* out) const {
     rows.load8(r, g0, c, out);
   }
 };
 
-template <typename In>
-__device__ __forceinline__ GatheredTile<In> tile_reader(const GatheredRows<In>& rows, int64_t r0) {
+template <typename In, bool kPacked>
+__device__ __forceinline__ GatheredTile<In, kPacked> tile_reader(const GatheredRows<In, kPacked>& rows,
+                                                                 int64_t r0) {
   return {rows, r0 < rows.L ? upper_group(rows.pstarts, rows.G, r0) : rows.G};
+}
+
+// The packed rowwise copy's rows (quantize/tile.cuh's `row_destination`).
+template <typename In>
+__device__ __forceinline__ RowDestination row_destination(const GatheredTile<In, true>& reader, int64_t r) {
+  const GatheredRows<In, true>& rows = reader.rows;
+  return {rows.source(r, reader.g0), r < rows.T && r >= int64_t(__ldg(rows.starts + rows.G))};
 }
 
 template <typename Args, typename Params>
@@ -79,6 +92,10 @@ ffi::Error quantize_gathered(const char* target, cudaStream_t stream, const Args
     if (p.expert_rows) {  // position r is row r: read x directly, not through the offsets
       const Direct<T> w{static_cast<const T*>(a.x.data), rows.T, rows.C, vec};
       e = launch_fp8_tiles<true>(stream, p, w);
+    } else if (rows.row_packed) {
+      const GatheredRows<T, true> x{static_cast<const T*>(a.x.data), rows.T, rows.C, rows.L, vec,
+                                    rows.starts, rows.pstarts, int(rows.G)};
+      e = launch_fp8_tiles(stream, p, x);
     } else {
       const GatheredRows<T> x{static_cast<const T*>(a.x.data), rows.T, rows.C, rows.L, vec,
                               rows.starts, rows.pstarts, int(rows.G)};
@@ -90,11 +107,12 @@ ffi::Error quantize_gathered(const char* target, cudaStream_t stream, const Args
 
 ffi::Error GroupedQuantizeMxfp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer starts,
                                     ffi::AnyBuffer pstarts, ffi::RemainingRets rets, bool rowwise,
-                                    bool columnwise, int64_t length, int64_t expert_rows) {
+                                    bool columnwise, int64_t length, int64_t expert_rows,
+                                    bool row_packed) {
   Mxfp8Args a;
   GroupedRows rows;
   JQ_RETURN_IF_ERROR(decode_gathered_mxfp8(x, starts, pstarts, rets, rowwise, columnwise, length,
-                                           expert_rows, &a, &rows));
+                                           expert_rows, row_packed, &a, &rows));
   Mxfp8Params p = mxfp8_params(a, a.x.rows, a.x.cols);
   p.expert_rows = rows.expert_rows;
   return quantize_gathered("jaxquant_grouped_quantize_mxfp8", stream, a, rows, p);
@@ -104,12 +122,12 @@ ffi::Error GroupedQuantizeFp8BlockCuda(cudaStream_t stream, ffi::AnyBuffer x,
                                        ffi::AnyBuffer starts, ffi::AnyBuffer pstarts,
                                        ffi::RemainingRets rets, bool rowwise, bool columnwise,
                                        bool block_2d, bool pow2_scale, float amax_epsilon,
-                                       int64_t length, int64_t expert_rows) {
+                                       int64_t length, int64_t expert_rows, bool row_packed) {
   Fp8BlockArgs a;
   GroupedRows rows;
   JQ_RETURN_IF_ERROR(decode_gathered_fp8_block(x, starts, pstarts, rets, rowwise, columnwise,
                                                block_2d, pow2_scale, amax_epsilon, length,
-                                               expert_rows, &a, &rows));
+                                               expert_rows, row_packed, &a, &rows));
   Fp8BlockParams p = fp8_block_params(a, a.x.rows, a.x.cols);
   p.expert_rows = rows.expert_rows;
   return quantize_gathered("jaxquant_grouped_quantize_fp8_block", stream, a, rows, p);

@@ -447,6 +447,11 @@ inline ffi::Error decode_grouped_gemm_bf16(const char* t, ffi::AnyBuffer a, ffi:
 // without the gathered copy: the kernel reads x through the offsets. `a->x` describes that
 // [length, C] matrix for the results (its data pointer stays x's); `rows` the groups and x.
 //
+// row_packed (tokens): the rowwise copy `[T, C]` (and its scales) in the packed layout, row r of
+// x at row r and the rows from starts[G] as zeros, while the columnwise copy takes the layout of
+// pstarts: a packed rowwise copy and a padded columnwise one from one read of x (1-row blocks
+// only: not Float8Block's 128x128).
+//
 // Expert weights (expert_rows E > 0; starts[g] = pstarts[g] = g E, length L = G E): the
 // rowwise copy as for tokens (`[L, C]`, which is `[G, E, C]`), and the columnwise copy with each
 // expert's written on its own, `[G, C, E]` data and scales `[G, C, E / block]` (Float8Block
@@ -490,11 +495,15 @@ inline ffi::Error read_expert_results(const char* t, ffi::RemainingRets rets, in
                             col_scale_rows, 128, a, &a->row_scale, &a->col_scale);
 }
 
+// Whether a format's rowwise blocks are one row tall (row_packed needs them).
+inline bool one_row_blocks(const Mxfp8Args&) { return true; }
+inline bool one_row_blocks(const Fp8BlockArgs& a) { return !a.block_2d; }
+
 template <typename Args, typename SetAttrs>
 ffi::Error decode_gathered(const char* t, ffi::AnyBuffer x, ffi::AnyBuffer starts,
                            ffi::AnyBuffer pstarts, ffi::RemainingRets rets, int64_t length,
-                           int64_t expert_rows, int64_t e_block, Args* a, GroupedRows* rows,
-                           SetAttrs set_attrs) {
+                           int64_t expert_rows, bool row_packed, int64_t e_block, Args* a,
+                           GroupedRows* rows, SetAttrs set_attrs) {
   JQ_RETURN_IF_ERROR(decode_input(t, x, &a->x));
   JQ_RETURN_IF_ERROR(decode_grouped_rows(t, x, starts, &pstarts, rows));
   JQ_RETURN_IF_ERROR(decode_length(t, length, rows));
@@ -507,6 +516,17 @@ ffi::Error decode_gathered(const char* t, ffi::AnyBuffer x, ffi::AnyBuffer start
                       std::to_string(e_block));
   }
   rows->expert_rows = expert_rows;
+  if (row_packed) {
+    if (!a->rowwise || expert_rows > 0 || length < rows->T || !one_row_blocks(*a)) {
+      return invalid(t, "row_packed needs a rowwise copy of tokens (expert_rows = 0) in 1-row "
+                        "blocks and a layout at least as long as x (length " +
+                        std::to_string(length) + ", T = " + std::to_string(rows->T) + ")");
+    }
+    rows->row_packed = true;
+    RetReader r(t, rets);
+    JQ_RETURN_IF_ERROR(read_results(t, r, length, rows->C, a, rows->T));
+    return r.done();
+  }
   if (expert_rows == 0) return read_all_results(t, rets, a);
   if (!a->columnwise) {
     return invalid(t, "expert_rows > 0 needs the columnwise copy (columnwise = true): the "
@@ -522,9 +542,11 @@ ffi::Error decode_gathered(const char* t, ffi::AnyBuffer x, ffi::AnyBuffer start
 inline ffi::Error decode_gathered_mxfp8(ffi::AnyBuffer x, ffi::AnyBuffer starts,
                                         ffi::AnyBuffer pstarts, ffi::RemainingRets rets,
                                         bool rowwise, bool columnwise, int64_t length,
-                                        int64_t expert_rows, Mxfp8Args* a, GroupedRows* rows) {
+                                        int64_t expert_rows, bool row_packed, Mxfp8Args* a,
+                                        GroupedRows* rows) {
   const char* t = "jaxquant_grouped_quantize_mxfp8";
-  return decode_gathered(t, x, starts, pstarts, rets, length, expert_rows, 32, a, rows,
+  return decode_gathered(t, x, starts, pstarts, rets, length, expert_rows, row_packed, 32, a,
+                         rows,
                          [&](Mxfp8Args* m) {
     return set_directions(t, rowwise, columnwise, m);
   });
@@ -534,10 +556,11 @@ inline ffi::Error decode_gathered_fp8_block(ffi::AnyBuffer x, ffi::AnyBuffer sta
                                             ffi::AnyBuffer pstarts, ffi::RemainingRets rets,
                                             bool rowwise, bool columnwise, bool block_2d,
                                             bool pow2_scale, float amax_epsilon, int64_t length,
-                                            int64_t expert_rows, Fp8BlockArgs* a,
-                                            GroupedRows* rows) {
+                                            int64_t expert_rows, bool row_packed,
+                                            Fp8BlockArgs* a, GroupedRows* rows) {
   const char* t = "jaxquant_grouped_quantize_fp8_block";
-  return decode_gathered(t, x, starts, pstarts, rets, length, expert_rows, 128, a, rows,
+  return decode_gathered(t, x, starts, pstarts, rets, length, expert_rows, row_packed, 128, a,
+                         rows,
                          [&](Fp8BlockArgs* b) {
     return set_fp8_block_attrs(t, rowwise, columnwise, block_2d, pow2_scale, amax_epsilon, b);
   });
@@ -631,13 +654,13 @@ auto BindGroupedQuantizeFp8(Binding binding) {
 template <typename Binding>
 auto BindGroupedQuantizeMxfp8(Binding binding) {
   return Attrs<int64_t>(Mxfp8Attrs(Args<3>(std::move(binding)).RemainingRets()), "length",
-                        "expert_rows");
+                        "expert_rows").template Attr<bool>("row_packed");
 }
 
 template <typename Binding>
 auto BindGroupedQuantizeFp8Block(Binding binding) {
   return Attrs<int64_t>(Fp8BlockAttrs(Args<3>(std::move(binding)).RemainingRets()), "length",
-                        "expert_rows");
+                        "expert_rows").template Attr<bool>("row_packed");
 }
 
 // jaxquant_grouped_quantize_nvfp4: x, starts, padded starts, row key, col key -> outputs.

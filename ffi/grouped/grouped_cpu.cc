@@ -367,11 +367,23 @@ void regroup_experts(const std::vector<T>& flat, int64_t rows, int64_t L, int64_
 }
 
 // The gathered quantize of `a` (directions and attributes decoded); expert weights (E > 0) by
-// way of the [C, L] columnwise copy, regrouped.
+// way of the [C, L] columnwise copy, regrouped; row_packed: the rowwise copy from the packed
+// layout (x's rows, those from starts[G] as zeros), the columnwise one from pstarts' layout.
 template <typename Args, typename Scale>
 void quantize_gathered(const GroupedRows& rows, Args& a, Scale** col_scale, int64_t scale_rows,
                        int64_t block) {
   const Matrix m = gathered_matrix(a.x, rows);
+  if (rows.row_packed) {
+    GroupedRows packed = rows;
+    packed.pstarts = rows.starts;
+    packed.L = rows.T;
+    Args row = a, col = a;
+    row.columnwise = false;
+    quantize_matrix(gathered_matrix(a.x, packed), row);
+    col.rowwise = false;
+    if (col.columnwise) quantize_matrix(m, col);
+    return;
+  }
   const int64_t E = rows.expert_rows;
   if (E == 0) {
     quantize_matrix(m, a);
@@ -391,11 +403,11 @@ void quantize_gathered(const GroupedRows& rows, Args& a, Scale** col_scale, int6
 
 ffi::Error GroupedQuantizeMxfp8Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::AnyBuffer pstarts,
                                    ffi::RemainingRets rets, bool rowwise, bool columnwise,
-                                   int64_t length, int64_t expert_rows) {
+                                   int64_t length, int64_t expert_rows, bool row_packed) {
   Mxfp8Args a;
   GroupedRows rows;
   JQ_RETURN_IF_ERROR(decode_gathered_mxfp8(x, starts, pstarts, rets, rowwise, columnwise, length,
-                                           expert_rows, &a, &rows));
+                                           expert_rows, row_packed, &a, &rows));
   quantize_gathered(rows, a, &a.col_scale, rows.C, 32);
   return ffi::Error::Success();
 }
@@ -404,12 +416,12 @@ ffi::Error GroupedQuantizeFp8BlockCpu(ffi::AnyBuffer x, ffi::AnyBuffer starts,
                                       ffi::AnyBuffer pstarts, ffi::RemainingRets rets,
                                       bool rowwise, bool columnwise, bool block_2d,
                                       bool pow2_scale, float amax_epsilon, int64_t length,
-                                      int64_t expert_rows) {
+                                      int64_t expert_rows, bool row_packed) {
   Fp8BlockArgs a;
   GroupedRows rows;
   JQ_RETURN_IF_ERROR(decode_gathered_fp8_block(x, starts, pstarts, rets, rowwise, columnwise,
                                                block_2d, pow2_scale, amax_epsilon, length,
-                                               expert_rows, &a, &rows));
+                                               expert_rows, row_packed, &a, &rows));
   quantize_gathered(rows, a, &a.col_scale, block_2d ? ceil_div(rows.C, 128) : rows.C, 128);
   return ffi::Error::Success();
 }

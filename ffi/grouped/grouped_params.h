@@ -18,6 +18,7 @@ struct GroupedRows {
   int64_t T = 0, C = 0, G = 0;
   int64_t L = 0;            // token positions of the output layout
   int64_t expert_rows = 0;  // > 0: columnwise output is [G, C, expert_rows] (expert weights)
+  bool row_packed = false;  // rowwise copy in the packed layout [T, C] while columnwise follows pstarts
   const int32_t* starts = nullptr;   // [G + 1] packed group starts
   const int32_t* pstarts = nullptr;  // [G + 1] layout group starts
 };
@@ -29,7 +30,6 @@ struct QuantizeParams : GroupedRows {
   int fmt = 0;               // jq::Fp8
   const float* s = nullptr;  // delayed: scale[G]
   uint8_t* row = nullptr;    // [L, C], or [T, C] packed (row_packed)
-  bool row_packed = false;   // rowwise copy in the packed layout while columnwise follows pstarts
   uint8_t* col = nullptr;    // [C, L] or [G, C, expert_rows]
   float* scale_inv = nullptr;
   float* amax = nullptr;     // [G]

@@ -52,6 +52,7 @@ __global__ void __launch_bounds__(kThreads, TileMinCtas<P>::value) fp8_block_ker
   const int64_t row_nb = (p.C + 127) / 128, col_nb = (p.R + 127) / 128;
   Fp8TileLoad<P> ld(prod, p);
   const TileIndex t = ld.t;
+  [[maybe_unused]] const auto& reader = tile_reader(prod, t.r0);  // the 1x128 rows' destination
   [[maybe_unused]] uint32_t row_m[kBlock2d ? G::NP : 1];
 #pragma unroll
   for (int pp = 0; pp < G::NP; ++pp) {
@@ -64,10 +65,18 @@ __global__ void __launch_bounds__(kThreads, TileMinCtas<P>::value) fp8_block_ker
     } else {  // the row's 1x128 block is complete: write its codes now
       const int64_t r = ld.row(pp), c = ld.col();
       if (!p.do_row || r >= p.R || c >= p.C) continue;
-      const float scale = jq::scale_from_amax(__uint_as_float(m), fmax, p.pow2_scale, p.amax_epsilon);
-      store_bytes8(p.row + r * p.C + c, fp8_codes4(v, scale, p.fmt), fp8_codes4(v + 4, scale, p.fmt),
-                   int(min64(8, p.C - c)), p.vec_row);
-      if (ld.lc == 0) p.row_scale[r * row_nb + t.c0 / 128] = jq::rcp_f32(scale);
+      const RowDestination to = row_destination(reader, r);
+      const auto store_row = [&](int64_t row, const float* w, uint32_t bits) {
+        const float scale = jq::scale_from_amax(__uint_as_float(bits), fmax, p.pow2_scale, p.amax_epsilon);
+        store_bytes8(p.row + row * p.C + c, fp8_codes4(w, scale, p.fmt), fp8_codes4(w + 4, scale, p.fmt),
+                     int(min64(8, p.C - c)), p.vec_row);
+        if (ld.lc == 0) p.row_scale[row * row_nb + t.c0 / 128] = jq::rcp_f32(scale);
+      };
+      if (to.row >= 0) store_row(to.row, v, m);
+      if (to.zero_row) {  // a packed row of no group: a zero row's codes and scale
+        const float zeros[8] = {};
+        store_row(r, zeros, 0u);
+      }
     }
   }
   const uint32_t tile_amax = cta_max(ld.amax, red);  // also the 128x128 block amax; orders the tile

@@ -41,6 +41,7 @@ __global__ void __launch_bounds__(kThreads, ProducerMinCtas<P>::value) mxfp8_ker
   const float inv_fmax = jq::inv_fmax_of(p.fmt);
   const int64_t row_nb = (p.C + 31) / 32, col_nb = (p.R + 31) / 32;
   Fp8TileLoad<P> ld(prod, p);
+  const auto& reader = tile_reader(prod, ld.t.r0);
 #pragma unroll
   for (int pp = 0; pp < G::NP; ++pp) {
     float v[8];
@@ -50,11 +51,19 @@ __global__ void __launch_bounds__(kThreads, ProducerMinCtas<P>::value) mxfp8_ker
     m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
     const int64_t r = ld.row(pp), c = ld.col();
     if (r < p.R && c < p.C) {
-      const uint32_t e = jq::e8m0_from_amax(__uint_as_float(m), inv_fmax);
-      const jq::Mxfp8Factors f = jq::mxfp8_factors(e);
-      store_bytes8(p.row + r * p.C + c, mxfp8_codes4(v, f, e, p.fmt), mxfp8_codes4(v + 4, f, e, p.fmt),
-                   int(min64(8, p.C - c)), p.vec_row);
-      if ((tid & 3) == 0) p.row_scale[r * row_nb + c / 32] = uint8_t(e);
+      const RowDestination to = row_destination(reader, r);
+      const auto store_row = [&](int64_t row, const float* w, uint32_t bits) {
+        const uint32_t e = jq::e8m0_from_amax(__uint_as_float(bits), inv_fmax);
+        const jq::Mxfp8Factors f = jq::mxfp8_factors(e);
+        store_bytes8(p.row + row * p.C + c, mxfp8_codes4(w, f, e, p.fmt), mxfp8_codes4(w + 4, f, e, p.fmt),
+                     int(min64(8, p.C - c)), p.vec_row);
+        if ((tid & 3) == 0) p.row_scale[row * row_nb + c / 32] = uint8_t(e);
+      };
+      if (to.row >= 0) store_row(to.row, v, m);
+      if (to.zero_row) {  // a packed row of no group: a zero row's codes and scale
+        const float zeros[8] = {};
+        store_row(r, zeros, 0u);
+      }
     }
   }
   if (p.amax) {

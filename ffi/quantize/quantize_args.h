@@ -326,13 +326,15 @@ struct Mxfp8Args {
 };
 
 // The results of jaxquant_quantize_mxfp8 for an R x C matrix (directions set in `a`): E8M0
-// scales of 1x32 blocks.
-inline ffi::Error read_results(const char* t, RetReader& r, int64_t R, int64_t C, Mxfp8Args* a) {
+// scales of 1x32 blocks. `row_R` >= 0: the rowwise copy's rows instead of R (a grouped call's
+// packed rowwise copy beside its padded columnwise one).
+inline ffi::Error read_results(const char* t, RetReader& r, int64_t R, int64_t C, Mxfp8Args* a,
+                               int64_t row_R = -1) {
   const auto e8m0 = ffi::DataType::F8E8M0FNU;
   ffi::DataType row_type = ffi::DataType::INVALID, col_type = ffi::DataType::INVALID;
   if (a->rowwise) {
-    JQ_RETURN_IF_ERROR(read_blocks(r, "rowwise", R, C, kFp8Types, e8m0, 1, 32, &a->row_data,
-                                   &a->row_scale, &row_type));
+    JQ_RETURN_IF_ERROR(read_blocks(r, "rowwise", row_R >= 0 ? row_R : R, C, kFp8Types, e8m0, 1,
+                                   32, &a->row_data, &a->row_scale, &row_type));
   }
   if (a->columnwise) {
     JQ_RETURN_IF_ERROR(read_blocks(r, "columnwise", C, R, kFp8Types, e8m0, 1, 32, &a->col_data,
@@ -375,15 +377,16 @@ inline ffi::Error set_fp8_block_attrs(const char* t, bool rowwise, bool columnwi
   return ffi::Error::Success();
 }
 
-// The results of jaxquant_quantize_fp8_block for an R x C matrix (attributes set in `a`).
+// The results of jaxquant_quantize_fp8_block for an R x C matrix (attributes set in `a`;
+// `row_R` as for MXFP8).
 inline ffi::Error read_results(const char* t, RetReader& r, int64_t R, int64_t C,
-                               Fp8BlockArgs* a) {
+                               Fp8BlockArgs* a, int64_t row_R = -1) {
   const auto f32 = ffi::DataType::F32;
   const int64_t block_rows = a->block_2d ? 128 : 1;
   ffi::DataType row_type = ffi::DataType::INVALID, col_type = ffi::DataType::INVALID;
   if (a->rowwise) {
-    JQ_RETURN_IF_ERROR(read_blocks(r, "rowwise", R, C, kFp8Types, f32, block_rows, 128,
-                                   &a->row_data, &a->row_scale, &row_type));
+    JQ_RETURN_IF_ERROR(read_blocks(r, "rowwise", row_R >= 0 ? row_R : R, C, kFp8Types, f32,
+                                   block_rows, 128, &a->row_data, &a->row_scale, &row_type));
   }
   if (a->columnwise) {
     JQ_RETURN_IF_ERROR(read_blocks(r, "columnwise", C, R, kFp8Types, f32, block_rows, 128,

@@ -300,6 +300,19 @@ __device__ __forceinline__ const P& tile_reader(const P& prod, int64_t) {
   return prod;
 }
 
+// Where a tile kernel writes the rowwise codes of tile row r: matrix row `row` (-1: nowhere),
+// and whether r is also a row of no group of a packed rowwise copy, written as a zero row there
+// (`zero_row`). The reader of a producer that packs its rowwise copy overloads it (found by
+// argument-dependent lookup); every other reader writes row r.
+struct RowDestination {
+  int64_t row;
+  bool zero_row;
+};
+template <typename Reader>
+__device__ __forceinline__ RowDestination row_destination(const Reader&, int64_t r) {
+  return {r, false};
+}
+
 // The load phase of the FP8-format tile kernels: the CTA's tile, this thread's place in it (tile
 // row pass * RPP + lr, columns lc .. lc+7) and its 8 values of each pass, read from the producer
 // with every load issued before any is used.

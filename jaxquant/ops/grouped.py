@@ -247,8 +247,7 @@ def quantize(x: jax.Array, group_sizes: jax.Array, quantizer: Quantizer, *,
   if halves is None:  # one quantizer makes both copies
     layouts = {d: TokenLayout(tokens, groups, _layout_block(quantizer, d, requested[d]))
                for d in DIRECTIONS}
-    if (rowwise and columnwise and kernels.pair_layouts_served(*layouts.values())
-        and kernels.quantize_route(quantizer, "rowwise")[0] == "fp8"):
+    if rowwise and columnwise and kernels.pair_served(quantizer, *layouts.values()):
       return _token_pair(x, sizes, quantizer, layouts, state, orig_dtype, role)
     row = copy(x, quantizer, "rowwise", state) if rowwise else None
     col = copy(x, quantizer, "columnwise", state) if columnwise else None
@@ -266,8 +265,9 @@ def quantize(x: jax.Array, group_sizes: jax.Array, quantizer: Quantizer, *,
 
 def _token_pair(x, sizes, leaf: Quantizer, layouts: dict, state, orig_dtype,
                 role) -> GroupedQuantizedTensor:
-  """Both copies of per-tensor FP8 tokens, each in its layout (`layouts[direction]`: one
-  layout, or a packed rowwise one beside a padded columnwise one): one FFI call reads x once."""
+  """Both copies of per-tensor FP8, MXFP8 or Float8Block tokens, each in its layout
+  (`layouts[direction]`: one layout, or a packed rowwise one beside a padded columnwise one):
+  one FFI call reads x once (`kernels.pair_served`)."""
   name = lambda layout: "packed" if not layout.padded else f"token block {layout.block}"
   row_layout, col_layout = layouts["rowwise"], layouts["columnwise"]
   shape = (name(row_layout) if row_layout == col_layout

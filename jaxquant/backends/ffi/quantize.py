@@ -60,6 +60,9 @@ class Request:
   # > 0 with `gather`: expert weights of this many rows each, the columnwise copy written as
   # [G, cols, expert_rows] (each expert's on its own) with its scales likewise.
   expert_rows: int = 0
+  # With `gather`: the rowwise copy in the packed layout (x2d's rows, those past the groups as
+  # zeros) while the columnwise copy takes the gathered layout.
+  row_packed: bool = False
 
   @property
   def shape(self) -> tuple[int, int]:
@@ -67,6 +70,11 @@ class Request:
     if self.gather is not None:
       return (self.gather[2], self.x2d.shape[1])
     return tuple(self.x2d.shape)
+
+  @property
+  def row_shape(self) -> tuple[int, int]:
+    """The rowwise copy's matrix: `shape`, or x2d's own `[T, cols]` when `row_packed`."""
+    return tuple(self.x2d.shape) if self.row_packed else self.shape
 
 
 def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
@@ -78,7 +86,7 @@ def _data_results(req: Request, dtype, row_scale=None, col_scale=None) -> list:
   rows, cols = req.shape
   out = []
   if req.rowwise:
-    out.append(_sds((rows, cols), dtype))
+    out.append(_sds(req.row_shape, dtype))
     if row_scale is not None:
       out.append(row_scale)
   if req.columnwise:
@@ -128,7 +136,7 @@ def _call(req: Request, target: str, results: list, layout: Layout, **attributes
                if first <= i < first + 2 else r for i, r in enumerate(results)]
   return calls.call(GATHERED_TARGETS[target], results, req.x2d, starts, pstarts,
                     length=np.int64(length), expert_rows=np.int64(req.expert_rows),
-                    **attributes)
+                    row_packed=req.row_packed, **attributes)
 
 
 def _split(req: Request, outs: list, with_scales: bool):
@@ -209,7 +217,7 @@ def _block_scales(req: Request, quantizer: Quantizer) -> tuple:
   rows, cols = req.shape
   dtype = fmt.scale_dtype(quantizer)
   block_rows, block_cols = fmt.block_shape(quantizer)
-  return (_sds(fmt.scale_shape(quantizer, rows, cols), dtype),
+  return (_sds(fmt.scale_shape(quantizer, *req.row_shape), dtype),
           _sds(fmt.scale_shape(quantizer, cols, rows), dtype),
           (("m", block_rows), ("k", block_cols)), (("k", block_rows), ("m", block_cols)))
 
@@ -348,7 +356,7 @@ def gathered_kernel(quantizer: Quantizer) -> Optional[str]:
 
 def quantize_gathered(x2d, starts: jax.Array, pstarts: jax.Array, length: int,
                       quantizer: Quantizer, *, rowwise: bool, columnwise: bool,
-                      orig_dtype: Any, expert_rows: int = 0) -> Pair:
+                      orig_dtype: Any, expert_rows: int = 0, row_packed: bool = False) -> Pair:
   """`quantize_single` of the token layout of `length` positions gathered from `x2d`'s rows
   (position pstarts[g] + i holds row starts[g] + i while inside group g, else zeros), bit for
   bit, with no gathered copy: `gathered_kernel(quantizer)` reads x through the offsets.
@@ -356,9 +364,18 @@ def quantize_gathered(x2d, starts: jax.Array, pstarts: jax.Array, length: int,
   `expert_rows` > 0: x2d is expert weights `[G expert_rows, cols]` (starts = pstarts = g
   expert_rows), and the columnwise copy comes back as `[G, cols, expert_rows]` with its scales
   likewise: each expert's copy, written so by the kernel (no regrouping transpose), which reads
-  x2d directly; the rowwise copy, when asked for too, is `[G expert_rows, cols]` as for tokens."""
+  x2d directly; the rowwise copy, when asked for too, is `[G expert_rows, cols]` as for tokens.
+
+  `row_packed` (tokens, a format with one-row blocks): the rowwise copy of the packed layout
+  (`quantize_gathered(x2d, starts, starts, T, ...)`'s) and the columnwise copy of this one from
+  one launch, one read of x."""
   if gathered_kernel(quantizer) is None:
     raise ValueError(f"no gathered quantize kernel for {quantizer}")
+  if row_packed and (not rowwise or expert_rows or length < x2d.shape[0]
+                     or format_of(quantizer).block_shape(quantizer)[0] != 1):
+    raise ValueError(f"row_packed: needs the rowwise copy of tokens in one-row blocks and a "
+                     f"layout of at least {x2d.shape[0]} positions; got {quantizer}, "
+                     f"rowwise={rowwise}, expert_rows={expert_rows}, length={length}")
   if expert_rows and (not columnwise or length % expert_rows):
     raise ValueError(f"expert_rows={expert_rows}: needs columnwise=True and a length "
                      f"({length}) of whole experts")
@@ -367,5 +384,5 @@ def quantize_gathered(x2d, starts: jax.Array, pstarts: jax.Array, length: int,
     raise ValueError(f"FFI quantize cannot serve {quantizer}: {reason}")
   req = Request(x2d, rowwise, columnwise, orig_dtype,
                 gather=(starts.astype(jnp.int32), pstarts.astype(jnp.int32), int(length)),
-                expert_rows=int(expert_rows))
+                expert_rows=int(expert_rows), row_packed=bool(row_packed))
   return KERNEL_FORMATS[format_of(quantizer).quantize_kernel(quantizer)](req, quantizer)

@@ -1,7 +1,7 @@
 """The grouped FFI kernels' entry points for `jaxquant.grouped`: routes, reasons and the ops."""
 
 from jaxquant.backends.ffi.grouped.gemm import gemm
-from jaxquant.backends.ffi.grouped.quantize import (pair_layouts_served, quantize_experts,
+from jaxquant.backends.ffi.grouped.quantize import (pair_served, quantize_experts,
                                                     quantize_token_pair, quantize_tokens)
 from jaxquant.backends.ffi.grouped.support import (GEMM_SM90_TARGET, expert_route,
                                                    experts_read_transposed,
@@ -11,7 +11,7 @@ from jaxquant.backends.ffi.grouped.support import (GEMM_SM90_TARGET, expert_rout
                                                    quantize_route, quantize_unsupported,
                                                    sm90_kernel_label, sm90_wgrad_block)
 
-__all__ = ["gemm", "pair_layouts_served", "quantize_experts", "quantize_token_pair",
+__all__ = ["gemm", "pair_served", "quantize_experts", "quantize_token_pair",
            "quantize_tokens", "expert_route", "experts_read_transposed", "fp8_kernel_note",
            "gemm_kernel", "gemm_kernel_note", "gemm_scaling", "gemm_unsupported",
            "sm90_kernel_label", "sm90_wgrad_block", "quantize_experts_unsupported",

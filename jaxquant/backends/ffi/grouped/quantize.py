@@ -155,24 +155,42 @@ def _make(data, scale_inv, amax, sizes, leaf, orig_dtype, direction, layout, rht
 def quantize_token_pair(x: jax.Array, sizes: jax.Array, leaf: Quantizer, row_layout: TokenLayout,
                         col_layout: TokenLayout, state: Any,
                         orig_dtype) -> tuple[GroupedScaledTensor, GroupedScaledTensor]:
-  """Both copies of per-tensor FP8 tokens from one call (one read of x): in one layout, or the
-  rowwise copy packed and the columnwise one in its padded layout (`pair_layouts_served`)."""
-  if not pair_layouts_served(row_layout, col_layout):
-    raise ValueError(f"one grouped FP8 call writes both copies in one layout or a packed "
-                     f"rowwise copy beside a padded columnwise one; got token blocks "
-                     f"{row_layout.block} (rowwise) and {col_layout.block} (columnwise)")
+  """Both copies of tokens from one call (one read of x), in one layout or the rowwise copy
+  packed and the columnwise one in its padded layout (`pair_served`): per-tensor FP8 through
+  the grouped FP8 kernel, MXFP8 / Float8Block through the gathered kernel (`row_packed`)."""
+  if not pair_served(leaf, row_layout, col_layout):
+    raise ValueError(f"one grouped call writes both copies of {leaf} in one layout, or (formats "
+                     f"with one-row blocks) a packed rowwise copy beside a padded columnwise one; "
+                     f"got token blocks {row_layout.block} (rowwise) and {col_layout.block} "
+                     f"(columnwise)")
   row_packed = row_layout != col_layout
-  row, col, scale_inv, amax = _fp8_call(x, _offsets(sizes), _offsets(col_layout.extents(sizes)),
-                                        leaf, state, col_layout.groups, col_layout.length, True,
-                                        True, row_packed=row_packed)
+  starts, pstarts = _offsets(sizes), _offsets(col_layout.extents(sizes))
+  if support.quantize_route(leaf, "rowwise")[0] != "fp8":
+    row, col = single.quantize_gathered(x, starts, pstarts, col_layout.length, leaf,
+                                        rowwise=True, columnwise=True, orig_dtype=orig_dtype,
+                                        row_packed=row_packed)
+    amax = group_amax(x, sizes)
+    return (_make(row.data, row.scale_inv, amax, sizes, leaf, orig_dtype, "rowwise", row_layout),
+            _make(col.data, col.scale_inv, amax, sizes, leaf, orig_dtype, "columnwise",
+                  col_layout))
+  row, col, scale_inv, amax = _fp8_call(x, starts, pstarts, leaf, state, col_layout.groups,
+                                        col_layout.length, True, True, row_packed=row_packed)
   return (_make(row, scale_inv, amax, sizes, leaf, orig_dtype, "rowwise", row_layout),
           _make(col, scale_inv, amax, sizes, leaf, orig_dtype, "columnwise", col_layout))
 
 
-def pair_layouts_served(row_layout: TokenLayout, col_layout: TokenLayout) -> bool:
-  """Whether `quantize_token_pair` writes copies in these layouts from one read of x: the same
-  layout, or a packed rowwise layout (x's own rows) beside any columnwise one."""
-  return row_layout == col_layout or not row_layout.padded
+def pair_served(leaf: Quantizer, row_layout: TokenLayout, col_layout: TokenLayout) -> bool:
+  """Whether `quantize_token_pair` writes both copies of `leaf`'s tokens in these layouts from
+  one read of x: per-tensor FP8 in the same layout or a packed rowwise layout (x's own rows)
+  beside any columnwise one; MXFP8 / Float8Block where this platform's extension has the
+  gathered kernel, likewise when the rowwise blocks are one row tall (1x32, 1x128)."""
+  packed_row = not row_layout.padded
+  route = support.quantize_route(leaf, "rowwise")[0]
+  if route == "fp8":
+    return row_layout == col_layout or packed_row
+  if route != "single" or not gathered_served(leaf) or format_of(leaf).uses_rht(leaf, "rowwise"):
+    return False
+  return row_layout == col_layout or (packed_row and format_of(leaf).block_shape(leaf)[0] == 1)
 
 
 def quantize_tokens(x: jax.Array, sizes: jax.Array, leaf: Quantizer, direction: str,
