@@ -531,7 +531,7 @@ def test_float32_kernel_gradient_is_the_float32_sums(bf16_device, rng):
 
 
 def test_float32_kernel_reference_gives_the_same_sums(rng, monkeypatch):
-  """The reference path (ragged_dot on the cast kernel, the gradient from float32 copies)."""
+  """The reference path (ragged_dot on the cast kernel, the gradient from ragged_dot_general)."""
   monkeypatch.setenv("JAXQUANT_BACKEND", "reference")
   check_float32_kernel_step(rng, 3, 80, 32, 24, "reference")
 

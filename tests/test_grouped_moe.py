@@ -105,7 +105,10 @@ def test_the_moe_model_asks_for_grouped_linear_roles():
   fc1 = "grouped_linear/block_0/mlp/fc1"
   assert "NVFP4Quantizer(row_scaled=True" in served[(f"{fc1}/input", "rowwise")]
   assert "MXFP8Quantizer" in served[(f"{fc1}/input", "columnwise")]
-  assert "MXFP8Quantizer" in served[(f"{fc1}/grad_output", "columnwise")]
+  # dy's two MXFP8 copies: one gathered call where the extension has it, else one per copy
+  grad = (served.get((f"{fc1}/grad_output", "rowwise+columnwise"))
+          or served[(f"{fc1}/grad_output", "columnwise")])
+  assert "MXFP8Quantizer" in grad
   grouped_ops = [d for d in report if d.op.startswith("grouped")]
   assert {d.path for d in grouped_ops} <= {"ffi-cpu", "ffi-cuda", "reference"}
   assert all(d.reason for d in grouped_ops if d.path == "reference"), str(report)  # visible
