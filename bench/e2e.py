@@ -196,10 +196,12 @@ def run_variant(name, cfg, args, batches, tx):
           if fetch:
             float(loss)
         jax.block_until_ready(state)
-      times, streams = e2e_trace.kernel_times(e2e_trace.latest_trace(logdir))
+      trace = e2e_trace.latest_trace(logdir)
+      times, streams = e2e_trace.kernel_times(trace)
       split = e2e_trace.split(times, args.profile_steps) if times else None
       if split is not None:
         split["streams"] = streams
+        print_occupancy(name, trace, args.profile_steps)
       if not args.keep_traces:
         shutil.rmtree(logdir, ignore_errors=True)
   del state
@@ -207,6 +209,21 @@ def run_variant(name, cfg, args, batches, tx):
               lower_s=lower_s, compile_s=compile_s, loss_1=losses[0],
               loss_25=losses[min(24, len(losses) - 1)], loss_last=losses[-1], steps=args.steps,
               paths=paths, split=split)
+
+
+def print_occupancy(name: str, trace: str, steps: int) -> None:
+  """The profiled steps' GPU span and busy time a step, their longest idle gaps with the kernels
+  around them, and the host events of the same steps: where a step's idle GPU time goes (with
+  the loss fetched every step, the host's work between two steps is exposed)."""
+  events = e2e_trace.gpu_stream_events(trace)[0]
+  gpu = e2e_trace.occupancy(events)
+  print(f"  {name}: profiled GPU span {gpu['span_us'] / 1e3 / steps:.2f} ms a step, busy "
+        f"{gpu['busy_us'] / 1e3 / steps:.2f}", flush=True)
+  for g in e2e_trace.idle_gaps(events, top=8):
+    print(f"    idle {g['gap_us']:8.1f} us  after {g['before'][:60]}  before {g['after'][:60]}",
+          flush=True)
+  for event, count, us in e2e_trace.host_times(trace, top=25):
+    print(f"    host {us / 1e3 / steps:8.3f} ms a step  x{count:<6d} {event[:90]}", flush=True)
 
 
 def print_table(rows, card, cfg, attention, data):
