@@ -71,6 +71,25 @@ def test_delayed_update_kernel_equals_the_reference(rng, platform, name):
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("length", [1, 7, 256, 300, 1024])
+def test_delayed_update_in_place_of_a_donated_state(rng, platform, length):
+  """The update writes the new history and scale over the old ones (aliased outputs): with the
+  state donated, the compiled program has no copy, and the kernel's chunked roll (256 entries a
+  chunk, each read before any is written) gives the reference's values in place, also where a
+  chunk ends inside the history (300) and across several chunks (1024)."""
+  q = jq.Float8DelayedScalingQuantizer(amax_history_len=length)
+  device = _device(platform)
+  reference = jax.jit(lambda s, a: delayed_scaling_update(s, a, q))
+  in_place = jax.jit(lambda s, a: ffi_delayed.update(s, a, q), donate_argnums=0)
+  for state, amax in jax.device_put(_states(rng, length, 6), device):
+    want = reference(state, amax)
+    hlo = in_place.lower(state, amax).compile().as_text()
+    assert " copy(" not in hlo and "copy-start" not in hlo, hlo
+    got = in_place(jax.tree_util.tree_map(jnp.copy, state), amax)
+    assert_same_leaves(got, want, f"length {length}")
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
 def test_delayed_update_kernel_takes_a_batch_of_states(rng, platform):
   """Leading axes (DenseGeneral's batch_dims keep one state per element) are one launch."""
   q = QUANTIZERS["e4m3"]

@@ -111,6 +111,7 @@ ffi::Error DelayedUpdateCpu(ffi::AnyBuffer history, ffi::AnyBuffer scale, ffi::A
     uint32_t m = jq::abs_bits(am);  // max |hist| with hist[0] = amax, NaN-propagating
     for (int64_t j = 1; j < L; ++j) m = std::max(m, jq::abs_bits(h[j]));
     a.new_scale[b] = jq::delayed_scale(most_recent ? am : float_of(m), fmax, margin, a.scale[b]);
+    // in order, so that out may be h's buffer (the call aliases them): out[i] reads h[i + 1]
     for (int64_t i = 0; i < L; ++i) out[i] = i == 0 ? 0.0f : (i + 1 == L ? am : h[i + 1]);
   }
   return ffi::Error::Success();

@@ -64,6 +64,8 @@ class Layout:
     blocks: extra `(axis, block)` constraints (e.g. the Hadamard transform's 16-long chunks).
     names: `(axis, description)` pairs used in errors.
     what: the operation, for errors.
+    aliases: `(operand index, result index)`: the result is written into the operand's buffer
+      (an update in place, `jax.ffi.ffi_call`'s `input_output_aliases`).
   """
 
   operands: tuple[Dims, ...]
@@ -73,6 +75,7 @@ class Layout:
   blocks: tuple[tuple[str, int], ...] = ()
   names: tuple[tuple[str, str], ...] = (("m", "rows of x"), ("k", "cols of x"))
   what: str = ""
+  aliases: tuple[tuple[int, int], ...] = ()
 
 
 def _all_dims(layout: Layout):
@@ -270,8 +273,10 @@ def _partitioned_call(target: str, layout: Layout, operand_shapes: tuple, result
   result_shapes = [s for s, _ in results]
   order = tuple(dict.fromkeys(a for a, _ in _all_dims(layout) if a is not None))
 
+  aliases = dict(layout.aliases)
+
   def single(*args):
-    return tuple(targets.call(target, result_structs, *args, **attrs))
+    return tuple(targets.call(target, result_structs, *args, aliases=aliases, **attrs))
 
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
@@ -293,7 +298,7 @@ def _partitioned_call(target: str, layout: Layout, operand_shapes: tuple, result
         col0 = shard_origin(assign[col_axis], mesh,
                             lengths[col_axis] // _sharding.axis_size(mesh, assign[col_axis]))
         args[index] = offset_key(args[index], row0, col0)
-      outs = targets.call(target, local, *args, **attrs)
+      outs = targets.call(target, local, *args, aliases=aliases, **attrs)
       for index, axes in layout.reduce:
         mesh_axes = tuple(a for axis in axes for a in assign.get(axis, ()))
         if mesh_axes:
