@@ -74,6 +74,7 @@ Sm90Runner runner(int a, int b, int out, int cfg) {
   const bool f32 = out == F32;
   if (cfg != sm90::kCfgDefault) {
     if (a != kE4M3 || b != kE4M3 || out != BF16) return nullptr;
+#ifndef JAXQUANT_SM90_DEFAULT_CONFIGS_ONLY  // sm90.cmake's JAXQUANT_SM90_ALL_CONFIGS
     switch (cfg) {
       case sm90::kCfgC1x1: return run_instance<kE4M3, kE4M3, BF16, sm90::kCfgC1x1>;
       case sm90::kCfgN176: return run_instance<kE4M3, kE4M3, BF16, sm90::kCfgN176>;
@@ -81,6 +82,9 @@ Sm90Runner runner(int a, int b, int out, int cfg) {
       case sm90::kCfgPingpongFast: return run_instance<kE4M3, kE4M3, BF16, sm90::kCfgPingpongFast>;
       default: return nullptr;
     }
+#else
+    return nullptr;
+#endif
   }
   if (a == kE4M3 && b == kE4M3) return f32 ? run_instance<kE4M3, kE4M3, F32> : run_instance<kE4M3, kE4M3, BF16>;
   if (a == kE5M2 && b == kE4M3) return f32 ? run_instance<kE5M2, kE4M3, F32> : run_instance<kE5M2, kE4M3, BF16>;
@@ -96,11 +100,15 @@ Sm90Runner block_runner(int b_rows, int out, int cfg) {
   const bool f32 = out == F32;
   if (cfg != sm90::kCfgDefault) {
     if (b_rows != R1 || out != BF16) return nullptr;
+#ifndef JAXQUANT_SM90_DEFAULT_CONFIGS_ONLY
     switch (cfg) {
       case sm90::kCfgC1x1: return run_block_instance<R1, BF16, sm90::kCfgC1x1>;
       case sm90::kCfgC2x1: return run_block_instance<R1, BF16, sm90::kCfgC2x1>;
       default: return nullptr;
     }
+#else
+    return nullptr;
+#endif
   }
   if (b_rows == R128) return f32 ? run_block_instance<R128, F32> : run_block_instance<R128, BF16>;
   return f32 ? run_block_instance<R1, F32> : run_block_instance<R1, BF16>;

@@ -65,7 +65,9 @@ Sm90Runner row_scaled_runner(int cfg, int layout, int out) {
   }
   switch (cfg) {
     case sm90::kCfgBf16: return instance<sm90::kCfgBf16, kTN, kOutBF16, kRow>();
+#ifndef JAXQUANT_SM90_DEFAULT_CONFIGS_ONLY  // sm90.cmake's JAXQUANT_SM90_ALL_CONFIGS
     case sm90::kCfgBf16C2x1: return instance<sm90::kCfgBf16C2x1, kTN, kOutBF16, kRow>();
+#endif
     default: return nullptr;
   }
 }
@@ -90,14 +92,18 @@ Sm90Runner runner(int cfg, int layout, int out) {
     if (layout != sm90::kLayoutNT) return nullptr;
     switch (cfg) {
       case sm90::kCfgBf16: return instance<sm90::kCfgBf16, sm90::kLayoutNT, kOutF32>();
+#ifndef JAXQUANT_SM90_DEFAULT_CONFIGS_ONLY
       case sm90::kCfgBf16C2x1: return instance<sm90::kCfgBf16C2x1, sm90::kLayoutNT, kOutF32>();
+#endif
       default: return nullptr;
     }
   }
   switch (cfg) {
     case sm90::kCfgBf16: return bf16_out<sm90::kCfgBf16>(layout);
+#ifndef JAXQUANT_SM90_DEFAULT_CONFIGS_ONLY
     case sm90::kCfgBf16C2x1: return bf16_out<sm90::kCfgBf16C2x1>(layout);
     case sm90::kCfgBf16Pingpong: return bf16_out<sm90::kCfgBf16Pingpong>(layout);
+#endif
     default: return nullptr;
   }
 }

@@ -20,6 +20,11 @@ set(JAXQUANT_CUTLASS_PIN "4.2.0")
 set(JAXQUANT_CUTLASS_DIR "$ENV{JAXQUANT_CUTLASS_DIR}" CACHE PATH
     "CUTLASS include folder (holding cutlass/ and cute/); empty: the pip nvidia-cutlass wheel")
 option(JAXQUANT_GROUPED_SM90 "Build the CUTLASS Hopper grouped GEMM when CUTLASS is found" ON)
+# OFF: only the default configurations' instances (one set per kernel template), for a compile
+# check in less time (CI on CPU machines: 17 of 31 instances). Such a build cannot run the
+# alternative configurations, which the automatic choice takes on a GPU (the handler reports
+# that the configuration has no instance), so GPU builds keep it ON.
+option(JAXQUANT_SM90_ALL_CONFIGS "Build the alternative CUTLASS configurations' instances" ON)
 
 # Write a generated source only when its text changed, so a reconfigure does not rebuild it.
 function(_jaxquant_write_if_changed file text)
@@ -102,7 +107,16 @@ function(jaxquant_add_grouped_sm90 target)
   # The alternative configurations (kCfg* in sm90_gemm.h), each only for the types it is
   # measured on (E4M3 x E4M3 -> bfloat16 per-tensor FP8, Float8Block 1x128 x 1x128 -> bfloat16,
   # the wgrad's): mirrored in jaxquant/backends/ffi/grouped/sm90_configs.py (SM90_INSTANCES).
-  foreach(cfg kCfgC1x1 kCfgN176 kCfgFast kCfgPingpongFast)
+  set(fp8_alternatives kCfgC1x1 kCfgN176 kCfgFast kCfgPingpongFast)
+  set(block_alternatives kCfgC1x1 kCfgC2x1)
+  set(bf16_configs kCfgBf16 kCfgBf16C2x1 kCfgBf16Pingpong)
+  if(NOT JAXQUANT_SM90_ALL_CONFIGS)
+    set(fp8_alternatives "")
+    set(block_alternatives "")
+    set(bf16_configs kCfgBf16)
+    target_compile_definitions(${target} PRIVATE JAXQUANT_SM90_DEFAULT_CONFIGS_ONLY)
+  endif()
+  foreach(cfg IN LISTS fp8_alternatives)
     string(REGEX REPLACE "^kCfg" "" suffix "${cfg}")
     string(TOLOWER "${suffix}" suffix)
     set(extra "")
@@ -114,7 +128,7 @@ function(jaxquant_add_grouped_sm90 target)
     _jaxquant_write_if_changed("${file}" "${text}")
     list(APPEND instances "${file}")
   endforeach()
-  foreach(cfg kCfgC1x1 kCfgC2x1)
+  foreach(cfg IN LISTS block_alternatives)
     string(REGEX REPLACE "^kCfg" "" suffix "${cfg}")
     string(TOLOWER "${suffix}" suffix)
     set(file "${CMAKE_CURRENT_BINARY_DIR}/grouped_sm90/sm90_block_inst_rows1_outbf16_${suffix}.cu")
@@ -134,11 +148,14 @@ function(jaxquant_add_grouped_sm90 target)
   set(bf16_instances "kCfgBf16 kLayoutTN kOutF32 kEpiAlpha" "kCfgBf16 kLayoutTN kOutF32 kEpiRowScale"
       "kCfgBf16 kLayoutTN kOutBF16 kEpiRowScale" "kCfgBf16C2x1 kLayoutTN kOutBF16 kEpiRowScale"
       "kCfgBf16 kLayoutNT kOutF32 kEpiAlpha" "kCfgBf16C2x1 kLayoutNT kOutF32 kEpiAlpha")
-  foreach(cfg kCfgBf16 kCfgBf16C2x1 kCfgBf16Pingpong)
+  foreach(cfg IN LISTS bf16_configs)
     foreach(layout kLayoutTN kLayoutNN kLayoutNT)
       list(APPEND bf16_instances "${cfg} ${layout} kOutBF16 kEpiAlpha")
     endforeach()
   endforeach()
+  if(NOT JAXQUANT_SM90_ALL_CONFIGS)
+    list(FILTER bf16_instances INCLUDE REGEX "^kCfgBf16 ")
+  endif()
   foreach(instance IN LISTS bf16_instances)
     string(REPLACE " " ";" parts "${instance}")
     list(GET parts 0 cfg)
@@ -169,7 +186,11 @@ function(jaxquant_add_grouped_sm90 target)
     -DNDEBUG -Xptxas=-warn-spills)
   target_sources(${target} PRIVATE "${dir}/../grouped_sm90.cu" "${dir}/../grouped_sm90_bf16.cu"
                  $<TARGET_OBJECTS:jaxquant_grouped_sm90>)
+  set(configs "")
+  if(NOT JAXQUANT_SM90_ALL_CONFIGS)
+    set(configs ", default configurations only")
+  endif()
   target_compile_definitions(${target} PRIVATE JAXQUANT_GROUPED_SM90
-    "JAXQUANT_GROUPED_SM90_STATUS=\"CUTLASS ${version} (${include})\"")
+    "JAXQUANT_GROUPED_SM90_STATUS=\"CUTLASS ${version} (${include})${configs}\"")
   message(STATUS "jaxquant grouped sm90: CUTLASS ${version} from ${include}")
 endfunction()
