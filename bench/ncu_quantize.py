@@ -51,6 +51,13 @@ def cases(groups: int, tokens: int, k: int, n: int):
          lambda x, sz: jg.quantize(x, sz, input4, columnwise=False), (x, sizes))
   yield ("nvfp4: dy columnwise RHT + SR",
          lambda dy, sz, k: jg.quantize(dy, sz, grad4, rowwise=False, keys=k), (dy, sizes, keys))
+  # one gathered launch for both copies (row_packed: the rowwise copy packed, the columnwise
+  # one padded to the wgrad's token block), the kernel of design decision 33
+  block = jq.Float8BlockQuantizer((1, 128))
+  yield ("fp8 block 1x128: dy, both copies (one gathered launch)",
+         lambda dy, sz: jg.quantize(dy, sz, block), (dy, sizes))
+  yield ("mxfp8: dy, both copies (one gathered launch)",
+         lambda dy, sz: jg.quantize(dy, sz, jq.MXFP8Quantizer()), (dy, sizes))
 
 
 def main(argv=None) -> int:
