@@ -219,11 +219,8 @@ def print_occupancy(name: str, trace: str, steps: int) -> None:
   gpu = e2e_trace.occupancy(events)
   print(f"  {name}: profiled GPU span {gpu['span_us'] / 1e3 / steps:.2f} ms a step, busy "
         f"{gpu['busy_us'] / 1e3 / steps:.2f}", flush=True)
-  for g in e2e_trace.idle_gaps(events, top=8):
-    print(f"    idle {g['gap_us']:8.1f} us  after {g['before'][:60]}  before {g['after'][:60]}",
-          flush=True)
-  for event, count, us in e2e_trace.host_times(trace, top=25):
-    print(f"    host {us / 1e3 / steps:8.3f} ms a step  x{count:<6d} {event[:90]}", flush=True)
+  for line in e2e_trace.gap_and_host_lines(trace, events, steps, gaps=8, host=25, indent="    "):
+    print(line, flush=True)
 
 
 def print_table(rows, card, cfg, attention, data):

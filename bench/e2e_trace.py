@@ -132,6 +132,18 @@ def idle_gaps(events: list[dict], top: int = 5) -> list[dict]:
   return sorted(gaps, key=lambda g: -g["gap_us"])[:top]
 
 
+def gap_and_host_lines(path: str, events: list[dict], steps: int, gaps: int = 6,
+                       host: int = 12, indent: str = "      ") -> list[str]:
+  """Printable lines of a traced loop of `steps` steps: its `gaps` longest GPU idle gaps
+  (`idle_gaps` of `events`, the trace's GPU stream events) and its `host` costliest host
+  events a step (`host_times`): what the GPU waited on, and where the host's time went."""
+  lines = [f"{indent}idle {g['gap_us']:8.1f} us  after {g['before'][:60]}  before "
+           f"{g['after'][:60]}" for g in idle_gaps(events, top=gaps)]
+  lines += [f"{indent}host {us / 1e3 / steps:8.3f} ms a step  x{count:<6d} {event[:90]}"
+            for event, count, us in host_times(path, top=host)]
+  return lines
+
+
 def split(times: dict[str, float], steps: int) -> dict:
   """Milliseconds per step by class and the top kernels (summed over every GPU in the trace:
   divide by the device count for a mesh step)."""

@@ -189,7 +189,8 @@ def print_profile(step, step_args, profile_dir: str, name: str, steps: int = 5) 
     wall_ms = (time.perf_counter() - t0) * 1e3 / steps
   path = e2e_trace.latest_trace(logdir)
   split = e2e_trace.split(e2e_trace.kernel_times(path)[0], steps)
-  gpu = e2e_trace.occupancy(e2e_trace.gpu_stream_events(path)[0])
+  events = e2e_trace.gpu_stream_events(path)[0]
+  gpu = e2e_trace.occupancy(events)
   print(f"    profile {name}: gemm {split['gemm_ms']:.3f} ms, quantize {split['quantize_ms']:.3f} "
         f"ms, other {split['other_ms']:.3f} ms per step; traced loop {wall_ms:.3f} ms a step "
         f"(wall), GPU span {gpu['span_us'] / 1e3 / steps:.3f}, "
@@ -197,11 +198,8 @@ def print_profile(step, step_args, profile_dir: str, name: str, steps: int = 5) 
         f"{gpu['longest_gap_us'] / 1e3:.3f} ms; top kernels:", flush=True)
   for kernel, ms, kind in split["top"][:20]:
     print(f"      {ms:8.3f} ms  {kind:9s} {kernel[:110]}", flush=True)
-  for g in e2e_trace.idle_gaps(e2e_trace.gpu_stream_events(path)[0], top=6):
-    print(f"      idle {g['gap_us']:8.1f} us  after {g['before'][:60]}  before {g['after'][:60]}",
-          flush=True)
-  for event, count, us in e2e_trace.host_times(path):  # the host's side of the same loop
-    print(f"      host {us / 1e3 / steps:8.3f} ms a step  x{count:<5d} {event[:90]}", flush=True)
+  for line in e2e_trace.gap_and_host_lines(path, events, steps):  # idle GPU, the host's side
+    print(line, flush=True)
 
 
 TORCH_GROUP_ALIGN = 8  # rows per token group for torch._grouped_mm bf16 (torchtitan's minimum)

@@ -73,3 +73,31 @@ def test_idle_gaps_are_the_longest_holes_with_the_kernels_around_them(rng):
   assert [g["gap_us"] for g in got] == [g for g, _, _ in want[:6]]
   assert [(g["before"], g["after"]) for g in got] == [(b, a) for _, b, a in want[:6]]
   assert ("long", "k5") in [(b, a) for _, b, a in want]
+
+
+def test_gap_and_host_lines_name_the_gaps_and_the_host_events(tmp_path, rng):
+  """A written trace: one GPU stream with a hole between two kernels, host events on a CPU
+  thread; the lines give the hole with its kernels and each host event's time a step."""
+  import gzip
+  import json
+  trace_module = _e2e_trace()
+  hole, steps = int(rng.integers(50, 500)), 2
+  host_us = rng.integers(100, 1000, size=3).astype(float)
+  events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #7"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+            {"ph": "X", "pid": 1, "tid": 7, "name": "kernel_a", "ts": 0.0, "dur": 10.0},
+            {"ph": "X", "pid": 1, "tid": 7, "name": "kernel_b", "ts": 10.0 + hole, "dur": 5.0}]
+  events += [{"ph": "X", "pid": 2, "tid": 1, "name": f"host_{i}", "ts": 0.0, "dur": float(d)}
+             for i, d in enumerate(host_us)]
+  path = tmp_path / "t.trace.json.gz"
+  with gzip.open(path, "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  gpu = trace_module.gpu_stream_events(str(path))[0]
+  lines = trace_module.gap_and_host_lines(str(path), gpu, steps)
+  assert "idle" in lines[0] and f"{float(hole):8.1f} us" in lines[0]
+  assert "after kernel_a" in lines[0] and "before kernel_b" in lines[0]
+  order = np.argsort(-host_us)
+  for line, i in zip(lines[1:], order):
+    assert f"host_{i}" in line and f"{host_us[i] / 1e3 / steps:8.3f} ms a step" in line
+  assert len(lines) == 1 + len(host_us)

@@ -87,10 +87,9 @@ class GroupedDense(nn.Module):
     if self.use_bias:
       bias = self.param("bias", logical_init(self.bias_init, kernel_axes[::2]),
                         (self.num_groups, self.features), self.param_dtype)
-    param_kernel = kernel
-    inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+    # the kernel stays in param_dtype: quantized, or cast for the products, from it (docstring)
+    inputs, _, bias = nn.dtypes.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
     quantizers = module_quantizers(self, MODULE_TYPE)
-    kernel = param_kernel  # quantized, or cast for the products, from param_dtype (docstring)
     if quantizers is not None:
       record_uncached_weight(self, quantizers, "GroupedDense")
     layout = self._layout(kernel_shape)

@@ -108,8 +108,7 @@ def _starts(group_sizes):
 
 @jax.custom_vjp
 def _matmul(x, kernel, group_sizes):
-  return bf16.gemm(x, kernel.astype(x.dtype), _starts(group_sizes), mode=0, out_dtype=x.dtype,
-                   b_k_major=False)
+  return _fwd(x, kernel, group_sizes)[0]
 
 
 def _fwd(x, kernel, group_sizes):
@@ -137,7 +136,7 @@ def _cast_reference(x, kernel, group_sizes, precision):
   """The specification of a kernel in another dtype than x: ragged_dot on the cast kernel,
   its autodiff for dx, and the kernel's gradient as float32 sums of x_g^T dy_g
   (`ragged_dot_general` with a float32 result) rounded once to the kernel's dtype."""
-  return jax.lax.ragged_dot(x, kernel.astype(x.dtype), group_sizes, precision=precision)
+  return _cast_reference_fwd(x, kernel, group_sizes, precision)[0]
 
 
 def _cast_reference_fwd(x, kernel, group_sizes, precision):

@@ -188,7 +188,7 @@ def pair_served(leaf: Quantizer, row_layout: TokenLayout, col_layout: TokenLayou
   route = support.quantize_route(leaf, "rowwise")[0]
   if route == "fp8":
     return row_layout == col_layout or packed_row
-  if route != "single" or not gathered_served(leaf) or format_of(leaf).uses_rht(leaf, "rowwise"):
+  if route != "single" or not gathered_served(leaf):
     return False
   return row_layout == col_layout or (packed_row and format_of(leaf).block_shape(leaf)[0] == 1)
 
