@@ -106,14 +106,20 @@ def test_delayed_update_kernel_takes_a_batch_of_states(rng, platform):
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("margin", [0, 3])
 @pytest.mark.parametrize("stored", [0.0, 0.75])
+@pytest.mark.parametrize("special", [None, np.inf, np.nan])
 def test_first_scale_in_the_quantize_kernel_equals_the_reference(rng, monkeypatch, platform,
-                                                                 margin, stored):
-  """A state with no scale yet (0) quantizes with its amax's scale inside the kernel; a stored
-  scale is used as it is. Bytes, scale_inv and amax equal the reference's."""
+                                                                 margin, stored, special):
+  """A state with no scale yet (0) quantizes with its amax's scale, taken inside the one call
+  (`jaxquant_quantize_fp8_delayed_gated`: its gated amax pass, then the kernel); a stored scale
+  is used as it is. Bytes, scale_inv and amax equal the reference's, also with an inf or NaN in
+  x (no usable amax: scale 1)."""
   device = _device(platform)
   q = jq.Float8DelayedScalingQuantizer(amax_history_len=4, margin=margin)
   state = DelayedScalingState(jnp.float32(stored), jnp.zeros((4,), jnp.float32))
-  x = jnp.asarray(rng.standard_normal((48, 80)) * rng.uniform(0.01, 300.0), jnp.bfloat16)
+  values = rng.standard_normal((48, 80)) * rng.uniform(0.01, 300.0)
+  if special is not None:
+    values[rng.integers(0, 48), rng.integers(0, 80)] = special
+  x = jnp.asarray(values, jnp.bfloat16)
 
   x, state = jax.device_put((x, state), device)
 
@@ -137,6 +143,5 @@ def test_the_ffi_path_writes_no_scale_division_in_xla(monkeypatch):
 
   text = jax.jit(step).lower(jnp.ones((32, 64), jnp.bfloat16), jq.init_state(q)).as_text()
   targets = sorted(set(__import__("re").findall(r"custom_call @(jaxquant_\w+)", text)))
-  assert targets == ["jaxquant_amax_gated", "jaxquant_delayed_update",
-                     "jaxquant_quantize_fp8_delayed"]
+  assert targets == ["jaxquant_delayed_update", "jaxquant_quantize_fp8_delayed_gated"]
   assert "stablehlo.divide" not in text and "stablehlo.remainder" not in text

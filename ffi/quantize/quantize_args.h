@@ -261,6 +261,27 @@ inline ffi::Error decode_fp8_delayed(ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::An
 }
 
 // ---------------------------------------------------------------------------------------------
+// jaxquant_quantize_fp8_delayed_gated(x, scale) -> [row_data], [col_data], scale_inv, amax
+//   jaxquant_quantize_fp8_delayed with its gated amax pass inside the call: where the stored
+//   scale is 0 the call first reduces amax(x) into its own amax result and the kernel takes the
+//   first scale from it (the kernel's own atomicMax of the same values leaves it unchanged);
+//   elsewhere the pass exits at once. One command a tensor instead of two (a loss-fetching step's
+//   host time follows the command count); partitioned programs whose x is sharded take the
+//   two-call form, with a pmax of the shards' amax between (jaxquant/backends/ffi/partitioning.py).
+// ---------------------------------------------------------------------------------------------
+
+inline ffi::Error decode_fp8_delayed_gated(ffi::AnyBuffer x, ffi::AnyBuffer s,
+                                           ffi::RemainingRets rets, bool rowwise,
+                                           bool columnwise, int32_t margin, Fp8TensorArgs* a) {
+  const char* t = "jaxquant_quantize_fp8_delayed_gated";
+  JQ_RETURN_IF_ERROR(decode_fp8_tensor(x, s, rets, rowwise, columnwise, true, false, 0.0f, a, t));
+  if (margin < 0) return invalid(t, "margin must be >= 0; got " + std::to_string(margin));
+  a->first_amax = a->amax;
+  a->margin = margin;
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------
 // jaxquant_delayed_update(history [..., L], scale [...], amax [...]) -> history', scale'
 //   state.delayed_scaling_update for a batch of states: hist[0] = amax; a = max(hist) (or amax
 //   when most_recent); scale' = delayed_scale(a, fmax, margin, scale); history' = hist rolled by
@@ -556,6 +577,13 @@ auto BindQuantizeFp8(Binding binding) {
 template <typename Binding>
 auto BindQuantizeFp8Delayed(Binding binding) {
   auto flags = Attrs<bool>(Args<3>(std::move(binding)).RemainingRets(), "rowwise", "columnwise");
+  return Attrs<int32_t>(std::move(flags), "margin");
+}
+
+// jaxquant_quantize_fp8_delayed_gated: x, scale -> as jaxquant_quantize_fp8_delayed.
+template <typename Binding>
+auto BindQuantizeFp8DelayedGated(Binding binding) {
+  auto flags = Attrs<bool>(Args<2>(std::move(binding)).RemainingRets(), "rowwise", "columnwise");
   return Attrs<int32_t>(std::move(flags), "margin");
 }
 

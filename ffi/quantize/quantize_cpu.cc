@@ -94,6 +94,18 @@ ffi::Error QuantizeFp8DelayedCpu(ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::AnyBuf
   return ffi::Error::Success();
 }
 
+// As the CUDA handler: the amax (while the stored scale is 0) first, in the amax result the
+// first scale is read from.
+ffi::Error QuantizeFp8DelayedGatedCpu(ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::RemainingRets rets,
+                                      bool rowwise, bool columnwise, int32_t margin) {
+  Fp8TensorArgs a;
+  JQ_RETURN_IF_ERROR(decode_fp8_delayed_gated(x, s, rets, rowwise, columnwise, margin, &a));
+  const Matrix m = direction_matrix(a.x, false, false);
+  *a.amax = *a.s == 0.f ? amax_of(m) : 0.f;
+  quantize_matrix(m, a);
+  return ffi::Error::Success();
+}
+
 // ------------------------------------ delayed-scaling update ---------------------------------
 
 ffi::Error DelayedUpdateCpu(ffi::AnyBuffer history, ffi::AnyBuffer scale, ffi::AnyBuffer amax,
@@ -214,6 +226,8 @@ XLA_FFI_DEFINE_HANDLER(kAmaxGatedCpu, AmaxGatedCpu, BindAmaxGated(ffi::Ffi::Bind
 XLA_FFI_DEFINE_HANDLER(kQuantizeFp8Cpu, QuantizeFp8Cpu, BindQuantizeFp8(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kQuantizeFp8DelayedCpu, QuantizeFp8DelayedCpu,
                        BindQuantizeFp8Delayed(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kQuantizeFp8DelayedGatedCpu, QuantizeFp8DelayedGatedCpu,
+                       BindQuantizeFp8DelayedGated(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kDelayedUpdateCpu, DelayedUpdateCpu, BindDelayedUpdate(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kQuantizeMxfp8Cpu, QuantizeMxfp8Cpu, BindQuantizeMxfp8(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kQuantizeFp8BlockCpu, QuantizeFp8BlockCpu,
@@ -229,6 +243,7 @@ std::vector<Target> quantize_cpu_targets() {
           target("jaxquant_amax_gated", kAmaxGatedCpu),
           target("jaxquant_quantize_fp8", kQuantizeFp8Cpu),
           target("jaxquant_quantize_fp8_delayed", kQuantizeFp8DelayedCpu),
+          target("jaxquant_quantize_fp8_delayed_gated", kQuantizeFp8DelayedGatedCpu),
           target("jaxquant_delayed_update", kDelayedUpdateCpu),
           target("jaxquant_quantize_mxfp8", kQuantizeMxfp8Cpu),
           target("jaxquant_quantize_fp8_block", kQuantizeFp8BlockCpu),

@@ -43,10 +43,9 @@ namespace {
 // Handlers.
 // ============================================================================================
 
-ffi::Error AmaxLaunch(cudaStream_t stream, ffi::AnyBuffer x, const float* gate, ffi::RemainingRets rets,
-                      int32_t outputs) {
-  AmaxArgs a;
-  JQ_RETURN_IF_ERROR(decode_amax(x, rets, outputs, &a));
+// Clears the outputs of `a` (reduced with atomics) and enqueues the amax kernel; with a `gate`
+// (device float) the kernel reduces only while the gate is 0.
+ffi::Error amax_kernels(cudaStream_t stream, const AmaxArgs& a, const float* gate) {
   JQ_RETURN_IF_ERROR(clear(stream, a.tensor, 4));
   JQ_RETURN_IF_ERROR(clear(stream, a.tensor_rht, 4));
   JQ_RETURN_IF_ERROR(clear(stream, a.rows, 4 * a.x.rows));
@@ -64,6 +63,14 @@ ffi::Error AmaxLaunch(cudaStream_t stream, ffi::AnyBuffer x, const float* gate, 
     const int64_t ngroups = ceil_div(a.x.rows, p.rows_per_cta);
     amax_kernel<T><<<unsigned(nstrips * ngroups), kThreads, 0, stream>>>(p);
   });
+  return ffi::Error::Success();
+}
+
+ffi::Error AmaxLaunch(cudaStream_t stream, ffi::AnyBuffer x, const float* gate, ffi::RemainingRets rets,
+                      int32_t outputs) {
+  AmaxArgs a;
+  JQ_RETURN_IF_ERROR(decode_amax(x, rets, outputs, &a));
+  JQ_RETURN_IF_ERROR(amax_kernels(stream, a, gate));
   return launch_status(gate ? "jaxquant_amax_gated" : "jaxquant_amax");
 }
 
@@ -78,10 +85,9 @@ ffi::Error AmaxGatedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer g
   return AmaxLaunch(stream, x, g, rets, outputs);
 }
 
-// Clears `a`'s amax (reduced with atomics) and runs the FP8-format tile kernel of `p` over x.
+// Runs the FP8-format tile kernel of `p` over x (its amax output already cleared).
 template <typename Args, typename Params>
-ffi::Error quantize_x(const char* target, cudaStream_t stream, const Args& a, const Params& p) {
-  JQ_RETURN_IF_ERROR(clear(stream, a.amax, 4));
+ffi::Error tiles_over_x(const char* target, cudaStream_t stream, const Args& a, const Params& p) {
   cudaError_t e = cudaSuccess;
   by_input_type(a.x.type, [&](auto tag) {
     using T = decltype(tag);
@@ -89,6 +95,13 @@ ffi::Error quantize_x(const char* target, cudaStream_t stream, const Args& a, co
     e = launch_fp8_tiles(stream, p, x);
   });
   return launch_status(target, e);
+}
+
+// Clears `a`'s amax (reduced with atomics) and runs the FP8-format tile kernel of `p` over x.
+template <typename Args, typename Params>
+ffi::Error quantize_x(const char* target, cudaStream_t stream, const Args& a, const Params& p) {
+  JQ_RETURN_IF_ERROR(clear(stream, a.amax, 4));
+  return tiles_over_x(target, stream, a, p);
 }
 
 ffi::Error QuantizeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::RemainingRets rets,
@@ -104,6 +117,21 @@ ffi::Error QuantizeFp8DelayedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
   Fp8TensorArgs a;
   JQ_RETURN_IF_ERROR(decode_fp8_delayed(x, s, first_amax, rets, rowwise, columnwise, margin, &a));
   return quantize_x("jaxquant_quantize_fp8_delayed", stream, a, fp8_tensor_params(a, a.x.rows, a.x.cols));
+}
+
+// The gated amax pass reduces into the call's amax result (cleared first), which the tile
+// kernel then reads as its first amax and reduces into again (same values: unchanged).
+ffi::Error QuantizeFp8DelayedGatedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s,
+                                       ffi::RemainingRets rets, bool rowwise, bool columnwise,
+                                       int32_t margin) {
+  const char* t = "jaxquant_quantize_fp8_delayed_gated";
+  Fp8TensorArgs a;
+  JQ_RETURN_IF_ERROR(decode_fp8_delayed_gated(x, s, rets, rowwise, columnwise, margin, &a));
+  AmaxArgs pass;
+  pass.x = a.x;
+  pass.tensor = a.amax;
+  JQ_RETURN_IF_ERROR(amax_kernels(stream, pass, a.s));
+  return tiles_over_x(t, stream, a, fp8_tensor_params(a, a.x.rows, a.x.cols));
 }
 
 ffi::Error DelayedUpdateCuda(cudaStream_t stream, ffi::AnyBuffer history, ffi::AnyBuffer scale,
@@ -207,6 +235,8 @@ JQ_DEFINE_CUDA_HANDLER(kAmaxCuda, AmaxCuda, BindAmax);
 JQ_DEFINE_CUDA_HANDLER(kAmaxGatedCuda, AmaxGatedCuda, BindAmaxGated);
 JQ_DEFINE_CUDA_HANDLER(kQuantizeFp8Cuda, QuantizeFp8Cuda, BindQuantizeFp8);
 JQ_DEFINE_CUDA_HANDLER(kQuantizeFp8DelayedCuda, QuantizeFp8DelayedCuda, BindQuantizeFp8Delayed);
+JQ_DEFINE_CUDA_HANDLER(kQuantizeFp8DelayedGatedCuda, QuantizeFp8DelayedGatedCuda,
+                       BindQuantizeFp8DelayedGated);
 JQ_DEFINE_CUDA_HANDLER(kDelayedUpdateCuda, DelayedUpdateCuda, BindDelayedUpdate);
 JQ_DEFINE_CUDA_HANDLER(kQuantizeMxfp8Cuda, QuantizeMxfp8Cuda, BindQuantizeMxfp8);
 JQ_DEFINE_CUDA_HANDLER(kQuantizeFp8BlockCuda, QuantizeFp8BlockCuda, BindQuantizeFp8Block);
@@ -222,6 +252,7 @@ std::vector<Target> quantize_cuda_targets() {
           target("jaxquant_amax_gated", kAmaxGatedCuda),
           target("jaxquant_quantize_fp8", kQuantizeFp8Cuda),
           target("jaxquant_quantize_fp8_delayed", kQuantizeFp8DelayedCuda),
+          target("jaxquant_quantize_fp8_delayed_gated", kQuantizeFp8DelayedGatedCuda),
           target("jaxquant_delayed_update", kDelayedUpdateCuda),
           target("jaxquant_quantize_mxfp8", kQuantizeMxfp8Cuda),
           target("jaxquant_quantize_fp8_block", kQuantizeFp8BlockCuda),

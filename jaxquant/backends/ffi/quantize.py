@@ -192,17 +192,21 @@ def _fp8_tensor(req: Request, quantizer, *, delayed: bool) -> Pair:
 
 
 def _fp8_delayed_first_scale(req: Request, quantizer, scale: jax.Array) -> Pair:
-  """Delayed scaling whose state may have no scale yet (`first_scale="current"`): the gated
-  amax pass reads x only while the stored scale is 0, and the quantize kernel takes the scale that
-  amax gives itself (`formats.delayed.quantize_scale`'s arithmetic, on the device): no scale math in
-  XLA before the kernel."""
+  """Delayed scaling whose state may have no scale yet (`first_scale="current"`): one call,
+  `jaxquant_quantize_fp8_delayed_gated`, whose amax pass reads x only while the stored scale is
+  0 and whose quantize kernel takes the scale that amax gives itself (`formats.delayed.
+  quantize_scale`'s arithmetic, on the device): no scale math in XLA before the kernel. Where x
+  is sharded, the partitioned call runs the gated amax, its pmax and `jaxquant_quantize_fp8_
+  delayed` instead (`Layout.gated_amax`)."""
   # Gated on the state's scale: the amax pass runs only while the scale is 0 ("none yet");
-  # once a scale is stored its grid exits at once, so later steps keep the one-pass cost.
-  (amax_now,) = calls.amax(req.x2d, calls.AMAX_TENSOR, gate=scale)
-  target = "jaxquant_quantize_fp8_delayed"
+  # once a scale is stored its grid exits at once, so later steps keep the one-pass cost. Inside
+  # the quantize call it costs no command of its own (one fewer per tensor and step).
+  target = "jaxquant_quantize_fp8_delayed_gated"
   results = _data_results(req, quantizer.dtype) + [_sds((), np.float32), _sds((), np.float32)]
-  layout = _layout(req, target, (X_DIMS, (), ()), tail=((), ()), reduce=((1, ("m", "k")),))
-  outs = calls.call(target, results, req.x2d, scale, amax_now, layout=layout,
+  layout = dataclasses.replace(
+      _layout(req, target, (X_DIMS, ()), tail=((), ()), reduce=((1, ("m", "k")),)),
+      gated_amax="jaxquant_quantize_fp8_delayed")
+  outs = calls.call(target, results, req.x2d, scale, layout=layout,
                     rowwise=req.rowwise, columnwise=req.columnwise,
                     margin=np.int32(quantizer.margin))
   row, _, col, _ = _split(req, outs, with_scales=False)
