@@ -112,7 +112,8 @@ def test_first_scale_in_the_quantize_kernel_equals_the_reference(rng, monkeypatc
   """A state with no scale yet (0) quantizes with its amax's scale, taken inside the one call
   (`jaxquant_quantize_fp8_delayed_gated`: its gated amax pass, then the kernel); a stored scale
   is used as it is. Bytes, scale_inv and amax equal the reference's, also with an inf or NaN in
-  x (no usable amax: scale 1)."""
+  x (no usable amax: scale 1). A NaN amax is compared as NaN: its payload is not specified (the
+  kernels widen bf16 by its bits, XLA's GPU convert gives 0x7FFFFFFF)."""
   device = _device(platform)
   q = jq.Float8DelayedScalingQuantizer(amax_history_len=4, margin=margin)
   state = DelayedScalingState(jnp.float32(stored), jnp.zeros((4,), jnp.float32))
@@ -126,7 +127,11 @@ def test_first_scale_in_the_quantize_kernel_equals_the_reference(rng, monkeypatc
   def run(backend):
     monkeypatch.setenv("JAXQUANT_BACKEND", backend)
     t = jax.jit(lambda x, s: jq.ops.quantize(x, q, state=s))(x, state)
-    return [(d.data, d.scale_inv, d.amax) for d in (t.rowwise, t.columnwise)]
+    fields = [(d.data, d.scale_inv, d.amax) for d in (t.rowwise, t.columnwise)]
+    if special is not None and np.isnan(special):
+      assert all(np.isnan(np.asarray(amax)) for _, _, amax in fields), fields
+      fields = [(data, scale_inv) for data, scale_inv, _ in fields]
+    return fields
 
   assert_same_leaves(run("ffi"), run("reference"))
 
