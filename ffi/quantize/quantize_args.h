@@ -333,6 +333,50 @@ inline ffi::Error decode_delayed_update(ffi::AnyBuffer history, ffi::AnyBuffer s
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------
+// jaxquant_quantize_fp8_delayed_update(x, scale, history) -> [row_data], [col_data], scale_inv,
+//   amax, history', scale'
+//   A delayed-scaling tensor's quantize (with the gated amax pass first when `gated`:
+//   jaxquant_quantize_fp8_delayed_gated) and its state's update (jaxquant_delayed_update) in
+//   one call: one command a tensor and step instead of two (design decision 36). history' and
+//   scale' alias history and scale (the update runs after the tile kernel, which read the
+//   scale). Unsharded x only: a sharded x's amax is reduced between the two
+//   (jaxquant/backends/ffi/partitioning.py, Layout.sharded).
+// ---------------------------------------------------------------------------------------------
+
+inline ffi::Error decode_fp8_delayed_update(ffi::AnyBuffer x, ffi::AnyBuffer s,
+                                            ffi::AnyBuffer history, ffi::RemainingRets rets,
+                                            bool rowwise, bool columnwise, int32_t margin,
+                                            bool gated, float fmax, Fp8TensorArgs* a,
+                                            DelayedUpdateArgs* u) {
+  const char* t = "jaxquant_quantize_fp8_delayed_update";
+  JQ_RETURN_IF_ERROR(decode_input(t, x, &a->x));
+  JQ_RETURN_IF_ERROR(set_fp8_tensor_attrs(t, s, rowwise, columnwise, true, false, 0.0f, a));
+  if (margin < 0) return invalid(t, "margin must be >= 0; got " + std::to_string(margin));
+  if (!(fmax > 0.0f)) return invalid(t, "fmax must be > 0");
+  auto dims = history.dimensions();
+  if (dims.size() != 1 || history.element_type() != ffi::DataType::F32 || dims[0] < 1) {
+    return invalid(t, std::string("history is ") + dtype_name(history.element_type()) +
+                          dims_str(dims) + "; expected float32 [L] with L >= 1");
+  }
+  RetReader r(t, rets);
+  JQ_RETURN_IF_ERROR(read_results(t, r, a->x.rows, a->x.cols, a));
+  void* p;
+  JQ_RETURN_IF_ERROR(r.next("the new history", {ffi::DataType::F32}, {dims[0]}, &p));
+  u->new_history = static_cast<float*>(p);
+  float* new_scale;
+  JQ_RETURN_IF_ERROR(read_scalar(r, "the new scale", &new_scale));
+  JQ_RETURN_IF_ERROR(r.done());
+  a->first_amax = gated ? a->amax : nullptr;
+  a->margin = margin;
+  u->batch = 1;
+  u->length = dims[0];
+  u->history = static_cast<const float*>(history.untyped_data());
+  u->scale = a->s;
+  u->amax = a->amax;
+  u->new_scale = new_scale;
+  return ffi::Error::Success();
+}
 
 // ---------------------------------------------------------------------------------------------
 // jaxquant_quantize_mxfp8(x) -> [row_data, row_scale], [col_data, col_scale], amax
@@ -585,6 +629,14 @@ template <typename Binding>
 auto BindQuantizeFp8DelayedGated(Binding binding) {
   auto flags = Attrs<bool>(Args<2>(std::move(binding)).RemainingRets(), "rowwise", "columnwise");
   return Attrs<int32_t>(std::move(flags), "margin");
+}
+
+// jaxquant_quantize_fp8_delayed_update: x, scale, history -> as the two it runs.
+template <typename Binding>
+auto BindQuantizeFp8DelayedUpdate(Binding binding) {
+  auto flags = Attrs<bool>(Args<3>(std::move(binding)).RemainingRets(), "rowwise", "columnwise");
+  auto ints = Attrs<int32_t>(std::move(flags), "margin");
+  return Attrs<float>(Attrs<bool>(Attrs<bool>(std::move(ints), "gated"), "most_recent"), "fmax");
 }
 
 // jaxquant_delayed_update: history, scale, amax -> history', scale'.

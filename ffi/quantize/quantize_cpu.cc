@@ -108,6 +108,9 @@ ffi::Error QuantizeFp8DelayedGatedCpu(ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::R
 
 // ------------------------------------ delayed-scaling update ---------------------------------
 
+// state.delayed_scaling_update on each of a's states, in place where the buffers alias.
+void update_states(const DelayedUpdateArgs& a, float fmax, int32_t margin, bool most_recent);
+
 ffi::Error DelayedUpdateCpu(ffi::AnyBuffer history, ffi::AnyBuffer scale, ffi::AnyBuffer amax,
                             ffi::Result<ffi::AnyBuffer> new_history,
                             ffi::Result<ffi::AnyBuffer> new_scale, float fmax, int32_t margin,
@@ -115,6 +118,29 @@ ffi::Error DelayedUpdateCpu(ffi::AnyBuffer history, ffi::AnyBuffer scale, ffi::A
   DelayedUpdateArgs a;
   JQ_RETURN_IF_ERROR(decode_delayed_update(history, scale, amax, new_history, new_scale, fmax,
                                            margin, &a));
+  update_states(a, fmax, margin, most_recent);
+  return ffi::Error::Success();
+}
+
+// One tensor's quantize (after the gated amax, when `gated`) and its state's update, as the
+// CUDA handler runs them.
+ffi::Error QuantizeFp8DelayedUpdateCpu(ffi::AnyBuffer x, ffi::AnyBuffer s, ffi::AnyBuffer history,
+                                       ffi::RemainingRets rets, bool rowwise, bool columnwise,
+                                       int32_t margin, bool gated, bool most_recent, float fmax) {
+  Fp8TensorArgs a;
+  DelayedUpdateArgs u;
+  JQ_RETURN_IF_ERROR(decode_fp8_delayed_update(x, s, history, rets, rowwise, columnwise, margin,
+                                               gated, fmax, &a, &u));
+  const Matrix m = direction_matrix(a.x, false, false);
+  *a.amax = gated && *a.s == 0.f ? amax_of(m) : 0.f;
+  quantize_matrix(m, a);
+  update_states(u, fmax, margin, most_recent);
+  return ffi::Error::Success();
+}
+
+// ------------------------------- delayed-scaling update: each state --------------------------
+
+void update_states(const DelayedUpdateArgs& a, float fmax, int32_t margin, bool most_recent) {
   const int64_t L = a.length;
   for (int64_t b = 0; b < a.batch; ++b) {
     const float* h = a.history + b * L;
@@ -126,7 +152,6 @@ ffi::Error DelayedUpdateCpu(ffi::AnyBuffer history, ffi::AnyBuffer scale, ffi::A
     // in order, so that out may be h's buffer (the call aliases them): out[i] reads h[i + 1]
     for (int64_t i = 0; i < L; ++i) out[i] = i == 0 ? 0.0f : (i + 1 == L ? am : h[i + 1]);
   }
-  return ffi::Error::Success();
 }
 
 // -------------------------------------------- MXFP8 ------------------------------------------
@@ -228,6 +253,8 @@ XLA_FFI_DEFINE_HANDLER(kQuantizeFp8DelayedCpu, QuantizeFp8DelayedCpu,
                        BindQuantizeFp8Delayed(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kQuantizeFp8DelayedGatedCpu, QuantizeFp8DelayedGatedCpu,
                        BindQuantizeFp8DelayedGated(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kQuantizeFp8DelayedUpdateCpu, QuantizeFp8DelayedUpdateCpu,
+                       BindQuantizeFp8DelayedUpdate(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kDelayedUpdateCpu, DelayedUpdateCpu, BindDelayedUpdate(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kQuantizeMxfp8Cpu, QuantizeMxfp8Cpu, BindQuantizeMxfp8(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kQuantizeFp8BlockCpu, QuantizeFp8BlockCpu,
@@ -244,6 +271,7 @@ std::vector<Target> quantize_cpu_targets() {
           target("jaxquant_quantize_fp8", kQuantizeFp8Cpu),
           target("jaxquant_quantize_fp8_delayed", kQuantizeFp8DelayedCpu),
           target("jaxquant_quantize_fp8_delayed_gated", kQuantizeFp8DelayedGatedCpu),
+          target("jaxquant_quantize_fp8_delayed_update", kQuantizeFp8DelayedUpdateCpu),
           target("jaxquant_delayed_update", kDelayedUpdateCpu),
           target("jaxquant_quantize_mxfp8", kQuantizeMxfp8Cpu),
           target("jaxquant_quantize_fp8_block", kQuantizeFp8BlockCpu),

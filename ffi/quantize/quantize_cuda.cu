@@ -134,6 +134,32 @@ ffi::Error QuantizeFp8DelayedGatedCuda(cudaStream_t stream, ffi::AnyBuffer x, ff
   return tiles_over_x(t, stream, a, fp8_tensor_params(a, a.x.rows, a.x.cols));
 }
 
+// The gated amax pass (or a cleared amax), the tile kernel, then the state's update kernel,
+// which reads the amax the tile kernel reduced and writes history' / scale' (aliases).
+ffi::Error QuantizeFp8DelayedUpdateCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s,
+                                        ffi::AnyBuffer history, ffi::RemainingRets rets,
+                                        bool rowwise, bool columnwise, int32_t margin, bool gated,
+                                        bool most_recent, float fmax) {
+  const char* t = "jaxquant_quantize_fp8_delayed_update";
+  Fp8TensorArgs a;
+  DelayedUpdateArgs u;
+  JQ_RETURN_IF_ERROR(decode_fp8_delayed_update(x, s, history, rets, rowwise, columnwise, margin,
+                                               gated, fmax, &a, &u));
+  if (gated) {
+    AmaxArgs pass;
+    pass.x = a.x;
+    pass.tensor = a.amax;
+    JQ_RETURN_IF_ERROR(amax_kernels(stream, pass, a.s));
+  } else {
+    JQ_RETURN_IF_ERROR(clear(stream, a.amax, 4));
+  }
+  JQ_RETURN_IF_ERROR(tiles_over_x(t, stream, a, fp8_tensor_params(a, a.x.rows, a.x.cols)));
+  DelayedUpdateParams p{u.history, u.scale, u.amax, u.new_history, u.new_scale, u.length,
+                        fmax, margin, most_recent};
+  delayed_update_kernel<<<1, kThreads, 0, stream>>>(p);
+  return launch_status(t);
+}
+
 ffi::Error DelayedUpdateCuda(cudaStream_t stream, ffi::AnyBuffer history, ffi::AnyBuffer scale,
                              ffi::AnyBuffer amax, ffi::Result<ffi::AnyBuffer> new_history,
                              ffi::Result<ffi::AnyBuffer> new_scale, float fmax, int32_t margin,
@@ -237,6 +263,8 @@ JQ_DEFINE_CUDA_HANDLER(kQuantizeFp8Cuda, QuantizeFp8Cuda, BindQuantizeFp8);
 JQ_DEFINE_CUDA_HANDLER(kQuantizeFp8DelayedCuda, QuantizeFp8DelayedCuda, BindQuantizeFp8Delayed);
 JQ_DEFINE_CUDA_HANDLER(kQuantizeFp8DelayedGatedCuda, QuantizeFp8DelayedGatedCuda,
                        BindQuantizeFp8DelayedGated);
+JQ_DEFINE_CUDA_HANDLER(kQuantizeFp8DelayedUpdateCuda, QuantizeFp8DelayedUpdateCuda,
+                       BindQuantizeFp8DelayedUpdate);
 JQ_DEFINE_CUDA_HANDLER(kDelayedUpdateCuda, DelayedUpdateCuda, BindDelayedUpdate);
 JQ_DEFINE_CUDA_HANDLER(kQuantizeMxfp8Cuda, QuantizeMxfp8Cuda, BindQuantizeMxfp8);
 JQ_DEFINE_CUDA_HANDLER(kQuantizeFp8BlockCuda, QuantizeFp8BlockCuda, BindQuantizeFp8Block);
@@ -253,6 +281,7 @@ std::vector<Target> quantize_cuda_targets() {
           target("jaxquant_quantize_fp8", kQuantizeFp8Cuda),
           target("jaxquant_quantize_fp8_delayed", kQuantizeFp8DelayedCuda),
           target("jaxquant_quantize_fp8_delayed_gated", kQuantizeFp8DelayedGatedCuda),
+          target("jaxquant_quantize_fp8_delayed_update", kQuantizeFp8DelayedUpdateCuda),
           target("jaxquant_delayed_update", kDelayedUpdateCuda),
           target("jaxquant_quantize_mxfp8", kQuantizeMxfp8Cuda),
           target("jaxquant_quantize_fp8_block", kQuantizeFp8BlockCuda),

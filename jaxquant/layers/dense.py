@@ -241,10 +241,10 @@ def _maker(config: _Config, tensor_type: str) -> operands.Make:
 
   def make(value2d, state, key, columnwise):
     value2d = config.constrain(value2d, spec)
-    qtensor = ops.quantize(value2d, quantizer, rowwise=True, columnwise=columnwise, key=key,
-                           state=state, role=role)
-    qtensor = config.constrain_storage(qtensor, quantizer, spec)
-    return qtensor, ops.update_state(quantizer, state, qtensor, role=role)
+    qtensor, new_state = ops.quantize_and_update(value2d, quantizer, rowwise=True,
+                                                 columnwise=columnwise, key=key, state=state,
+                                                 role=role)
+    return config.constrain_storage(qtensor, quantizer, spec), new_state
 
   return make
 
@@ -284,10 +284,9 @@ def _swapped_maker(config: _Config) -> operands.Make:
   role = q.roles[TENSOR_TYPES.index("weight")]
 
   def make(kn, state, key, backward):
-    stored = ops.quantize(kn, q.weight, rowwise=backward, columnwise=True, key=key,
-                          state=state, role=role)
-    qtensor = QuantizedTensor(stored.columnwise, stored.rowwise, q.weight)
-    return qtensor, ops.update_state(q.weight, state, qtensor, role=role)
+    stored, new_state = ops.quantize_and_update(kn, q.weight, rowwise=backward,
+                                                columnwise=True, key=key, state=state, role=role)
+    return QuantizedTensor(stored.columnwise, stored.rowwise, q.weight), new_state
 
   return make
 

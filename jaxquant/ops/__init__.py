@@ -25,7 +25,7 @@ from jaxquant.tensors import QuantizedTensor, ScaledTensor
 
 Operand = Union[ScaledTensor, jax.Array]
 
-__all__ = ["quantize", "dequantize", "transpose", "gemm", "update_state"]
+__all__ = ["quantize", "quantize_and_update", "dequantize", "transpose", "gemm", "update_state"]
 
 
 def _as_matrix(x: jax.Array) -> jax.Array:
@@ -51,6 +51,41 @@ def _check_rht_shape(x2d: jax.Array, quantizer: Quantizer) -> None:
         "(tokens) that is a multiple of 16, or rht=False.")
 
 
+def _directions(rowwise: bool, columnwise: bool) -> str:
+  return "+".join(d for d, on in (("rowwise", rowwise), ("columnwise", columnwise)) if on)
+
+
+def _quantize_path(x2d, quantizer, *, rowwise, columnwise):
+  """(the FFI module or None, the path a quantize takes: "ffi" / "xla" / "reference", why)."""
+  ffi = dispatch.ffi_module()
+  reason = dispatch.ffi_missing_reason() if ffi is None else ffi.quantize_unsupported(
+      x2d, quantizer, rowwise=rowwise, columnwise=columnwise)
+  if format_of(quantizer).high_precision:
+    return ffi, "reference", ""  # nothing to compute
+  path, reason = dispatch.choose_quantize(
+      reason, _xla.unsupported(x2d, quantizer, rowwise=rowwise, columnwise=columnwise),
+      _xla.auto_reason(quantizer, dispatch.current_platform()))
+  return ffi, path, reason
+
+
+def _single_with_update(x2d, quantizer, *, rowwise, columnwise, orig_dtype, state, role):
+  """(row, col, the updated state) from one FFI call, where the quantize takes the FFI path and
+  its kernel updates this state (`jaxquant_quantize_fp8_delayed_update`); else None."""
+  ffi, path, reason = _quantize_path(x2d, quantizer, rowwise=rowwise, columnwise=columnwise)
+  if path != "ffi" or ffi.quantize_with_update_unsupported(
+      x2d, quantizer, rowwise=rowwise, columnwise=columnwise, state=state) is not None:
+    return None
+  _explain.record(_explain.Decision("quantize", role,
+                                    f"{_directions(rowwise, columnwise)}: {quantizer}",
+                                    ffi.path_name(), reason))
+  _explain.record(_explain.Decision(
+      "state-update", role, str(quantizer), ffi.path_name(),
+      "inside the quantize call (jaxquant_quantize_fp8_delayed_update)"))
+  (row, col), new_state = ffi.quantize_single_with_update(
+      x2d, quantizer, rowwise=rowwise, columnwise=columnwise, orig_dtype=orig_dtype, state=state)
+  return row, col, new_state
+
+
 def _single(x2d, quantizer, *, rowwise, columnwise, orig_dtype, key, state, role):
   """Quantize with one single-format quantizer via the selected backend."""
   if columnwise:
@@ -60,16 +95,8 @@ def _single(x2d, quantizer, *, rowwise, columnwise, orig_dtype, key, state, role
   if fmt.needs_key(quantizer):
     row_words = key_words(jax.random.fold_in(key, 0))
     col_words = key_words(jax.random.fold_in(key, 1))
-  directions = "+".join(d for d, on in (("rowwise", rowwise), ("columnwise", columnwise)) if on)
-  ffi = dispatch.ffi_module()
-  reason = dispatch.ffi_missing_reason() if ffi is None else ffi.quantize_unsupported(
-      x2d, quantizer, rowwise=rowwise, columnwise=columnwise)
-  if fmt.high_precision:
-    path, reason = "reference", ""  # nothing to compute
-  else:
-    path, reason = dispatch.choose_quantize(
-        reason, _xla.unsupported(x2d, quantizer, rowwise=rowwise, columnwise=columnwise),
-        _xla.auto_reason(quantizer, dispatch.current_platform()))
+  directions = _directions(rowwise, columnwise)
+  ffi, path, reason = _quantize_path(x2d, quantizer, rowwise=rowwise, columnwise=columnwise)
   impl = {"ffi": ffi.quantize_single if ffi is not None else None,
           "xla": _xla.quantize_single}.get(path, reference.quantize_single)
   path_name = {"ffi": ffi.path_name() if ffi is not None else None,
@@ -134,6 +161,29 @@ def quantize(x: jax.Array, quantizer: Quantizer, *, rowwise: bool = True,
     _, col = _single(source, halves[1], rowwise=False, columnwise=True,
                      state=col_state, **dict(common, key=key_col))
   return QuantizedTensor(row if rowwise else None, col, quantizer)
+
+
+def quantize_and_update(x: jax.Array, quantizer: Quantizer, *, rowwise: bool = True,
+                        columnwise: bool = True, key: Optional[jax.Array] = None,
+                        state: Any = None, role: Any = None) -> tuple[QuantizedTensor, Any]:
+  """`(quantize(x, ...), update_state(quantizer, state, that))`, the two in one FFI call where
+  the quantize takes the FFI path and its kernel updates the state (delayed scaling, one state:
+  one command a tensor and step instead of two, design decision 36); bit-identical either way.
+  `jaxquant.explain` records where the update ran."""
+  if (state is not None and isinstance(quantizer, Quantizer) and quantizer.stateful
+      and format_of(quantizer).halves(quantizer) is None and (rowwise or columnwise)
+      and not _needs_key(quantizer)):
+    x2d = _as_matrix(x)
+    if columnwise:
+      _check_rht_shape(x2d, quantizer)
+    served = _single_with_update(x2d, quantizer, rowwise=rowwise, columnwise=columnwise,
+                                 orig_dtype=np.dtype(x.dtype), state=state, role=role)
+    if served is not None:
+      row, col, new_state = served
+      return QuantizedTensor(row, col, quantizer), new_state
+  qtensor = quantize(x, quantizer, rowwise=rowwise, columnwise=columnwise, key=key, state=state,
+                     role=role)
+  return qtensor, update_state(quantizer, state, qtensor, role=role)
 
 
 def update_state(quantizer: Quantizer, state: Any, qtensor: QuantizedTensor, *,

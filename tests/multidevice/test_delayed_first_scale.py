@@ -4,7 +4,7 @@ scale yet): the scale comes from the amax of the whole tensor, not of a shard.
 One device quantizes with `jaxquant_quantize_fp8_delayed_gated`, whose amax pass is inside the
 call; where x is sharded that pass would see one shard, so the partitioned call runs the gated
 amax on each shard, `pmax`es it and quantizes with `jaxquant_quantize_fp8_delayed`
-(`Layout.gated_amax`). The shards' rows here are scaled so their amaxes differ by orders of
+(`Layout.sharded`). The shards' rows here are scaled so their amaxes differ by orders of
 magnitude: a shard-local first scale changes the bytes.
 """
 
@@ -61,3 +61,36 @@ def test_a_sharded_first_step_takes_the_whole_tensors_amax(devices, rng, monkeyp
   assert single_targets == {"jaxquant_quantize_fp8_delayed_gated"}, single_targets
   assert sharded_targets == {"jaxquant_amax_gated", "jaxquant_quantize_fp8_delayed"}, (
       sharded_targets)
+
+
+@pytest.mark.parametrize("first_scale", ["current", "one"])
+@pytest.mark.parametrize("stored_scale", [0.0, 0.5])
+def test_a_sharded_quantize_and_update_takes_the_global_amax(devices, rng, monkeypatch,
+                                                             stored_scale, first_scale):
+  """`jaxquant.ops.quantize_and_update` (one call on one device,
+  `jaxquant_quantize_fp8_delayed_update`) on a row-sharded x: the quantize, the amax's pmax and
+  the state's update as separate calls, the state equal to one device's."""
+  monkeypatch.setenv("JAXQUANT_BACKEND", "ffi")
+  mesh = Mesh(np.array(devices), ("d",))
+  n = len(devices)
+  q = jq.Float8DelayedScalingQuantizer(amax_history_len=8, first_scale=first_scale)
+  history = np.abs(rng.standard_normal(8)).astype(np.float32)
+  state = jq.DelayedScalingState(jnp.float32(stored_scale), jnp.asarray(history))
+  values = rng.standard_normal((16 * n, 32)) * np.repeat(10.0 ** np.linspace(-3, 3, n), 16)[:, None]
+  x = jnp.asarray(values, jnp.bfloat16)
+
+  def step(x, s):
+    t, new_state = jq.ops.quantize_and_update(x, q, state=s)
+    return [(d.data, d.scale_inv, d.amax) for d in (t.rowwise, t.columnwise)], new_state
+
+  step = jax.jit(step)
+  single_x = jax.device_put(x, devices[0])
+  sharded_x = jax.device_put(x, NamedSharding(mesh, P("d", None)))
+  assert_same_leaves(jax.device_get(step(sharded_x, state)),
+                     jax.device_get(step(single_x, state)), f"{first_scale} {stored_scale}")
+  single_targets = _targets(step.lower(single_x, state).compile().as_text())
+  sharded_targets = _targets(step.lower(sharded_x, state).compile().as_text())
+  assert single_targets == {"jaxquant_quantize_fp8_delayed_update"}, single_targets
+  quantize = ({"jaxquant_amax_gated", "jaxquant_quantize_fp8_delayed"}
+              if first_scale == "current" else {"jaxquant_quantize_fp8"})
+  assert sharded_targets == quantize | {"jaxquant_delayed_update"}, sharded_targets

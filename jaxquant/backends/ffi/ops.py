@@ -42,6 +42,21 @@ def quantize_single(x2d, quantizer, *, rowwise: bool, columnwise: bool, orig_dty
                                    col_key_words=col_key_words, state=state)
 
 
+def quantize_with_update_unsupported(x2d, quantizer, *, rowwise: bool, columnwise: bool,
+                                     state) -> Optional[str]:
+  """None when one call quantizes and updates `state` (`quantize_single_with_update`)."""
+  return (quantize_unsupported(x2d, quantizer, rowwise=rowwise, columnwise=columnwise)
+          or _quantize.update_in_quantize_reason(quantizer, state))
+
+
+def quantize_single_with_update(x2d, quantizer, *, rowwise: bool, columnwise: bool, orig_dtype,
+                                state):
+  """(`quantize_single`'s pair, the updated state) from one call."""
+  return _quantize.quantize_single_with_update(x2d, quantizer, rowwise=rowwise,
+                                               columnwise=columnwise, orig_dtype=orig_dtype,
+                                               state=state)
+
+
 def transpose_unsupported(t) -> Optional[str]:
   reason = _registry.unserved_reason(_platform())
   return reason if reason is not None else _transpose.unsupported(t)

@@ -66,10 +66,11 @@ class Layout:
     what: the operation, for errors.
     aliases: `(operand index, result index)`: the result is written into the operand's buffer
       (an update in place, `jax.ffi.ffi_call`'s `input_output_aliases`).
-    gated_amax: for a target that takes the per-tensor amax of operand 0 itself, gated on
-      operand 1 (`jaxquant_quantize_fp8_delayed_gated`), the target that takes that amax as a
-      third operand instead. A shard's own amax would be local, so where operand 0 is sharded
-      each shard runs `jaxquant_amax_gated`, the amax is `pmax`-reduced, and this target runs.
+    sharded: for a target that reduces operand 0 over all of it inside the call (its per-tensor
+      amax, then a scale or a state taken from it: `jaxquant_quantize_fp8_delayed_gated`,
+      `_update`), what the partitioned call runs instead where operand 0 is sharded, since one
+      shard's reduction would be local: `sharded(args, local_results, attrs, mesh_axes)` ->
+      the results, their reductions already global (`reduce` is not applied again).
   """
 
   operands: tuple[Dims, ...]
@@ -80,7 +81,7 @@ class Layout:
   names: tuple[tuple[str, str], ...] = (("m", "rows of x"), ("k", "cols of x"))
   what: str = ""
   aliases: tuple[tuple[int, int], ...] = ()
-  gated_amax: str = ""
+  sharded: Optional[Callable] = None
 
 
 def _all_dims(layout: Layout):
@@ -304,14 +305,9 @@ def _partitioned_call(target: str, layout: Layout, operand_shapes: tuple, result
                             lengths[col_axis] // _sharding.axis_size(mesh, assign[col_axis]))
         args[index] = offset_key(args[index], row0, col0)
       x_axes = tuple(a for axis, _ in layout.operands[0] if axis for a in assign.get(axis, ()))
-      if layout.gated_amax and x_axes:
-        (first_amax,) = targets.call("jaxquant_amax_gated",
-                                     [jax.ShapeDtypeStruct((), np.float32)], args[0], args[1],
-                                     outputs=np.int32(1))  # calls.AMAX_TENSOR
-        args.append(pmax_nan(first_amax, x_axes))
-        outs = targets.call(layout.gated_amax, local, *args, aliases=aliases, **attrs)
-      else:
-        outs = targets.call(target, local, *args, aliases=aliases, **attrs)
+      if layout.sharded is not None and x_axes:
+        return tuple(layout.sharded(args, local, attrs, x_axes))
+      outs = targets.call(target, local, *args, aliases=aliases, **attrs)
       for index, axes in layout.reduce:
         mesh_axes = tuple(a for axis in axes for a in assign.get(axis, ()))
         if mesh_axes:

@@ -16,12 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant.backends.ffi import calls
+from jaxquant.backends.ffi import calls, partitioning, targets
 from jaxquant.backends.ffi.partitioning import Layout
 from jaxquant.formats import format_of
 from jaxquant.formats.base import tensor_amax
-from jaxquant.quantizers import (HIGH_PRECISION_DTYPES, Float8BlockQuantizer, MXFP8Quantizer,
-                                 NVFP4Quantizer, Quantizer)
+from jaxquant.numerics import spec_for_dtype
+from jaxquant.quantizers import (HIGH_PRECISION_DTYPES, Float8BlockQuantizer,
+                                 Float8DelayedScalingQuantizer, MXFP8Quantizer, NVFP4Quantizer,
+                                 Quantizer)
 from jaxquant.state import DelayedScalingState
 from jaxquant.tensors import ScaledTensor
 
@@ -197,7 +199,7 @@ def _fp8_delayed_first_scale(req: Request, quantizer, scale: jax.Array) -> Pair:
   0 and whose quantize kernel takes the scale that amax gives itself (`formats.delayed.
   quantize_scale`'s arithmetic, on the device): no scale math in XLA before the kernel. Where x
   is sharded, the partitioned call runs the gated amax, its pmax and `jaxquant_quantize_fp8_
-  delayed` instead (`Layout.gated_amax`)."""
+  delayed` instead (`Layout.sharded`, `_sharded_gated`)."""
   # Gated on the state's scale: the amax pass runs only while the scale is 0 ("none yet");
   # once a scale is stored its grid exits at once, so later steps keep the one-pass cost. Inside
   # the quantize call it costs no command of its own (one fewer per tensor and step).
@@ -205,13 +207,97 @@ def _fp8_delayed_first_scale(req: Request, quantizer, scale: jax.Array) -> Pair:
   results = _data_results(req, quantizer.dtype) + [_sds((), np.float32), _sds((), np.float32)]
   layout = dataclasses.replace(
       _layout(req, target, (X_DIMS, ()), tail=((), ()), reduce=((1, ("m", "k")),)),
-      gated_amax="jaxquant_quantize_fp8_delayed")
+      sharded=_sharded_gated)
   outs = calls.call(target, results, req.x2d, scale, layout=layout,
                     rowwise=req.rowwise, columnwise=req.columnwise,
                     margin=np.int32(quantizer.margin))
   row, _, col, _ = _split(req, outs, with_scales=False)
   scale_inv, amax = outs.pop(0), outs.pop(0)
   return _pair(req, quantizer, row, scale_inv, amax, col, scale_inv, amax)
+
+
+def update_in_quantize_reason(quantizer, state) -> Optional[str]:
+  """None when one call (`jaxquant_quantize_fp8_delayed_update`) quantizes with `quantizer` and
+  updates its `state`, else why the update stays a call of its own."""
+  if not isinstance(quantizer, Float8DelayedScalingQuantizer):
+    return f"{type(quantizer).__name__} keeps no state the quantize call updates"
+  if (not isinstance(state, DelayedScalingState) or jnp.ndim(state.scale) != 0
+      or jnp.ndim(state.amax_history) != 1):
+    return "a batch of states (leading axes) is updated by its own call"
+  return None
+
+
+def quantize_single_with_update(x2d, quantizer, *, rowwise: bool, columnwise: bool,
+                                orig_dtype: Any, state) -> tuple[Pair, DelayedScalingState]:
+  """`quantize_single` and the state's update (`jaxquant.formats.delayed.
+  delayed_scaling_update` of the quantized tensor's amax) in one call: one command a tensor and
+  step instead of two (design decision 36). Where x is sharded the partitioned call runs the
+  quantize, the amax's `pmax` and `jaxquant_delayed_update` (`Layout.sharded`)."""
+  reason = (unsupported(x2d, quantizer, rowwise=rowwise, columnwise=columnwise)
+            or update_in_quantize_reason(quantizer, state))
+  if reason is not None:
+    raise ValueError(f"FFI quantize cannot update the state of {quantizer}: {reason}")
+  req = Request(x2d, rowwise, columnwise, orig_dtype, state=state)
+  history = state.amax_history.astype(jnp.float32)
+  scale = state.scale.astype(jnp.float32).reshape(())
+  target = "jaxquant_quantize_fp8_delayed_update"
+  state_dims = ((None, 1),)  # a state is never sharded
+  results = (_data_results(req, quantizer.dtype)
+             + [_sds((), np.float32), _sds((), np.float32), _sds(history.shape, np.float32),
+                _sds((), np.float32)])
+  first_state = len(results) - 2
+  layout = dataclasses.replace(
+      _layout(req, target, (X_DIMS, (), state_dims), tail=((), (), state_dims, ()),
+              reduce=((1, ("m", "k")),)),
+      aliases=((2, first_state), (1, first_state + 1)), sharded=_sharded_update)
+  outs = calls.call(target, results, req.x2d, scale, history, layout=layout,
+                    rowwise=req.rowwise, columnwise=req.columnwise,
+                    margin=np.int32(quantizer.margin),
+                    gated=format_of(quantizer).needs_current_amax(quantizer),
+                    most_recent=quantizer.amax_compute_algo == "most_recent",
+                    fmax=float(spec_for_dtype(quantizer.dtype).fmax))
+  row, _, col, _ = _split(req, outs, with_scales=False)
+  scale_inv, amax, new_history, new_scale = outs
+  return (_pair(req, quantizer, row, scale_inv, amax, col, scale_inv, amax),
+          DelayedScalingState(new_scale, new_history))
+
+
+def _sharded_first_amax(x, scale, mesh_axes) -> jax.Array:
+  """The gated amax of a sharded x, global (`pmax` over the shards)."""
+  (amax,) = targets.call("jaxquant_amax_gated", [_sds((), np.float32)], x, scale,
+                         outputs=np.int32(calls.AMAX_TENSOR))
+  return partitioning.pmax_nan(amax, mesh_axes)
+
+
+def _sharded_gated(args, local, attrs, mesh_axes) -> list:
+  """`jaxquant_quantize_fp8_delayed_gated` on a shard of x: the global gated amax, then the
+  quantize that takes it (`jaxquant_quantize_fp8_delayed`), its amax made global."""
+  x, scale = args
+  outs = targets.call("jaxquant_quantize_fp8_delayed", local, x, scale,
+                      _sharded_first_amax(x, scale, mesh_axes), **attrs)
+  outs[-1] = partitioning.pmax_nan(outs[-1], mesh_axes)  # amax, the last result
+  return outs
+
+
+def _sharded_update(args, local, attrs, mesh_axes) -> list:
+  """`jaxquant_quantize_fp8_delayed_update` on a shard of x: the quantize (after the global
+  gated amax when `gated`), the global amax, then the state's update from it."""
+  x, scale, history = args
+  attrs = dict(attrs)
+  gated, most_recent = attrs.pop("gated"), attrs.pop("most_recent")
+  fmax, margin = attrs.pop("fmax"), attrs.pop("margin")
+  quantized = local[:-2]
+  if gated:
+    outs = targets.call("jaxquant_quantize_fp8_delayed", quantized, x, scale,
+                        _sharded_first_amax(x, scale, mesh_axes), margin=margin, **attrs)
+  else:  # a stored scale, used as it is
+    outs = targets.call("jaxquant_quantize_fp8", quantized, x, scale, delayed=np.bool_(True),
+                        pow2_scale=np.bool_(False), amax_epsilon=np.float32(0.0), **attrs)
+  outs[-1] = partitioning.pmax_nan(outs[-1], mesh_axes)
+  new_history, new_scale = targets.call(
+      "jaxquant_delayed_update", local[-2:], history, scale, outs[-1], aliases={0: 0, 1: 1},
+      fmax=fmax, margin=margin, most_recent=most_recent)
+  return outs + [new_history, new_scale]
 
 
 def _block_scales(req: Request, quantizer: Quantizer) -> tuple:
