@@ -62,19 +62,22 @@ def _record_weight_quantizes(monkeypatch):
   """Every weight quantize the layers run: (its input, its kwargs, its output, the op)."""
   recorded = []
 
-  def spy(op_module, name):
+  def spy(op_module, name, with_state=False):
     original = getattr(op_module, name)
+    # quantize_and_update returns (storages, state): the storages are compared
+    storages = (lambda *a, **k: original(*a, **k)[0]) if with_state else original
 
     def wrapped(x, quantizer, **kwargs):
       out = original(x, quantizer, **kwargs)
       role = kwargs.get("role")
       if role is not None and role.tensor_type == "weight":
-        recorded.append((x, quantizer, kwargs, out, original))
+        recorded.append((x, quantizer, kwargs, out[0] if with_state else out, storages))
       return out
 
     monkeypatch.setattr(op_module, name, wrapped)
 
   spy(ops, "quantize")
+  spy(ops, "quantize_and_update", with_state=True)
   spy(grouped_ops, "quantize_experts")
   return recorded
 

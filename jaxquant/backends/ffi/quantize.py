@@ -221,8 +221,9 @@ def update_in_quantize_reason(quantizer, state) -> Optional[str]:
   updates its `state`, else why the update stays a call of its own."""
   if not isinstance(quantizer, Float8DelayedScalingQuantizer):
     return f"{type(quantizer).__name__} keeps no state the quantize call updates"
-  if (not isinstance(state, DelayedScalingState) or jnp.ndim(state.scale) != 0
-      or jnp.ndim(state.amax_history) != 1):
+  if not isinstance(state, DelayedScalingState):
+    return f"state: expected a DelayedScalingState, got {type(state).__name__}"
+  if jnp.ndim(state.scale) != 0 or jnp.ndim(state.amax_history) != 1:
     return "a batch of states (leading axes) is updated by its own call"
   return None
 
