@@ -18,22 +18,19 @@ import jaxquant as jq
 from jaxquant.backends.ffi import quantize as ffi_quantize
 from jaxquant.backends.ffi import registry
 from helpers import assert_same_leaves
+from test_delayed_kernels import QUANTIZERS as KERNEL_QUANTIZERS
 
 pytestmark = pytest.mark.skipif(not registry.extension_built(),
                                 reason="jaxquant FFI extension not built")
 
 PLATFORMS = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
 
-QUANTIZERS = {
-    "e4m3": jq.Float8DelayedScalingQuantizer(amax_history_len=7),
-    "e5m2_margin2": jq.Float8DelayedScalingQuantizer(jnp.float8_e5m2, amax_history_len=7,
-                                                     margin=2),
-    "most_recent": jq.Float8DelayedScalingQuantizer(amax_history_len=7,
-                                                    amax_compute_algo="most_recent"),
-    "length1": jq.Float8DelayedScalingQuantizer(amax_history_len=1),
-    "length1024": jq.Float8DelayedScalingQuantizer(amax_history_len=1024),
-    "scale_one_start": jq.Float8DelayedScalingQuantizer(amax_history_len=7, first_scale="one"),
-}
+# test_delayed_kernels' quantizers (fresh and stored scales, margins, "most_recent", length 1)
+# and a history of several 256-entry chunks, and TransformerEngine's scale-1 start.
+QUANTIZERS = dict(KERNEL_QUANTIZERS,
+                  length1024=jq.Float8DelayedScalingQuantizer(amax_history_len=1024),
+                  scale_one_start=jq.Float8DelayedScalingQuantizer(amax_history_len=7,
+                                                                   first_scale="one"))
 DIRECTIONS = {"both": (True, True), "rowwise": (True, False), "columnwise": (False, True)}
 
 
