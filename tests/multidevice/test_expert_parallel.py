@@ -130,8 +130,8 @@ def test_expert_parallel_moe_equals_one_device(mesh_name, backend, lm, devices, 
     single_report = jq.explain(grad_fn, variables, x)
     magnitudes = _layer_magnitudes(module, variables, x, c)
     loss, grads, found, params = _sharded_step(lm, module, variables, x, c, axes)
-  # Every expert sees the same rows as on one device (dropless), so its per-expert FP8 scales
-  # and storages are the same; the sums differ in order only: the loss over every element of
+  # Every expert sees the same rows as on one device (dropless), so its forward operands' FP8
+  # scales and storages are the same; the sums differ in order only: the loss over every element of
   # y * c, the router's and each expert's kernel gradient over its rows (the data shards'
   # gradients summed). bounds.py bounds each by its terms' magnitudes; the experts' GEMMs on
   # an FFI CUDA path run on FP8 tensor cores (their fast-accumulation term, the larger).
