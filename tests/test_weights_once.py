@@ -11,6 +11,7 @@ The model's sizes keep every weight shape apart from every activation shape.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import flax.linen as nn
@@ -101,12 +102,14 @@ def test_grad_accum_quantizes_each_weight_once_per_step(ffi_backend, scan, seed)
   assert inputs and all(c.executions % 4 == 0 for c in inputs)
 
 
+@functools.partial(jax.jit, static_argnames=("model", "grad_accum"))
 def _loss_and_grads(model, variables, tokens, key, grad_accum):
+  """(loss, gradients) of one step; tokens and key are arguments, so micro-batches of one shape
+  share one compiled program."""
   if grad_accum == 1:
-    fn = jax.value_and_grad(lambda v: training.next_token_loss(model, v, tokens, key))
-  else:
-    fn = lambda v: training.accumulated_value_and_grad(model, v, tokens, key, grad_accum)
-  return jax.jit(fn)(variables)
+    return jax.value_and_grad(lambda v: training.next_token_loss(model, v, tokens, key))(
+        variables)
+  return training.accumulated_value_and_grad(model, variables, tokens, key, grad_accum)
 
 
 @pytest.mark.parametrize("recipe,rtol", [("bf16", 1e-4), ("mxfp8", 5e-4), ("fp8_block", 5e-4)])

@@ -13,7 +13,9 @@ The same steps are written in C++ in `ffi/jaxquant_numerics.h`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -80,12 +82,16 @@ def _code_from_magnitude(v: jnp.ndarray, mag: jnp.ndarray, spec: MinifloatSpec) 
   return code.astype(jnp.uint8)
 
 
+# The conversions are jitted (the spec static): a trace records each as one call, traced once per
+# operand shape and spec, not its ~30 operations at every call site (see numerics/division.py).
+@functools.partial(jax.jit, static_argnames="spec")
 def encode(v: jnp.ndarray, spec: MinifloatSpec) -> jnp.ndarray:
   """float32 -> format code (uint8), RNE with saturation; NaN -> `spec.nan_code`."""
   v = v.astype(jnp.float32)
   return _code_from_magnitude(v, round_to_grid(v, spec), spec)
 
 
+@functools.partial(jax.jit, static_argnames="spec")
 def encode_stochastic(v: jnp.ndarray, u: jnp.ndarray, spec: MinifloatSpec) -> jnp.ndarray:
   """float32 -> code with stochastic rounding, saturating; `u` uniform in [0, 1).
 

@@ -6,6 +6,9 @@ NaN policy (the C++ header mirrors it): amax reductions propagate NaN (`jnp.max`
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -23,6 +26,9 @@ def _from_bits(u):
   return lax.bitcast_convert_type(u.astype(jnp.uint32), jnp.float32)
 
 
+# Each function is jitted (its float parameters static), so a trace records one call traced once
+# per operand shape rather than its operations at every call site (see numerics/division.py).
+@jax.jit
 def exp2i(k: jnp.ndarray) -> jnp.ndarray:
   """2^k as float32 for integer k in [-149, 127], subnormals included."""
   k = jnp.asarray(k, jnp.int32)
@@ -31,6 +37,7 @@ def exp2i(k: jnp.ndarray) -> jnp.ndarray:
   return _from_bits(jnp.where(k >= -126, normal, subnormal))
 
 
+@functools.partial(jax.jit, static_argnames=("fmax", "pow2_scale", "amax_epsilon"))
 def scale_from_amax(amax: jnp.ndarray, fmax: float, *, pow2_scale: bool = False,
                     amax_epsilon: float = 0.0) -> jnp.ndarray:
   """Encode scale of per-tensor current scaling and Float8Block (TE's compute_scale_from_amax).
@@ -47,6 +54,7 @@ def scale_from_amax(amax: jnp.ndarray, fmax: float, *, pow2_scale: bool = False,
   return scale
 
 
+@functools.partial(jax.jit, static_argnames="fmax")
 def e8m0_from_amax(block_amax: jnp.ndarray, fmax: float) -> jnp.ndarray:
   """MXFP8 biased E8M0 exponent (uint32 in [0, 255]) of a block with amax `block_amax`.
 
@@ -63,12 +71,14 @@ def e8m0_from_amax(block_amax: jnp.ndarray, fmax: float) -> jnp.ndarray:
   return jnp.where(jnp.isnan(s), jnp.uint32(255), e)
 
 
+@jax.jit
 def e8m0_decode_exponent(e: jnp.ndarray) -> jnp.ndarray:
   """2^(e - 127) as float32 (NaN for e == 255)."""
   e = e.astype(jnp.int32)
   return jnp.where(e == 255, jnp.float32(jnp.nan), exp2i(e - 127))
 
 
+@jax.jit
 def nvfp4_global_encode_scale(amax_g: jnp.ndarray) -> jnp.ndarray:
   """S_enc = min(448 * 6 / amax_g, FLT_MAX); 1 when amax_g == 0 or S_enc == 0 (NaN stays NaN)."""
   amax_g = amax_g.astype(jnp.float32)
@@ -76,11 +86,13 @@ def nvfp4_global_encode_scale(amax_g: jnp.ndarray) -> jnp.ndarray:
   return jnp.where((amax_g == 0) | (s_enc == 0), jnp.float32(1.0), s_enc)
 
 
+@jax.jit
 def nvfp4_block_decode_scale(block_amax: jnp.ndarray, s_enc: jnp.ndarray) -> jnp.ndarray:
   """S_dec_b = e4m3_rne_satfinite(amax_b * (S_enc * (1/6))), as E4M3 codes (uint8)."""
   return encode(block_amax.astype(jnp.float32) * (s_enc * jnp.float32(1.0 / 6.0)), E4M3)
 
 
+@jax.jit
 def nvfp4_block_encode_scale(s_dec_b: jnp.ndarray, s_enc: jnp.ndarray) -> jnp.ndarray:
   """S_enc_b = 0 if S_dec_b == 0 else min(1 / (S_dec_b * (1 / S_enc)), FLT_MAX).
 
