@@ -5,6 +5,10 @@ Reads the `*.trace.json.gz` that `jax.profiler.trace(logdir)` writes: the GPU's 
 (process name containing "GPU") hold one thread per CUDA stream ("Stream #N ...") whose complete
 events ("ph": "X") are the kernels and copies; the "XLA Ops" / "XLA Modules" threads of the same
 process repeat that time per HLO op and are skipped.
+
+`hlo_op_names` and `device_events` place each kernel by the op that launched it (the op_name
+metadata of its HLO instruction: the `jax.named_scope`s and Flax module path it was traced
+under), for the splits by part of `bench/moe_block.py` and `bench/lm_parts.py`.
 """
 
 from __future__ import annotations
@@ -159,3 +163,57 @@ def split(times: dict[str, float], steps: int) -> dict:
       "total_ms": sum(by_class.values()) / 1e3 / steps,
       "top": [(name[:120], round(us / 1e3 / steps, 3), classify(name)) for name, us in top],
   }
+
+
+# ------------------------- kernels placed by the op that launched them -------------------------
+
+_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=")
+_OP_NAME = re.compile(r"op_name=\"([^\"]*)\"")
+_CALLS = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
+
+
+def hlo_op_names(hlo_text: str) -> dict[str, str]:
+  """{instruction name: its op_name metadata} of a compiled program's text, also under the
+  kernel-name spelling (`.` and `-` as `_`) that XLA:GPU gives the kernel of a fusion. A fusion
+  without metadata of its own takes its fused computation's (the root's, else the first)."""
+  own, calls, computation_names = {}, {}, {}
+  current = None
+  for line in hlo_text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header and "=" not in line.split("(")[0]:
+      current = header.group(1)
+      continue
+    match = _INSTRUCTION.match(line)
+    if not match:
+      continue
+    root, name = match.groups()
+    op_name = _OP_NAME.search(line)
+    called = _CALLS.search(line)
+    if op_name:
+      own[name] = op_name.group(1)
+      if current is not None and (root or current not in computation_names):
+        computation_names[current] = op_name.group(1)
+    elif called:
+      calls[name] = called.group(1)
+  names = dict(own)
+  for name, computation in calls.items():
+    if computation in computation_names:
+      names[name] = computation_names[computation]
+  for name, op_name in list(names.items()):
+    names.setdefault(re.sub(r"[.\-]", "_", name), op_name)
+  return names
+
+
+def device_events(path: str) -> tuple[list[dict], str]:
+  """(events, what): the complete events of a trace's GPU stream threads (kernels, memsets,
+  copies); without a GPU in the trace, XLA:CPU's thunk events (those naming an `hlo_op`), so
+  the split can be checked on a CPU."""
+  gpu, _ = gpu_stream_events(path)
+  if gpu:
+    return gpu, "GPU"
+  with gzip.open(path, "rt") as f:
+    trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  return [e for e in events
+          if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {})], "host (no GPU events)"

@@ -32,11 +32,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
 import json
 import math
 import os
-import re
 import shutil
 import sys
 
@@ -135,44 +133,6 @@ def inputs(tokens: int, d_model: int, seed: int):
 
 # --------------------------------------- the split by part -------------------------------------
 
-_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=")
-_OP_NAME = re.compile(r"op_name=\"([^\"]*)\"")
-_CALLS = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
-
-
-def hlo_op_names(hlo_text: str) -> dict[str, str]:
-  """{instruction name: its op_name metadata} of a compiled program's text, also under the
-  kernel-name spelling (`.` and `-` as `_`) that XLA:GPU gives the kernel of a fusion. A fusion
-  without metadata of its own takes its fused computation's (the root's, else the first)."""
-  own, calls, computation_names = {}, {}, {}
-  current = None
-  for line in hlo_text.splitlines():
-    header = _COMPUTATION.match(line)
-    if header and "=" not in line.split("(")[0]:
-      current = header.group(1)
-      continue
-    match = _INSTRUCTION.match(line)
-    if not match:
-      continue
-    root, name = match.groups()
-    op_name = _OP_NAME.search(line)
-    called = _CALLS.search(line)
-    if op_name:
-      own[name] = op_name.group(1)
-      if current is not None and (root or current not in computation_names):
-        computation_names[current] = op_name.group(1)
-    elif called:
-      calls[name] = called.group(1)
-  names = dict(own)
-  for name, computation in calls.items():
-    if computation in computation_names:
-      names[name] = computation_names[computation]
-  for name, op_name in list(names.items()):
-    names.setdefault(re.sub(r"[.\-]", "_", name), op_name)
-  return names
-
-
 def scope_of(text: str) -> str | None:
   """The innermost `lm.moe.SCOPES` name in an op_name (or any other string), else None."""
   found = [(text.rfind(scope), scope) for scope in SCOPE_PARTS if scope in text]
@@ -198,20 +158,6 @@ def part_of(kernel: str, op_name: str | None) -> tuple[str, bool]:
   if part != "experts":
     return part, True
   return {"gemm": "expert GEMMs", "quantize": "quantization"}.get(kind, "experts: other"), True
-
-
-def device_events(path: str) -> tuple[list[dict], str]:
-  """(events, what): the complete events of a trace's GPU stream threads (kernels, memsets,
-  copies); without a GPU in the trace, XLA:CPU's thunk events (those naming an `hlo_op`), so
-  the split can be checked on a CPU."""
-  gpu, _ = e2e_trace.gpu_stream_events(path)
-  if gpu:
-    return gpu, "GPU"
-  with gzip.open(path, "rt") as f:
-    trace = json.load(f)
-  events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  return [e for e in events
-          if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {})], "host (no GPU events)"
 
 
 def split_by_part(events: list[dict], op_names: dict[str, str], steps: int) -> dict:
@@ -246,7 +192,7 @@ def trace_split(step, args, logdir: str, op_names: dict[str, str], steps: int = 
     for _ in range(steps):
       out = step(*args)
     jax.block_until_ready(out)
-  events, what = device_events(e2e_trace.latest_trace(logdir))
+  events, what = e2e_trace.device_events(e2e_trace.latest_trace(logdir))
   split = split_by_part(events, op_names, steps)
   split["events"] = what
   return split
@@ -293,7 +239,7 @@ def run_case(experts: int, spec, args, card: str) -> list[dict]:
                recipe=label, ms=sec * 1e3, expert_tflops=flops / sec / 1e12, card=card)
     print(f"  {label:22s} {sec * 1e3:9.3f} ms  (expert GEMM FLOPs at {row['expert_tflops']:.0f} "
           "TFLOP/s of block time)", flush=True)
-    op_names = hlo_op_names(compiled_text)
+    op_names = e2e_trace.hlo_op_names(compiled_text)
     if args.tiny or args.coverage:
       print(f"    scopes in the compiled HLO's op_name metadata: {scope_coverage(op_names)}")
     if args.trace:

@@ -52,6 +52,7 @@ except ModuleNotFoundError as err:
                    "PYTHONPATH=examples python bench/scaling.py") from err
 
 import e2e_trace  # bench/e2e_trace.py
+import lm_parts  # bench/lm_parts.py
 from jaxquant import hlo
 from jaxquant.explain import explain_recording
 
@@ -84,16 +85,19 @@ def collective_report(hlo_text: str, activation_elements: int) -> dict:
 def profile_steps(compiled, state, tokens, key, logdir: pathlib.Path, steps: int,
                   devices: int) -> dict:
   """GPU kernel time per step and per device of `steps` more steps under `jax.profiler`, split
-  into GEMM / quantize / collective (NCCL) / other; `wall_ms` is the traced steps' own time."""
+  into GEMM / quantize / collective (NCCL) / other, and by part of the model (`by_part`,
+  `bench/lm_parts.py`); `wall_ms` is the traced steps' own time."""
   t0 = time.perf_counter()
   with jax.profiler.trace(str(logdir), create_perfetto_trace=True):
     for step in range(steps):
       state, loss = compiled(state, tokens, jax.random.fold_in(key, 1000 + step))
     float(loss)
   wall_ms = 1e3 * (time.perf_counter() - t0) / steps
-  times, _ = e2e_trace.kernel_times(e2e_trace.latest_trace(str(logdir)))
+  trace = e2e_trace.latest_trace(str(logdir))
+  times, _ = e2e_trace.kernel_times(trace)
   split = e2e_trace.split(times, steps * devices)
   split["wall_ms"] = wall_ms
+  split["by_part"] = lm_parts.split_trace(trace, compiled.as_text(), steps * devices)
   return split
 
 
@@ -254,6 +258,7 @@ def main() -> None:
             f"other {prof['other_ms']:.1f} ms")
       for name, ms, kind in prof["top"][:14]:
         print(f"    {ms:8.3f} ms  {kind:10s} {name[:100]}")
+      print("\n".join(lm_parts.lines(prof["by_part"], indent="    ")))
   if args.json:
     args.json.write_text(json.dumps(results, indent=1))
 

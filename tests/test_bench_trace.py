@@ -7,6 +7,7 @@ import importlib.util
 import pathlib
 
 import numpy as np
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -101,3 +102,90 @@ def test_gap_and_host_lines_name_the_gaps_and_the_host_events(tmp_path, rng):
   for line, i in zip(lines[1:], order):
     assert f"host_{i}" in line and f"{host_us[i] / 1e3 / steps:8.3f} ms a step" in line
   assert len(lines) == 1 + len(host_us)
+
+
+def _lm_parts(monkeypatch):
+  monkeypatch.syspath_prepend(str(ROOT / "bench"))
+  import lm_parts
+  return lm_parts
+
+
+def _compiled_step_text(moe) -> str:
+  """The compiled HLO text of a tiny `train_lm` step under delayed scaling (1 block)."""
+  import jax
+  import jax.numpy as jnp
+  import jaxquant as jq
+  from lm import training
+  from lm.model import GPT, LMConfig
+  config = LMConfig(d_model=32, heads=2, layers=1, seq=16, mlp_ratio=2, moe=moe,
+                    dtype=jnp.bfloat16)
+  model = GPT(config, jq.DelayedScaling())
+  tokens = np.random.default_rng(0).integers(0, 256, (2, 17)).astype(np.int32)
+  state = training.create_state(model, tokens, training.TrainConfig(steps=2, warmup=1))
+  step, _ = training.make_steps(model)
+  return jax.jit(step).lower(state, tokens, jax.random.key(0)).compile().as_text()
+
+
+@pytest.mark.parametrize("moe", [None, (4, 2)], ids=["dense", "moe"])
+def test_lm_parts_place_every_op_of_a_train_lm_step(moe, monkeypatch):
+  """Every instruction of a compiled `train_lm` step that came from the model is placed in a
+  part by its op_name; each part of the model is found; jaxquant's custom calls land in the
+  layer that made them (the grouped ones in the MoE experts, the dense ones in the attention
+  projections, the MLP projections or the head); the MoE scope names are `lm.moe.SCOPES`."""
+  import re
+  from lm import moe as moe_module
+  lm_parts = _lm_parts(monkeypatch)
+  trace_module = _e2e_trace()
+  assert set(lm_parts.MOE_SCOPES) == set(moe_module.SCOPES.values())
+  text = _compiled_step_text(moe)
+  names = trace_module.hlo_op_names(text)
+  parts = {name: lm_parts.part_of_op(op_name) for name, op_name in names.items()}
+  unplaced = sorted({op for name, op in names.items()
+                     if "GPT" in op and parts[name] == "unplaced"})
+  assert not unplaced, unplaced[:5]
+  model_parts = {"MoE experts", "MoE router + top-k", "MoE dispatch + combine",
+                 "MoE activation"} if moe else {"MLP projections", "MLP other"}
+  want = model_parts | {"attention projections", "attention core", "norms", "embedding",
+                        "residuals + glue",
+                        "head + loss", "optimizer + rest"}
+  assert want <= set(parts.values()), want - set(parts.values())
+  calls = re.findall(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*custom_call_target=\"(jaxquant_\w+)\"",
+                     text, re.M)
+  assert calls
+  for name, target in calls:
+    if name not in names:  # a call without metadata: only the grouped GEMMs are placed so
+      continue
+    allowed = ({"MoE experts"} if "grouped" in target else
+               {"attention projections", "MLP projections", "head + loss"})
+    assert parts[name] in allowed, (name, target, names[name])
+
+
+def test_lm_parts_split_sums_each_part_by_kernel_class(monkeypatch, rng):
+  """`split_by_part` on written events: each event's time lands in its op's part and kernel
+  class, a grouped GEMM kernel without an op in the experts, anything else without one in
+  `unplaced`; ms are per step and the placed share is the placed time's."""
+  lm_parts = _lm_parts(monkeypatch)
+  ops = {"fusion.1": "jit(train_step)/jvp(GPT)/block_0/attn/qkv/dot_general",
+         "fusion.2": "jit(train_step)/transpose(jvp(GPT))/block_0/attn/mul",
+         "custom-call.3": "jit(train_step)/jvp(GPT)/block_0/mlp/moe_experts/fc1/ffi_call",
+         "fusion.4": "jit(train_step)/add"}
+  durations = rng.integers(1, 1000, size=6).astype(float)
+  events = [
+      {"name": "cutlass_gemm_kernel", "dur": durations[0], "args": {"hlo_op": "fusion.1"}},
+      {"name": "loop_fusion", "dur": durations[1], "args": {"hlo_op": "fusion.2"}},
+      {"name": "grouped_quantize_kernel", "dur": durations[2],
+       "args": {"hlo_op": "custom-call.3"}},
+      {"name": "input_reduce_fusion", "dur": durations[3], "args": {"hlo_op": "fusion.4"}},
+      {"name": "cutlass::GroupProblemShape kernel", "dur": durations[4], "args": {}},
+      {"name": "mystery", "dur": durations[5], "args": {}}]
+  steps = int(rng.integers(1, 5))
+  got = lm_parts.split_by_part(events, ops, steps)
+  ms = lambda i: durations[i] / 1e3 / steps  # noqa: E731
+  assert got["ms"]["attention projections"] == {"gemm": ms(0)}
+  assert got["ms"]["attention core"] == {"other": ms(1)}
+  assert got["ms"]["MoE experts"] == pytest.approx({"quantize": ms(2), "gemm": ms(4)})
+  assert got["ms"]["optimizer + rest"] == {"other": ms(3)}
+  assert got["ms"]["unplaced"] == {"other": ms(5)}
+  assert got["total_ms"] == pytest.approx(durations.sum() / 1e3 / steps)
+  assert got["placed_share"] == pytest.approx(1 - durations[5] / durations.sum())
+  assert list(got["ms"]) == [p for p in lm_parts.PARTS if p in got["ms"]]
