@@ -72,7 +72,9 @@ def test_idle_gaps_are_the_longest_holes_with_the_kernels_around_them(rng):
   want.sort(key=lambda g: -g[0])
   got = idle_gaps(rng.permutation(np.array(events, dtype=object)).tolist(), top=6)
   assert [g["gap_us"] for g in got] == [g for g, _, _ in want[:6]]
-  assert [(g["before"], g["after"]) for g in got] == [(b, a) for _, b, a in want[:6]]
+  # "long" starts with k3, so the hole before them may name either as the kernel after it
+  after = lambda name: "k3" if name == "long" else name  # noqa: E731
+  assert [(g["before"], after(g["after"])) for g in got] == [(b, a) for _, b, a in want[:6]]
   assert ("long", "k5") in [(b, a) for _, b, a in want]
 
 
