@@ -19,6 +19,7 @@ import gzip
 import json
 import os
 import re
+from typing import Optional
 
 GEMM = re.compile(r"gemm|nvjet|cutlass|xmma|matmul|cublas|wgmma|sm90_|triton_dot", re.I)
 # jaxquant's FFI quantize / amax / transpose kernels (ffi/quantize, ffi/grouped, ffi/fused).
@@ -217,3 +218,13 @@ def device_events(path: str) -> tuple[list[dict], str]:
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
   return [e for e in events
           if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {})], "host (no GPU events)"
+
+
+def event_op(event: dict, op_names: dict[str, str]) -> tuple[str, float, str, Optional[str], dict]:
+  """(kernel name, microseconds, the op that launched it, that op's op_name or None, the event's
+  arguments as strings) of one device event, the op_name looked up by the op, else by the
+  kernel's own name (a fusion's kernel)."""
+  name, us = event.get("name", "?"), float(event.get("dur", 0.0))
+  args = {k: str(v) for k, v in (event.get("args") or {}).items()}
+  op = args.get("hlo_op") or args.get("name") or name
+  return name, us, op, op_names.get(op.lstrip("%")) or op_names.get(name), args

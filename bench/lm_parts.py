@@ -80,10 +80,8 @@ def split_by_part(events: list[dict], op_names: dict[str, str], steps: int) -> d
   unplaced = collections.Counter()
   total_us = placed_us = 0.0
   for e in events:
-    name, us = e.get("name", "?"), float(e.get("dur", 0.0))
-    args = {k: str(v) for k, v in (e.get("args") or {}).items()}
-    op = args.get("hlo_op") or args.get("name") or name
-    part = part_of_op(op_names.get(op.lstrip("%")) or op_names.get(name), name)
+    name, us, op, op_name, _ = e2e_trace.event_op(e, op_names)
+    part = part_of_op(op_name, name)
     per_part[part][e2e_trace.classify(name)] += us
     total_us += us
     if part == "unplaced":

@@ -166,10 +166,7 @@ def split_by_part(events: list[dict], op_names: dict[str, str], steps: int) -> d
   unplaced = collections.Counter()
   placed_us = total_us = 0.0
   for e in events:
-    name, us = e.get("name", "?"), float(e.get("dur", 0.0))
-    args = {k: str(v) for k, v in (e.get("args") or {}).items()}
-    op = args.get("hlo_op") or args.get("name") or name
-    op_name = op_names.get(op.lstrip("%")) or op_names.get(name)
+    name, us, op, op_name, args = e2e_trace.event_op(e, op_names)
     if op_name is None:  # a scope named in the event's own arguments (tf_op, long_name, ...)
       op_name = next((v for v in args.values() if scope_of(v)), None)
     part, placed = part_of(name, op_name)
