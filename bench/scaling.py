@@ -43,7 +43,7 @@ import numpy as np
 try:  # examples/ must be on the path: PYTHONPATH=examples (bench/run.py sets it)
   from lm import data, recipes, sharding, training, xla_flags
   from lm.embedding import EMBEDDING_GRADIENTS
-  from lm.model import GPT, LMConfig
+  from lm.model import ATTENTIONS, GPT, LMConfig
   import train_lm
 except ModuleNotFoundError as err:
   if err.name not in ("lm", "train_lm", "nnx_quantize"):
@@ -193,6 +193,8 @@ def main() -> None:
   p.add_argument("--remat", action="store_true")
   p.add_argument("--embedding-gradient", choices=EMBEDDING_GRADIENTS, default="auto")
   p.add_argument("--scan-layers", action="store_true")
+  p.add_argument("--attention", choices=ATTENTIONS, default="xla",
+                 help="attention core: jnp with float32 scores, or cuDNN's fused kernel")
   p.add_argument("--data-mb", type=float, default=8.0)
   p.add_argument("--backend", choices=training.BACKENDS, default=None)
   p.add_argument("--json", type=pathlib.Path, default=None)
@@ -209,7 +211,7 @@ def main() -> None:
                       mlp_ratio=args.mlp_ratio, dtype=jnp.bfloat16, moe=args.moe,
                       moe_capacity=args.moe_capacity, moe_exchange=args.moe_exchange,
                       remat=args.remat, scan_layers=args.scan_layers,
-                      embedding_gradient=args.embedding_gradient)
+                      embedding_gradient=args.embedding_gradient, attention=args.attention)
     models = {name: GPT(config, recipes.make(name)) for name in names}
     corpus = data.load_corpus(int(args.data_mb * 1e6))
     batches = data.fixed_batches(corpus.train, args.batch, args.seq, args.steps)
@@ -221,6 +223,7 @@ def main() -> None:
                                        f", {os.environ.get('JAXQUANT_FP8_ACCUMULATION', 'default')}"
                                        " FP8 accumulation)"),
                "fp8_accumulation": os.environ.get("JAXQUANT_FP8_ACCUMULATION", "default"),
+               "attention": args.attention,
                "xla_flags": flags,
                "config": {k: v for k, v in vars(args).items()
                           if k not in ("meshes", "json", "backend", "profile_dir", "hlo_dir")},

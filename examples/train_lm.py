@@ -59,7 +59,7 @@ from jaxquant.expert_parallel import EXCHANGES as MOE_EXCHANGES
 
 from lm import checkpoint, data, distributed, recipes, report, sharding, training, xla_flags
 from lm.embedding import EMBEDDING_GRADIENTS
-from lm.model import GPT, LMConfig
+from lm.model import ATTENTIONS, GPT, LMConfig
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "out"
 DEFAULT_RECIPES = "bf16,fp8_current"  # the claim to see first: FP8 trains like bf16
@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "nn.Embed's scatter-add (slow on GPUs for small vocabularies)")
   p.add_argument("--scan-layers", action="store_true",
                  help="one nn.scan over the blocks (compile time independent of --layers)")
+  p.add_argument("--attention", choices=ATTENTIONS, default="xla",
+                 help="attention core: written in jnp ('xla', float32 scores materialized) or "
+                      "cuDNN's fused flash attention ('cudnn', GPUs only)")
   p.add_argument("--checkpoint", type=pathlib.Path, default=None, metavar="DIR",
                  help="save each recipe's run to DIR/<recipe> with orbax, and resume from the "
                  "latest checkpoint there (same settings) when it exists")
@@ -233,7 +236,7 @@ def run(args: argparse.Namespace, names: Sequence[str],
                     moe_aux_weight=args.moe_aux_weight,
                     moe_capacity=args.moe_capacity, moe_exchange=args.moe_exchange,
                     remat=args.remat, scan_layers=args.scan_layers,
-                    embedding_gradient=args.embedding_gradient)
+                    embedding_gradient=args.embedding_gradient, attention=args.attention)
   train_cfg = training.TrainConfig(steps=args.steps, lr=args.lr, warmup=args.warmup,
                                    weight_decay=args.weight_decay, eval_every=args.eval_every,
                                    seed=args.seed, progress=primary and not args.no_progress,

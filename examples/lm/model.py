@@ -24,6 +24,10 @@ from lm.embedding import EMBEDDING_GRADIENTS, TokenEmbed
 from lm.moe import MoEMLP
 
 
+# `LMConfig.attention`'s choices: the attention core written in jnp, or cuDNN's fused kernel.
+ATTENTIONS = ("xla", "cudnn")
+
+
 @dataclasses.dataclass(frozen=True)
 class LMConfig:
   """Model hyperparameters.
@@ -56,6 +60,11 @@ class LMConfig:
     embedding_gradient: how the token embedding's gradient is formed (`lm.embedding`):
       "auto" (a one-hot GEMM for vocabularies up to 4096, `nn.Embed`'s scatter-add above),
       "one-hot" or "scatter". Same forward pass and parameters either way.
+    attention: the attention core (scores, causal softmax, weighted sum): "xla" (written out
+      in jnp: the [batch, heads, seq, seq] float32 scores are materialized, on any backend) or
+      "cudnn" (`jax.nn.dot_product_attention(implementation="cudnn")`: cuDNN's fused flash
+      attention, GPUs only, head size a multiple of 8 up to 128). Same parameters; the
+      results agree within bf16 rounding, not bit for bit.
   """
 
   vocab: int = 256
@@ -74,8 +83,11 @@ class LMConfig:
   remat: bool = False
   scan_layers: bool = False
   embedding_gradient: str = "auto"
+  attention: str = "xla"
 
   def __post_init__(self):
+    if self.attention not in ATTENTIONS:
+      raise ValueError(f"attention={self.attention!r}; expected one of {ATTENTIONS}")
     if self.embedding_gradient not in EMBEDDING_GRADIENTS:
       raise ValueError(f"embedding_gradient={self.embedding_gradient!r}; expected one of "
                        f"{EMBEDDING_GRADIENTS}")
@@ -101,6 +113,26 @@ def rotary(x: jax.Array) -> jax.Array:
   return out.astype(x.dtype)
 
 
+def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str) -> jax.Array:
+  """Causal softmax attention of `q, k, v[batch, seq, heads, head_dim]`, same shape out.
+
+  "xla" writes it out (float32 scores and softmax, weights cast to the compute dtype);
+  "cudnn" is cuDNN's fused kernel, which never materializes the [seq, seq] scores.
+  """
+  if implementation == "cudnn":
+    if jax.default_backend() != "gpu":
+      raise ValueError(f"attention='cudnn' runs on GPUs only; this backend is "
+                       f"{jax.default_backend()!r} (use attention='xla')")
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+  seq, head_dim = q.shape[1], q.shape[-1]
+  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+  logits = logits / jnp.sqrt(jnp.float32(head_dim))
+  causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+  logits = jnp.where(causal[None, None], logits, jnp.finfo(jnp.float32).min)
+  weights = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
+  return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+
+
 # Logical axis names (mapped to mesh axes by `lm.sharding.logical_rules` under --mesh): the
 # parameters' `embed`/`heads`/`mlp`/`vocab`, and `act_*` for the activations entering a Dense.
 ACT_EMBED = ("act_batch", "act_len", "act_embed")
@@ -123,12 +155,7 @@ class CausalSelfAttention(nn.Module):
     q, k, v = (qkv.reshape(batch, seq, cfg.heads, 3, head_dim)[:, :, :, i] for i in range(3))
     if cfg.positions == "rope":
       q, k = rotary(q), rotary(k)
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-    logits = logits / jnp.sqrt(jnp.float32(head_dim))
-    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-    logits = jnp.where(causal[None, None], logits, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(logits, axis=-1).astype(cfg.dtype)
-    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, seq, cfg.d_model)
+    out = attention_core(q, k, v, cfg.attention).reshape(batch, seq, cfg.d_model)
     return jaxquant.flax.Dense(cfg.d_model, dtype=cfg.dtype, recipe=self.recipe,
                                kernel_axes=("heads", "embed"),
                                input_axes=("act_batch", "act_len", "act_heads"),
