@@ -149,25 +149,43 @@ def make_step(model, tx):
   return jax.jit(step, donate_argnums=(0,))
 
 
+class PhaseLog:
+  """Prints each phase of a variant's run as it ends (seconds since the previous one), so a
+  job stopped by its timeout shows which phase it was in."""
+
+  def __init__(self, name: str):
+    self.name, self.last = name, time.perf_counter()
+
+  def __call__(self, phase: str) -> None:
+    now = time.perf_counter()
+    print(f"    {self.name}: {phase} done in {now - self.last:.1f} s", flush=True)
+    self.last = now
+
+
 def run_variant(name, cfg, args, batches, tx):
   model, context, env = build_variant(name, cfg, args.attention == "on")
   fetch = name.endswith(FETCH)
+  phase = PhaseLog(name)
   with path_env(env), context():
     variables = jax.jit(model.init)(jax.random.key(0), batches[0, :, :-1])
     variables = dict(variables)
     opt_state = jqf.init_optimizer(tx, variables)
+    jax.block_until_ready(opt_state)
+    phase("init")
     step = make_step(model, tx)
     paths = ""
     if name != "bf16" and not name.startswith("flax"):
       report = jq.explain(step, (variables, opt_state), batches, 0)
       paths = ";".join(f"{op}:{','.join(sorted(report.paths(op)))}"
                        for op in ("quantize", "gemm") if report.paths(op))
+      phase("explain")
     state = (variables, opt_state)
     t0 = time.perf_counter()
     lowered = step.lower(state, batches, 0)
     t1 = time.perf_counter()
     compiled = lowered.compile()  # the loop calls it: one compilation, timed on its own
     t2 = time.perf_counter()
+    phase("lower + compile")
     lower_s, compile_s = t1 - t0, t2 - t1
     if args.hlo_dir:  # the optimized HLO of the step: which ops XLA fused with which
       os.makedirs(args.hlo_dir, exist_ok=True)
@@ -175,6 +193,7 @@ def run_variant(name, cfg, args, batches, tx):
         f.write(compiled.as_text())
     state, loss = compiled(state, batches, 0)
     jax.block_until_ready(loss)
+    phase("first step")
     losses = [loss]
     t0 = None
     for i in range(1, args.steps):
@@ -185,6 +204,7 @@ def run_variant(name, cfg, args, batches, tx):
       losses.append(float(loss) if fetch else loss)  # +fetch: wait for each step's loss
     jax.block_until_ready(state)
     seconds = (time.perf_counter() - t0) / (args.steps - args.time_from)
+    phase(f"{args.steps - 1} steps")
     losses = [float(loss) for loss in losses]
     split = None
     if args.trace_dir and args.profile_steps:
