@@ -174,7 +174,8 @@ def run_variant(name, cfg, args, batches, tx):
     phase("init")
     step = make_step(model, tx)
     paths = ""
-    if name != "bf16" and not name.startswith("flax"):
+    base = name.removesuffix(FETCH)
+    if base != "bf16" and not base.startswith("flax"):
       report = jq.explain(step, (variables, opt_state), batches, 0)
       paths = ";".join(f"{op}:{','.join(sorted(report.paths(op)))}"
                        for op in ("quantize", "gemm") if report.paths(op))
