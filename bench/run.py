@@ -8,7 +8,9 @@ and leaves their logs and a JSON summary in one folder.
 Phases, all inside `--deadline` seconds:
 1. Build: `pip wheel` of this checkout (no build isolation) and its extension unpacked into
    jaxquant/, so every job imports the source tree with the kernels (`--no-build`: use what is
-   there). Single-GPU jobs marked `early` (they need no kernels: bf16 runs) start meanwhile.
+   there; `--prebuilt DIR`: the one bench/prebuilt.py built elsewhere from the same sources,
+   ~3 minutes of a fresh machine's time saved). Single-GPU jobs marked `early` (they need no
+   kernels: bf16 runs) start meanwhile.
 2. Single-GPU jobs, in parallel: one per GPU (`CUDA_VISIBLE_DEVICES`), in file order as GPUs
    free up.
 3. Mesh jobs (`mesh`), one at a time on all GPUs.
@@ -44,6 +46,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import tempfile
 import time
@@ -325,6 +328,8 @@ class Runner:
     if self.args.no_build:
       self.summary["build"] = {"status": "skipped (--no-build)"}
       return None
+    if self.args.prebuilt is not None and self.take_prebuilt(self.args.prebuilt):
+      return None
     wheel_dir = self.work / "wheel"
     defines = " ".join(f"-C cmake.define.{d}" for d in self.args.cmake_define)
     command = (f"{sys.executable} -m pip wheel --no-build-isolation --no-deps {defines} "
@@ -333,9 +338,41 @@ class Runner:
     self.summary["build"] = {"status": "running", "command": command}
     return self.spawn("build", command, None)
 
+  def take_prebuilt(self, folder: pathlib.Path) -> bool:
+    """The extension from `folder` (bench/prebuilt.py) when its sources are the tree's and it
+    loads with CUDA served; else the reason is logged and the build runs as without it."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import prebuilt  # bench/prebuilt.py
+    taken, why = prebuilt.accept(ROOT, folder)
+    if taken:
+      library_dir = prebuilt.cuda_library_dir()
+      if library_dir:  # its RUNPATH names the build machine's cuBLASLt folder
+        self.env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            [library_dir] + [p for p in [self.env.get("LD_LIBRARY_PATH")] if p])
+      check = subprocess.run([sys.executable, "-c", _CHECK], cwd=ROOT, env=self.env,
+                             capture_output=True, text=True, timeout=300)
+      lines = check.stdout.strip().splitlines()
+      try:
+        info = json.loads(lines[-1])
+      except (ValueError, IndexError):
+        info = {"error": (check.stdout + check.stderr)[-1000:]}
+      if info.get("extension") and info.get("has_cuda") and info.get("unserved_cuda") is None:
+        self.summary["build"] = {"status": "prebuilt", "from": why, "check": info}
+        self.say(f"prebuilt extension taken: {why}")
+        return True
+      why = f"it does not serve CUDA here: {info}"
+      (ROOT / "jaxquant" / ("_jaxquant_ffi" + sysconfig.get_config_var("EXT_SUFFIX"))).unlink(
+          missing_ok=True)
+    self.say(f"prebuilt extension not taken ({why}); building")
+    self.summary["prebuilt_refused"] = why
+    return False
+
   def finish_build(self, process: Optional[subprocess.Popen], seconds: float) -> bool:
     """Unpacks the built extension into jaxquant/ and records what it serves."""
     build = self.summary["build"]
+    if build["status"] == "prebuilt":  # checked when taken
+      self.write_summary()
+      return True
     if process is not None:
       build["seconds"] = round(seconds, 1)
       build["tail"] = self.tail(self.work / "build.log")
@@ -473,6 +510,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p.add_argument("--min-left", type=float, default=30.0,
                  help="skip a job that would start with fewer seconds left (default 30)")
   p.add_argument("--no-build", action="store_true", help="use the extension already in jaxquant/")
+  p.add_argument("--prebuilt", type=pathlib.Path, default=None, metavar="DIR",
+                 help="take the extension bench/prebuilt.py built on another machine from DIR "
+                      "when its sources are the tree's and it serves CUDA here (else build)")
   p.add_argument("--cmake-define", action="append", default=[], metavar="NAME=VALUE",
                  help="passed to the build as -C cmake.define.NAME=VALUE "
                       "(e.g. JAXQUANT_GROUPED_SM90=OFF)")
