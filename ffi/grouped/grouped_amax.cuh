@@ -3,8 +3,6 @@
 //   grouped_rht_amax_kernel  per-group max |RHT(chunk)| over the 16-position chunks of a token
 //                            layout (NVFP4 rht: the amax of the Hadamard-transformed columnwise
 //                            copy), one CTA a chunk
-//   warp_group_amax          a warp's share of per-group amaxes from values a quantize kernel
-//                            already loaded (delayed scaling: no amax pass of its own)
 // All reduce |x| as float32 bit patterns with atomicMax (NaN above inf: NaN-propagating, as
 // the reference's segment max), into an amax[G] the handler cleared.
 // grouped_amax_kernel with `p.gate` (jaxquant_grouped_amax_gated) returns at once, leaving the
@@ -111,26 +109,6 @@ __global__ void __launch_bounds__(256) grouped_amax_kernel(const QuantizeParams 
       const int g = upper_group(p.starts, int(p.G), r);
       if (g < p.G) atomicMax(amax + g, m);
     }
-  }
-}
-
-// Adds a warp's 32 lanes' values to amax[group]: lane i holds `m` (max |.| bits of its values)
-// of group `g` (< 0: none, its `m` ignored whatever it holds: the quantize kernel passes -1 for
-// lanes whose values the CTA reduces). When all lanes with a group share one, the warp reduces
-// first and one lane does the atomic (the common case: a group boundary falls in few warps);
-// otherwise each lane does its own. Call from all 32 lanes of a full warp.
-__device__ __forceinline__ void warp_group_amax(float* amax, int g, uint32_t m) {
-  const unsigned any = __ballot_sync(0xFFFFFFFFu, g >= 0);
-  if (any == 0u) return;
-  if (g < 0) m = 0u;  // a lane of no group (or reduced elsewhere) must not enter the shuffle max
-  const int first = __shfl_sync(0xFFFFFFFFu, g, __ffs(any) - 1);
-  uint32_t* bits = reinterpret_cast<uint32_t*>(amax);
-  if (__all_sync(0xFFFFFFFFu, g < 0 || g == first)) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-    if ((threadIdx.x & 31) == 0) atomicMax(bits + first, m);
-  } else if (g >= 0) {
-    atomicMax(bits + g, m);
   }
 }
 

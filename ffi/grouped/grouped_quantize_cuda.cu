@@ -12,9 +12,10 @@
 //      rowwise copy and a padded columnwise one come from one read of x. Delayed scaling has its scales before the
 //      launch, so there is no amax pass: the load phase (which runs for either copy and reads
 //      every element of every group's rows exactly once, the layout holding each group's rows
-//      at its positions) also reduces each group's amax, the state's history entry: the rows
-//      of the tile's first group reduced in the CTA (one atomicMax a CTA, as many as the amax
-//      pass's one a row), those of later groups by warp (warp_group_amax).
+//      at its positions) also reduces each group's amax, the state's history entry: each warp
+//      of one group's rows into a shared slot, the slots merged by one thread after the
+//      barrier before the columnwise phase (one atomicMax a CTA, as many as the amax pass's one
+//      a row, and no barrier of its own); a warp across a group boundary by lane.
 //   jaxquant_grouped_amax: the amax kernel alone.
 //   jaxquant_grouped_amax_gated (the just-in-time first scale of delayed scaling): the amax
 //   kernel, exiting at once unless some group's scale is still 0.
@@ -42,8 +43,8 @@ template <int TYPE>
 __global__ void __launch_bounds__(256, 8) grouped_quantize_kernel(const QuantizeParams p) {
   __shared__ float tile[kQP][kQC + 1];
   __shared__ float scales[kQP];
-  __shared__ int tile_group;         // delayed: the group of the tile's first position
-  __shared__ uint32_t tile_amax;     // and its max |x| bits over the tile
+  __shared__ uint32_t warp_amax[8];  // delayed: a warp's max |x| bits over its rows of one group
+  __shared__ int warp_group[8];      // ... and that group (-1: none, or reduced by its lanes)
   const jq::Fp8 fmt = static_cast<jq::Fp8>(p.fmt);
   const float fmax = jq::spec_of(fmt).fmax;
   const int tid = threadIdx.x;
@@ -83,19 +84,24 @@ __global__ void __launch_bounds__(256, 8) grouped_quantize_kernel(const Quantize
       uint32_t m = 0;
 #pragma unroll
       for (int i = 0; i < 16; ++i) m = max(m, jq::abs_bits(v[i]));
-      if (tid == 0) {  // position p0's group: usually the whole tile's
-        tile_group = g;
-        tile_amax = 0u;
-      }
-      __syncthreads();
+      // A warp whose rows are of one group reduces them into its slot, merged by thread 0 after
+      // the barrier the columnwise copy needs anyway (one atomic a CTA, as one a row in the amax
+      // pass); a warp across a group boundary (rare) does its lanes' atomics itself.
       const int mine = src >= 0 ? g : -1;
-      uint32_t mt = mine == tile_group ? m : 0u;  // reduced in the CTA: one global atomic
+      const unsigned any = __ballot_sync(0xFFFFFFFFu, mine >= 0);
+      const int first = any ? __shfl_sync(0xFFFFFFFFu, mine, __ffs(any) - 1) : -1;
+      if (__all_sync(0xFFFFFFFFu, mine < 0 || mine == first)) {
+        if (mine < 0) m = 0u;
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) mt = max(mt, __shfl_xor_sync(0xFFFFFFFFu, mt, o));
-      if ((tid & 31) == 0 && mt != 0u) atomicMax(&tile_amax, mt);
-      warp_group_amax(p.amax, mine == tile_group ? -1 : mine, m);  // rows of later groups
-      __syncthreads();
-      if (tid == 0 && tile_amax != 0u) atomicMax(reinterpret_cast<uint32_t*>(p.amax) + tile_group, tile_amax);
+        for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+        if ((tid & 31) == 0) {
+          warp_amax[tid >> 5] = m;
+          warp_group[tid >> 5] = first;
+        }
+      } else {
+        if (mine >= 0) atomicMax(reinterpret_cast<uint32_t*>(p.amax) + mine, m);
+        if ((tid & 31) == 0) warp_group[tid >> 5] = -1;
+      }
     }
 #pragma unroll
     for (int i = 0; i < 16; ++i) tile[pr][cq + i] = v[i];
@@ -126,8 +132,24 @@ __global__ void __launch_bounds__(256, 8) grouped_quantize_kernel(const Quantize
       if (zero_row) store(pos, make_uint4(0u, 0u, 0u, 0u));
     }
   }
-  if (!p.col) return;
+  if (!p.col && !p.delayed) return;
   __syncthreads();
+  if (p.delayed && tid == 0) {  // the warps' amaxes: one atomic a run of warps of one group
+    int run_g = -1;
+    uint32_t run_m = 0u;
+    for (int w = 0; w < 8; ++w) {  // warp w holds positions 8w .. 8w+7: groups in order
+      const int wg = warp_group[w];
+      if (wg < 0) continue;
+      if (wg != run_g) {
+        if (run_g >= 0 && run_m != 0u) atomicMax(reinterpret_cast<uint32_t*>(p.amax) + run_g, run_m);
+        run_g = wg;
+        run_m = 0u;
+      }
+      run_m = max(run_m, warp_amax[w]);
+    }
+    if (run_g >= 0 && run_m != 0u) atomicMax(reinterpret_cast<uint32_t*>(p.amax) + run_g, run_m);
+  }
+  if (!p.col) return;
   {  // columnwise: thread -> (feature, 16 positions)
     const int cc = tid >> 2, pq = (tid & 3) * 16;
     const int64_t c = c0 + cc, pos = p0 + pq;
