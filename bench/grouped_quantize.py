@@ -1,12 +1,13 @@
 """Grouped NVFP4 (or per-tensor FP8) quantize bandwidth next to the single-tensor kernel's.
 
     python bench/grouped_quantize.py                 # 8 and 64 experts at LLM sizes (a GPU)
-    python bench/grouped_quantize.py --format fp8    # per-tensor FP8 (current scaling)
+    python bench/grouped_quantize.py --format fp8    # per-tensor FP8 (current, delayed)
     python bench/grouped_quantize.py --tiny          # smoke check (runs on CPU)
     python bench/grouped.py --quantize               # the same table after the step table
 
 With `--format fp8` the rows are current-scaling FP8 copies (both directions, amax pass
-included on both sides) of the step's operands: x `[T, K]` (E4M3), dy `[T, N]` (E5M2, and
+included on both sides), then delayed scaling's (no amax pass: the quantize records the
+amax), of the step's operands: x `[T, K]` (E4M3), dy `[T, N]` (E5M2, and
 E4M3 to separate the encoder's cost) and the expert weights; bytes as below with no scales.
 
 Each row quantizes the same bf16 matrix twice: `jaxquant.grouped.quantize` (tokens `x[T, K]`
@@ -49,6 +50,8 @@ WEIGHT = jq.NVFP4Quantizer(block_2d=True)
 
 FP8_X = jq.Float8CurrentScalingQuantizer()
 FP8_DY = jq.Float8CurrentScalingQuantizer(dtype=jnp.float8_e5m2)
+FP8_X_DELAYED = jq.Float8DelayedScalingQuantizer()
+FP8_DY_DELAYED = jq.Float8DelayedScalingQuantizer(dtype=jnp.float8_e5m2)
 
 
 def _bytes(elements: int, copies: int, scale_block: int) -> int:
@@ -68,6 +71,24 @@ def _fp8_rows():
   experts = lambda w, keys, key: jg.quantize_experts(w, FP8_X)
   single = lambda w, keys, key: jq.ops.quantize(w.reshape(-1, w.shape[-1]), FP8_X)
   yield "w both E4M3", experts, single, 2, 0, "experts"
+  # Delayed scaling: no amax pass, the kernel records each group's amax while it quantizes
+  # (the states hold scale 1, as after a first step); the single tensor's as one state.
+  def delayed_tok(q):
+    def fn(x, s, keys, key):
+      return jg.quantize(x, s, q, rowwise=True, columnwise=True,
+                         state=jg.init_state(q, s.shape[0]))
+    return fn
+  def delayed_one(q):
+    return lambda x, s, keys, key: jq.ops.quantize(x, q, rowwise=True, columnwise=True,
+                                                   state=jq.init_state(q))
+  x_q, dy_q = FP8_X_DELAYED, FP8_DY_DELAYED
+  yield "x both E4M3 delayed", delayed_tok(x_q), delayed_one(x_q), 2, 0, "tokens"
+  yield "dy both E5M2 delayed", delayed_tok(dy_q), delayed_one(dy_q), 2, 0, "grads"
+  experts = lambda w, keys, key: jg.quantize_experts(
+      w, FP8_X_DELAYED, state=jg.init_state(FP8_X_DELAYED, w.shape[0]))
+  single = lambda w, keys, key: jq.ops.quantize(w.reshape(-1, w.shape[-1]), FP8_X_DELAYED,
+                                                state=jq.init_state(FP8_X_DELAYED))
+  yield "w both E4M3 delayed", experts, single, 2, 0, "experts"
 
 
 def _rows():

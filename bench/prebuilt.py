@@ -11,6 +11,9 @@ and builds as before.
     python3 bench/prebuilt.py make --python /tmp/v312/bin/python --out .prebuilt
     # on the device, in the call that carries .prebuilt:
     python3 bench/run.py --prebuilt .prebuilt --jobs bench/jobs/X.txt
+    # after a kernel change, the old build beside the new one (run.py builds the tree's):
+    LIB=$(python3 bench/prebuilt.py baseline --into /tmp/before)
+    PYTHONPATH=/tmp/before:examples LD_LIBRARY_PATH=$LIB python bench/X.py
 
 The venv for `make` needs the GPU machine's Python minor version (3.12) with its jax and jaxlib
 versions (0.11.2; the FFI headers), nanobind, scikit-build-core and nvidia-cublas (cuBLASLt,
@@ -105,6 +108,23 @@ def make(root: pathlib.Path, python: str, out: pathlib.Path) -> dict:
   return manifest
 
 
+def stage_baseline(root: pathlib.Path, prebuilt: pathlib.Path, into: pathlib.Path) -> str:
+  """A copy of the tree's `jaxquant` package with `prebuilt`'s extension in it, whatever sources
+  it was built from: the *before* of a kernel change, run beside the tree's new build in one call
+  (`PYTHONPATH=<into>`). Returns the `LD_LIBRARY_PATH` entry its library needs (or "")."""
+  import shutil  # noqa: PLC0415
+  target = into / "jaxquant"
+  shutil.rmtree(target, ignore_errors=True)
+  skip = lambda folder, names: [n for n in names if EXTENSION.fullmatch(n) or n == "__pycache__"]
+  shutil.copytree(root / "jaxquant", target, ignore=skip)
+  libraries = [p for p in prebuilt.glob("_jaxquant_ffi*") if EXTENSION.fullmatch(p.name)]
+  if not libraries:
+    raise FileNotFoundError(f"no _jaxquant_ffi library in {prebuilt}")
+  for library in libraries:
+    shutil.copy2(library, target / library.name)
+  return cuda_library_dir() or ""
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   sub = p.add_subparsers(dest="command", required=True)
@@ -112,10 +132,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   m.add_argument("--python", required=True, help="the target interpreter (its venv has jax)")
   m.add_argument("--out", type=pathlib.Path, default=pathlib.Path(".prebuilt"))
   sub.add_parser("digest", help="print the tree's sources digest")
+  b = sub.add_parser("baseline", help="stage the tree's jaxquant with --prebuilt's (older) "
+                     "extension into --into; prints the LD_LIBRARY_PATH entry it needs")
+  b.add_argument("--prebuilt", type=pathlib.Path, default=pathlib.Path(".prebuilt"))
+  b.add_argument("--into", type=pathlib.Path, required=True)
   args = p.parse_args(argv)
   root = pathlib.Path(__file__).resolve().parents[1]
   if args.command == "digest":
     print(sources_digest(root))
+    return 0
+  if args.command == "baseline":
+    print(stage_baseline(root, args.prebuilt, args.into))
     return 0
   if not os.environ.get("JAXQUANT_CUTLASS_DIR"):
     print("warning: JAXQUANT_CUTLASS_DIR is unset: the CUTLASS grouped kernels are left out",

@@ -332,6 +332,13 @@ class Runner:
       return None
     wheel_dir = self.work / "wheel"
     defines = " ".join(f"-C cmake.define.{d}" for d in self.args.cmake_define)
+    cutlass = ROOT / ".cutlass" / "include"
+    if not os.environ.get("JAXQUANT_CUTLASS_DIR") and (cutlass / "cutlass" / "version.h").is_file():
+      # The headers the call carried (README: .cutlass/include, from nvidia-cutlass==4.2.0.0);
+      # without them the build leaves the CUTLASS grouped kernels out, and says so only in
+      # the extension's status line.
+      self.env["JAXQUANT_CUTLASS_DIR"] = str(cutlass)
+      self.say(f"build: JAXQUANT_CUTLASS_DIR={cutlass}")
     command = (f"{sys.executable} -m pip wheel --no-build-isolation --no-deps {defines} "
                f"-w {wheel_dir} {ROOT}")
     self.say(f"build: {command}")

@@ -99,3 +99,24 @@ def test_the_runner_builds_when_the_prebuilt_one_is_refused(tmp_path):
   assert "no _jaxquant_ffi" in summary["prebuilt_refused"]
   assert "prebuilt extension not taken" in result.stdout + (out / "log.txt").read_text()
   assert summary["build"]["status"] != "prebuilt"
+
+
+def test_baseline_stages_the_package_with_the_prebuilt_library_whatever_its_sources(
+    prebuilt, tmp_path, rng):
+  """`baseline`: the tree's Python files beside the prebuilt (older) library, never the tree's
+  own library, even when the sources changed since that build (it is the *before*)."""
+  root = _tree(tmp_path, rng)
+  (root / "jaxquant" / "__init__.py").write_bytes(rng.bytes(32))
+  (root / "jaxquant" / "ops").mkdir()
+  (root / "jaxquant" / "ops" / "gemm.py").write_bytes(rng.bytes(32))
+  (root / "jaxquant" / ("_jaxquant_ffi" + SUFFIX)).write_bytes(b"new build")
+  folder, library = _prebuilt_folder(prebuilt, root, tmp_path, rng)
+  (root / "ffi" / "module.cc").write_bytes(rng.bytes(64))  # the sources moved on
+  into = tmp_path / "before"
+  prebuilt.stage_baseline(root, folder, into)
+  staged = into / "jaxquant"
+  assert (staged / ("_jaxquant_ffi" + SUFFIX)).read_bytes() == library
+  for name in ("__init__.py", "ops/gemm.py"):
+    assert (staged / name).read_bytes() == (root / "jaxquant" / name).read_bytes()
+  with pytest.raises(FileNotFoundError, match="no _jaxquant_ffi library"):
+    prebuilt.stage_baseline(root, tmp_path / "empty", tmp_path / "again")
