@@ -57,6 +57,24 @@ def core_backend(monkeypatch):
     monkeypatch.setenv("JAXQUANT_BACKEND", "reference")
 
 
+# Tests of a minute or more on two cores (whole training runs, several processes, the
+# multi-device parts), started first: under `-n 2 --dist worksteal` (the README's command) the
+# worker holding them runs them while the other drains the short tests and steals the rest, so
+# no long test starts last beside an idle worker (the last tenth of a run took ~9 minutes so).
+LONG_TESTS = ("test_multidevice.py::", "test_checkpoint.py::", "test_multiprocess.py::test_two_",
+              "test_multiprocess.py::test_a_checkpoint", "test_weights_once.py::test_grad_accum",
+              "test_weights_once.py::test_train_lm", "test_examples.py::",
+              "test_grouped_moe.py::test_train_lm", "test_format_completeness.py::test_every_layer")
+
+
+def pytest_collection_modifyitems(config, items):
+  """The long tests first, in `LONG_TESTS`'s order (longest first), then the rest as collected
+  (a stable sort)."""
+  def rank(item) -> int:
+    return next((i for i, name in enumerate(LONG_TESTS) if name in item.nodeid), len(LONG_TESTS))
+  items.sort(key=rank)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
   report = yield
