@@ -72,6 +72,16 @@ _JOB = re.compile(r"^([A-Za-z0-9_.-]+)\s*(?:\[([^\]]*)\])?\s*:\s*(.+)$")
 _REFERENCE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
 
 
+def carried_cutlass(root: pathlib.Path, environ) -> Optional[pathlib.Path]:
+  """The CUTLASS headers a call carried (`<root>/.cutlass/include`, from nvidia-cutlass==4.2.0.0)
+  when `JAXQUANT_CUTLASS_DIR` is unset: without them the build leaves the CUTLASS grouped
+  kernels out and says so only in the extension's status line. None otherwise."""
+  include = root / ".cutlass" / "include"
+  if environ.get("JAXQUANT_CUTLASS_DIR") or not (include / "cutlass" / "version.h").is_file():
+    return None
+  return include
+
+
 @dataclasses.dataclass(frozen=True)
 class Job:
   """One command of a job list: where it runs and for how long at most."""
@@ -332,11 +342,8 @@ class Runner:
       return None
     wheel_dir = self.work / "wheel"
     defines = " ".join(f"-C cmake.define.{d}" for d in self.args.cmake_define)
-    cutlass = ROOT / ".cutlass" / "include"
-    if not os.environ.get("JAXQUANT_CUTLASS_DIR") and (cutlass / "cutlass" / "version.h").is_file():
-      # The headers the call carried (README: .cutlass/include, from nvidia-cutlass==4.2.0.0);
-      # without them the build leaves the CUTLASS grouped kernels out, and says so only in
-      # the extension's status line.
+    cutlass = carried_cutlass(ROOT, os.environ)
+    if cutlass is not None:
       self.env["JAXQUANT_CUTLASS_DIR"] = str(cutlass)
       self.say(f"build: JAXQUANT_CUTLASS_DIR={cutlass}")
     command = (f"{sys.executable} -m pip wheel --no-build-isolation --no-deps {defines} "

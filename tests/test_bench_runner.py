@@ -108,3 +108,15 @@ def test_the_deadline_skips_what_would_start_too_late(tmp_path):
   for name in ("second", "third"):
     assert statuses[name][0] == "skipped" and statuses[name][1].endswith("s left"), statuses
   assert result.returncode == 1
+
+
+def test_the_build_takes_the_carried_cutlass_headers_unless_a_folder_is_named(run, tmp_path):
+  """A call's `.cutlass/include` (what the device README says to carry) is the build's CUTLASS
+  folder when JAXQUANT_CUTLASS_DIR is unset; a folder without cutlass/version.h is not."""
+  assert run.carried_cutlass(tmp_path, {}) is None
+  include = tmp_path / ".cutlass" / "include"
+  (include / "cutlass").mkdir(parents=True)
+  assert run.carried_cutlass(tmp_path, {}) is None  # no headers in it
+  (include / "cutlass" / "version.h").write_text("#define CUTLASS_MAJOR 4\n")
+  assert run.carried_cutlass(tmp_path, {}) == include
+  assert run.carried_cutlass(tmp_path, {"JAXQUANT_CUTLASS_DIR": "/elsewhere"}) is None
