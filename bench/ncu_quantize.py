@@ -43,6 +43,14 @@ def cases(groups: int, tokens: int, k: int, n: int):
   grad4 = jq.NVFP4Quantizer(rht=True, stochastic_rounding=True)
   yield ("fp8 delayed: expert weights, both copies",
          lambda w, s: jg.quantize_experts(w, delayed, state=s), (w, state))
+  # the tokens of the MoE step (session 15: ~2.3 TB/s in train_lm --moe on an H200, where the
+  # float32 weights ran at ~3.0): both copies from one read, the rowwise one packed
+  grad_delayed = jq.Float8DelayedScalingQuantizer(dtype=jnp.float8_e5m2)
+  fresh_dy = jg.init_state(grad_delayed, groups)
+  state_dy = dataclasses.replace(fresh_dy, scale=jnp.ones_like(fresh_dy.scale))
+  yield ("fp8 delayed: dy tokens, both copies (wgrad block 16)",
+         lambda dy, sz, s: jg.quantize(dy, sz, grad_delayed, col_block=16, state=s),
+         (dy, sizes, state_dy))
   yield ("fp8 current: dy, both copies (wgrad block 16)",
          lambda dy, sz: jg.quantize(dy, sz, current, col_block=16), (dy, sizes))
   yield ("nvfp4 16x16: expert weights, both copies",
