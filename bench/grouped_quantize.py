@@ -50,8 +50,10 @@ WEIGHT = jq.NVFP4Quantizer(block_2d=True)
 
 FP8_X = jq.Float8CurrentScalingQuantizer()
 FP8_DY = jq.Float8CurrentScalingQuantizer(dtype=jnp.float8_e5m2)
-FP8_X_DELAYED = jq.Float8DelayedScalingQuantizer()
-FP8_DY_DELAYED = jq.Float8DelayedScalingQuantizer(dtype=jnp.float8_e5m2)
+# first_scale="one": the fresh state's scale is 1, so no just-in-time amax pass runs (the
+# steady state of training; with the default "current" the first step reads x twice).
+FP8_X_DELAYED = jq.Float8DelayedScalingQuantizer(first_scale="one")
+FP8_DY_DELAYED = jq.Float8DelayedScalingQuantizer(dtype=jnp.float8_e5m2, first_scale="one")
 
 
 def _bytes(elements: int, copies: int, scale_block: int) -> int:
@@ -71,13 +73,11 @@ def _fp8_rows():
   experts = lambda w, keys, key: jg.quantize_experts(w, FP8_X)
   single = lambda w, keys, key: jq.ops.quantize(w.reshape(-1, w.shape[-1]), FP8_X)
   yield "w both E4M3", experts, single, 2, 0, "experts"
-  # Delayed scaling: no amax pass, the kernel records each group's amax while it quantizes
-  # (the states hold scale 1, as after a first step); the single tensor's as one state.
+  # Delayed scaling: no amax pass (first_scale="one": the fresh states hold scale 1, as after a
+  # first step), the kernel records each group's amax while it quantizes.
   def delayed_tok(q):
-    def fn(x, s, keys, key):
-      return jg.quantize(x, s, q, rowwise=True, columnwise=True,
-                         state=jg.init_state(q, s.shape[0]))
-    return fn
+    return lambda x, s, keys, key: jg.quantize(x, s, q, rowwise=True, columnwise=True,
+                                               state=jg.init_state(q, s.shape[0]))
   def delayed_one(q):
     return lambda x, s, keys, key: jq.ops.quantize(x, q, rowwise=True, columnwise=True,
                                                    state=jq.init_state(q))

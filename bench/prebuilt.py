@@ -28,6 +28,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -112,7 +113,6 @@ def stage_baseline(root: pathlib.Path, prebuilt: pathlib.Path, into: pathlib.Pat
   """A copy of the tree's `jaxquant` package with `prebuilt`'s extension in it, whatever sources
   it was built from: the *before* of a kernel change, run beside the tree's new build in one call
   (`PYTHONPATH=<into>`). Returns the `LD_LIBRARY_PATH` entry its library needs (or "")."""
-  import shutil  # noqa: PLC0415
   target = into / "jaxquant"
   shutil.rmtree(target, ignore_errors=True)
   skip = lambda folder, names: [n for n in names if EXTENSION.fullmatch(n) or n == "__pycache__"]
