@@ -185,8 +185,6 @@ def main() -> None:
   p.add_argument("--moe", type=train_lm.parse_moe, default=None)
   p.add_argument("--moe-capacity", type=float, default=None,
                  help="capacity factor of the expert all-to-all buffers (default dropless)")
-  p.add_argument("--moe-activation", choices=train_lm.MOE_ACTIVATIONS, default="fused",
-                 help="with --moe: fc2 applies the gelu (inside its FP8 quantize) or nn.gelu")
   p.add_argument("--moe-exchange", choices=train_lm.MOE_EXCHANGES, default="auto",
                  help="expert exchange under ep (auto: ragged_all_to_all when dropless on "
                  "GPU, else fixed-size all_to_all buffers)")
@@ -212,7 +210,6 @@ def main() -> None:
     config = LMConfig(seq=args.seq, d_model=args.d_model, layers=args.layers, heads=args.heads,
                       mlp_ratio=args.mlp_ratio, dtype=jnp.bfloat16, moe=args.moe,
                       moe_capacity=args.moe_capacity, moe_exchange=args.moe_exchange,
-                      moe_activation=args.moe_activation,
                       remat=args.remat, scan_layers=args.scan_layers,
                       embedding_gradient=args.embedding_gradient, attention=args.attention)
     models = {name: GPT(config, recipes.make(name)) for name in names}

@@ -59,7 +59,7 @@ from jaxquant.expert_parallel import EXCHANGES as MOE_EXCHANGES
 
 from lm import checkpoint, data, distributed, recipes, report, sharding, training, xla_flags
 from lm.embedding import EMBEDDING_GRADIENTS
-from lm.model import ATTENTIONS, GPT, MOE_ACTIVATIONS, LMConfig
+from lm.model import ATTENTIONS, GPT, LMConfig
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "out"
 DEFAULT_RECIPES = "bf16,fp8_current"  # the claim to see first: FP8 trains like bf16
@@ -144,9 +144,6 @@ def build_parser() -> argparse.ArgumentParser:
                  help="with --mesh ep=N: how rows reach their experts: ragged_all_to_all of the "
                  "real rows (dropless, GPU), fixed-size all_to_all buffers, or auto (fixed-size: "
                  "XLA's ragged all-to-all measured slower; jaxquant.explain says which ran)")
-  p.add_argument("--moe-activation", choices=MOE_ACTIVATIONS, default="fused",
-                 help="with --moe: the experts' gelu applied by fc2 to its input (fused: inside "
-                 "its FP8 quantize kernel) or as nn.gelu between fc1 and fc2 (separate)")
   p.add_argument("--remat", action="store_true",
                  help="recompute each block's activations in the backward pass (large models); "
                  "the quantized weights are kept (jaxquant.remat_policy): each weight is "
@@ -238,8 +235,7 @@ def run(args: argparse.Namespace, names: Sequence[str],
                     tie_embeddings=args.tie_embeddings, dtype=jnp.bfloat16, moe=args.moe,
                     moe_aux_weight=args.moe_aux_weight,
                     moe_capacity=args.moe_capacity, moe_exchange=args.moe_exchange,
-                    moe_activation=args.moe_activation, remat=args.remat,
-                    scan_layers=args.scan_layers,
+                    remat=args.remat, scan_layers=args.scan_layers,
                     embedding_gradient=args.embedding_gradient, attention=args.attention)
   train_cfg = training.TrainConfig(steps=args.steps, lr=args.lr, warmup=args.warmup,
                                    weight_decay=args.weight_decay, eval_every=args.eval_every,

@@ -155,10 +155,8 @@ def _check_experts(rng, name: str, groups: int, rows: int, cols: int, dtype, fre
 
 
 def _gated(x, starts, gate):
-  """The gated amax of x itself (no activation producer: act = -1, a placeholder `pre`)."""
   return calls.call(kernels.AMAX_GATED_TARGET,
-                    [jax.ShapeDtypeStruct((gate.shape[0],), np.float32)], x, starts, gate,
-                    jnp.zeros((1,), x.dtype), act=np.int32(-1), act_grad=False)[0]
+                    [jax.ShapeDtypeStruct((gate.shape[0],), np.float32)], x, starts, gate)[0]
 
 
 def _check_gated(rng, tokens: int, features: int, groups: int, dtype):

@@ -26,7 +26,6 @@ from lm.moe import MoEMLP
 
 # `LMConfig.attention`'s choices: the attention core written in jnp, or cuDNN's fused kernel.
 ATTENTIONS = ("xla", "cudnn")
-MOE_ACTIVATIONS = ("fused", "separate")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +51,6 @@ class LMConfig:
     moe_exchange: under a mesh with `ep`, how rows reach their experts' devices: "auto"
       (fixed-size buffers: XLA's ragged all-to-all of the real rows measured slower on H100s),
       "ragged" or "fixed" (`jaxquant.expert_parallel.EXCHANGES`).
-    moe_activation: where the experts' gelu runs: "fused" (`fc2` takes `input_activation=
-      "gelu"`: under per-tensor FP8 the gelu is computed inside fc2's input quantize kernel,
-      never written to memory) or "separate" (`nn.gelu` between `fc1` and `fc2`, as a stock
-      MLP). Both are the tanh gelu; the fused one is the spec's arithmetic.
     remat: recompute each block's activations in the backward pass (`nn.remat`): the memory of
       one block instead of all of them, for large models (seq 2048 x d_model 4096). The
       quantized weights are kept (`jaxquant.remat_policy`), so the recomputed forward does
@@ -85,16 +80,12 @@ class LMConfig:
   moe_aux_weight: float = 0.01
   moe_capacity: Optional[float] = None
   moe_exchange: str = "auto"
-  moe_activation: str = "fused"
   remat: bool = False
   scan_layers: bool = False
   embedding_gradient: str = "auto"
   attention: str = "xla"
 
   def __post_init__(self):
-    if self.moe_activation not in MOE_ACTIVATIONS:
-      raise ValueError(f"moe_activation={self.moe_activation!r}; expected one of "
-                       f"{MOE_ACTIVATIONS}")
     if self.attention not in ATTENTIONS:
       raise ValueError(f"attention={self.attention!r}; expected one of {ATTENTIONS}")
     if self.embedding_gradient not in EMBEDDING_GRADIENTS:

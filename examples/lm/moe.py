@@ -4,9 +4,7 @@ Each token picks its `top_k` experts by router probability (a float32 `nn.Dense`
 the token-expert assignments are sorted by expert, so each expert's tokens are contiguous and
 `group_sizes` counts them (dropless: no capacity limit, empty experts allowed). The experts are
 two `GroupedDense` layers, `fc1` and `fc2` (roles `("grouped_linear", ..., "fc1" | "fc2")`, the
-names a recipe such as `moe_nvfp4_fwd_mxfp8_bwd` dispatches on), with a GELU between them
-(by default applied by `fc2` to its input, `input_activation="gelu"`, which per-tensor FP8
-computes inside fc2's input quantize kernel; `moe_activation="separate"` keeps `nn.gelu`); their
+names a recipe such as `moe_nvfp4_fwd_mxfp8_bwd` dispatches on), with a GELU between them; their
 outputs are unsorted and combined with the renormalized top-k weights (Mixtral-style).
 
 The permutation costs one sort: the assignments' expert ids are sorted once (`sort_by_expert`),
@@ -216,9 +214,8 @@ class MoEMLP(nn.Module):
       routed = dispatch(tokens, order, inverse, top_k)  # [T * top_k, d_model], expert order
     with jax.named_scope(SCOPES["experts"]):
       h = self._experts(self._hidden(d_model), "fc1", False)(routed, group_sizes)
-    if cfg.moe_activation == "separate":
-      with jax.named_scope(SCOPES["activation"]):
-        h = nn.gelu(h)
+    with jax.named_scope(SCOPES["activation"]):
+      h = nn.gelu(h)
     with jax.named_scope(SCOPES["experts"]):
       out = self._experts(d_model, "fc2", False)(h, group_sizes)
     with jax.named_scope(SCOPES["combine"]):
@@ -232,13 +229,10 @@ class MoEMLP(nn.Module):
     return self.config.mlp_ratio * d_model if self.hidden is None else self.hidden
 
   def _experts(self, features: int, name: str, sharded: bool):
-    """`fc1` or `fc2`; with `moe_activation="fused"` `fc2` applies the gelu to its input."""
     cfg = self.config
     axes = dict(kernel_axes=EXPERT_KERNEL_AXES, input_axes=EXPERT_INPUT_AXES) if sharded else {}
-    fused = name == "fc2" and cfg.moe_activation == "fused"
     return jaxquant.flax.GroupedDense(features, num_groups=cfg.moe[0], use_bias=False,
-                                      dtype=cfg.dtype, recipe=self.recipe, name=name,
-                                      input_activation="gelu" if fused else None, **axes)
+                                      dtype=cfg.dtype, recipe=self.recipe, name=name, **axes)
 
   def _sharded(self, x, tokens, probs, layout: expert_parallel.ExpertSharding):
     """Expert-parallel (or data-parallel) experts: dispatch, local experts, combine."""
@@ -248,9 +242,7 @@ class MoEMLP(nn.Module):
     weights, chosen = jax.lax.top_k(probs, top_k)
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     rows, group_sizes, dispatched = expert_parallel.dispatch(tokens, chosen, layout)
-    h = self._experts(self._hidden(d_model), "fc1", True)(rows, group_sizes)
-    if cfg.moe_activation == "separate":
-      h = nn.gelu(h)
+    h = nn.gelu(self._experts(self._hidden(d_model), "fc1", True)(rows, group_sizes))
     out = self._experts(d_model, "fc2", True)(h, group_sizes)
     y = expert_parallel.combine(out, weights, dispatched, layout)
     aux = load_balancing_loss(probs, chosen.reshape(-1), experts)

@@ -8,12 +8,8 @@
 // grouped_amax_kernel with `p.gate` (jaxquant_grouped_amax_gated) returns at once, leaving the
 // zeros, when every gate[g] (a delayed-scaling group's scale) is nonzero: the just-in-time first
 // scale reads the amax only where the scale is 0.
-// grouped_amax_kernel<TYPE, true> reduces the activation producer's values instead of x's
-// (activate; the grouped FP8 quantize of act(x) or act'(h) * dy, current scaling and the gated
-// first scale).
 #pragma once
 
-#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -61,40 +57,6 @@ __device__ __forceinline__ void load8(const void* x, int64_t offset, int n_valid
   for (int i = 0; i < 8; ++i) v[i] = i < n_valid ? load_in<TYPE>(x, offset + i) : 0.0f;
 }
 
-// v rounded to the input type and back (the activation producer's output keeps x's dtype).
-template <int TYPE>
-__device__ __forceinline__ float round_to_in(float v) {
-  if constexpr (TYPE == 0) return __bfloat162float(__float2bfloat16_rn(v));
-  if constexpr (TYPE == 1) return __half2float(__float2half_rn(v));
-  return v;
-}
-
-// The activation producer (QuantizeParams::act) applied to n values loaded from x (and the
-// pre-activation h from `pre` for the gradient): v[i] = act(v[i]) or act'(h[i]) * v[i],
-// rounded to x's dtype. Zeros stay zeros (every activation and gradient maps 0 to +0), so the
-// loads' zero padding needs no mask. The loop is not unrolled (one copy of the math, the values
-// in a local array): unrolled, the quantize kernel (32 registers at 8 CTAs an SM) spilled.
-// Callers issue all their loads first and then call this, so the math runs after the loads
-// are in flight rather than between them.
-template <int TYPE>
-__device__ __forceinline__ void activate(const QuantizeParams& p, float* v, const float* h, int n) {
-  const jq::Act act = static_cast<jq::Act>(p.act);
-  if (p.pre != nullptr) {
-#pragma unroll 1
-    for (int i = 0; i < n; ++i) v[i] = round_to_in<TYPE>(jq::act_backward(act, v[i], h[i]));
-  } else {
-#pragma unroll 1
-    for (int i = 0; i < n; ++i) v[i] = round_to_in<TYPE>(jq::act_value(act, v[i]));
-  }
-}
-
-// Whether x (and the producer's pre-activation) take 16-byte loads: rows of whole 16 bytes.
-template <int TYPE>
-__device__ __forceinline__ bool vector_rows(const QuantizeParams& p) {
-  const uintptr_t bases = reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.pre);
-  return (TYPE == 2 ? p.C % 4 == 0 : p.C % 8 == 0) && (bases & 15) == 0;
-}
-
 __device__ __forceinline__ int upper_group(const int32_t* starts, int G, int64_t pos) {
   // Largest g in [0, G] with starts[g] <= pos (G: at or past the end of the last group).
   int lo = 0, hi = G;
@@ -107,7 +69,7 @@ __device__ __forceinline__ int upper_group(const int32_t* starts, int G, int64_t
 
 // One warp a row of x at a time; a lane keeps kLoads 16-byte loads of its row in flight (one
 // at a time would leave too few bytes in flight per SM to cover the memory latency).
-template <int TYPE, bool ACT = false>
+template <int TYPE>
 __global__ void __launch_bounds__(256) grouped_amax_kernel(const QuantizeParams p) {
   constexpr int kLoads = 4;
   if (p.gate != nullptr) {  // the same answer in every CTA: the grid exits together
@@ -117,7 +79,8 @@ __global__ void __launch_bounds__(256) grouped_amax_kernel(const QuantizeParams 
   }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t valid_rows = min(int64_t(__ldg(p.starts + p.G)), p.T);
-  const bool vec = vector_rows<TYPE>(p);
+  const bool vec = (TYPE == 2 ? p.C % 4 == 0 : p.C % 8 == 0) &&
+                   (reinterpret_cast<uintptr_t>(p.x) & 15) == 0;
   uint32_t* amax = reinterpret_cast<uint32_t*>(p.amax);
   for (int64_t r = int64_t(blockIdx.x) * 8 + warp; r < valid_rows; r += int64_t(gridDim.x) * 8) {
     uint32_t m = 0;
@@ -127,14 +90,6 @@ __global__ void __launch_bounds__(256) grouped_amax_kernel(const QuantizeParams 
         float v[kLoads][8];
 #pragma unroll
         for (int k = 0; k < kLoads; ++k) load8<TYPE>(p.x, r * p.C + c + k * 256, 8, true, v[k]);
-        if constexpr (ACT) {
-          float h[kLoads][8];
-          if (p.pre != nullptr) {
-#pragma unroll
-            for (int k = 0; k < kLoads; ++k) load8<TYPE>(p.pre, r * p.C + c + k * 256, 8, true, h[k]);
-          }
-          activate<TYPE>(p, v[0], h[0], kLoads * 8);
-        }
 #pragma unroll
         for (int k = 0; k < kLoads; ++k) {
 #pragma unroll
@@ -144,13 +99,7 @@ __global__ void __launch_bounds__(256) grouped_amax_kernel(const QuantizeParams 
     }
     for (; c < p.C; c += 256) {
       float v[8];
-      const int n = int(min(int64_t(8), p.C - c));
-      load8<TYPE>(p.x, r * p.C + c, n, vec, v);
-      if constexpr (ACT) {
-        float h[8];
-        if (p.pre != nullptr) load8<TYPE>(p.pre, r * p.C + c, n, vec, h);
-        activate<TYPE>(p, v, h, 8);
-      }
+      load8<TYPE>(p.x, r * p.C + c, int(min(int64_t(8), p.C - c)), vec, v);
 #pragma unroll
       for (int i = 0; i < 8; ++i) m = max(m, jq::abs_bits(v[i]));
     }

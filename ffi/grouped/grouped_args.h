@@ -64,49 +64,22 @@ inline ffi::Error decode_length(const char* t, int64_t length, GroupedRows* p) {
   return ffi::Error::Success();
 }
 
-// The activation producer of the grouped FP8 quantize and the gated amax (`act`, `act_grad`,
-// and the operand `pre`): act = -1 quantizes x (pre a placeholder of x's dtype and shape [1]);
-// act = a jq::Act quantizes act(x), or with act_grad act'(pre) * x where pre [T, C] in x's dtype
-// is the activation's input; the values are rounded to x's dtype.
-inline ffi::Error decode_act_producer(const char* t, const ffi::AnyBuffer& x,
-                                      const ffi::AnyBuffer& pre, int32_t act, bool act_grad,
-                                      QuantizeParams* p) {
-  if (act < -1 || act > 4) {
-    return invalid(t, "act=" + std::to_string(act) + "; expected -1 (none) or a jq::Act 0..4 "
-                      "(gelu, silu, relu, quick_gelu, squared_relu)");
-  }
-  if (act_grad && act < 0) return invalid(t, "act_grad needs an activation (act >= 0)");
-  if (act_grad) {  // p's rows and columns are x's (decode_grouped_rows ran first)
-    JQ_RETURN_IF_ERROR(expect(t, "pre (the activation's input)", pre, {x.element_type()}, {p->T, p->C}));
-  } else {
-    JQ_RETURN_IF_ERROR(expect(t, "pre (unused placeholder)", pre, {x.element_type()}, {1}));
-  }
-  p->act = act;
-  p->pre = act_grad ? pre.untyped_data() : nullptr;
-  return ffi::Error::Success();
-}
-
-// jaxquant_grouped_quantize_fp8(x[T, C], starts[G+1], pstarts[G+1], s[G], pre)
+// jaxquant_grouped_quantize_fp8(x[T, C], starts[G+1], pstarts[G+1], s[G])
 //   -> [row f8 [L, C]], [col f8 [C, L] or [G, C, E] (experts)], scale_inv f32[G], amax f32[G]
 //   row_packed: the rowwise copy is [T, C] in the packed layout (row r of x at row r, rows from
 //   starts[G] zero) while the columnwise copy takes pstarts' layout: both from one read of x.
-//   act, act_grad, pre: the activation producer (decode_act_producer).
 // jaxquant_grouped_amax(x[T, C], starts[G+1]) -> amax f32[G]  (rowwise = columnwise = false)
-// jaxquant_grouped_amax_gated(x[T, C], starts[G+1], gate f32[G], pre) -> amax f32[G]: the same
-//   amax (of the produced values) when some gate[g] == 0 (a delayed-scaling group with no scale
-//   yet), else zeros
+// jaxquant_grouped_amax_gated(x[T, C], starts[G+1], gate f32[G]) -> amax f32[G]: the same amax
+//   when some gate[g] == 0 (a delayed-scaling group with no scale yet), else zeros
 inline ffi::Error decode_grouped_quantize_fp8(const char* t, ffi::AnyBuffer x,
                                               ffi::AnyBuffer starts, ffi::AnyBuffer pstarts,
-                                              ffi::AnyBuffer s, ffi::AnyBuffer pre,
-                                              ffi::RemainingRets rets,
+                                              ffi::AnyBuffer s, ffi::RemainingRets rets,
                                               bool rowwise, bool columnwise, bool delayed,
                                               bool pow2_scale, bool row_packed,
                                               float amax_epsilon, int64_t length,
-                                              int64_t expert_rows, int32_t act, bool act_grad,
-                                              QuantizeParams* p) {
+                                              int64_t expert_rows, QuantizeParams* p) {
   JQ_RETURN_IF_ERROR(need_direction(t, rowwise, columnwise));
   JQ_RETURN_IF_ERROR(decode_grouped_rows(t, x, starts, &pstarts, p));
-  JQ_RETURN_IF_ERROR(decode_act_producer(t, x, pre, act, act_grad, p));
   const int64_t G = p->G, C = p->C;
   JQ_RETURN_IF_ERROR(expect(t, delayed ? "scale" : "s (unused placeholder)", s,
                             {ffi::DataType::F32}, {delayed ? G : int64_t{1}}));
@@ -162,11 +135,9 @@ inline ffi::Error decode_grouped_amax(const char* t, ffi::AnyBuffer x, ffi::AnyB
 }
 
 inline ffi::Error decode_grouped_amax_gated(const char* t, ffi::AnyBuffer x, ffi::AnyBuffer starts,
-                                            ffi::AnyBuffer gate, ffi::AnyBuffer pre,
-                                            ffi::Result<ffi::AnyBuffer> amax, int32_t act,
-                                            bool act_grad, QuantizeParams* p) {
+                                            ffi::AnyBuffer gate, ffi::Result<ffi::AnyBuffer> amax,
+                                            QuantizeParams* p) {
   JQ_RETURN_IF_ERROR(decode_grouped_amax(t, x, starts, amax, p));
-  JQ_RETURN_IF_ERROR(decode_act_producer(t, x, pre, act, act_grad, p));
   JQ_RETURN_IF_ERROR(expect(t, "gate (the groups' scales)", gate, {ffi::DataType::F32}, {p->G}));
   p->gate = static_cast<const float*>(gate.untyped_data());
   return ffi::Error::Success();
@@ -669,15 +640,13 @@ inline ffi::Error decode_mxfp8_decode(const char* t, ffi::AnyBuffer data, ffi::A
 
 // The FFI signatures of the grouped targets, one copy for both platforms: the CPU handlers bind
 // `BindX(ffi::Ffi::Bind())`, the CUDA ones `BindX(ffi::Ffi::Bind().Ctx<Stream>())`.
-// jaxquant_grouped_quantize_fp8: x, starts, padded starts, delayed scales, the producer's
-// pre-activation -> outputs.
+// jaxquant_grouped_quantize_fp8: x, starts, padded starts, delayed scales -> outputs.
 template <typename Binding>
 auto BindGroupedQuantizeFp8(Binding binding) {
-  auto flags = Attrs<bool>(Args<5>(std::move(binding)).RemainingRets(), "rowwise", "columnwise",
+  auto flags = Attrs<bool>(Args<4>(std::move(binding)).RemainingRets(), "rowwise", "columnwise",
                            "delayed", "pow2_scale", "row_packed");
-  auto ints = Attrs<int64_t>(std::move(flags).template Attr<float>("amax_epsilon"), "length",
-                             "expert_rows");
-  return std::move(ints).template Attr<int32_t>("act").template Attr<bool>("act_grad");
+  return Attrs<int64_t>(std::move(flags).template Attr<float>("amax_epsilon"), "length",
+                        "expert_rows");
 }
 
 // jaxquant_grouped_quantize_mxfp8 / _fp8_block: x, starts, padded starts -> the single-tensor
@@ -720,11 +689,10 @@ auto BindGroupedDecodeNvfp4(Binding binding) {
   return std::move(Rets<1>(Args<2>(std::move(binding)))).template Attr<int64_t>("block_rows");
 }
 
-// jaxquant_grouped_amax_gated: x, starts, gate, the producer's pre-activation -> per-group amax
-// (zeros when no gate is 0).
+// jaxquant_grouped_amax_gated: x, starts, gate -> per-group amax (zeros when no gate is 0).
 template <typename Binding>
 auto BindGroupedAmaxGated(Binding binding) {
-  return std::move(Rets<1>(Args<4>(std::move(binding)))).template Attr<int32_t>("act").template Attr<bool>("act_grad");
+  return Rets<1>(Args<3>(std::move(binding)));
 }
 
 // The attributes of the quantized grouped GEMMs, after their results.

@@ -24,36 +24,14 @@ float load_x(const GroupedRows& p, int64_t i) {
   }
 }
 
-// Element i of the quantized matrix: x, or the activation producer's act(x) / act'(pre) * x
-// rounded to x's dtype (QuantizeParams::act).
-float produced_x(const QuantizeParams& p, int64_t i) {
-  const float v = load_x(p, i);
-  if (p.act < 0) return v;
-  const jq::Act act = static_cast<jq::Act>(p.act);
-  float y;
-  if (p.pre != nullptr) {
-    GroupedRows pre = p;
-    pre.x = p.pre;
-    y = jq::act_backward(act, v, load_x(pre, i));
-  } else {
-    y = jq::act_value(act, v);
-  }
-  switch (static_cast<In>(p.in_type)) {
-    case In::kBF16: return jq::round_to_host(jq::OutType::kBF16, y);
-    case In::kF16: return jq::round_to_host(jq::OutType::kF16, y);
-    default: return y;
-  }
-}
-
-// Per-group amax over the rows of each group (NaN-propagating max of |x| bits; of the
-// produced values with an activation producer).
+// Per-group amax over the rows of each group (NaN-propagating max of |x| bits).
 void group_amax(const QuantizeParams& p, std::vector<uint32_t>* bits) {
   bits->assign(static_cast<size_t>(p.G), 0u);
   for (int64_t g = 0; g < p.G; ++g) {
     const int64_t r0 = std::min<int64_t>(p.starts[g], p.T), r1 = std::min<int64_t>(p.starts[g + 1], p.T);
     uint32_t m = 0;
     for (int64_t r = r0; r < r1; ++r) {
-      for (int64_t c = 0; c < p.C; ++c) m = std::max(m, jq::abs_bits(produced_x(p, r * p.C + c)));
+      for (int64_t c = 0; c < p.C; ++c) m = std::max(m, jq::abs_bits(load_x(p, r * p.C + c)));
     }
     (*bits)[g] = m;
   }
@@ -72,15 +50,15 @@ void locate(const QuantizeParams& p, int64_t pos, int64_t* group, int64_t* src, 
 }
 
 ffi::Error GroupedQuantizeFp8Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::AnyBuffer pstarts,
-                                 ffi::AnyBuffer s, ffi::AnyBuffer pre, ffi::RemainingRets rets,
-                                 bool rowwise, bool columnwise, bool delayed, bool pow2_scale,
+                                 ffi::AnyBuffer s, ffi::RemainingRets rets, bool rowwise,
+                                 bool columnwise, bool delayed, bool pow2_scale,
                                  bool row_packed, float amax_epsilon, int64_t length,
-                                 int64_t expert_rows, int32_t act, bool act_grad) {
+                                 int64_t expert_rows) {
   QuantizeParams p;
   JQ_RETURN_IF_ERROR(decode_grouped_quantize_fp8("jaxquant_grouped_quantize_fp8", x, starts,
-                                                 pstarts, s, pre, rets, rowwise, columnwise,
-                                                 delayed, pow2_scale, row_packed, amax_epsilon,
-                                                 length, expert_rows, act, act_grad, &p));
+                                                 pstarts, s, rets, rowwise, columnwise, delayed,
+                                                 pow2_scale, row_packed, amax_epsilon, length,
+                                                 expert_rows, &p));
   std::vector<uint32_t> bits;
   group_amax(p, &bits);
   const jq::Fp8 fmt = static_cast<jq::Fp8>(p.fmt);
@@ -95,7 +73,7 @@ ffi::Error GroupedQuantizeFp8Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::A
     int64_t g, src, local;
     locate(p, pos, &g, &src, &local);
     for (int64_t c = 0; c < p.C; ++c) {
-      const float v = src >= 0 ? produced_x(p, src * p.C + c) * scale[g] : 0.0f;
+      const float v = src >= 0 ? load_x(p, src * p.C + c) * scale[g] : 0.0f;
       const uint8_t code = src >= 0 ? uint8_t(jq::encode_fp8(v, fmt)) : uint8_t(0);
       if (p.row && !p.row_packed) p.row[pos * p.C + c] = code;
       if (p.row && p.row_packed && src >= 0) p.row[src * p.C + c] = code;
@@ -127,11 +105,10 @@ ffi::Error GroupedAmaxCpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::Result<f
 // Gated: the amax only while some group's scale (gate) is still 0, else zeros (as the CUDA
 // kernel, which exits at once, leaves them).
 ffi::Error GroupedAmaxGatedCpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::AnyBuffer gate,
-                               ffi::AnyBuffer pre, ffi::Result<ffi::AnyBuffer> amax, int32_t act,
-                               bool act_grad) {
+                               ffi::Result<ffi::AnyBuffer> amax) {
   QuantizeParams p;
-  JQ_RETURN_IF_ERROR(decode_grouped_amax_gated("jaxquant_grouped_amax_gated", x, starts, gate,
-                                               pre, amax, act, act_grad, &p));
+  JQ_RETURN_IF_ERROR(
+      decode_grouped_amax_gated("jaxquant_grouped_amax_gated", x, starts, gate, amax, &p));
   std::vector<uint32_t> bits(static_cast<size_t>(p.G), 0u);
   if (std::any_of(p.gate, p.gate + p.G, [](float s) { return s == 0.0f; })) group_amax(p, &bits);
   for (int64_t g = 0; g < p.G; ++g) p.amax[g] = float_of(bits[g]);

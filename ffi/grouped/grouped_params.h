@@ -34,11 +34,6 @@ struct QuantizeParams : GroupedRows {
   float* scale_inv = nullptr;
   float* amax = nullptr;     // [G]
   const float* gate = nullptr;  // jaxquant_grouped_amax_gated: [G] scales; all nonzero: no amax
-  // The activation producer: the quantized values are act(x) (act >= 0, a jq::Act), or with
-  // `pre` (the pre-activation h [T, C], x's dtype) the gradient act'(h) * x, each rounded to x's
-  // dtype; act = -1 quantizes x itself.
-  int act = -1;
-  const void* pre = nullptr;
 };
 
 // Grouped NVFP4 quantize (jaxquant_grouped_quantize_nvfp4): one second-level scale per group

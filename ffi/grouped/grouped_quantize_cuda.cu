@@ -16,10 +16,6 @@
 //      of one group's rows into a shared slot, the slots merged by one thread after the
 //      barrier before the columnwise phase (one atomicMax a CTA, as many as the amax pass's one
 //      a row, and no barrier of its own); a warp across a group boundary by lane.
-//   With an activation producer (`act`, QuantizeParams) both kernels are the <TYPE, true>
-//   instances: their loads compute act(x), or act'(h) * dy from dy and the pre-activation h, in
-//   the numerics header's arithmetic rounded to x's dtype, so the MoE's fc2 input (gelu of fc1's
-//   output) and fc1's output gradient are quantized without being written to memory first.
 //   jaxquant_grouped_amax: the amax kernel alone.
 //   jaxquant_grouped_amax_gated (the just-in-time first scale of delayed scaling): the amax
 //   kernel, exiting at once unless some group's scale is still 0.
@@ -43,7 +39,7 @@ __device__ __forceinline__ float group_scale(const QuantizeParams& p, int g, flo
   return p.delayed ? p.s[g] : jq::scale_from_amax(p.amax[g], fmax, p.pow2_scale, p.amax_epsilon);
 }
 
-template <int TYPE, bool ACT>
+template <int TYPE>
 __global__ void __launch_bounds__(256, 8) grouped_quantize_kernel(const QuantizeParams p) {
   __shared__ float tile[kQP][kQC + 1];
   __shared__ float scales[kQP];
@@ -80,18 +76,10 @@ __global__ void __launch_bounds__(256, 8) grouped_quantize_kernel(const Quantize
     if (cq == 0) scales[pr] = scale;
     float v[16];
     const int n_valid = src >= 0 ? int(max(int64_t(0), min(int64_t(16), p.C - c))) : 0;
-    const bool vec = vector_rows<TYPE>(p);
+    const bool vec = (TYPE == 2 ? p.C % 4 == 0 : p.C % 8 == 0) && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0;
     const int64_t off = src >= 0 ? src * p.C + c : 0;
     load8<TYPE>(p.x, off, n_valid, vec, v);
     load8<TYPE>(p.x, off + 8, n_valid - 8, vec, v + 8);
-    if constexpr (ACT) {  // the activation producer: x (and h) loaded first, then the math
-      float h[16];
-      if (p.pre != nullptr) {
-        load8<TYPE>(p.pre, off, n_valid, vec, h);
-        load8<TYPE>(p.pre, off + 8, n_valid - 8, vec, h + 8);
-      }
-      activate<TYPE>(p, v, h, 16);
-    }
     if (p.delayed) {  // the amax to record (lanes past C or without a row hold zeros)
       uint32_t m = 0;
 #pragma unroll
@@ -204,17 +192,15 @@ __global__ void __launch_bounds__(256, 8) grouped_quantize_kernel(const Quantize
 constexpr const char* kQuantizeTarget = "jaxquant_grouped_quantize_fp8";
 
 ffi::Error GroupedQuantizeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer starts,
-                                  ffi::AnyBuffer pstarts, ffi::AnyBuffer s, ffi::AnyBuffer pre,
-                                  ffi::RemainingRets rets, bool rowwise, bool columnwise,
-                                  bool delayed, bool pow2_scale, bool row_packed,
-                                  float amax_epsilon, int64_t length, int64_t expert_rows,
-                                  int32_t act, bool act_grad) {
+                                  ffi::AnyBuffer pstarts, ffi::AnyBuffer s, ffi::RemainingRets rets,
+                                  bool rowwise, bool columnwise, bool delayed, bool pow2_scale,
+                                  bool row_packed, float amax_epsilon, int64_t length,
+                                  int64_t expert_rows) {
   const char* t = kQuantizeTarget;
   QuantizeParams p;
-  JQ_RETURN_IF_ERROR(decode_grouped_quantize_fp8(t, x, starts, pstarts, s, pre, rets, rowwise,
+  JQ_RETURN_IF_ERROR(decode_grouped_quantize_fp8(t, x, starts, pstarts, s, rets, rowwise,
                                                  columnwise, delayed, pow2_scale, row_packed,
-                                                 amax_epsilon, length, expert_rows, act,
-                                                 act_grad, &p));
+                                                 amax_epsilon, length, expert_rows, &p));
   if (cudaError_t e = cudaMemsetAsync(p.amax, 0, 4 * p.G, stream); e != cudaSuccess) {
     return launch_status(t, e);
   }
@@ -225,13 +211,8 @@ ffi::Error GroupedQuantizeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
   }
   by_type(p.in_type, [&](auto tag) {
     constexpr int TYPE = decltype(tag)::value;
-    if (p.act < 0) {
-      if (!p.delayed) grouped_amax_kernel<TYPE><<<amax_grid(p.T), 256, 0, stream>>>(p);
-      grouped_quantize_kernel<TYPE, false><<<unsigned(tiles), 256, 0, stream>>>(p);
-    } else {
-      if (!p.delayed) grouped_amax_kernel<TYPE, true><<<amax_grid(p.T), 256, 0, stream>>>(p);
-      grouped_quantize_kernel<TYPE, true><<<unsigned(tiles), 256, 0, stream>>>(p);
-    }
+    if (!p.delayed) grouped_amax_kernel<TYPE><<<amax_grid(p.T), 256, 0, stream>>>(p);
+    grouped_quantize_kernel<TYPE><<<unsigned(tiles), 256, 0, stream>>>(p);
   });
   return launch_status(t);
 }
@@ -242,12 +223,7 @@ ffi::Error amax_pass(const char* t, const QuantizeParams& p, cudaStream_t stream
     return launch_status(t, e);
   }
   by_type(p.in_type, [&](auto tag) {
-    constexpr int TYPE = decltype(tag)::value;
-    if (p.act < 0) {
-      grouped_amax_kernel<TYPE><<<amax_grid(p.T), 256, 0, stream>>>(p);
-    } else {
-      grouped_amax_kernel<TYPE, true><<<amax_grid(p.T), 256, 0, stream>>>(p);
-    }
+    grouped_amax_kernel<decltype(tag)::value><<<amax_grid(p.T), 256, 0, stream>>>(p);
   });
   return launch_status(t);
 }
@@ -261,11 +237,10 @@ ffi::Error GroupedAmaxCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
 }
 
 ffi::Error GroupedAmaxGatedCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer starts,
-                                ffi::AnyBuffer gate, ffi::AnyBuffer pre,
-                                ffi::Result<ffi::AnyBuffer> amax, int32_t act, bool act_grad) {
+                                ffi::AnyBuffer gate, ffi::Result<ffi::AnyBuffer> amax) {
   const char* t = "jaxquant_grouped_amax_gated";
   QuantizeParams p;
-  JQ_RETURN_IF_ERROR(decode_grouped_amax_gated(t, x, starts, gate, pre, amax, act, act_grad, &p));
+  JQ_RETURN_IF_ERROR(decode_grouped_amax_gated(t, x, starts, gate, amax, &p));
   return amax_pass(t, p, stream);
 }
 

@@ -61,10 +61,6 @@ class GroupedDense(nn.Module):
       experts only (`jaxquant.expert_parallel.dispatch` produces exactly this layout).
       Delayed scaling is not supported there (its per-expert state would be summed over the
       data shards).
-    input_activation: an activation applied to the inputs first, `act(inputs[t]) @
-      kernel[g(t)]` (e.g. "gelu" for an MoE's `fc2`, whose inputs are then `fc1`'s outputs):
-      per-tensor FP8 computes it inside the input's grouped quantize kernel instead of writing
-      `act(inputs)` to memory (`jaxquant.grouped_dense`).
   """
 
   features: int
@@ -78,7 +74,6 @@ class GroupedDense(nn.Module):
   recipe: Optional[Recipe] = None
   kernel_axes: tuple = ()
   input_axes: tuple = ()
-  input_activation: Optional[str] = None
 
   @nn.compact
   def __call__(self, inputs: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -101,12 +96,11 @@ class GroupedDense(nn.Module):
     if layout is not None:
       return self._sharded(layout, inputs, kernel, group_sizes, bias, quantizers)
     if quantizers is None:
-      return grouped_dense(inputs, kernel, group_sizes, bias, precision=self.precision,
-                           input_activation=self.input_activation)
+      return grouped_dense(inputs, kernel, group_sizes, bias, precision=self.precision)
     return grouped_dense(inputs, kernel, group_sizes, bias, quantizers,
                          key=module_key(self, quantizers),
                          states=module_states(self, quantizers, batch_shape=(self.num_groups,)),
-                         precision=self.precision, input_activation=self.input_activation)
+                         precision=self.precision)
 
   def _layout(self, kernel_shape) -> Optional[tuple]:
     """(mesh, token axes, expert axes) when the layer is sharded, else None."""
@@ -162,8 +156,7 @@ class GroupedDense(nn.Module):
                        P(_sharding.spec_entry(expert_axes)))
 
     def local(x, w, sizes, b, key):
-      return grouped_dense(x, w, sizes, b, quantizers, key=key, precision=self.precision,
-                           input_activation=self.input_activation)
+      return grouped_dense(x, w, sizes, b, quantizers, key=key, precision=self.precision)
 
     fn = jax.shard_map(local, mesh=mesh,
                        in_specs=(tokens, experts, tokens, None if bias is None else experts,

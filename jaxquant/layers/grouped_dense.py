@@ -42,8 +42,6 @@ from jaxquant.backends.ffi.grouped import ops as grouped_kernels
 from jaxquant.formats import format_of
 from jaxquant.grouping import formats
 from jaxquant.layers import grouped_plain
-from jaxquant.layers.fused_activation import jax_activation
-from jaxquant.numerics import activations as _act
 from jaxquant.ops import grouped as grouped_ops
 from jaxquant.grouping.layout import TokenLayout, clip_sizes
 from jaxquant.grouping.state import init_state as init_group_state
@@ -68,7 +66,6 @@ class _Config:
   x_row_block: int  # token blocks of the rowwise copies of x and dy, and of both wgrad copies
   dy_row_block: int
   wgrad_block: int
-  input_activation: Optional[str] = None  # canonical name: y = act(x) @ W
 
   def gemm_label(self, kind: str) -> str:
     role = self.quantizers.roles[0]
@@ -110,8 +107,7 @@ def _forward(config: _Config, x, kernel, bias, sizes, key, states, *, need_dgrad
   key_x, key_w, _ = _keys(key, config.groups)
   qx = grouped_ops.quantize(x, sizes, q.input, rowwise=True, columnwise=need_wgrad,
                             row_block=config.x_row_block, col_block=config.wgrad_block,
-                            keys=key_x, state=states[0], role=q.roles[0],
-                            activation=config.input_activation)
+                            keys=key_x, state=states[0], role=q.roles[0])
   read_transposed = need_dgrad and grouped_kernels.experts_read_transposed(
       q.weight, x.dtype, bias is not None)
   qw, w_fprop = _quantize_weights(kernel, q, need_dgrad, read_transposed, key_w, states[1])
@@ -181,13 +177,11 @@ def _fwd(config, x, kernel, bias, sizes, key, states):
                 states[2])
   x_col = jax.tree_util.tree_map(lambda a: checkpoint_name(a, RESIDUAL_NAMES[0]), qx.columnwise)
   w_col = jax.tree_util.tree_map(lambda a: checkpoint_name(a, RESIDUAL_NAMES[1]), qw.columnwise)
-  # The activation's input, for its gradient (the unfused model keeps the same array for it).
-  pre = x if config.input_activation is not None and need_dgrad else None
-  return y, (x_col, w_col, sizes, key, new_states, pre)
+  return y, (x_col, w_col, sizes, key, new_states)
 
 
 def _bwd(config, residuals, dy):
-  x_col, w_col, sizes, key, states, pre = residuals
+  x_col, w_col, sizes, key, states = residuals
   q = config.quantizers
   _, _, key_g = _keys(key, config.groups)
   dqy = grouped_ops.quantize(dy, sizes, q.grad_output, rowwise=w_col is not None,
@@ -199,9 +193,6 @@ def _bwd(config, residuals, dy):
     dx = grouped_ops.gemm(dqy.rowwise, w_col, out_dtype=config.x_dtype,
                           precision=config.precision, role=config.gemm_label("dgrad"))
     dx = grouped_ops.to_tokens(dx, dqy.rowwise)
-    if pre is not None:  # through the activation, in JAX's arithmetic as the unfused model
-      _, through = jax.vjp(lambda v: jax_activation(config.input_activation, False, v), pre)
-      (dx,) = through(dx.astype(pre.dtype))
   if x_col is not None:
     dkernel = grouped_ops.gemm(x_col, dqy.columnwise, out_dtype=config.kernel_dtype,
                                precision=config.precision, role=config.gemm_label("wgrad"))
@@ -221,14 +212,12 @@ _grouped_dense = jax.custom_vjp(_primal, nondiff_argnums=(0,))
 _grouped_dense.defvjp(_fwd, _bwd, symbolic_zeros=True)
 
 
-def _plain(x, kernel, group_sizes, bias, precision, input_activation=None):
+def _plain(x, kernel, group_sizes, bias, precision):
   """No recipe: `jax.lax.ragged_dot` (and its own autodiff; on the bfloat16 CUTLASS kernel where
   it runs, `grouped_plain`), plus the per-group bias. The bias is added in float32 and rounded
   once (the same bits as a bfloat16 add), so its gradient sums each group's rows in float32, as
   the quantized path's `segment_sum` does: a bfloat16 scatter-add of thousands of rows (autodiff
   of a bfloat16 add) lost up to 3% of a sum, in an order that varied between programs."""
-  if input_activation is not None:
-    x = jax_activation(input_activation, False, x)
   y = grouped_plain.ragged_matmul(x, kernel, group_sizes, precision)
   if bias is not None:
     group, _, _ = TokenLayout(x.shape[0], kernel.shape[0]).positions(group_sizes)
@@ -241,7 +230,7 @@ def grouped_dense(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array,
                   bias: Optional[jax.Array] = None,
                   quantizers: Optional[DenseQuantizers] = None, *,
                   key: Optional[jax.Array] = None, states: Optional[tuple] = None,
-                  precision: Any = None, input_activation: Optional[str] = None) -> jax.Array:
+                  precision: Any = None) -> jax.Array:
   """Quantized grouped linear layer: `y[t] = x[t] @ kernel[g(t)] + bias[g(t)]`.
 
   Args:
@@ -261,13 +250,6 @@ def grouped_dense(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array,
     states: per-expert delayed-scaling states `init_states(quantizers, G)` (leading `[G]` axis);
       their gradient is their updated value.
     precision: `jax.lax.Precision` for high-precision (Identity) GEMMs.
-    input_activation: `y[t] = act(x[t]) @ kernel[g(t)] + ...` (a non-gated
-      `jaxquant.numerics.activations` name; `x` is then the activation's input, e.g. the
-      output of an MoE's `fc1`). Under a recipe the input is quantized from `act(x)` in the
-      spec's arithmetic rounded to x's dtype, computed by the per-tensor FP8 grouped kernel on
-      its loads (no `act(x)` in memory; other formats quantize the composition, said by
-      `jaxquant.explain`); its gradient goes through JAX's activation, as the unfused model's
-      does. Without a recipe it is JAX's activation, then `ragged_dot`.
 
   Returns:
     `[T, N]` in `x`'s dtype.
@@ -283,13 +265,8 @@ def grouped_dense(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array,
   if bias is not None and tuple(bias.shape) != (groups, features):
     raise ValueError(f"bias: expected shape ({groups}, {features}), got {tuple(bias.shape)}")
   sizes = clip_sizes(sizes, x.shape[0])
-  if input_activation is not None:
-    if input_activation in _act.GATED:
-      raise ValueError(f"input_activation={input_activation!r}: a gated unit halves the "
-                       f"features; expected one of {_act.ACTIVATIONS}")
-    input_activation = _act.canonical(input_activation)
   if quantizers is None:
-    return _plain(x, kernel, sizes, bias, precision, input_activation)
+    return _plain(x, kernel, sizes, bias, precision)
   if not isinstance(quantizers, DenseQuantizers):
     raise TypeError(f"quantizers: expected DenseQuantizers or None, got "
                     f"{type(quantizers).__name__}")
@@ -303,5 +280,5 @@ def grouped_dense(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array,
       quantizers, weight=compute_dtype_weight(quantizers.weight, kernel.dtype, x.dtype))
   config = _Config(quantizers, precision, x.dtype, kernel.dtype,
                    None if bias is None else bias.dtype, x.shape[0], groups,
-                   *token_blocks(quantizers), input_activation)
+                   *token_blocks(quantizers))
   return _grouped_dense(config, x, kernel, bias, sizes, key, tuple(states))

@@ -21,16 +21,12 @@ import numpy as np
 
 from jaxquant.explain import Decision, record
 from jaxquant.backends.ffi.grouped import ops as kernels
-from jaxquant.backends.ffi.grouped.quantize import Feed
-from jaxquant.backends.producers import Inputs, Producer
 from jaxquant.backends.reference import grouped as reference
-from jaxquant.backends.reference.fused import produce
 from jaxquant.grouping import formats
 from jaxquant.grouping.formats import GroupedContext
 from jaxquant.grouping.layout import TokenLayout, clip_sizes
 from jaxquant.grouping.tensors import (GroupedQuantizedTensor, GroupedScaledTensor,
                                        TransposedExperts)
-from jaxquant.numerics import activations as _act
 from jaxquant.numerics import rht16
 from jaxquant.numerics.random_bits import key_words
 from jaxquant.ops import dispatch
@@ -170,33 +166,16 @@ def _fp8_note(leaf: Quantizer):
   return lambda: (kernels.fp8_kernel_note(leaf), "")
 
 
-def _feed_detail(feed: Optional[Feed]) -> str:
-  if feed is None:
-    return ""
-  p = feed.producer
-  return (f" of {p.activation}(x)" if p.kind == "activation"
-          else f" of {p.activation}'(h) * dy")
-
-
-def _produced(x, feed: Optional[Feed]):
-  """x, or the reference composition of `feed`'s producer (the spec of the fused kernel)."""
-  if feed is None:
-    return x
-  return produce(feed.producer, Inputs(x, b=feed.pre))
-
-
 def _tokens(x, sizes, leaf: Quantizer, direction: str, layout: TokenLayout, words, state,
-            orig_dtype, role, feed: Optional[Feed] = None) -> GroupedScaledTensor:
-  detail = (f"{direction}{_feed_detail(feed)}: {leaf} [{layout.groups} groups, "
+            orig_dtype, role) -> GroupedScaledTensor:
+  detail = (f"{direction}: {leaf} [{layout.groups} groups, "
             f"{'packed' if not layout.padded else f'token block {layout.block}'}]")
   path = _record("grouped_quantize", role, detail, leaf,
                  lambda: kernels.quantize_unsupported(leaf, direction, tuple(x.shape)),
                  _fp8_note(leaf))
   if path == "ffi":
-    return kernels.quantize_tokens(x, sizes, leaf, direction, layout, words, state, orig_dtype,
-                                   feed)
-  return _tokens_reference(_produced(x, feed), sizes, leaf, direction, layout, words, state,
-                           orig_dtype)
+    return kernels.quantize_tokens(x, sizes, leaf, direction, layout, words, state, orig_dtype)
+  return _tokens_reference(x, sizes, leaf, direction, layout, words, state, orig_dtype)
 
 
 def _tokens_reference(x, sizes, leaf: Quantizer, direction: str, layout: TokenLayout, words,
@@ -217,8 +196,7 @@ def _tokens_reference(x, sizes, leaf: Quantizer, direction: str, layout: TokenLa
 def quantize(x: jax.Array, group_sizes: jax.Array, quantizer: Quantizer, *,
              rowwise: bool = True, columnwise: bool = True, row_block: Optional[int] = None,
              col_block: Optional[int] = None, keys: Optional[jax.Array] = None,
-             state: Any = None, role: Any = None, activation: Optional[str] = None,
-             activation_input: Optional[jax.Array] = None) -> GroupedQuantizedTensor:
+             state: Any = None, role: Any = None) -> GroupedQuantizedTensor:
   """Quantize tokens `x[T, C]` sorted by group, each group as if it were alone.
 
   Group `g` (rows `[n_0 + ... + n_{g-1}, ... + n_g)`) gets bit-for-bit the storage that
@@ -241,21 +219,12 @@ def quantize(x: jax.Array, group_sizes: jax.Array, quantizer: Quantizer, *,
     keys: one PRNG key per group (`[G]`), required for stochastic rounding.
     state: per-group state (`jaxquant.grouped.init_state(quantizer, G)`) for delayed scaling.
     role: optional `QuantizerRole` for `jaxquant.explain`.
-    activation: quantize `act(x)` instead of x (a `jaxquant.numerics.activations` name, not
-      gated), computed in the spec's arithmetic and rounded to x's dtype, as
-      `jaxquant.ops.fused.activation_quantize` does for one matrix. Per-tensor FP8 computes it
-      in the grouped kernel's loads (no `act(x)` in memory); other formats quantize the
-      reference composition, and `jaxquant.explain` says so.
-    activation_input: with `activation`, `x` is the gradient of the activation's output and the
-      quantized values are `act'(activation_input) * x` (the gradient of its input, `[T, C]`
-      like x).
   """
   if not isinstance(quantizer, Quantizer):
     raise TypeError(f"quantizer: expected a jaxquant Quantizer, got {type(quantizer).__name__}")
   if not (rowwise or columnwise):
     raise ValueError("rowwise and columnwise are both False; ask for at least one direction")
   _check_tokens(x)
-  feed = _activation_feed(x, activation, activation_input)
   tokens = x.shape[0]
   sizes = check_group_sizes(group_sizes, tokens=tokens)
   groups = sizes.shape[0]
@@ -267,17 +236,11 @@ def quantize(x: jax.Array, group_sizes: jax.Array, quantizer: Quantizer, *,
   words = _direction_words(keys, quantizer)
   orig_dtype = np.dtype(x.dtype)
   requested = {"rowwise": row_block, "columnwise": col_block}
-  if feed is not None:
-    unfused = _feed_unsupported(quantizer)
-    if unfused is not None:  # the composition, visibly
-      record(Decision("producer", role, f"{activation} {_feed_detail(feed).strip()}, then "
-                      "grouped quantize", "unfused", unfused))
-      x, feed = _produced(x, feed), None
 
   def copy(source, leaf, direction, leaf_state):
     layout = TokenLayout(tokens, groups, _layout_block(leaf, direction, requested[direction]))
     return _tokens(source, sizes, leaf, direction, layout, words[direction], leaf_state,
-                   orig_dtype, role, feed)
+                   orig_dtype, role)
 
   fmt = format_of(quantizer)
   halves = fmt.halves(quantizer)
@@ -285,7 +248,7 @@ def quantize(x: jax.Array, group_sizes: jax.Array, quantizer: Quantizer, *,
     layouts = {d: TokenLayout(tokens, groups, _layout_block(quantizer, d, requested[d]))
                for d in DIRECTIONS}
     if rowwise and columnwise and kernels.pair_served(quantizer, *layouts.values()):
-      return _token_pair(x, sizes, quantizer, layouts, state, orig_dtype, role, feed)
+      return _token_pair(x, sizes, quantizer, layouts, state, orig_dtype, role)
     row = copy(x, quantizer, "rowwise", state) if rowwise else None
     col = copy(x, quantizer, "columnwise", state) if columnwise else None
     return GroupedQuantizedTensor(row, col, quantizer)
@@ -300,43 +263,8 @@ def quantize(x: jax.Array, group_sizes: jax.Array, quantizer: Quantizer, *,
   return GroupedQuantizedTensor(row if rowwise else None, col, quantizer)
 
 
-def _activation_feed(x, activation: Optional[str],
-                     activation_input: Optional[jax.Array]) -> Optional[Feed]:
-  """The checked activation producer of `quantize` (None without `activation`)."""
-  if activation is None:
-    if activation_input is not None:
-      raise ValueError("activation_input is given without activation; name the activation "
-                       "whose input it is (e.g. activation='gelu')")
-    return None
-  if activation in _act.GATED:
-    raise ValueError(f"activation={activation!r}: a gated unit halves the features; the grouped "
-                     f"quantize takes {_act.ACTIVATIONS}")
-  name = _act.canonical(activation)
-  if activation_input is not None:
-    if (tuple(activation_input.shape) != tuple(x.shape)
-        or np.dtype(activation_input.dtype) != np.dtype(x.dtype)):
-      raise ValueError(f"activation_input: expected the activation's input, {np.dtype(x.dtype)} "
-                       f"{tuple(x.shape)} like x; got {np.dtype(activation_input.dtype)} "
-                       f"{tuple(activation_input.shape)}")
-    return Feed(Producer("activation_grad", x.dtype, activation=name), activation_input)
-  return Feed(Producer("activation", x.dtype, activation=name))
-
-
-def _feed_unsupported(quantizer: Quantizer) -> Optional[str]:
-  """Why the grouped kernel cannot run the activation on its loads for `quantizer` (None: the
-  per-tensor FP8 kernel, or the reference's same composition, takes it)."""
-  if format_of(quantizer).halves(quantizer) is not None:
-    return f"{quantizer} quantizes each direction with its own format; the producer is fused " \
-           "into the per-tensor FP8 kernel only"
-  route, _ = kernels.quantize_route(quantizer, "rowwise")
-  if route != "fp8":
-    return (f"{quantizer}: the producer is fused into the per-tensor FP8 grouped kernel only; "
-            "this format quantizes act(x) from memory")
-  return None
-
-
 def _token_pair(x, sizes, leaf: Quantizer, layouts: dict, state, orig_dtype,
-                role, feed: Optional[Feed] = None) -> GroupedQuantizedTensor:
+                role) -> GroupedQuantizedTensor:
   """Both copies of per-tensor FP8, MXFP8 or Float8Block tokens, each in its layout
   (`layouts[direction]`: one layout, or a packed rowwise one beside a padded columnwise one):
   one FFI call reads x once (`kernels.pair_served`)."""
@@ -344,15 +272,14 @@ def _token_pair(x, sizes, leaf: Quantizer, layouts: dict, state, orig_dtype,
   row_layout, col_layout = layouts["rowwise"], layouts["columnwise"]
   shape = (name(row_layout) if row_layout == col_layout
            else f"rowwise {name(row_layout)}, columnwise {name(col_layout)}")
-  detail = f"rowwise+columnwise{_feed_detail(feed)}: {leaf} [{row_layout.groups} groups, {shape}]"
+  detail = f"rowwise+columnwise: {leaf} [{row_layout.groups} groups, {shape}]"
   path = _record("grouped_quantize", role, detail, leaf,
                  lambda: kernels.quantize_unsupported(leaf, "rowwise"), _fp8_note(leaf))
   if path == "ffi":
     row, col = kernels.quantize_token_pair(x, sizes, leaf, row_layout, col_layout, state,
-                                           orig_dtype, feed)
+                                           orig_dtype)
   else:
-    produced = _produced(x, feed)
-    row, col = (_tokens_reference(produced, sizes, leaf, d, layouts[d], None, state, orig_dtype)
+    row, col = (_tokens_reference(x, sizes, leaf, d, layouts[d], None, state, orig_dtype)
                 for d in DIRECTIONS)
   return GroupedQuantizedTensor(row, col, leaf)
 

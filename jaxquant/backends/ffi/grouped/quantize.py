@@ -34,11 +34,9 @@ from jaxquant.backends.ffi import registry
 from jaxquant.backends.ffi import quantize as single
 from jaxquant.backends.ffi.grouped import support
 from jaxquant.backends.platform import current_platform
-from jaxquant.backends.producers import Producer
 from jaxquant.formats import format_of
 from jaxquant.formats.base import tensor_amax
 from jaxquant.grouping.layout import TokenLayout
-from jaxquant.numerics import activations as _act
 from jaxquant.grouping.tensors import GroupedScaledTensor
 from jaxquant.quantizers import NVFP4Quantizer, Quantizer
 from jaxquant.state import DelayedScalingState, needs_current_amax, quantize_scale
@@ -58,32 +56,7 @@ def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(tuple(int(s) for s in shape), np.dtype(dtype))
 
 
-@dataclasses.dataclass(frozen=True)
-class Feed:
-  """The activation producer the grouped FP8 kernel runs on its loads (`producer.kind`
-  "activation": it quantizes `act(x)`; "activation_grad": `act'(pre) * x`, `pre` the
-  activation's input), the values rounded to x's dtype as `jaxquant.backends.reference.fused.
-  produce` rounds them."""
-
-  producer: Producer
-  pre: Optional[jax.Array] = None
-
-  def operands(self, x2d: jax.Array) -> tuple[jax.Array, dict]:
-    """(the `pre` operand, the `act` / `act_grad` attributes) of the FP8 targets."""
-    grad = self.producer.kind == "activation_grad"
-    pre = self.pre if grad else jnp.zeros((1,), x2d.dtype)
-    return pre, dict(act=np.int32(_act.ACTIVATIONS.index(self.producer.activation)),
-                     act_grad=grad)
-
-
-def _feed_operands(feed: Optional[Feed], x2d: jax.Array) -> tuple[jax.Array, dict]:
-  if feed is None:
-    return jnp.zeros((1,), x2d.dtype), dict(act=np.int32(-1), act_grad=False)
-  return feed.operands(x2d)
-
-
-def _delayed_scale(quantizer, state, groups: int, x2d: jax.Array, starts: jax.Array,
-                   feed: Optional[Feed] = None) -> jax.Array:
+def _delayed_scale(quantizer, state, groups: int, x2d: jax.Array, starts: jax.Array) -> jax.Array:
   """Each group's scale from its state; a group whose state has no scale yet takes it from its
   own amax over rows `starts[g]:starts[g+1]` of `x2d`. That amax comes from
   `jaxquant_grouped_amax_gated`, gated on the scales: it reads x only while some scale is 0,
@@ -99,22 +72,19 @@ def _delayed_scale(quantizer, state, groups: int, x2d: jax.Array, starts: jax.Ar
   scale = state.scale.astype(jnp.float32)
   if not needs_current_amax(quantizer):
     return scale
-  pre, attrs = _feed_operands(feed, x2d)
   amax = calls.call(support.AMAX_GATED_TARGET, [_sds((groups,), np.float32)], x2d, starts,
-                    scale, pre, **attrs)[0]
+                    scale)[0]
   return quantize_scale(scale, amax, quantizer)
 
 
 def _fp8_call(x2d, starts, pstarts, quantizer, state, groups: int, length: int, rowwise: bool,
-              columnwise: bool, expert_rows: int = 0, row_packed: bool = False,
-              feed: Optional[Feed] = None):
+              columnwise: bool, expert_rows: int = 0, row_packed: bool = False):
   """(row data, col data, scale_inv [G], amax [G]) from `jaxquant_grouped_quantize_fp8`.
   `row_packed`: the rowwise copy in the packed layout (`[T, C]`) while the columnwise one takes
-  `pstarts`' layout of `length` positions. `feed`: the activation producer on the loads."""
+  `pstarts`' layout of `length` positions."""
   delayed = format_of(quantizer).stateful(quantizer)  # scales from the state
-  s = (_delayed_scale(quantizer, state, groups, x2d, starts, feed) if delayed
+  s = (_delayed_scale(quantizer, state, groups, x2d, starts) if delayed
        else jnp.zeros((1,), jnp.float32))
-  pre, attrs = _feed_operands(feed, x2d)
   cols = x2d.shape[1]
   results = []
   if rowwise:
@@ -123,11 +93,11 @@ def _fp8_call(x2d, starts, pstarts, quantizer, state, groups: int, length: int, 
     shape = (groups, cols, expert_rows) if expert_rows else (cols, length)
     results.append(_sds(shape, quantizer.dtype))
   results += [_sds((groups,), np.float32), _sds((groups,), np.float32)]
-  outs = calls.call(support.QUANTIZE_FP8_TARGET, results, x2d, starts, pstarts, s, pre,
+  outs = calls.call(support.QUANTIZE_FP8_TARGET, results, x2d, starts, pstarts, s,
                     rowwise=rowwise, columnwise=columnwise, delayed=delayed,
                     pow2_scale=False if delayed else quantizer.pow2_scale, row_packed=row_packed,
                     amax_epsilon=0.0 if delayed else float(quantizer.amax_epsilon),
-                    length=np.int64(length), expert_rows=np.int64(expert_rows), **attrs)
+                    length=np.int64(length), expert_rows=np.int64(expert_rows))
   row = outs.pop(0) if rowwise else None
   col = outs.pop(0) if columnwise else None
   return row, col, outs[0], outs[1]
@@ -183,13 +153,11 @@ def _make(data, scale_inv, amax, sizes, leaf, orig_dtype, direction, layout, rht
 
 
 def quantize_token_pair(x: jax.Array, sizes: jax.Array, leaf: Quantizer, row_layout: TokenLayout,
-                        col_layout: TokenLayout, state: Any, orig_dtype,
-                        feed: Optional[Feed] = None
-                        ) -> tuple[GroupedScaledTensor, GroupedScaledTensor]:
+                        col_layout: TokenLayout, state: Any,
+                        orig_dtype) -> tuple[GroupedScaledTensor, GroupedScaledTensor]:
   """Both copies of tokens from one call (one read of x), in one layout or the rowwise copy
   packed and the columnwise one in its padded layout (`pair_served`): per-tensor FP8 through
-  the grouped FP8 kernel (with `feed`'s activation producer on its loads), MXFP8 / Float8Block
-  through the gathered kernel (`row_packed`)."""
+  the grouped FP8 kernel, MXFP8 / Float8Block through the gathered kernel (`row_packed`)."""
   if not pair_served(leaf, row_layout, col_layout):
     raise ValueError(f"one grouped call writes both copies of {leaf} in one layout, or (formats "
                      f"with one-row blocks) a packed rowwise copy beside a padded columnwise one; "
@@ -198,9 +166,6 @@ def quantize_token_pair(x: jax.Array, sizes: jax.Array, leaf: Quantizer, row_lay
   row_packed = row_layout != col_layout
   starts, pstarts = _offsets(sizes), _offsets(col_layout.extents(sizes))
   if support.quantize_route(leaf, "rowwise")[0] != "fp8":
-    if feed is not None:
-      raise ValueError(f"the activation producer runs in the per-tensor FP8 kernel only; "
-                       f"got {leaf}")
     row, col = single.quantize_gathered(x, starts, pstarts, col_layout.length, leaf,
                                         rowwise=True, columnwise=True, orig_dtype=orig_dtype,
                                         row_packed=row_packed)
@@ -209,8 +174,7 @@ def quantize_token_pair(x: jax.Array, sizes: jax.Array, leaf: Quantizer, row_lay
             _make(col.data, col.scale_inv, amax, sizes, leaf, orig_dtype, "columnwise",
                   col_layout))
   row, col, scale_inv, amax = _fp8_call(x, starts, pstarts, leaf, state, col_layout.groups,
-                                        col_layout.length, True, True, row_packed=row_packed,
-                                        feed=feed)
+                                        col_layout.length, True, True, row_packed=row_packed)
   return (_make(row, scale_inv, amax, sizes, leaf, orig_dtype, "rowwise", row_layout),
           _make(col, scale_inv, amax, sizes, leaf, orig_dtype, "columnwise", col_layout))
 
@@ -231,15 +195,11 @@ def pair_served(leaf: Quantizer, row_layout: TokenLayout, col_layout: TokenLayou
 
 def quantize_tokens(x: jax.Array, sizes: jax.Array, leaf: Quantizer, direction: str,
                     layout: TokenLayout, words: Optional[jax.Array], state: Any,
-                    orig_dtype, feed: Optional[Feed] = None) -> GroupedScaledTensor:
-  """One copy of tokens `x[T, C]` (see `jaxquant.ops.grouped.quantize`) through the FFI;
-  `feed` (per-tensor FP8 only): the activation producer on the kernel's loads."""
+                    orig_dtype) -> GroupedScaledTensor:
+  """One copy of tokens `x[T, C]` (see `jaxquant.ops.grouped.quantize`) through the FFI."""
   route, reason = support.quantize_route(leaf, direction, tuple(x.shape))
   if reason is not None:
     raise ValueError(f"grouped FFI quantize cannot serve {leaf} ({direction}): {reason}")
-  if feed is not None and route != "fp8":
-    raise ValueError(f"the activation producer runs in the per-tensor FP8 kernel only; got "
-                     f"{leaf}")
   rowwise = direction == "rowwise"
   if route == "nvfp4":
     (data, scale_inv, amax), = _nvfp4_call(
@@ -251,7 +211,7 @@ def quantize_tokens(x: jax.Array, sizes: jax.Array, leaf: Quantizer, direction: 
   if route == "fp8":
     row, col, scale_inv, amax = _fp8_call(x, _offsets(sizes), _offsets(layout.extents(sizes)),
                                           leaf, state, layout.groups, layout.length, rowwise,
-                                          not rowwise, feed=feed)
+                                          not rowwise)
     return _make(row if rowwise else col, scale_inv, amax, sizes, leaf, orig_dtype, direction,
                  layout)
   if rowwise and not layout.padded and (format_of(leaf).blocks(leaf) or (0,))[0] == 1:
