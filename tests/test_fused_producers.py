@@ -143,10 +143,19 @@ def check_norm(platform, rng, norm_type, name, shape, *, dtype=jnp.bfloat16, out
   assert_bitwise(ref, got, f"{norm_type} {name} {shape} {np.dtype(dtype).name} on {platform}")
 
 
+# On the CPU (CI) RMSNorm takes the formats test_norm_one_direction_without_y_matches_reference
+# does not: the norm's statistics do not depend on the format, and each format meets LayerNorm
+# here (the GPU runs every pair).
+RMSNORM_ON_CPU = ("fp8_delayed", "block_128x128")
+
+
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("name", QUANTIZERS)
 @pytest.mark.parametrize("norm_type", ["layernorm", "rmsnorm"])
 def test_norm_quantize_matches_reference(platform, norm_type, name, rng):
+  if platform == "cpu" and norm_type == "rmsnorm" and name not in RMSNORM_ON_CPU:
+    pytest.skip(f"rmsnorm on the CPU takes {RMSNORM_ON_CPU} (the rest: layernorm, and rmsnorm "
+                "in test_norm_one_direction_without_y_matches_reference)")
   for shape in _shapes(platform):
     check_norm(platform, rng, norm_type, name, shape)
 

@@ -124,7 +124,9 @@ def _loss_and_grads(model, variables, tokens, key, grad_accum):
   return training.accumulated_value_and_grad(model, variables, tokens, key, grad_accum)
 
 
-@pytest.mark.parametrize("recipe,rtol", [("bf16", 1e-4), ("mxfp8", 5e-4), ("fp8_block", 5e-4)])
+# One block format: the micro-batch loop reuses whatever the recipe quantized, the same code for
+# every format (Float8Block's case took ~1 CPU-minute, the longest of the suite's unit tests).
+@pytest.mark.parametrize("recipe,rtol", [("bf16", 1e-4), ("mxfp8", 5e-4)])
 def test_grad_accum_loss_equals_the_one_batch_step(recipe, rtol, seed, core_backend):
   """Four micro-batches give the one-batch step's loss up to what a reordered sum can round,
   and their accumulated gradient is the mean of the four micro-batches' own gradients.
@@ -147,7 +149,7 @@ def test_grad_accum_loss_equals_the_one_batch_step(recipe, rtol, seed, core_back
   reordering of the four terms plus one bfloat16 step of each micro-batch's gradient (the layer
   rounds its GEMM output to the compute dtype); a missing or repeated micro-batch is off by its
   whole gradient."""
-  make = {"bf16": lambda: None, "mxfp8": jq.MXFP8BlockScaling, "fp8_block": jq.Float8BlockScaling}
+  make = {"bf16": lambda: None, "mxfp8": jq.MXFP8BlockScaling}
   model = model_lib.GPT(ACCUM_CONFIG, make[recipe]())
   tokens = _tokens(seed)
   variables = training.create_state(model, tokens, training.TrainConfig()).params
