@@ -152,9 +152,12 @@ def check(platform, rng, prng_key, name, shape, dtype=jnp.bfloat16, rowwise=True
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("name", CONFIGS)
 def test_quantize_both_directions_matches_reference(platform, name, rng, prng_key):
+  # On the CPU the two shapes of each list with odd and partial tiles (37 x 33, 130 x 257;
+  # 16 x 33, 144 x 130 under RHT); the other tests of this file add their own shapes (67 x 160,
+  # 64 x 200, single rows and odd row counts). The GPU takes all three and its large ones.
   shapes = RHT_SHAPES if _uses_rht(CONFIGS[name]) else SHAPES
-  if platform == "gpu":
-    shapes = shapes + (RHT_GPU_SHAPES if _uses_rht(CONFIGS[name]) else GPU_SHAPES)
+  shapes = shapes[1:] if platform == "cpu" else shapes + (
+      RHT_GPU_SHAPES if _uses_rht(CONFIGS[name]) else GPU_SHAPES)
   for shape in shapes:
     check(platform, rng, prng_key, name, shape)
 

@@ -91,7 +91,9 @@ def _assert_close(actual, expected, msg):
   assert err <= TOL * scale, f"{msg}: max error {err:.3g} vs scale {scale:.3g}"
 
 
-@pytest.mark.parametrize("name", list(RECIPES))
+# Per-tensor FP8 once, with a state (delayed scaling): current scaling's grouped quantize and
+# GEMMs are the same kernels (tests/test_grouped_ffi.py and test_grouped_ops.py check them).
+@pytest.mark.parametrize("name", [n for n in RECIPES if n != "fp8_current"])
 def test_grouped_dense_equals_a_loop_of_dense(rng, prng_key, name):
   quantizers = DenseQuantizers.from_recipe(RECIPES[name], "grouped_linear", "experts")
   sizes = _sizes(rng)
