@@ -6,8 +6,9 @@
 //   2. quantize: a CTA owns 64 token positions x 64 features of the output layout; each position
 //      finds its group and source row (or is padding / no group: code 0), scales by its group's
 //      scale (from the amax, or the delayed-scaling state), writes the rowwise bytes, keeps the
-//      values in shared memory and writes the transposed columnwise bytes from there (for expert
-//      weights the columnwise copy is [G, C, rows]). With `row_packed` the rowwise bytes go to
+//      codes in shared memory and writes them transposed as the columnwise bytes (both copies
+//      scale a position by its group's scale, so their codes are the same; for expert weights
+//      the columnwise copy is [G, C, rows]). With `row_packed` the rowwise bytes go to
 //      the source row of the packed layout instead (the rows of no group as zeros), so a packed
 //      rowwise copy and a padded columnwise one come from one read of x. Delayed scaling has its scales before the
 //      launch, so there is no amax pass: the load phase (which runs for either copy and reads
@@ -39,10 +40,24 @@ __device__ __forceinline__ float group_scale(const QuantizeParams& p, int g, flo
   return p.delayed ? p.s[g] : jq::scale_from_amax(p.amax[g], fmax, p.pow2_scale, p.amax_epsilon);
 }
 
+// The codes of positions pos .. pos + n - 1 (n <= 4; byte i of `word`) at feature c of the
+// columnwise copy, byte by byte: the rare case (a partial quad, an unaligned row, or an expert of
+// rows not a multiple of 4 split by the quad) kept out of the kernel's registers.
+__device__ __forceinline__ void store_column_bytes(uint8_t* col, int64_t L, int64_t C, int64_t E,
+                                                int64_t c, int64_t pos, int n, uint32_t word) {
+  for (int i = 0; i < n; ++i) {  // 32-bit positions and expert rows (checked by the handler)
+    const uint32_t pi = uint32_t(pos) + uint32_t(i), e = uint32_t(E);
+    const uint32_t g = E == 0 ? 0u : pi / e;
+    col[E == 0 ? c * L + pi : (int64_t(g) * C + c) * E + (pi - g * e)] = uint8_t(word >> (8 * i));
+  }
+}
+
 template <int TYPE>
 __global__ void __launch_bounds__(256, 8) grouped_quantize_kernel(const QuantizeParams p) {
-  __shared__ float tile[kQP][kQC + 1];
-  __shared__ float scales[kQP];
+  // The tile's FP8 codes, 4 features a word, rows padded to 17 words (the column phase's loads
+  // are free of bank conflicts). A position's scale is its group's in both copies, so the
+  // columnwise bytes are the rowwise codes transposed: encoded once, moved as bytes.
+  __shared__ uint32_t codes[kQP][kQC / 4 + 1];
   __shared__ uint32_t warp_amax[8];  // delayed: a warp's max |x| bits over its rows of one group
   __shared__ int warp_group[8];      // ... and that group (-1: none, or reduced by its lanes)
   const jq::Fp8 fmt = static_cast<jq::Fp8>(p.fmt);
@@ -73,7 +88,6 @@ __global__ void __launch_bounds__(256, 8) grouped_quantize_kernel(const Quantize
       }
     }
     const float scale = group_scale(p, g, fmax);
-    if (cq == 0) scales[pr] = scale;
     float v[16];
     const int n_valid = src >= 0 ? int(max(int64_t(0), min(int64_t(16), p.C - c))) : 0;
     const bool vec = (TYPE == 2 ? p.C % 4 == 0 : p.C % 8 == 0) && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0;
@@ -103,18 +117,17 @@ __global__ void __launch_bounds__(256, 8) grouped_quantize_kernel(const Quantize
         if ((tid & 31) == 0) warp_group[tid >> 5] = -1;
       }
     }
-#pragma unroll
-    for (int i = 0; i < 16; ++i) tile[pr][cq + i] = v[i];
     // The rowwise copy's row: the position, or in the packed layout (row_packed) the source row;
     // a packed row of no group (starts[G] <= pos < T) is written as zeros by position pos.
     const int64_t out_row = !p.row_packed ? (pos < p.L ? pos : -1) : src;
     const bool zero_row = p.row_packed && pos < p.T && pos >= int64_t(__ldg(p.starts + p.G));
-    if (p.row && c < p.C && (out_row >= 0 || zero_row)) {
-      uint32_t q[4];
+    uint32_t q[4];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        q[k] = jq::encode_fp8x4(v[4 * k] * scale, v[4 * k + 1] * scale, v[4 * k + 2] * scale, v[4 * k + 3] * scale, fmt);
-      }
+    for (int k = 0; k < 4; ++k) {
+      q[k] = jq::encode_fp8x4(v[4 * k] * scale, v[4 * k + 1] * scale, v[4 * k + 2] * scale, v[4 * k + 3] * scale, fmt);
+      codes[pr][cq / 4 + k] = q[k];
+    }
+    if (p.row && c < p.C && (out_row >= 0 || zero_row)) {
       // The 16 codes by value (an array passed by pointer took a 16-byte stack frame).
       const auto store = [&](int64_t row, const uint4 w) {
         uint8_t* dst = p.row + row * p.C + c;
@@ -150,40 +163,44 @@ __global__ void __launch_bounds__(256, 8) grouped_quantize_kernel(const Quantize
     if (run_g >= 0 && run_m != 0u) atomicMax(reinterpret_cast<uint32_t*>(p.amax) + run_g, run_m);
   }
   if (!p.col) return;
-  {  // columnwise: thread -> (feature, 16 positions)
-    const int cc = tid >> 2, pq = (tid & 3) * 16;
-    const int64_t c = c0 + cc, pos = p0 + pq;
-    if (c >= p.C || pos >= p.L) return;
-    uint32_t q[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      float w[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) w[i] = tile[pq + 4 * k + i][cc] * scales[pq + 4 * k + i];
-      q[k] = jq::encode_fp8x4(w[0], w[1], w[2], w[3], fmt);
-    }
-    const int n = int(min(int64_t(16), p.L - pos));
+  {  // columnwise: thread -> (4 features, 4 positions): four words of the tile, byte-transposed
+    // into each feature's 4 codes. A warp's 32 loads hit 32 banks (positions 8 x 4, features 4)
+    // and its stores are 32 contiguous bytes of 4 feature rows.
+    const int lane = tid & 31, warp = tid >> 5;
+    const int pq = (lane & 7) + 8 * (warp & 1), fq = (lane >> 3) + 4 * (warp >> 1);
+    const int64_t pos = p0 + 4 * pq, cb = c0 + 4 * fq;  // 32-bit values (checked by the handler)
+    if (cb >= p.C || pos >= p.L) return;
+    const uint32_t w0 = codes[4 * pq][fq], w1 = codes[4 * pq + 1][fq];
+    const uint32_t w2 = codes[4 * pq + 2][fq], w3 = codes[4 * pq + 3][fq];
+    const uint32_t lo01 = __byte_perm(w0, w1, 0x5140), hi01 = __byte_perm(w0, w1, 0x7362);
+    const uint32_t lo23 = __byte_perm(w2, w3, 0x5140), hi23 = __byte_perm(w2, w3, 0x7362);
+    const int n = int(min(int64_t(4), p.L - pos));
+    const int n_features = int(min(int64_t(4), p.C - cb));
+    // Feature j's 4 codes go to base + j * stride: a position-major row of the columnwise copy
+    // (an expert's [C, rows] block for expert weights).
+    uint8_t* base;
+    int64_t stride;
+    bool whole;  // 4 positions of one row, word-aligned
     if (p.expert_rows == 0) {
-      uint8_t* dst = p.col + c * p.L + pos;
-      if (n == 16 && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
-        *reinterpret_cast<uint4*>(dst) = make_uint4(q[0], q[1], q[2], q[3]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          if (i < n) dst[i] = uint8_t(q[i / 4] >> (8 * (i % 4)));
-        }
-      }
+      base = p.col + cb * p.L + pos;
+      stride = p.L;
+      whole = n == 4;
     } else {
       const uint32_t E = uint32_t(p.expert_rows), g = uint32_t(pos) / E, local = uint32_t(pos) - g * E;
-      uint8_t* dst = p.col + (int64_t(g) * p.C + c) * E + local;
-      if (n == 16 && local + 16 <= E && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
-        *reinterpret_cast<uint4*>(dst) = make_uint4(q[0], q[1], q[2], q[3]);
-      } else {
+      base = p.col + (int64_t(g) * p.C + cb) * E + local;
+      stride = E;
+      whole = n == 4 && local + 4 <= E;
+    }
+    whole = whole && (reinterpret_cast<uintptr_t>(base) & 3) == 0 && (stride & 3) == 0;
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {  // rare (E not a multiple of 16): 64-bit arithmetic kept
-          const int64_t pi = pos + i;
-          if (i < n) p.col[((pi / E) * p.C + c) * E + pi % E] = uint8_t(q[i / 4] >> (8 * (i % 4)));
-        }
+    for (int j = 0; j < 4; ++j) {
+      if (j >= n_features) continue;
+      const uint32_t word = __byte_perm(j < 2 ? lo01 : hi01, j < 2 ? lo23 : hi23,
+                                        (j & 1) ? 0x7632 : 0x5410);
+      if (whole) {
+        *reinterpret_cast<uint32_t*>(base + j * stride) = word;
+      } else {
+        store_column_bytes(p.col, p.L, p.C, p.expert_rows, cb + j, pos, n, word);
       }
     }
   }
