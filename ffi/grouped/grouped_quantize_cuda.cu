@@ -3,7 +3,7 @@
 //   jaxquant_grouped_quantize_fp8:
 //   1. amax (current scaling only): grouped_amax_kernel (grouped_amax.cuh), an atomicMax of |x|
 //      bits into amax[group] (NaN above inf, as the reference's segment max);
-//   2. quantize: a CTA owns 64 token positions x 64 features of the output layout; each position
+//   2. quantize: a CTA owns 128 token positions x 128 features of the output layout; each position
 //      finds its group and source row (or is padding / no group: code 0), scales by its group's
 //      scale (from the amax, or the delayed-scaling state), writes the rowwise bytes, keeps the
 //      codes in shared memory and writes them transposed as the columnwise bytes (both copies
@@ -13,10 +13,10 @@
 //      rowwise copy and a padded columnwise one come from one read of x. Delayed scaling has its scales before the
 //      launch, so there is no amax pass: the load phase (which runs for either copy and reads
 //      every element of every group's rows exactly once, the layout holding each group's rows
-//      at its positions) also reduces each group's amax, the state's history entry: each warp
-//      of one group's rows into a shared slot, the slots merged by one thread after the
-//      barrier before the columnwise phase (one atomicMax a CTA, as many as the amax pass's one
-//      a row, and no barrier of its own); a warp across a group boundary by lane.
+//      at its positions) also reduces each group's amax, the state's history entry: each row's
+//      16 lanes into a shared word, then after the barrier the columnwise phase needs anyway
+//      one lane a row, a warp of one group's rows with one atomicMax (a warp across a group
+//      boundary by lane; no barrier of its own).
 //   jaxquant_grouped_amax: the amax kernel alone.
 //   jaxquant_grouped_amax_gated (the just-in-time first scale of delayed scaling): the amax
 //   kernel, exiting at once unless some group's scale is still 0.
@@ -33,18 +33,71 @@
 namespace jqffi {
 namespace {
 
-constexpr int kQP = 64, kQC = 64;  // positions x features per quantize CTA
+// A quantize CTA: 128 token positions x 128 features of the output layout, 256 threads. In the
+// load phase a thread holds 8 consecutive features of one row per pass (16 rows a pass, 8
+// passes) and issues a batch of passes' loads before using any: 128 bytes of x in flight a
+// thread (the earlier 64 x 64 tile's 32 bytes a thread left the kernel latency-bound at
+// ~2.3 TB/s, Nsight Compute in bench/RESULTS.md). A tile row is 32 words of FP8 codes, padded to 33 (conflict-free column loads).
+constexpr int kQP = 128, kQC = 128;
+constexpr int kRowsPerPass = 256 / (kQC / 8), kPasses = kQP / kRowsPerPass;
+constexpr int kTileWords = kQC / 4 + 1;
 
 __device__ __forceinline__ float group_scale(const QuantizeParams& p, int g, float fmax) {
   if (g >= p.G) return 1.0f;
   return p.delayed ? p.s[g] : jq::scale_from_amax(p.amax[g], fmax, p.pow2_scale, p.amax_epsilon);
 }
 
+// 8 consecutive values of x as stored (zeros past `n_valid`): the raw words stay in registers
+// until the batch's loads are all issued, half the registers of their float32 values (16-bit x).
+template <int TYPE>
+struct Raw8 {
+  uint32_t w[TYPE == 2 ? 8 : 4];
+};
+
+template <int TYPE>
+__device__ __forceinline__ Raw8<TYPE> load_raw8(const void* x, int64_t off, int n_valid, bool vec) {
+  Raw8<TYPE> r;
+  if (vec && n_valid >= 8) {
+    const uint4* q = reinterpret_cast<const uint4*>(static_cast<const char*>(x) + off * (TYPE == 2 ? 4 : 2));
+    const uint4 a = __ldg(q);
+    r.w[0] = a.x; r.w[1] = a.y; r.w[2] = a.z; r.w[3] = a.w;
+    if constexpr (TYPE == 2) {
+      const uint4 b = __ldg(q + 1);
+      r.w[4] = b.x; r.w[5] = b.y; r.w[6] = b.z; r.w[7] = b.w;
+    }
+    return r;
+  }
+  if constexpr (TYPE == 2) {
+    const uint32_t* v = static_cast<const uint32_t*>(x) + off;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) r.w[i] = i < n_valid ? v[i] : 0u;
+  } else {
+    const uint16_t* v = static_cast<const uint16_t*>(x) + off;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      r.w[i] = (2 * i < n_valid ? uint32_t(v[2 * i]) : 0u) | (2 * i + 1 < n_valid ? uint32_t(v[2 * i + 1]) << 16 : 0u);
+    }
+  }
+  return r;
+}
+
+// Value i of `r` as float32 (load_in's conversion).
+template <int TYPE>
+__device__ __forceinline__ float value_of(const Raw8<TYPE>& r, int i) {
+  if constexpr (TYPE == 2) {
+    return __uint_as_float(r.w[i]);
+  } else {
+    const uint32_t h = (i & 1) ? r.w[i / 2] >> 16 : r.w[i / 2] & 0xFFFFu;
+    if constexpr (TYPE == 0) return __uint_as_float(h << 16);
+    return __half2float(__ushort_as_half(uint16_t(h)));
+  }
+}
+
 // The codes of positions pos .. pos + n - 1 (n <= 4; byte i of `word`) at feature c of the
 // columnwise copy, byte by byte: the rare case (a partial quad, an unaligned row, or an expert of
-// rows not a multiple of 4 split by the quad) kept out of the kernel's registers.
+// rows not a multiple of 4 split by the quad).
 __device__ __forceinline__ void store_column_bytes(uint8_t* col, int64_t L, int64_t C, int64_t E,
-                                                int64_t c, int64_t pos, int n, uint32_t word) {
+                                                   int64_t c, int64_t pos, int n, uint32_t word) {
   for (int i = 0; i < n; ++i) {  // 32-bit positions and expert rows (checked by the handler)
     const uint32_t pi = uint32_t(pos) + uint32_t(i), e = uint32_t(E);
     const uint32_t g = E == 0 ? 0u : pi / e;
@@ -52,29 +105,44 @@ __device__ __forceinline__ void store_column_bytes(uint8_t* col, int64_t L, int6
   }
 }
 
+// The 8 codes (w0, w1) of a rowwise row at dst, n of them valid (8 bytes in one store when whole
+// and aligned).
+__device__ __forceinline__ void store_row_codes(uint8_t* dst, uint32_t w0, uint32_t w1, int n) {
+  if (n == 8 && (reinterpret_cast<uintptr_t>(dst) & 7) == 0) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(w0, w1);
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    if (i < n) dst[i] = uint8_t((i < 4 ? w0 : w1) >> (8 * (i % 4)));
+  }
+}
+
 template <int TYPE>
-__global__ void __launch_bounds__(256, 8) grouped_quantize_kernel(const QuantizeParams p) {
-  // The tile's FP8 codes, 4 features a word, rows padded to 17 words (the column phase's loads
-  // are free of bank conflicts). A position's scale is its group's in both copies, so the
-  // columnwise bytes are the rowwise codes transposed: encoded once, moved as bytes.
-  __shared__ uint32_t codes[kQP][kQC / 4 + 1];
-  __shared__ uint32_t warp_amax[8];  // delayed: a warp's max |x| bits over its rows of one group
-  __shared__ int warp_group[8];      // ... and that group (-1: none, or reduced by its lanes)
+__global__ void __launch_bounds__(256, 4) grouped_quantize_kernel(const QuantizeParams p) {
+  // The tile's FP8 codes: a position's scale is its group's in both copies, so the columnwise
+  // bytes are the rowwise codes transposed, encoded once and moved as bytes.
+  __shared__ uint32_t codes[kQP][kTileWords];
+  // Per tile row (position): its source row of x (-1: padding or no group), group (G: none),
+  // scale, rowwise destination row (-1: none), whether it is a packed copy's row of no group
+  // (written as zeros), and (delayed scaling) its max |x| bits.
+  __shared__ int32_t row_src[kQP], row_group[kQP], row_out[kQP];
+  __shared__ float row_scale[kQP];
+  __shared__ bool row_zero[kQP];
+  __shared__ uint32_t row_amax[kQP];
   const jq::Fp8 fmt = static_cast<jq::Fp8>(p.fmt);
   const float fmax = jq::spec_of(fmt).fmax;
   const int tid = threadIdx.x;
   // 32-bit tile and position arithmetic (positions < 2^31, checked by the handler, and fewer
-  // than 2^31 tiles): a 64-bit division is a called subroutine of ~70 instructions, as many as
-  // the quantize of a thread's 16 values.
+  // than 2^31 tiles): a 64-bit division is a called subroutine of ~70 instructions.
   const uint32_t c_tiles = uint32_t((p.C + kQC - 1) / kQC);
   const uint32_t tile_p = blockIdx.x / c_tiles;
   const int64_t p0 = int64_t(tile_p) * kQP, c0 = int64_t(blockIdx.x - tile_p * c_tiles) * kQC;
   if (blockIdx.x == 0) {
     for (int g = tid; g < p.G; g += 256) p.scale_inv[g] = jq::rcp_f32(group_scale(p, g, fmax));
   }
-  {  // rowwise: thread -> (position, 16 features)
-    const int pr = tid >> 2, cq = (tid & 3) * 16;
-    const int64_t pos = p0 + pr, c = c0 + cq;
+  if (tid < kQP) {  // one thread a position: its group and source row, found once for the tile
+    const int64_t pos = p0 + tid;
     int64_t src = -1;
     int g = int(p.G);
     if (pos < p.L && p.expert_rows > 0) {  // expert weights: row pos is expert pos / E's
@@ -87,89 +155,84 @@ __global__ void __launch_bounds__(256, 8) grouped_quantize_kernel(const Quantize
         if (local < int64_t(__ldg(p.starts + g + 1)) - __ldg(p.starts + g)) src = __ldg(p.starts + g) + local;
       }
     }
-    const float scale = group_scale(p, g, fmax);
-    float v[16];
-    const int n_valid = src >= 0 ? int(max(int64_t(0), min(int64_t(16), p.C - c))) : 0;
-    const bool vec = (TYPE == 2 ? p.C % 4 == 0 : p.C % 8 == 0) && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0;
-    const int64_t off = src >= 0 ? src * p.C + c : 0;
-    load8<TYPE>(p.x, off, n_valid, vec, v);
-    load8<TYPE>(p.x, off + 8, n_valid - 8, vec, v + 8);
-    if (p.delayed) {  // the amax to record (lanes past C or without a row hold zeros)
-      uint32_t m = 0;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) m = max(m, jq::abs_bits(v[i]));
-      // A warp whose rows are of one group reduces them into its slot, merged by thread 0 after
-      // the barrier the columnwise copy needs anyway (one atomic a CTA, as one a row in the amax
-      // pass); a warp across a group boundary (rare) does its lanes' atomics itself.
-      const int mine = src >= 0 ? g : -1;
-      const unsigned any = __ballot_sync(0xFFFFFFFFu, mine >= 0);
-      const int first = any ? __shfl_sync(0xFFFFFFFFu, mine, __ffs(any) - 1) : -1;
-      if (__all_sync(0xFFFFFFFFu, mine < 0 || mine == first)) {
-        if (mine < 0) m = 0u;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-        if ((tid & 31) == 0) {
-          warp_amax[tid >> 5] = m;
-          warp_group[tid >> 5] = first;
-        }
-      } else {
-        if (mine >= 0) atomicMax(reinterpret_cast<uint32_t*>(p.amax) + mine, m);
-        if ((tid & 31) == 0) warp_group[tid >> 5] = -1;
-      }
-    }
+    row_src[tid] = int32_t(src);
+    row_group[tid] = g;
+    row_scale[tid] = group_scale(p, g, fmax);
     // The rowwise copy's row: the position, or in the packed layout (row_packed) the source row;
     // a packed row of no group (starts[G] <= pos < T) is written as zeros by position pos.
-    const int64_t out_row = !p.row_packed ? (pos < p.L ? pos : -1) : src;
-    const bool zero_row = p.row_packed && pos < p.T && pos >= int64_t(__ldg(p.starts + p.G));
-    uint32_t q[4];
+    row_out[tid] = int32_t(!p.row_packed ? (pos < p.L ? pos : -1) : src);
+    row_zero[tid] = p.row_packed && pos < p.T && pos >= int64_t(__ldg(p.starts + p.G));
+  }
+  __syncthreads();
+  {  // rowwise: thread -> (row lr of each pass, features lc .. lc + 7)
+    const int lr = tid / (kQC / 8), lc = (tid % (kQC / 8)) * 8;
+    const int64_t c = c0 + lc;
+    const int n_valid = int(max(int64_t(0), min(int64_t(8), p.C - c)));
+    const bool vec = (TYPE == 2 ? p.C % 4 == 0 : p.C % 8 == 0) && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0;
+    constexpr int kBatch = TYPE == 2 ? kPasses / 2 : kPasses;  // passes whose loads fly together
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      q[k] = jq::encode_fp8x4(v[4 * k] * scale, v[4 * k + 1] * scale, v[4 * k + 2] * scale, v[4 * k + 3] * scale, fmt);
-      codes[pr][cq / 4 + k] = q[k];
-    }
-    if (p.row && c < p.C && (out_row >= 0 || zero_row)) {
-      // The 16 codes by value (an array passed by pointer took a 16-byte stack frame).
-      const auto store = [&](int64_t row, const uint4 w) {
-        uint8_t* dst = p.row + row * p.C + c;
-        if (c + 16 <= p.C && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
-          *reinterpret_cast<uint4*>(dst) = w;
-        } else {
-          const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+    for (int b0 = 0; b0 < kPasses; b0 += kBatch) {
+      Raw8<TYPE> raw[kBatch];
 #pragma unroll
-          for (int i = 0; i < 16; ++i) {  // constant indices: the words stay in registers
-            if (c + i < p.C) dst[i] = uint8_t(words[i / 4] >> (8 * (i % 4)));
-          }
+      for (int k = 0; k < kBatch; ++k) {
+        const int32_t src = row_src[(b0 + k) * kRowsPerPass + lr];
+        raw[k] = load_raw8<TYPE>(p.x, src >= 0 ? int64_t(src) * p.C + c : 0, src >= 0 ? n_valid : 0, vec);
+      }
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const int r = (b0 + k) * kRowsPerPass + lr;
+        const float scale = row_scale[r];
+        float v[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = value_of<TYPE>(raw[k], i);
+        if (p.delayed) {  // the amax to record: the row's 16 lanes reduced, one word a row
+          uint32_t m = 0;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) m = max(m, jq::abs_bits(v[i]));
+#pragma unroll
+          for (int o = 1; o < kQC / 8; o <<= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+          if (lc == 0) row_amax[r] = m;
         }
-      };
-      if (out_row >= 0) store(out_row, make_uint4(q[0], q[1], q[2], q[3]));
-      if (zero_row) store(pos, make_uint4(0u, 0u, 0u, 0u));
+        const uint32_t q0 = jq::encode_fp8x4(v[0] * scale, v[1] * scale, v[2] * scale, v[3] * scale, fmt);
+        const uint32_t q1 = jq::encode_fp8x4(v[4] * scale, v[5] * scale, v[6] * scale, v[7] * scale, fmt);
+        codes[r][lc / 4] = q0;
+        codes[r][lc / 4 + 1] = q1;
+        if (p.row && n_valid > 0) {
+          const int32_t out_row = row_out[r];
+          if (out_row >= 0) store_row_codes(p.row + int64_t(out_row) * p.C + c, q0, q1, n_valid);
+          if (row_zero[r]) store_row_codes(p.row + (p0 + r) * p.C + c, 0u, 0u, n_valid);
+        }
+      }
     }
   }
   if (!p.col && !p.delayed) return;
   __syncthreads();
-  if (p.delayed && tid == 0) {  // the warps' amaxes: one atomic a run of warps of one group
-    int run_g = -1;
-    uint32_t run_m = 0u;
-    for (int w = 0; w < 8; ++w) {  // warp w holds positions 8w .. 8w+7: groups in order
-      const int wg = warp_group[w];
-      if (wg < 0) continue;
-      if (wg != run_g) {
-        if (run_g >= 0 && run_m != 0u) atomicMax(reinterpret_cast<uint32_t*>(p.amax) + run_g, run_m);
-        run_g = wg;
-        run_m = 0u;
+  if (p.delayed && tid < kQP) {  // one lane a row; a warp of one group's rows: one atomic
+    const int g = row_src[tid] >= 0 ? row_group[tid] : -1;
+    uint32_t m = g >= 0 ? row_amax[tid] : 0u;
+    const unsigned any = __ballot_sync(0xFFFFFFFFu, g >= 0);
+    if (any) {
+      const int first = __shfl_sync(0xFFFFFFFFu, g, __ffs(any) - 1);
+      if (__all_sync(0xFFFFFFFFu, g < 0 || g == first)) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+        if ((tid & 31) == 0 && m != 0u) atomicMax(reinterpret_cast<uint32_t*>(p.amax) + first, m);
+      } else if (g >= 0 && m != 0u) {
+        atomicMax(reinterpret_cast<uint32_t*>(p.amax) + g, m);
       }
-      run_m = max(run_m, warp_amax[w]);
     }
-    if (run_g >= 0 && run_m != 0u) atomicMax(reinterpret_cast<uint32_t*>(p.amax) + run_g, run_m);
   }
   if (!p.col) return;
-  {  // columnwise: thread -> (4 features, 4 positions): four words of the tile, byte-transposed
-    // into each feature's 4 codes. A warp's 32 loads hit 32 banks (positions 8 x 4, features 4)
-    // and its stores are 32 contiguous bytes of 4 feature rows.
-    const int lane = tid & 31, warp = tid >> 5;
-    const int pq = (lane & 7) + 8 * (warp & 1), fq = (lane >> 3) + 4 * (warp >> 1);
+  // columnwise: per iteration a thread takes 4 positions x 4 features, four words of the tile
+  // byte-transposed into each feature's 4 codes. A warp's 32 loads hit 32 banks (positions
+  // 8 x 4, features 4) and its stores are 32 contiguous bytes of 4 feature rows.
+  const int lane = tid & 31, warp = tid >> 5;
+#pragma unroll 1
+  for (int it = 0; it < (kQP / 4) * (kQC / 4) / 256; ++it) {
+    const int blk = warp + 8 * it;  // a warp's 32 x 16 block of the tile: blk % 4 along positions
+    const int pq = (lane & 7) + 8 * (blk % (kQP / 32)), fq = (lane >> 3) + 4 * (blk / (kQP / 32));
     const int64_t pos = p0 + 4 * pq, cb = c0 + 4 * fq;  // 32-bit values (checked by the handler)
-    if (cb >= p.C || pos >= p.L) return;
+    if (cb >= p.C || pos >= p.L) continue;
     const uint32_t w0 = codes[4 * pq][fq], w1 = codes[4 * pq + 1][fq];
     const uint32_t w2 = codes[4 * pq + 2][fq], w3 = codes[4 * pq + 3][fq];
     const uint32_t lo01 = __byte_perm(w0, w1, 0x5140), hi01 = __byte_perm(w0, w1, 0x7362);
@@ -224,7 +287,7 @@ ffi::Error GroupedQuantizeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
   const int64_t tiles = ((p.L + kQP - 1) / kQP) * ((p.C + kQC - 1) / kQC);
   if (tiles >= (int64_t{1} << 31)) {  // the grid's limit, and the kernel's 32-bit tile index
     return invalid(t, "x's columns C=" + std::to_string(p.C) + " and length=" + std::to_string(p.L) +
-                      " make " + std::to_string(tiles) + " 64 x 64 tiles; at most 2^31 - 1 are valid");
+                      " make " + std::to_string(tiles) + " 128 x 128 tiles; at most 2^31 - 1 are valid");
   }
   by_type(p.in_type, [&](auto tag) {
     constexpr int TYPE = decltype(tag)::value;
