@@ -19,6 +19,11 @@ import jaxquant
 
 TINY_LM = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq", "32", "--batch", "8",
            "--data-mb", "0.3", "--eval-batches", "1", "--no-progress"]
+# The examples' own default on CPU is the pure-JAX reference path, which
+# test_train_lm_writes_csv_and_plot_and_loss_falls keeps; the other runs take the FFI kernels'
+# CPU handlers (`--backend auto`), whose steps compile in about half the CPU time (~40 CPU-s
+# less here; the reference's numerics are tested op by op against them elsewhere).
+AUTO = ["--backend", "auto"]
 
 
 def _example(name: str):
@@ -100,7 +105,7 @@ def test_dense_dropin_trains_both_models_from_the_same_parameters(seed):
   dense_dropin = _example("dense_dropin")
   result = dense_dropin.main(["--recipe", "fp8_current", "--steps", "25", "--batch", "64",
                               "--hidden", "64", "--dim", "32", "--classes", "8", "--lr", "1e-2",
-                              "--print-every", "5", "--seed", str(seed % 10_000)])
+                              "--print-every", "5", "--seed", str(seed % 10_000), *AUTO])
   baseline, quantized = (result["losses"][n] for n in result["names"])
   assert len(baseline) == len(quantized) == 25
   # Same initial parameters and batch: FP8 rounding moves the first loss only slightly ...
@@ -115,7 +120,7 @@ def test_custom_factory_explain_shows_which_quantizer_served_each_role():
   custom_factory = _example("custom_factory")
   result = custom_factory.main(["--steps", "3", "--d-model", "32", "--layers", "1",
                                 "--heads", "2", "--seq", "32", "--batch", "4",
-                                "--data-mb", "0.3", "--no-progress"])
+                                "--data-mb", "0.3", "--no-progress", *AUTO])
   quantize = [d for d in result["report"] if d.op == "quantize"]
   served = {(d.role.name, d.role.tensor_type, d.detail.split(":")[0]): d.detail for d in quantize}
   assert {name for name, _, _ in served} == {"qkv", "proj", "fc1", "fc2", "lm_head"}
@@ -167,8 +172,9 @@ def test_lm_scan_layers_and_remat_compute_the_unrolled_models_loss_and_gradients
                                want_grads["params"]["lm_head"]["kernel"], rtol=1e-4, atol=1e-6)
 
 
-def test_nnx_quantize_trains_bf16_and_the_swapped_fp8_model_alike(capsys):
+def test_nnx_quantize_trains_bf16_and_the_swapped_fp8_model_alike(capsys, monkeypatch):
   nnx_quantize = _example("nnx_quantize")
+  monkeypatch.setenv("JAXQUANT_BACKEND", "auto")  # (AUTO: this example has no --backend)
   result = nnx_quantize.main(["--steps", "60", "--d-model", "32", "--layers", "1", "--heads",
                               "2", "--seq", "32", "--batch", "8", "--data-mb", "0.3",
                               "--warmup", "5", "--log-every", "20", "--lr", "1e-2"])
