@@ -148,6 +148,12 @@ class _JaxquantMLP(nn.Module):
     return jf.Dense(N, name="fc2", recipe=self.recipe)(nn.gelu(x))
 
 
+def _init(init, *args):
+  """`init` as one compiled program (a fresh function, traced here: inside the caller's
+  `quantize_dense`); eagerly it ran the quantized forward op by op (~10 CPU-s over this file)."""
+  return jax.jit(lambda key, *args: init(key, *args))(jax.random.key(0), *args)
+
+
 def _flax_step_one(apply, variables, x, c):
   def loss(v):
     y = apply(v, x)
@@ -165,10 +171,10 @@ def test_flax_step_one_equals_current_scaling(rng, build):
     if build == "quantize_dense":
       model = _PlainMLP()
       with jf.quantize_dense(recipe):
-        results[name] = _flax_step_one(model.apply, model.init(jax.random.key(0), x), x, c)
+        results[name] = _flax_step_one(model.apply, _init(model.init, x), x, c)
     else:
       model = _JaxquantMLP(recipe)
-      results[name] = _flax_step_one(model.apply, model.init(jax.random.key(0), x), x, c)
+      results[name] = _flax_step_one(model.apply, _init(model.init, x), x, c)
   assert_same_leaves(results["delayed"], results["current"], build)
 
 
@@ -182,7 +188,7 @@ def test_grouped_dense_step_one_equals_current_scaling_per_expert(rng):
   results = {}
   for name, recipe in (("delayed", jq.DelayedScaling()), ("current", jq.Float8CurrentScaling())):
     model = jf.GroupedDense(N, num_groups=groups, recipe=recipe)
-    variables = model.init(jax.random.key(0), x, sizes)
+    variables = _init(model.init, x, sizes)
     results[name] = _flax_step_one(lambda v, x: model.apply(v, x, sizes), variables, x, c)
   if jax.default_backend() == "cpu":
     assert_same_leaves(results["delayed"], results["current"], "grouped")

@@ -49,15 +49,22 @@ def _x(rng, shape=(B, L, D)):
 
 def _init(model, x, **swap):
   with jf.quantize_dense(RECIPE, **swap):
-    return model.init(jax.random.key(0), x)
+    return _jit_init(model, x)
+
+
+def _jit_init(model, x):
+  """`model.init` as one compiled program, traced here (inside the caller's `quantize_dense`; a
+  fresh function: no trace shared with another context). An eager init runs the quantized
+  forward op by op (~10 CPU-s over this file)."""
+  return jax.jit(lambda key, x: model.init(key, x))(jax.random.key(0), x)
 
 
 def test_parameter_trees_are_unchanged(rng):
   x = _x(rng)
-  plain = _Block().init(jax.random.key(0), x)
+  plain = _jit_init(_Block(), x)
   assert_same_leaves(_init(_Block(), x), plain, "current scaling")
   with jf.quantize_dense(jq.DelayedScaling()):
-    delayed = _Block().init(jax.random.key(0), x)
+    delayed = _jit_init(_Block(), x)
   assert_same_leaves(delayed["params"], plain["params"], "delayed scaling")
   state = delayed[jf.OVERWRITE_WITH_GRADIENT]
   assert set(state["attention"]) == {"query", "key", "value", "out"}
@@ -80,7 +87,7 @@ def _hand_built_attention(params, x):
 def test_attention_equals_hand_built_jaxquant_dense(rng):
   x, c = _x(rng), _x(rng)
   model = nn.MultiHeadDotProductAttention(num_heads=HEADS, name="attention")
-  params = {"attention": _Block().init(jax.random.key(0), x)["params"]["attention"]}
+  params = {"attention": _jit_init(_Block(), x)["params"]["attention"]}
 
   def swapped(p, x):
     with jf.quantize_dense(RECIPE):
@@ -146,9 +153,9 @@ class _Einsums(nn.Module):
 def test_einsum_equals_hand_built_jaxquant_dense(rng):
   x = _x(rng)
   model = _Einsums()
-  plain = model.init(jax.random.key(0), x)
+  plain = _jit_init(model, x)
   with jf.quantize_dense(RECIPE):
-    variables = model.init(jax.random.key(0), x)
+    variables = _jit_init(model, x)
     got = jax.jit(model.apply)(variables, x)
   assert_same_leaves(variables, plain, "parameters")
   p = variables["params"]
@@ -173,7 +180,7 @@ def test_einsum_it_cannot_express_is_reported_and_left_to_flax(rng):
   x = _x(rng)
   model = _Einsums()
   with jf.quantize_dense(RECIPE):
-    variables = model.init(jax.random.key(0), x)
+    variables = jax.eval_shape(model.init, jax.random.key(0), x)  # explain only traces
     report = jq.explain(model.apply, variables, x)
   skipped = [d for d in report if d.path == "not-quantized"]
   assert [d.role.name for d in skipped] == ["pool"], str(report)
@@ -199,7 +206,7 @@ def test_identity_recipe_equals_the_unswapped_model_bitwise(rng, model):
   """An all-Identity recipe runs each layer's own Flax contraction, differentiated by JAX: the
   swapped model is Flax's, outputs and gradients bit for bit."""
   x = _x(rng)
-  variables = model.init(jax.random.key(0), x)
+  variables = _jit_init(model, x)
   value_and_grad = jax.value_and_grad(lambda v, x: jnp.mean(model.apply(v, x) ** 2),
                                       argnums=(0, 1))
   want = jax.jit(value_and_grad)(variables, x)

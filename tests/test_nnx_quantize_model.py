@@ -168,7 +168,9 @@ def test_roles_carry_the_attribute_name_and_the_full_path(rng):
 
   model = Model(nnx.Rngs(0))
   jnnx.quantize_model(model, jq.CustomRecipe(factory))
-  nnx.grad(lambda m: jnp.sum(m(_x(rng))))(model)
+  x = _x(rng)
+  # traced only: the roles are asked for while tracing (run eagerly, op by op, ~13 CPU-s)
+  nnx.eval_shape(lambda m: nnx.grad(lambda m: jnp.sum(m(x)))(m), model)
   assert ("linear", "weight", "qkv_einsum", "layers/0/attn/qkv_einsum") in seen
   assert ("linear", "grad_output", "1", "layers/1/mlp/1") in seen
   assert {path for *_, path in seen} == PATHS - {"layers/1/shared"}
@@ -243,12 +245,16 @@ def test_identity_recipe_equals_the_unswapped_layer(rng, core_backend, layer):
   make, shape = LAYERS[layer]
   x = _x(rng, shape)
   flax_layer, swapped = make(nnx.Rngs(0)), _swapped(make, IDENTITY)
-  c = _x(rng, flax_layer(x).shape)
-  loss = lambda m, x: jnp.sum(m(x) * c)
-  forward = nnx.jit(lambda m, x: m(x))
-  grads = nnx.jit(nnx.grad(loss, argnums=(0, 1)))
-  (g, gx), (g_ref, gx_ref) = grads(swapped, x), grads(flax_layer, x)
-  _assert_bitwise_equal(forward(swapped, x), forward(flax_layer, x))
+  c = _x(rng, nnx.eval_shape(lambda m: m(x), flax_layer).shape)
+
+  def loss(m, x):
+    y = m(x)
+    return jnp.sum(y * c), y
+
+  # y and the gradients from one program per side (two each before: ~5 CPU-s in all)
+  step = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+  ((_, y), (g, gx)), ((_, y_ref), (g_ref, gx_ref)) = step(swapped, x), step(flax_layer, x)
+  _assert_bitwise_equal(y, y_ref)
   _assert_bitwise_equal(gx, gx_ref)
   got, want = _param_grads(g), _param_grads(g_ref)
   assert list(got) == list(want) and len(got) == 1 + (flax_layer.bias is not None)
@@ -264,11 +270,14 @@ def test_identity_recipe_equals_the_unswapped_model(rng, core_backend):
   x = _x(rng)
   flax_model, model = Model(nnx.Rngs(0)), Model(nnx.Rngs(0))
   jnnx.quantize_model(model, IDENTITY)
-  loss = lambda m, x: jnp.mean(jnp.square(m(x)))
-  grads = nnx.jit(nnx.grad(loss, argnums=(0, 1)))
-  forward = nnx.jit(lambda m, x: m(x))
-  _assert_bitwise_equal(forward(model, x), forward(flax_model, x))
-  (g, gx), (g_ref, gx_ref) = grads(model, x), grads(flax_model, x)
+
+  def loss(m, x):
+    y = m(x)
+    return jnp.mean(jnp.square(y)), y
+
+  step = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))  # y and gradients
+  ((_, y), (g, gx)), ((_, y_ref), (g_ref, gx_ref)) = step(model, x), step(flax_model, x)
+  _assert_bitwise_equal(y, y_ref)
   _assert_bitwise_equal(gx, gx_ref)
   got, want = _param_grads(g), _param_grads(g_ref)
   assert list(got) == list(want) and len(got) == 2 * 9 + 2  # 9 per block, 2 of the shared Linear
@@ -313,9 +322,17 @@ def _hand_built(layer, module, recipe, x, kernel, key):
 
 # The swap does not depend on the format, except where the recipe needs a key (NVFP4's stochastic
 # rounding and RHT), a state (delayed scaling) or whole 2-D weight blocks in the layer's kernel
-# layout (Float8Block): those recipes take every layer; per-tensor current scaling and MXFP8,
-# which need none of that, one layer each.
-FEW_LAYERS = {"fp8_current": ("einsum_head_batch",), "mxfp8": ("linear_general_batch",)}
+# layout (NVFP4's 16x16, Float8Block's 128x128): delayed scaling takes every layer; NVFP4 the
+# layers whose keys or kernel layout differ (one key per batch element, 2 contracting axes, a
+# transposed 4-D kernel); Float8Block (its 128x128 block is the whole kernel at these sizes)
+# the two layouts NVFP4 skips, so every layer meets 2-D weight blocks; per-tensor current
+# scaling and MXFP8, which need none of that, one layer each. (NVFP4 and Float8Block on every
+# layer took ~45 CPU-s more; the two NVFP4 skips are [K, N] and [N, H, D] kernels like ones it
+# takes.)
+FEW_LAYERS = {"fp8_current": ("einsum_head_batch",), "mxfp8": ("linear_general_batch",),
+              "nvfp4": ("linear", "linear_general", "linear_general_batch", "einsum_qkv",
+                        "einsum_head_batch"),
+              "fp8_block": ("einsum_out", "einsum_ellipsis")}
 
 
 @pytest.mark.parametrize("layer", LAYERS)
@@ -373,9 +390,11 @@ def _hand_built_model(model, recipe, x, key):
   return x
 
 
-# The whole model once with a key (NVFP4) and once with states (delayed scaling); every format
-# meets every layer kind in test_swapped_layer_equals_hand_built_dense.
-@pytest.mark.parametrize("recipe_name", ["fp8_delayed", "nvfp4"])
+# The whole model under delayed scaling (a state per module, the shared module's once). The
+# forward uses no key (NVFP4 draws random bits for its gradients only), so an NVFP4 model (~30
+# CPU-s) checked nothing the layers do not: NVFP4 meets the layer kinds, with gradients, in
+# test_swapped_layer_equals_hand_built_dense.
+@pytest.mark.parametrize("recipe_name", ["fp8_delayed"])
 def test_swapped_model_equals_hand_built_dense(rng, core_backend, recipe_name):
   """The whole swapped model (lists, a shared module, einsum / Linear / LinearGeneral layouts,
   roles named by path) computes its hand-built `jaxquant.dense` contractions bit for bit."""
@@ -430,15 +449,18 @@ def test_autocast_reaches_modules_swapped_without_a_recipe(rng, core_backend):
   model, flax_model = Model(nnx.Rngs(0)), Model(nnx.Rngs(0))
   jnnx.quantize_model(model, None)
   x = _x(rng)
-  _assert_bitwise_equal(nnx.jit(lambda m: m(x))(model), nnx.jit(lambda m: m(x))(flax_model))
+  y_flax = nnx.jit(lambda m: m(x))(flax_model)
+  _assert_bitwise_equal(nnx.jit(lambda m: m(x))(model), y_flax)
   assert not seen
+  # The recipe is read while tracing: the recording traced only, the FP8 model in one compiled
+  # program inside the context (both ran eagerly before, op by op: ~10 CPU-s).
   with jq.autocast(recording):
-    model(x)
+    nnx.eval_shape(lambda m: m(x), model)
   assert {r.path for r in seen if r is not None} == PATHS - {"layers/1/shared"}
   fp8 = jq.Float8CurrentScaling()
   with jq.autocast(fp8):
-    y_fp8 = model(x)
-  assert not np.array_equal(np.asarray(y_fp8), np.asarray(flax_model(x)))
+    y_fp8 = nnx.jit(lambda m: m(x))(model)
+  assert not np.array_equal(np.asarray(y_fp8), np.asarray(y_flax))
 
 
 def test_stochastic_rounding_draws_from_the_quantize_stream_given_to_the_swap(rng):
