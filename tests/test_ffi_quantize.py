@@ -162,10 +162,20 @@ def test_quantize_both_directions_matches_reference(platform, name, rng, prng_ke
     check(platform, rng, prng_key, name, shape)
 
 
+# Configs that differ from another one only in each element's arithmetic (E5M2, scales not
+# powers of two, an epsilon): that arithmetic does not depend on the copies asked for, and each
+# meets both directions and the special values in the tests around. On the CPU the single
+# direction layouts take the other configs (~10 CPU-s less); the GPU takes every one.
+ELEMENT_VARIANTS = ("fp8_current_e5m2", "fp8_current_pow2_eps", "fp8_delayed_e5m2", "mxfp8_e5m2",
+                    "block_1x128_e5m2_nopow2_eps", "block_128x128_nopow2")
+
+
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("name", CONFIGS)
 @pytest.mark.parametrize("direction", ["rowwise", "columnwise"])
 def test_quantize_one_direction_matches_reference(platform, name, direction, rng, prng_key):
+  if platform == "cpu" and name in ELEMENT_VARIANTS:
+    pytest.skip(f"{name}: another config's layouts (its arithmetic: the other tests)")
   if _uses_rht(CONFIGS[name]):
     shape = (16, 48) if direction == "rowwise" else (48, 130)
   else:  # a single row; an odd row count (odd FP4 rows of the transposed copy)

@@ -52,7 +52,9 @@ def _device(platform: str):
 
 
 def _shapes(platform):
-  return SHAPES + (GPU_SHAPES if platform == "gpu" else [])
+  # On the CPU (CI) the three with odd and partial tiles and one row (100 x 72 adds rows not a
+  # multiple of 16/32/128, as 37 x 33 does: ~20 CPU-s over the formats).
+  return SHAPES + GPU_SHAPES if platform == "gpu" else SHAPES[1:]
 
 
 def _state(name, q, rng):
@@ -227,14 +229,25 @@ def check_activation(platform, rng, kind, activation, gated, name, shape, *, dty
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("kind", ["activation", "activation_grad"])
 def test_activation_quantize_matches_reference(platform, kind, activation, gated, rng):
-  for shape in [(100, 72), (37, 33)] + ([(1000, 1536), (130, 2056)] if platform == "gpu" else []):
+  # Each activation's arithmetic on one odd shape on the CPU (CI; 100 x 72 too took ~30 CPU-s);
+  # test_activation_formats_match_reference takes other shapes (130 x 96, one row).
+  shapes = [(37, 33)] if platform == "cpu" else [(100, 72), (37, 33), (1000, 1536), (130, 2056)]
+  for shape in shapes:
     check_activation(platform, rng, kind, activation, gated, "fp8_delayed", shape)
+
+
+# Quantizers that differ from another only in each element's arithmetic (E5M2, power-of-two
+# scales), which the norm tests take with every format: on the CPU the activations take the
+# others (~15 CPU-s less); the GPU takes every one.
+ELEMENT_VARIANTS = ("fp8_current_e5m2_pow2", "mxfp8_e5m2")
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("name", QUANTIZERS)
 @pytest.mark.parametrize("kind", ["activation", "activation_grad"])
 def test_activation_formats_match_reference(platform, kind, name, rng):
+  if platform == "cpu" and name in ELEMENT_VARIANTS:
+    pytest.skip(f"{name}: another quantizer's layouts (its arithmetic: the norm tests)")
   for shape in [(130, 96), (1, 40)] + ([(4096, 520)] if platform == "gpu" else []):
     check_activation(platform, rng, kind, "gelu", True, name, shape)
 

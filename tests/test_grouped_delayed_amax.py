@@ -183,8 +183,9 @@ def _check_gated(rng, tokens: int, features: int, groups: int, dtype):
 
 # ------------------------------------ CPU (CI) and any backend --------------------------------
 
-@pytest.mark.parametrize("fresh", ["none", "some"])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+# The input dtype (the handler's loads) and fresh groups (the gate) are independent: each value
+# once, in two cases (all four pairs took ~9 CPU-s more; the GPU test below takes both dtypes).
+@pytest.mark.parametrize("dtype,fresh", [(jnp.bfloat16, "none"), (jnp.float32, "some")])
 def test_delayed_grouped_quantize_records_the_reference_amax(rng, dtype, fresh):
   for groups in (1, 5):
     _check_tokens(rng, "e4m3", 90, 40, groups, dtype, fresh, specials=True, spare=6)
@@ -261,6 +262,10 @@ def _check_boundaries(rng, groups: int, dtype, descending: bool):
 def test_delayed_grouped_amax_keeps_groups_sharing_a_warp_apart(rng, dtype, descending):
   """Each group's recorded amax counts its own rows only where groups share a warp and a tile
   of the quantize kernel (on GPU: the CTA-reduced first group and the warp-reduced later ones)."""
+  if jax.default_backend() == "cpu" and (dtype == jnp.bfloat16) != descending:
+    # The CPU handler takes each order and each input dtype once (all four pairs took ~10
+    # CPU-s more): the order shows a leak either way through one group lookup for both dtypes.
+    pytest.skip("on the CPU: bfloat16 descending and float32 ascending")
   for groups in (8, 64):
     _check_boundaries(rng, groups, dtype, descending)
 

@@ -93,7 +93,8 @@ def _assert_close(actual, expected, msg):
 
 # Per-tensor FP8 once, with a state (delayed scaling): current scaling's grouped quantize and
 # GEMMs are the same kernels (tests/test_grouped_ffi.py and test_grouped_ops.py check them).
-@pytest.mark.parametrize("name", [n for n in RECIPES if n != "fp8_current"])
+# MXFP8 as the MoE recipe's backward and custom_hybrid's weights (all-MXFP8 took ~12 CPU-s).
+@pytest.mark.parametrize("name", [n for n in RECIPES if n not in ("fp8_current", "mxfp8")])
 def test_grouped_dense_equals_a_loop_of_dense(rng, prng_key, name):
   quantizers = DenseQuantizers.from_recipe(RECIPES[name], "grouped_linear", "experts")
   sizes = _sizes(rng)

@@ -123,6 +123,13 @@ def _matches_kernel(source, kernel) -> bool:
   return False
 
 
+# GroupedDense (the slowest here, eager) takes per-tensor FP8 through its stateful quantize,
+# NVFP4, and MXFP8 beside an Identity direction (hybrid_identity_dgrad); its current-scaling and
+# plain MXFP8 cases (~15 CPU-s) quantize experts by the same code with another quantizer, and
+# Dense and nnx.Linear still take every recipe.
+GROUPED_RECIPES = ("fp8_delayed", "nvfp4", "hybrid_identity_dgrad")
+
+
 @pytest.mark.parametrize("module", ["Dense", "GroupedDense", "nnx.Linear"])
 @pytest.mark.parametrize("name", ["fp8_current", "fp8_delayed", "mxfp8", "nvfp4",
                                   "hybrid_identity_dgrad"])
@@ -130,6 +137,8 @@ def test_float32_params_are_quantized_from_the_float32_kernel(rng, monkeypatch, 
   """The weight storages of a float32-params module are the reference quantize of the float32
   kernel bit for bit (not of its bf16 rounding); an Identity direction holds the kernel cast to
   bf16."""
+  if module == "GroupedDense" and name not in GROUPED_RECIPES:
+    pytest.skip(f"GroupedDense takes {GROUPED_RECIPES} (the same expert quantize)")
   init, apply, kernel_of = _models(RECIPES[name])[module]
   x, sizes, dy = _inputs(rng)
   state = init(x, sizes)

@@ -82,6 +82,9 @@ def test_remat_quantizes_each_weight_once_per_step(ffi_backend, recipe, scan, se
   """`--remat` recomputes each block's forward in the backward; `jaxquant.remat_policy()` keeps
   the quantized weights, so the recomputed forward does not quantize them again. (Before, the
   scanned model quantized each block weight twice: 17 for these 9 weights.)"""
+  if recipe == "fp8_delayed" and scan:
+    pytest.skip("test_grad_accum_quantizes_each_weight_once_per_step[scanned] counts a "
+                "scanned, rematerialized delayed-scaling step (this case took ~8 CPU-s)")
   config = dataclasses.replace(CONFIG, remat=True, scan_layers=scan)
   text, kernels = _compiled_step(config, RECIPES[recipe](), seed)
   assert len(kernels) == 9
@@ -195,12 +198,14 @@ def test_grad_accum_advances_weight_states_once_and_the_others_per_micro_batch(s
 
 
 def test_train_lm_grad_accum_flag_trains(tmp_path, seed):
+  # `--backend auto`: the FFI kernels' CPU handlers compile the step in about half the
+  # reference path's CPU time; the flag's plumbing does not depend on the backend.
   import train_lm
   result = train_lm.main(["--recipe", "fp8_delayed", "--steps", "3", "--eval-every", "3",
                           "--grad-accum", "4", "--seed", str(seed % 10_000), "--out",
                           str(tmp_path), "--d-model", "32", "--layers", "1", "--heads", "2",
                           "--seq", "32", "--batch", "8", "--data-mb", "0.3",
-                          "--eval-batches", "1", "--no-progress"])
+                          "--eval-batches", "1", "--no-progress", "--backend", "auto"])
   history = result["histories"][0]
   assert len(history.step_losses) == 3 and all(np.isfinite(history.step_losses))
   with pytest.raises(SystemExit):

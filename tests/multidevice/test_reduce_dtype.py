@@ -122,7 +122,11 @@ def test_fp8_reduces_no_more_bytes_than_bf16(mesh_name, devices, rng, ffi_backen
     assert payload["fp8_f32"] >= 1.9 * payload["bf16"], payload
   # Values and gradients of each layer on its own (per_layer.py says why not the whole
   # model), in both modes: bf16 outputs, and partial sums rounded to bf16 and reduced in bf16
-  # (bounds.py: s * 2^-8 * sum|terms| for s shards) or in float32.
+  # (bounds.py: s * 2^-8 * sum|terms| for s shards) or in float32. On the dp x tp mesh, whose
+  # layers reduce over both axes (fc2's K over tp, the weight gradients' tokens over dp), where
+  # it can be made (on the dp and tp meshes too these took ~10 CPU-s more).
+  if mesh_name != "dp_tp" and len(devices) >= 4:
+    return
   for name in ("fp8", "fp8_f32"):
     model = MLP(jq.Float8CurrentScaling(), None if name == "fp8" else jnp.float32)
     per_layer.assert_layers_match_single_device(model, variables, x, mesh, RULES, rng)
