@@ -37,7 +37,8 @@ namespace {
 // load phase a thread holds 8 consecutive features of one row per pass (16 rows a pass, 8
 // passes) and issues a batch of passes' loads before using any: 128 bytes of x in flight a
 // thread (the earlier 64 x 64 tile's 32 bytes a thread left the kernel latency-bound at
-// ~2.3 TB/s, Nsight Compute in bench/RESULTS.md). A tile row is 32 words of FP8 codes, padded to 33 (conflict-free column loads).
+// ~2.3 TB/s, Nsight Compute in bench/RESULTS.md). A tile row is 32 words of FP8 codes, padded
+// to 33 (conflict-free column loads).
 constexpr int kQP = 128, kQC = 128;
 constexpr int kRowsPerPass = 256 / (kQC / 8), kPasses = kQP / kRowsPerPass;
 constexpr int kTileWords = kQC / 4 + 1;
