@@ -1,0 +1,108 @@
+"""Fine-grained experts: the grouped GEMMs of equal small groups against the batched GEMM of the
+same per-group shapes (one card, one process).
+
+With every group the same size, the grouped problem is also a batched one, so XLA's batched
+GEMM (`einsum` over [G, m, K]: cuBLAS or XLA's own GEMM emitter, whichever XLA picks) is a peer
+that does exactly the same FLOPs without a grouped kernel's per-group work (CUTLASS's pointer-
+array kernel rewrites its TMA descriptors whenever a CTA moves to another group). The dense
+GEMM of the same FLOPs is the roofline peer. Rows: the no-recipe bfloat16 GEMMs as
+`GroupedDense` runs them (NN forward, TN dgrad, NT wgrad) and the per-tensor FP8 GEMMs of a
+Float8CurrentScaling step (TN, wgrad on the 16-token layout).
+
+    python bench/small_groups.py                        # 64 experts x 256 rows, K 2048, N 1408
+    python bench/small_groups.py --groups 128 --rows 128
+    python bench/small_groups.py --once                 # each GEMM once after compiling (ncu)
+    python bench/small_groups.py --tiny                 # CPU smoke check
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxquant as jq
+import jaxquant.grouped as jg
+from jaxquant.backends.ffi.grouped import bf16
+from timing import bench, card  # bench/timing.py
+
+
+def einsum(spec: str):
+  return jax.jit(lambda a, b: jnp.einsum(spec, a, b, preferred_element_type=jnp.bfloat16))
+
+
+def cases(groups: int, rows: int, k: int, n: int, seed: int):
+  """(name, function, operands) of every GEMM to time; the FLOPs are 2 G rows K N each."""
+  rng = np.random.default_rng(seed)
+  t = groups * rows
+  sizes = jnp.full((groups,), rows, jnp.int32)
+  starts = bf16.group_starts(sizes)
+  x = jnp.asarray(rng.standard_normal((t, k), np.float32), jnp.bfloat16)
+  dy = jnp.asarray(rng.standard_normal((t, n), np.float32), jnp.bfloat16)
+  kernel = jnp.asarray(rng.standard_normal((groups, k, n), np.float32), jnp.bfloat16)
+  out = jnp.bfloat16
+  yield ("dense bf16 [T,K] x [K,N]", einsum("tk,kn->tn"), (x, kernel[0]))
+  xb, dyb = x.reshape(groups, rows, k), dy.reshape(groups, rows, n)
+  yield ("batched bf16 fprop", einsum("gtk,gkn->gtn"), (xb, kernel))
+  yield ("batched bf16 dgrad", einsum("gtn,gkn->gtk"), (dyb, kernel))
+  yield ("batched bf16 wgrad", einsum("gtk,gtn->gkn"), (xb, dyb))
+  yield ("grouped bf16 fprop (NN)", jax.jit(
+      lambda x, w, s: bf16.gemm(x, w, s, mode=0, out_dtype=out, b_k_major=False)),
+      (x, kernel, starts))
+  yield ("grouped bf16 dgrad (TN)", jax.jit(
+      lambda d, w, s: bf16.gemm(d, w, s, mode=0, out_dtype=out)), (dy, kernel, starts))
+  yield ("grouped bf16 wgrad (NT)", jax.jit(
+      lambda x, d, s: bf16.gemm(x, d, s, mode=1, out_dtype=out, a_k_major=False,
+                                b_k_major=False)), (x, dy, starts))
+  fp8 = jq.Float8CurrentScalingQuantizer()
+  a = jax.jit(lambda x, s: jg.quantize(x, s, fp8, columnwise=True, col_block=16))(x, sizes)
+  c = jax.jit(lambda d, s: jg.quantize(d, s, fp8, col_block=16))(dy, sizes)
+  w = jax.jit(lambda w: jg.quantize_experts(jnp.swapaxes(w, 1, 2), fp8))(kernel)
+  gemm = jax.jit(lambda a, b: jg.gemm(a, b))
+  yield ("grouped fp8 fprop", gemm, (a.rowwise, w.rowwise))
+  yield ("grouped fp8 dgrad", gemm, (c.rowwise, w.columnwise))
+  yield ("grouped fp8 wgrad", gemm, (a.columnwise, c.columnwise))
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--groups", type=int, default=64)
+  parser.add_argument("--rows", type=int, default=256, help="rows (tokens) of every group")
+  parser.add_argument("--k", type=int, default=2048)
+  parser.add_argument("--n", type=int, default=1408)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--once", action="store_true",
+                      help="compile every GEMM, then run each once (for a profiler's filter)")
+  parser.add_argument("--only", default="", help="run only the cases whose name contains this")
+  parser.add_argument("--tiny", action="store_true", help="tiny shapes, one timed call (CPU)")
+  args = parser.parse_args(argv)
+  if args.tiny:
+    args.groups, args.rows, args.k, args.n = 4, 16, 64, 32
+  timing = dict(repeats=1, calls=1, warmup=1) if args.tiny else dict(repeats=5, calls=10)
+  flops = 2 * args.groups * args.rows * args.k * args.n
+  print(f"card: {card()}; jax {jax.__version__}; {args.groups} groups x {args.rows} rows, "
+        f"K {args.k}, N {args.n}: {flops / 1e9:.1f} GFLOP a GEMM", flush=True)
+  selected = [c for c in cases(args.groups, args.rows, args.k, args.n, args.seed)
+              if args.only in c[0]]
+  if args.once:
+    for name, fn, ops in selected:
+      jax.block_until_ready(fn(*ops))
+    for name, fn, ops in selected:
+      print(f"  once: {name}", flush=True)
+      jax.block_until_ready(fn(*ops))
+    return 0
+  dense = None
+  for name, fn, ops in selected:
+    sec = bench(fn, *ops, **timing)
+    dense = sec if name.startswith("dense") else dense
+    ratio = f"  {dense / sec:4.2f}x dense" if dense else ""
+    print(f"  {name:28s} {sec * 1e3:8.3f} ms {flops / sec / 1e12:7.1f} TFLOP/s{ratio}",
+          flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
