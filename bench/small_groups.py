@@ -11,6 +11,7 @@ Float8CurrentScaling step (TN, wgrad on the 16-token layout).
 
     python bench/small_groups.py                        # 64 experts x 256 rows, K 2048, N 1408
     python bench/small_groups.py --groups 128 --rows 128
+    python bench/small_groups.py --configs bf16_pingpong128,epi64 --only wgrad
     python bench/small_groups.py --once                 # each GEMM once after compiling (ncu)
     python bench/small_groups.py --tiny                 # CPU smoke check
 """
@@ -18,6 +19,7 @@ Float8CurrentScaling step (TN, wgrad on the 16-token layout).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import jax
@@ -26,7 +28,7 @@ import numpy as np
 
 import jaxquant as jq
 import jaxquant.grouped as jg
-from jaxquant.backends.ffi.grouped import bf16
+from jaxquant.backends.ffi.grouped import bf16, sm90_configs
 from timing import bench, card  # bench/timing.py
 
 
@@ -34,8 +36,10 @@ def einsum(spec: str):
   return jax.jit(lambda a, b: jnp.einsum(spec, a, b, preferred_element_type=jnp.bfloat16))
 
 
-def cases(groups: int, rows: int, k: int, n: int, seed: int):
-  """(name, function, operands) of every GEMM to time; the FLOPs are 2 G rows K N each."""
+def cases(groups: int, rows: int, k: int, n: int, seed: int, grouped_only: bool = False):
+  """(name, function, operands) of every GEMM to time (the grouped ones only: traced under
+  the CUTLASS configuration `JAXQUANT_SM90_CONFIG` names now); the FLOPs are 2 G rows K N
+  each."""
   rng = np.random.default_rng(seed)
   t = groups * rows
   sizes = jnp.full((groups,), rows, jnp.int32)
@@ -44,11 +48,12 @@ def cases(groups: int, rows: int, k: int, n: int, seed: int):
   dy = jnp.asarray(rng.standard_normal((t, n), np.float32), jnp.bfloat16)
   kernel = jnp.asarray(rng.standard_normal((groups, k, n), np.float32), jnp.bfloat16)
   out = jnp.bfloat16
-  yield ("dense bf16 [T,K] x [K,N]", einsum("tk,kn->tn"), (x, kernel[0]))
-  xb, dyb = x.reshape(groups, rows, k), dy.reshape(groups, rows, n)
-  yield ("batched bf16 fprop", einsum("gtk,gkn->gtn"), (xb, kernel))
-  yield ("batched bf16 dgrad", einsum("gtn,gkn->gtk"), (dyb, kernel))
-  yield ("batched bf16 wgrad", einsum("gtk,gtn->gkn"), (xb, dyb))
+  if not grouped_only:
+    yield ("dense bf16 [T,K] x [K,N]", einsum("tk,kn->tn"), (x, kernel[0]))
+    xb, dyb = x.reshape(groups, rows, k), dy.reshape(groups, rows, n)
+    yield ("batched bf16 fprop", einsum("gtk,gkn->gtn"), (xb, kernel))
+    yield ("batched bf16 dgrad", einsum("gtn,gkn->gtk"), (dyb, kernel))
+    yield ("batched bf16 wgrad", einsum("gtk,gtn->gkn"), (xb, dyb))
   yield ("grouped bf16 fprop (NN)", jax.jit(
       lambda x, w, s: bf16.gemm(x, w, s, mode=0, out_dtype=out, b_k_major=False)),
       (x, kernel, starts))
@@ -77,6 +82,10 @@ def main(argv=None) -> int:
   parser.add_argument("--once", action="store_true",
                       help="compile every GEMM, then run each once (for a profiler's filter)")
   parser.add_argument("--only", default="", help="run only the cases whose name contains this")
+  parser.add_argument("--configs", type=lambda v: [c for c in v.split(",") if c], default=[],
+                      metavar="NAME,...", help="also time the grouped GEMMs under each of these "
+                      "CUTLASS configurations (sm90_configs; those without an instance for a "
+                      "GEMM's operands are skipped)")
   parser.add_argument("--tiny", action="store_true", help="tiny shapes, one timed call (CPU)")
   args = parser.parse_args(argv)
   if args.tiny:
@@ -101,6 +110,24 @@ def main(argv=None) -> int:
     ratio = f"  {dense / sec:4.2f}x dense" if dense else ""
     print(f"  {name:28s} {sec * 1e3:8.3f} ms {flops / sec / 1e12:7.1f} TFLOP/s{ratio}",
           flush=True)
+  for config in args.configs:
+    sm90_configs.parse(config)
+    os.environ[sm90_configs.ENV] = config
+    try:
+      for name, fn, ops in cases(args.groups, args.rows, args.k, args.n, args.seed, True):
+        if args.only not in name:
+          continue
+        try:
+          sec = bench(fn, *ops, **timing)
+        except ValueError as e:  # no instance of this configuration for these operands
+          if "has instances for" not in str(e):
+            raise
+          continue
+        ratio = f"  {dense / sec:4.2f}x dense" if dense else ""
+        print(f"  {name + ' [' + config + ']':40s} {sec * 1e3:8.3f} ms "
+              f"{flops / sec / 1e12:7.1f} TFLOP/s{ratio}", flush=True)
+    finally:
+      os.environ.pop(sm90_configs.ENV, None)
   return 0
 
 

@@ -91,6 +91,14 @@ CONFIGS = {c.name: c for c in (
                _BF16_LAYOUTS + (BF16_NT_F32, BF16_TN_BF16_ROWS)),
     Sm90Config("bf16_pingpong", 8, (64, 128, 128), (1, 1), "pingpong", "float32",
                _BF16_LAYOUTS),
+    # short-K wgrads (fine-grained experts): wider epilogue subtiles (128 x 64), or bf16
+    # pingpong on 128 x 128 tiles
+    Sm90Config("epi64", 9, (128, 128, 128), (1, 2), "cooperative, 128x64 epilogue", "split",
+               (PER_TENSOR_E4M3_BF16,)),
+    Sm90Config("bf16_epi64", 10, (128, 256, 64), (1, 2), "cooperative, 128x64 epilogue",
+               "float32", _BF16_LAYOUTS),
+    Sm90Config("bf16_pingpong128", 11, (128, 128, 64), (1, 2), "pingpong", "float32",
+               _BF16_LAYOUTS),
 )}
 DEFAULT = CONFIGS["default"]
 BF16_DEFAULT = CONFIGS["bf16"]
