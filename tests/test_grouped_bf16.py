@@ -233,6 +233,7 @@ def test_the_kernel_is_cuda_only_and_says_so():
 def test_bf16_configurations_their_choice_and_errors(monkeypatch):
   """The bfloat16 configurations: automatic by layout and group size (the rule measured on an
   H100: forward NN "bf16" for large groups else "bf16_c2x1", wgrad NT the reverse, TN "bf16_c2x1";
+  groups of about one row tile "bf16" (an H200 measurement);
   float32 output only "bf16"), a forced one without an instance for the GEMM is an error naming
   the instances (FP8 configurations have none for bfloat16 and the reverse), explain labels."""
   monkeypatch.delenv(sm90_configs.ENV, raising=False)
@@ -243,11 +244,16 @@ def test_bf16_configurations_their_choice_and_errors(monkeypatch):
   assert sel("NT", BF16, large).config.name == "bf16_c2x1"
   assert sel("NT", BF16, 256.0).config.name == "bf16"
   assert sel("TN", BF16, 256.0).config.name == "bf16_c2x1"
+  # groups of about one 128-row tile: no 2x1 cluster (it would pair each tile with an empty one)
+  small = float(sm90_configs.BF16_PAIRED_ROW_TILE_TOKENS)
+  assert sel("NN", BF16, small).config.name == sel("TN", BF16, small).config.name == "bf16_c2x1"
+  assert sel("NN", BF16, small - 1).config.name == sel("TN", BF16, small - 1).config.name == "bf16"
+  assert sel("NT", BF16, small - 1).config.name == "bf16"
   assert sel("TN", F32, 100.0).config.name == "bf16"  # the only float32 TN instance
   # the float32 wgrad of float32 experts takes the bfloat16 wgrad's configuration
   assert sel("NT", F32, large).config.name == "bf16_c2x1"
   assert sel("NT", F32, 256.0).config.name == "bf16"
-  assert sel("NN", BF16, large).is_default and not sel("NN", BF16, 64.0).is_default
+  assert sel("NN", BF16, large).is_default and not sel("NN", BF16, 256.0).is_default
   assert {c.ident for c in sm90_configs.CONFIGS.values()} == set(range(len(sm90_configs.CONFIGS)))
   assert bf16.kernel_label(1, (64, 512), 8, BF16, a_k_major=False, b_k_major=False) == KERNEL
   assert "config bf16_c2x1" in bf16.kernel_label(0, (2048, 64), 8, BF16)

@@ -29,32 +29,58 @@ __device__ __forceinline__ float load_in(const void* x, int64_t i) {
   return static_cast<const float*>(x)[i];
 }
 
+// 8 consecutive values of x as stored (zeros past `n_valid`): the raw words stay in registers
+// until the batch's loads are all issued, half the registers of their float32 values (16-bit x).
+template <int TYPE>
+struct Raw8 {
+  uint32_t w[TYPE == 2 ? 8 : 4];
+};
+
+template <int TYPE>
+__device__ __forceinline__ Raw8<TYPE> load_raw8(const void* x, int64_t off, int n_valid, bool vec) {
+  Raw8<TYPE> r;
+  if (vec && n_valid >= 8) {
+    const uint4* q = reinterpret_cast<const uint4*>(static_cast<const char*>(x) + off * (TYPE == 2 ? 4 : 2));
+    const uint4 a = __ldg(q);
+    r.w[0] = a.x; r.w[1] = a.y; r.w[2] = a.z; r.w[3] = a.w;
+    if constexpr (TYPE == 2) {
+      const uint4 b = __ldg(q + 1);
+      r.w[4] = b.x; r.w[5] = b.y; r.w[6] = b.z; r.w[7] = b.w;
+    }
+    return r;
+  }
+  if constexpr (TYPE == 2) {
+    const uint32_t* v = static_cast<const uint32_t*>(x) + off;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) r.w[i] = i < n_valid ? v[i] : 0u;
+  } else {
+    const uint16_t* v = static_cast<const uint16_t*>(x) + off;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      r.w[i] = (2 * i < n_valid ? uint32_t(v[2 * i]) : 0u) | (2 * i + 1 < n_valid ? uint32_t(v[2 * i + 1]) << 16 : 0u);
+    }
+  }
+  return r;
+}
+
+// Value i of `r` as float32 (load_in's conversion).
+template <int TYPE>
+__device__ __forceinline__ float value_of(const Raw8<TYPE>& r, int i) {
+  if constexpr (TYPE == 2) {
+    return __uint_as_float(r.w[i]);
+  } else {
+    const uint32_t h = (i & 1) ? r.w[i / 2] >> 16 : r.w[i / 2] & 0xFFFFu;
+    if constexpr (TYPE == 0) return __uint_as_float(h << 16);
+    return __half2float(__ushort_as_half(uint16_t(h)));
+  }
+}
+
 // 8 consecutive inputs of one row, as float (zeros past `n_valid`).
 template <int TYPE>
 __device__ __forceinline__ void load8(const void* x, int64_t offset, int n_valid, bool vec, float* v) {
-  if (vec && n_valid >= 8) {
-    if constexpr (TYPE == 2) {
-      const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(x) + offset);
-      const float4 a = __ldg(p), b = __ldg(p + 1);
-      v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-    } else {
-      const uint4 u = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(x) + offset));
-      const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+  const Raw8<TYPE> r = load_raw8<TYPE>(x, offset, n_valid, vec);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        if constexpr (TYPE == 0) {
-          v[2 * i] = __uint_as_float(w[i] << 16);
-          v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-        } else {
-          v[2 * i] = __half2float(__ushort_as_half(uint16_t(w[i] & 0xFFFFu)));
-          v[2 * i + 1] = __half2float(__ushort_as_half(uint16_t(w[i] >> 16)));
-        }
-      }
-    }
-    return;
-  }
-#pragma unroll
-  for (int i = 0; i < 8; ++i) v[i] = i < n_valid ? load_in<TYPE>(x, offset + i) : 0.0f;
+  for (int i = 0; i < 8; ++i) v[i] = value_of<TYPE>(r, i);
 }
 
 __device__ __forceinline__ int upper_group(const int32_t* starts, int G, int64_t pos) {

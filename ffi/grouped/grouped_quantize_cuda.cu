@@ -29,6 +29,7 @@
 #include "grouped/grouped_amax.cuh"
 #include "grouped/grouped_args.h"
 #include "grouped/handlers.h"
+#include "quantize/tile.cuh"  // store_bytes8
 
 namespace jqffi {
 namespace {
@@ -48,52 +49,6 @@ __device__ __forceinline__ float group_scale(const QuantizeParams& p, int g, flo
   return p.delayed ? p.s[g] : jq::scale_from_amax(p.amax[g], fmax, p.pow2_scale, p.amax_epsilon);
 }
 
-// 8 consecutive values of x as stored (zeros past `n_valid`): the raw words stay in registers
-// until the batch's loads are all issued, half the registers of their float32 values (16-bit x).
-template <int TYPE>
-struct Raw8 {
-  uint32_t w[TYPE == 2 ? 8 : 4];
-};
-
-template <int TYPE>
-__device__ __forceinline__ Raw8<TYPE> load_raw8(const void* x, int64_t off, int n_valid, bool vec) {
-  Raw8<TYPE> r;
-  if (vec && n_valid >= 8) {
-    const uint4* q = reinterpret_cast<const uint4*>(static_cast<const char*>(x) + off * (TYPE == 2 ? 4 : 2));
-    const uint4 a = __ldg(q);
-    r.w[0] = a.x; r.w[1] = a.y; r.w[2] = a.z; r.w[3] = a.w;
-    if constexpr (TYPE == 2) {
-      const uint4 b = __ldg(q + 1);
-      r.w[4] = b.x; r.w[5] = b.y; r.w[6] = b.z; r.w[7] = b.w;
-    }
-    return r;
-  }
-  if constexpr (TYPE == 2) {
-    const uint32_t* v = static_cast<const uint32_t*>(x) + off;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) r.w[i] = i < n_valid ? v[i] : 0u;
-  } else {
-    const uint16_t* v = static_cast<const uint16_t*>(x) + off;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      r.w[i] = (2 * i < n_valid ? uint32_t(v[2 * i]) : 0u) | (2 * i + 1 < n_valid ? uint32_t(v[2 * i + 1]) << 16 : 0u);
-    }
-  }
-  return r;
-}
-
-// Value i of `r` as float32 (load_in's conversion).
-template <int TYPE>
-__device__ __forceinline__ float value_of(const Raw8<TYPE>& r, int i) {
-  if constexpr (TYPE == 2) {
-    return __uint_as_float(r.w[i]);
-  } else {
-    const uint32_t h = (i & 1) ? r.w[i / 2] >> 16 : r.w[i / 2] & 0xFFFFu;
-    if constexpr (TYPE == 0) return __uint_as_float(h << 16);
-    return __half2float(__ushort_as_half(uint16_t(h)));
-  }
-}
-
 // The codes of positions pos .. pos + n - 1 (n <= 4; byte i of `word`) at feature c of the
 // columnwise copy, byte by byte: the rare case (a partial quad, an unaligned row, or an expert of
 // rows not a multiple of 4 split by the quad).
@@ -106,17 +61,8 @@ __device__ __forceinline__ void store_column_bytes(uint8_t* col, int64_t L, int6
   }
 }
 
-// The 8 codes (w0, w1) of a rowwise row at dst, n of them valid (8 bytes in one store when whole
-// and aligned).
-__device__ __forceinline__ void store_row_codes(uint8_t* dst, uint32_t w0, uint32_t w1, int n) {
-  if (n == 8 && (reinterpret_cast<uintptr_t>(dst) & 7) == 0) {
-    *reinterpret_cast<uint2*>(dst) = make_uint2(w0, w1);
-    return;
-  }
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    if (i < n) dst[i] = uint8_t((i < 4 ? w0 : w1) >> (8 * (i % 4)));
-  }
+__device__ __forceinline__ bool aligned8(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 7) == 0;
 }
 
 template <int TYPE>
@@ -200,8 +146,14 @@ __global__ void __launch_bounds__(256, 4) grouped_quantize_kernel(const Quantize
         codes[r][lc / 4 + 1] = q1;
         if (p.row && n_valid > 0) {
           const int32_t out_row = row_out[r];
-          if (out_row >= 0) store_row_codes(p.row + int64_t(out_row) * p.C + c, q0, q1, n_valid);
-          if (row_zero[r]) store_row_codes(p.row + (p0 + r) * p.C + c, 0u, 0u, n_valid);
+          if (out_row >= 0) {
+            uint8_t* dst = p.row + int64_t(out_row) * p.C + c;
+            store_bytes8(dst, q0, q1, n_valid, aligned8(dst));
+          }
+          if (row_zero[r]) {
+            uint8_t* dst = p.row + (p0 + r) * p.C + c;
+            store_bytes8(dst, 0u, 0u, n_valid, aligned8(dst));
+          }
         }
       }
     }

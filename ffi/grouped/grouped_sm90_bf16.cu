@@ -103,8 +103,6 @@ Sm90Runner runner(int cfg, int layout, int out) {
 #ifndef JAXQUANT_SM90_DEFAULT_CONFIGS_ONLY
     case sm90::kCfgBf16C2x1: return bf16_out<sm90::kCfgBf16C2x1>(layout);
     case sm90::kCfgBf16Pingpong: return bf16_out<sm90::kCfgBf16Pingpong>(layout);
-    case sm90::kCfgBf16Epi64: return bf16_out<sm90::kCfgBf16Epi64>(layout);
-    case sm90::kCfgBf16Pingpong128: return bf16_out<sm90::kCfgBf16Pingpong128>(layout);
 #endif
     default: return nullptr;
   }

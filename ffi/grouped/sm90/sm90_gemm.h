@@ -46,10 +46,6 @@ enum : int {
   kCfgBf16 = 6,          // 128x256x64, cluster 1x2, cooperative (the bf16 default)
   kCfgBf16C2x1 = 7,      // 128x256x64, cluster 2x1, cooperative
   kCfgBf16Pingpong = 8,  // 64x128x128, cluster 1x1, pingpong (small groups)
-  // short-K wgrads (fine-grained experts):
-  kCfgEpi64 = 9,             // the default with 128x64 epilogue subtiles (per-tensor)
-  kCfgBf16Epi64 = 10,        // bf16 with 128x64 epilogue subtiles
-  kCfgBf16Pingpong128 = 11,  // 128x128x64, cluster 1x2, pingpong (bf16)
 };
 
 // Operand layouts of the bf16 instances (which operand runs contiguously along the contraction

@@ -36,18 +36,12 @@ template <int O> struct OutputOf { using type = cutlass::bfloat16_t; };
 template <> struct OutputOf<kOutF32> { using type = float; };
 
 // A configuration: tile (M x N x K), cluster (M x N), schedule and accumulation.
-// EPI_N: the epilogue's subtile width (0: CUTLASS's choice, 32 columns); its rows are the
-// schedule's (128 cooperative, 64 pingpong).
-template <int TM, int TN, int TK, int CM, int CN, bool Pingpong = false, bool Fast = false,
-          int EPI_N = 0>
+template <int TM, int TN, int TK, int CM, int CN, bool Pingpong = false, bool Fast = false>
 struct Tiles {
   using TileShape = cute::Shape<cute::Int<TM>, cute::Int<TN>, cute::Int<TK>>;
   using ClusterShape = cute::Shape<cute::Int<CM>, cute::Int<CN>, cute::_1>;
   static constexpr bool kPingpong = Pingpong;  // each consumer warpgroup its own tile, else one
   static constexpr bool kFast = Fast;          // FP8 fast accumulation (no float32 promotion)
-  using EpilogueTile = cute::conditional_t<
-      EPI_N == 0, cutlass::epilogue::collective::EpilogueTileAuto,
-      cute::Shape<cute::Int<Pingpong ? 64 : 128>, cute::Int<EPI_N == 0 ? 32 : EPI_N>>>;
 };
 
 // The configurations (kCfg* in sm90_gemm.h).
@@ -83,15 +77,6 @@ template <> struct TileConfig<kCfgBf16C2x1> : Tiles<128, 256, 64, 2, 1> {};
 // Small groups: each consumer warpgroup its own 64 x 128 tile (64 accumulator registers), one's
 // epilogue under the other's mainloop; 64-row tiles waste less of a short group than 128.
 template <> struct TileConfig<kCfgBf16Pingpong> : Tiles<64, 128, 128, 1, 1, true> {};
-// Short per-group contractions (the wgrad of fine-grained experts: 2-4 k-tiles a tile) spend
-// most of a tile outside the mainloop. Wider epilogue subtiles: a tile's stores in 2 (FP8
-// 128 x 64) or 4 (bf16 128 x 64) TMA stores instead of 4 / 8, so fewer waits on the store
-// pipeline's 2 stages.
-template <> struct TileConfig<kCfgEpi64> : Tiles<128, 128, 128, 1, 2, false, false, 64> {};
-template <> struct TileConfig<kCfgBf16Epi64> : Tiles<128, 256, 64, 1, 2, false, false, 64> {};
-// bfloat16 pingpong on 128 x 128 tiles (128 accumulator registers a warpgroup): one
-// warpgroup's epilogue and pipeline start under the other's mainloop.
-template <> struct TileConfig<kCfgBf16Pingpong128> : Tiles<128, 128, 64, 1, 2, true> {};
 
 // kEpiRowScale's epilogue tree: D = convert((alpha[g] * acc) * row_scale[m]), float32 products
 // rounded once to ElementD (XLA's order when it scaled a float32 output). alpha: one float32
@@ -135,7 +120,7 @@ struct Instance {
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      typename Config::EpilogueTile, float, float,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
       void, LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD, EpilogueSchedule,
       cute::conditional_t<kRowScale, RowScaledEpilogue<ElementD, TileShape>,
                           cutlass::epilogue::fusion::LinearCombination<ElementD, float, void,

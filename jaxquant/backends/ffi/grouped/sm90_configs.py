@@ -91,14 +91,6 @@ CONFIGS = {c.name: c for c in (
                _BF16_LAYOUTS + (BF16_NT_F32, BF16_TN_BF16_ROWS)),
     Sm90Config("bf16_pingpong", 8, (64, 128, 128), (1, 1), "pingpong", "float32",
                _BF16_LAYOUTS),
-    # short-K wgrads (fine-grained experts): wider epilogue subtiles (128 x 64), or bf16
-    # pingpong on 128 x 128 tiles
-    Sm90Config("epi64", 9, (128, 128, 128), (1, 2), "cooperative, 128x64 epilogue", "split",
-               (PER_TENSOR_E4M3_BF16,)),
-    Sm90Config("bf16_epi64", 10, (128, 256, 64), (1, 2), "cooperative, 128x64 epilogue",
-               "float32", _BF16_LAYOUTS),
-    Sm90Config("bf16_pingpong128", 11, (128, 128, 64), (1, 2), "pingpong", "float32",
-               _BF16_LAYOUTS),
 )}
 DEFAULT = CONFIGS["default"]
 BF16_DEFAULT = CONFIGS["bf16"]
@@ -110,6 +102,13 @@ BF16_DEFAULT = CONFIGS["bf16"]
 # 0.250 vs 0.254). "bf16_pingpong" (64x128 tiles) was never faster (dgrad 64 experts 0.605 ms)
 # and is only taken when JAXQUANT_SM90_CONFIG names it.
 BF16_LARGE_GROUP_TOKENS = 1024
+# Below this average, groups are mostly one 128-row tile, and a 2x1 cluster (which pairs two row
+# tiles of one group) pairs each with an empty one: "bf16_c2x1" is never taken there. Measured
+# on an H200 (bench/small_groups.py, session 18): 128 groups x 128 tokens, K 2048, N 1408,
+# forward NN 0.324 ms under "bf16_c2x1" against 0.249 with a 1x2 cluster, dgrad TN 0.324
+# against 0.255; at 256 tokens a group (2-3 row tiles) "bf16_c2x1" stays ahead (0.182 / 0.183
+# against 0.197 / 0.197).
+BF16_PAIRED_ROW_TILE_TOKENS = 192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,15 +202,17 @@ def bf16_kind(layout: str, out_dtype, row_scaled: bool = False) -> str:
 
 def automatic_bf16(kind: str, tokens_per_group: float) -> Selection:
   """The configuration a bfloat16 GEMM takes without `JAXQUANT_SM90_CONFIG`, by layout and the
-  groups' average token count (the measured rule at `BF16_LARGE_GROUP_TOKENS`); an instance
+  groups' average token count (the measured rules at `BF16_LARGE_GROUP_TOKENS` and
+  `BF16_PAIRED_ROW_TILE_TOKENS`); an instance
   kind the chosen configuration does not have (float32 output) keeps "bf16"."""
   large = tokens_per_group >= BF16_LARGE_GROUP_TOKENS
+  one_row_tile = tokens_per_group < BF16_PAIRED_ROW_TILE_TOKENS
   if kind.startswith("bfloat16 NN"):
-    name = "bf16" if large else "bf16_c2x1"
+    name = "bf16" if large or one_row_tile else "bf16_c2x1"
   elif kind.startswith("bfloat16 NT"):
     name = "bf16_c2x1" if large else "bf16"
   else:
-    name = "bf16_c2x1"
+    name = "bf16" if one_row_tile else "bf16_c2x1"
   config = CONFIGS[name]
   return Selection(config if kind in config.instances else BF16_DEFAULT)
 
