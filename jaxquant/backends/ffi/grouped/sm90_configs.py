@@ -104,10 +104,10 @@ BF16_DEFAULT = CONFIGS["bf16"]
 BF16_LARGE_GROUP_TOKENS = 1024
 # Below this average, groups are mostly one 128-row tile, and a 2x1 cluster (which pairs two row
 # tiles of one group) pairs each with an empty one: "bf16_c2x1" is never taken there. Measured
-# on an H200 (bench/small_groups.py, session 18): 128 groups x 128 tokens, K 2048, N 1408,
-# forward NN 0.324 ms under "bf16_c2x1" against 0.249 with a 1x2 cluster, dgrad TN 0.324
-# against 0.255; at 256 tokens a group (2-3 row tiles) "bf16_c2x1" stays ahead (0.182 / 0.183
-# against 0.197 / 0.197).
+# on an H200 (bench/small_groups.py, session 18, three runs): 128 groups x 128 tokens, K 2048,
+# N 1408, forward NN 0.316-0.332 ms under "bf16_c2x1" against 0.238-0.257 under "bf16", dgrad
+# TN 0.316-0.323 against 0.239-0.264; at 256 tokens a group (2-3 row tiles) "bf16_c2x1" stays
+# ahead (0.179-0.184 against 0.195).
 BF16_PAIRED_ROW_TILE_TOKENS = 192
 
 
@@ -203,8 +203,8 @@ def bf16_kind(layout: str, out_dtype, row_scaled: bool = False) -> str:
 def automatic_bf16(kind: str, tokens_per_group: float) -> Selection:
   """The configuration a bfloat16 GEMM takes without `JAXQUANT_SM90_CONFIG`, by layout and the
   groups' average token count (the measured rules at `BF16_LARGE_GROUP_TOKENS` and
-  `BF16_PAIRED_ROW_TILE_TOKENS`); an instance
-  kind the chosen configuration does not have (float32 output) keeps "bf16"."""
+  `BF16_PAIRED_ROW_TILE_TOKENS`); an instance kind the chosen configuration does not have
+  (float32 output) keeps "bf16"."""
   large = tokens_per_group >= BF16_LARGE_GROUP_TOKENS
   one_row_tile = tokens_per_group < BF16_PAIRED_ROW_TILE_TOKENS
   if kind.startswith("bfloat16 NN"):
