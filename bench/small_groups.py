@@ -28,7 +28,8 @@ import numpy as np
 
 import jaxquant as jq
 import jaxquant.grouped as jg
-from jaxquant.backends.ffi.grouped import bf16, sm90_configs
+from jaxquant.backends.ffi.grouped import sm90_configs
+from grouped import no_recipe_gemms  # bench/grouped.py
 from timing import bench, card  # bench/timing.py
 
 
@@ -43,32 +44,27 @@ def cases(groups: int, rows: int, k: int, n: int, seed: int, grouped_only: bool 
   rng = np.random.default_rng(seed)
   t = groups * rows
   sizes = jnp.full((groups,), rows, jnp.int32)
-  starts = bf16.group_starts(sizes)
   x = jnp.asarray(rng.standard_normal((t, k), np.float32), jnp.bfloat16)
   dy = jnp.asarray(rng.standard_normal((t, n), np.float32), jnp.bfloat16)
-  kernel = jnp.asarray(rng.standard_normal((groups, k, n), np.float32), jnp.bfloat16)
-  out = jnp.bfloat16
+  w = jnp.asarray(rng.standard_normal((groups, n, k), np.float32), jnp.bfloat16)  # [G, N, K]
   if not grouped_only:
+    kernel = jnp.swapaxes(w, 1, 2)
     yield ("dense bf16 [T,K] x [K,N]", einsum("tk,kn->tn"), (x, kernel[0]))
     xb, dyb = x.reshape(groups, rows, k), dy.reshape(groups, rows, n)
     yield ("batched bf16 fprop", einsum("gtk,gkn->gtn"), (xb, kernel))
     yield ("batched bf16 dgrad", einsum("gtn,gkn->gtk"), (dyb, kernel))
     yield ("batched bf16 wgrad", einsum("gtk,gtn->gkn"), (xb, dyb))
-  yield ("grouped bf16 fprop (NN)", jax.jit(
-      lambda x, w, s: bf16.gemm(x, w, s, mode=0, out_dtype=out, b_k_major=False)),
-      (x, kernel, starts))
-  yield ("grouped bf16 dgrad (TN)", jax.jit(
-      lambda d, w, s: bf16.gemm(d, w, s, mode=0, out_dtype=out)), (dy, kernel, starts))
-  yield ("grouped bf16 wgrad (NT)", jax.jit(
-      lambda x, d, s: bf16.gemm(x, d, s, mode=1, out_dtype=out, a_k_major=False,
-                                b_k_major=False)), (x, dy, starts))
+  # the no-recipe GroupedDense's three GEMMs, as bench/grouped.py times them
+  layouts = {"fprop": "NN", "dgrad": "TN", "wgrad": "NT"}
+  for kind, fn, ops in no_recipe_gemms(x, w, dy, sizes):
+    yield (f"grouped bf16 {kind} ({layouts[kind]})", jax.jit(fn), ops)
   fp8 = jq.Float8CurrentScalingQuantizer()
   a = jax.jit(lambda x, s: jg.quantize(x, s, fp8, columnwise=True, col_block=16))(x, sizes)
   c = jax.jit(lambda d, s: jg.quantize(d, s, fp8, col_block=16))(dy, sizes)
-  w = jax.jit(lambda w: jg.quantize_experts(jnp.swapaxes(w, 1, 2), fp8))(kernel)
+  e = jax.jit(lambda w: jg.quantize_experts(w, fp8))(w)
   gemm = jax.jit(lambda a, b: jg.gemm(a, b))
-  yield ("grouped fp8 fprop", gemm, (a.rowwise, w.rowwise))
-  yield ("grouped fp8 dgrad", gemm, (c.rowwise, w.columnwise))
+  yield ("grouped fp8 fprop", gemm, (a.rowwise, e.rowwise))
+  yield ("grouped fp8 dgrad", gemm, (c.rowwise, e.columnwise))
   yield ("grouped fp8 wgrad", gemm, (a.columnwise, c.columnwise))
 
 
@@ -104,12 +100,16 @@ def main(argv=None) -> int:
       jax.block_until_ready(fn(*ops))
     return 0
   dense = None
+
+  def report(label: str, sec: float) -> None:
+    ratio = f"  {dense / sec:4.2f}x dense" if dense else ""
+    print(f"  {label:40s} {sec * 1e3:8.3f} ms {flops / sec / 1e12:7.1f} TFLOP/s{ratio}",
+          flush=True)
+
   for name, fn, ops in selected:
     sec = bench(fn, *ops, **timing)
     dense = sec if name.startswith("dense") else dense
-    ratio = f"  {dense / sec:4.2f}x dense" if dense else ""
-    print(f"  {name:28s} {sec * 1e3:8.3f} ms {flops / sec / 1e12:7.1f} TFLOP/s{ratio}",
-          flush=True)
+    report(name, sec)
   for config in args.configs:
     sm90_configs.parse(config)
     os.environ[sm90_configs.ENV] = config
@@ -123,9 +123,7 @@ def main(argv=None) -> int:
           if "has instances for" not in str(e):
             raise
           continue
-        ratio = f"  {dense / sec:4.2f}x dense" if dense else ""
-        print(f"  {name + ' [' + config + ']':40s} {sec * 1e3:8.3f} ms "
-              f"{flops / sec / 1e12:7.1f} TFLOP/s{ratio}", flush=True)
+        report(f"{name} [{config}]", sec)
     finally:
       os.environ.pop(sm90_configs.ENV, None)
   return 0
