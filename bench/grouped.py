@@ -18,6 +18,8 @@ reason where torch or its CUDA device is missing).
 Cases (rows T are routed token-expert assignments, i.e. tokens x top-k, sorted by expert):
   8 experts:  T = 16384 (8192 tokens, top-2), K = 4096 -> N = 14336 (Mixtral-8x7B's fc1)
   64 experts: T = 16384 (2048 tokens, top-8), K = 2048 -> N = 1408 (Qwen1.5-MoE-style fc1)
+  128 experts: the 64-expert layer's T, K and N in 128 groups of ~128 rows (fine-grained
+    experts: groups of about one 128-row tile; run only when asked, `--experts 128`)
 Group sizes are a seeded multinomial draw (balanced routing, uneven groups). One step =
 y, vjp = jax.vjp(apply, variables, x); vjp(dy): the forward grouped GEMM, dgrad and wgrad and
 every quantize / state update the recipe needs, jitted as one program. Every step is timed with
@@ -69,8 +71,11 @@ RECIPES = {
 CASES = {
     8: (8, 16384, 4096, 14336, "Mixtral-8x7B fc1: 8192 tokens x top-2"),
     64: (64, 16384, 2048, 1408, "Qwen1.5-MoE-style fc1: 2048 tokens x top-8"),
+    # groups of about one 128-row tile (the small-group rule of sm90_configs)
+    128: (128, 16384, 2048, 1408, "fine-grained: the 64-expert layer's shape, ~128 rows a group"),
 }
-TINY = {8: (8, 256, 128, 256, "tiny"), 64: (64, 512, 64, 128, "tiny")}
+TINY = {8: (8, 256, 128, 256, "tiny"), 64: (64, 512, 64, 128, "tiny"),
+        128: (128, 1024, 64, 128, "tiny")}
 
 
 RAGGED_DOT = "bf16 jax.lax.ragged_dot"
@@ -486,7 +491,7 @@ def time_gemm(jg, ops, config, timing, gemm_fn=None):
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--experts", type=int, nargs="+", choices=sorted(CASES),
-                      default=sorted(CASES), help="which cases to run")
+                      default=[8, 64], help="which cases to run")
   parser.add_argument("--tiny", action="store_true",
                       help="tiny sizes and one timed call (a CPU smoke check, not a benchmark)")
   parser.add_argument("--recipes", nargs="*", default=None, choices=sorted(RECIPES),

@@ -13,6 +13,7 @@ Float8CurrentScaling step (TN, wgrad on the 16-token layout).
     python bench/small_groups.py --groups 128 --rows 128
     python bench/small_groups.py --configs bf16_pingpong128,epi64 --only wgrad
     python bench/small_groups.py --once                 # each GEMM once after compiling (ncu)
+    python bench/small_groups.py --empty 32             # half the groups empty (zero-fills)
     python bench/small_groups.py --tiny                 # CPU smoke check
 """
 
@@ -37,13 +38,16 @@ def einsum(spec: str):
   return jax.jit(lambda a, b: jnp.einsum(spec, a, b, preferred_element_type=jnp.bfloat16))
 
 
-def cases(groups: int, rows: int, k: int, n: int, seed: int, grouped_only: bool = False):
+def cases(groups: int, rows: int, k: int, n: int, seed: int, grouped_only: bool = False,
+          empty: int = 0):
   """(name, function, operands) of every GEMM to time (the grouped ones only: traced under
   the CUTLASS configuration `JAXQUANT_SM90_CONFIG` names now); the FLOPs are 2 G rows K N
-  each."""
+  each. `empty` > 0: the first `empty` groups have no rows (their rows belong to no group:
+  the outputs the GEMMs' setup kernels zero-fill), grouped GEMMs only."""
   rng = np.random.default_rng(seed)
   t = groups * rows
-  sizes = jnp.full((groups,), rows, jnp.int32)
+  sizes = jnp.asarray(np.where(np.arange(groups) < empty, 0, rows), jnp.int32)
+  grouped_only = grouped_only or empty > 0  # the batched peers need equal groups
   x = jnp.asarray(rng.standard_normal((t, k), np.float32), jnp.bfloat16)
   dy = jnp.asarray(rng.standard_normal((t, n), np.float32), jnp.bfloat16)
   w = jnp.asarray(rng.standard_normal((groups, n, k), np.float32), jnp.bfloat16)  # [G, N, K]
@@ -82,16 +86,18 @@ def main(argv=None) -> int:
                       metavar="NAME,...", help="also time the grouped GEMMs under each of these "
                       "CUTLASS configurations (sm90_configs; those without an instance for a "
                       "GEMM's operands are skipped)")
+  parser.add_argument("--empty", type=int, default=0, help="the first EMPTY groups get no rows "
+                      "(grouped GEMMs only: what their setup kernels zero-fill)")
   parser.add_argument("--tiny", action="store_true", help="tiny shapes, one timed call (CPU)")
   args = parser.parse_args(argv)
   if args.tiny:
     args.groups, args.rows, args.k, args.n = 4, 16, 64, 32
   timing = dict(repeats=1, calls=1, warmup=1) if args.tiny else dict(repeats=5, calls=10)
-  flops = 2 * args.groups * args.rows * args.k * args.n
+  flops = 2 * (args.groups - args.empty) * args.rows * args.k * args.n
   print(f"card: {card()}; jax {jax.__version__}; {args.groups} groups x {args.rows} rows, "
         f"K {args.k}, N {args.n}: {flops / 1e9:.1f} GFLOP a GEMM", flush=True)
-  selected = [c for c in cases(args.groups, args.rows, args.k, args.n, args.seed)
-              if args.only in c[0]]
+  selected = [c for c in cases(args.groups, args.rows, args.k, args.n, args.seed,
+                               empty=args.empty) if args.only in c[0]]
   if args.once:
     for name, fn, ops in selected:
       jax.block_until_ready(fn(*ops))
@@ -114,7 +120,8 @@ def main(argv=None) -> int:
     sm90_configs.parse(config)
     os.environ[sm90_configs.ENV] = config
     try:
-      for name, fn, ops in cases(args.groups, args.rows, args.k, args.n, args.seed, True):
+      for name, fn, ops in cases(args.groups, args.rows, args.k, args.n, args.seed, True,
+                                 args.empty):
         if args.only not in name:
           continue
         try:

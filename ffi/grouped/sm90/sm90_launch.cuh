@@ -22,6 +22,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
 
 #include "grouped/sm90/sm90_instance.cuh"
@@ -106,6 +107,23 @@ __device__ __forceinline__ Stride leading(int64_t ld) {
   return s;
 }
 
+// Zeros out[0, count) with the grid's threads: 16-byte stores where the span allows, element
+// stores for an unaligned head and the tail (an empty expert's wgrad output is M x N elements,
+// 12-46 MB in `train_lm --moe`; element stores wrote it at a fraction of DRAM's rate).
+template <class T>
+__device__ void zero_fill(T* out, int64_t count, int64_t tid, int64_t threads) {
+  constexpr int64_t kPerVec = 16 / sizeof(T);
+  const int64_t misalign = int64_t(reinterpret_cast<uintptr_t>(out) % 16);
+  const int64_t head = misalign % int64_t(sizeof(T)) != 0
+                           ? count  // not element-aligned to 16 bytes: element stores only
+                           : min(count, ((16 - misalign) % 16) / int64_t(sizeof(T)));
+  const int64_t vecs = (count - head) / kPerVec;
+  for (int64_t i = tid; i < head; i += threads) out[i] = T(0);
+  uint4* body = reinterpret_cast<uint4*>(out + head);
+  for (int64_t i = tid; i < vecs; i += threads) body[i] = make_uint4(0, 0, 0, 0);
+  for (int64_t i = head + vecs * kPerVec + tid; i < count; i += threads) out[i] = T(0);
+}
+
 // Block 0 writes the per-group arrays; every block repacks the policy's scales and zero-fills
 // what no GEMM tile writes.
 template <class K>
@@ -161,12 +179,11 @@ __global__ void setup_kernel(const Problem p, GroupArrays<K> s) {
   ElementD* out = static_cast<ElementD*>(p.out);
   if (p.mode == 0) {
     const int64_t tail = clamp_start(p.pstarts, p.G, p.L);
-    for (int64_t i = tail * p.N + tid; i < p.L * p.N; i += threads) out[i] = ElementD(0);
+    zero_fill(out + tail * p.N, (p.L - tail) * p.N, tid, threads);
   } else {
     for (int64_t g = 0; g < p.G; ++g) {
       if (clamp_start(p.pstarts, g + 1, p.L) > clamp_start(p.pstarts, g, p.L)) continue;
-      ElementD* o = out + g * p.M * p.N;
-      for (int64_t i = tid; i < p.M * p.N; i += threads) o[i] = ElementD(0);
+      zero_fill(out + g * p.M * p.N, p.M * p.N, tid, threads);
     }
   }
 }
