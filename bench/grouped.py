@@ -96,19 +96,6 @@ def _backend(value):
       os.environ["JAXQUANT_BACKEND"] = saved
 
 
-@contextlib.contextmanager
-def _team_order(automatic: bool):
-  """The automatic choice as it is (True), or without the team tile order for any wgrad (its
-  `sm90_configs.TEAM_MIN_GROUPS` out of reach) while a step is traced."""
-  saved = sm90_configs.TEAM_MIN_GROUPS
-  if not automatic:
-    sm90_configs.TEAM_MIN_GROUPS = 1 << 30
-  try:
-    yield
-  finally:
-    sm90_configs.TEAM_MIN_GROUPS = saved
-
-
 def step_fn(model):
   def step(variables, x, sizes, dy, key):
     apply = lambda v, x: model.apply(v, x, sizes, rngs={"quantize": key})
@@ -143,12 +130,6 @@ def run_case(experts: int, spec, args, card: str, torch_result=None) -> list[dic
   if not args.no_float32_params:  # Flax's default parameters: float32 kernels, bf16 compute
     for name, model in list(models.items()):
       models[f"{name}, float32 params"] = model.clone(param_dtype=jnp.float32)
-  untouched = set()  # rows traced with CUTLASS's own tile order for every wgrad (--compare-team)
-  if args.compare_team:
-    for name, model in list(models.items()):
-      if not name.startswith(RAGGED_DOT):
-        models[f"{name} [CUTLASS tile order]"] = model
-        untouched.add(f"{name} [CUTLASS tile order]")
   flops = 3 * 2 * t * k * n
   rows, base = [], None
   timing = dict(repeats=args.repeats, calls=args.calls, warmup=args.warmup)
@@ -167,7 +148,7 @@ def run_case(experts: int, spec, args, card: str, torch_result=None) -> list[dic
       variables = {**variables, jq.flax.OVERWRITE_WITH_GRADIENT: state}
     paths = why = qpaths = ""
     backend = _backend("reference" if name.startswith(RAGGED_DOT) else None)
-    with backend, _team_order(name not in untouched):  # every row: which GEMMs and quantizes ran
+    with backend:  # every row: which grouped GEMMs and quantizes ran
       report = jq.explain(step, variables, x, sizes, dy, key)
       gemms = [d for d in report if d.op == "grouped_gemm"]
       paths = ",".join(sorted({d.path + ("-cutlass" if "CUTLASS" in d.detail else "")
@@ -533,9 +514,6 @@ def main(argv=None) -> int:
                       help="also time the grouped NVFP4 quantize next to the single-tensor one")
   parser.add_argument("--profile-dir", default=None,
                       help="also print each jaxquant step's GPU kernel split (jax.profiler)")
-  parser.add_argument("--compare-team", action="store_true",
-                      help="also time every jaxquant step with CUTLASS's own tile order for "
-                      "its wgrads (the automatic choice without the team order), same process")
   parser.add_argument("--no-torch", action="store_true",
                       help="skip the PyTorch torch._grouped_mm bf16 row")
   parser.add_argument("--no-float32-params", action="store_true",

@@ -254,22 +254,6 @@ def test_bf16_configurations_their_choice_and_errors(monkeypatch):
   assert sel("NT", F32, large).config.name == "bf16_c2x1"
   assert sel("NT", F32, 256.0).config.name == "bf16"
   assert sel("NN", BF16, large).is_default and not sel("NN", BF16, 256.0).is_default
-  # a wgrad of many groups below the large size: the team tile order (float32 NT too, not the
-  # float32 TN it has no instance for); fewer groups, larger groups or a forward: as before
-  many = sm90_configs.TEAM_MIN_GROUPS
-  assert sel("NT", BF16, 256.0, wgrad=True, groups=many).config.name == "bf16_team"
-  assert sel("NT", F32, 256.0, wgrad=True, groups=many).config.name == "bf16_team"
-  assert sel("TN", BF16, 128.0, wgrad=True, groups=many).config.name == "bf16_team"
-  assert sel("TN", F32, 128.0, wgrad=True, groups=many).config.name == "bf16"
-  assert sel("NT", BF16, 256.0, wgrad=True, groups=many - 1).config.name == "bf16"
-  assert sel("NT", BF16, large, wgrad=True, groups=many).config.name == "bf16_c2x1"
-  assert sel("NN", BF16, 256.0, groups=many).config.name == "bf16_c2x1"
-  auto = sm90_configs.automatic
-  e4m3 = sm90_configs.PER_TENSOR_E4M3_BF16
-  assert auto(e4m3, True, 1408, many).config.name == "team"
-  assert auto(e4m3, True, 1408, many - 1).config.name == "default"
-  assert auto(e4m3, False, 1408, many).config.name == "n176"
-  assert auto("", True, 1408, many).config.name == "default"  # E5M2 or float32 out
   assert {c.ident for c in sm90_configs.CONFIGS.values()} == set(range(len(sm90_configs.CONFIGS)))
   assert bf16.kernel_label(1, (64, 512), 8, BF16, a_k_major=False, b_k_major=False) == KERNEL
   assert "config bf16_c2x1" in bf16.kernel_label(0, (2048, 64), 8, BF16)
@@ -587,8 +571,7 @@ def test_gpu_bf16_gemm_is_within_the_bound(on_kernel, rng, groups, mode, layout,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config",
-                         ["bf16", "bf16_c2x1", "bf16_pingpong", "bf16_team", "bf16:rn"])
+@pytest.mark.parametrize("config", ["bf16", "bf16_c2x1", "bf16_pingpong", "bf16:rn"])
 @pytest.mark.parametrize("groups", [1, 8, 64])
 @pytest.mark.parametrize("mode,layout", [(0, "TN"), (0, "NN"), (1, "TN"), (1, "NT")])
 def test_gpu_bf16_configurations_are_within_the_bound(on_kernel, rng, config, groups, mode,
@@ -596,23 +579,6 @@ def test_gpu_bf16_configurations_are_within_the_bound(on_kernel, rng, config, gr
   empty = tuple(range(2, groups, 5)) if groups > 1 else ()
   check_kernel(rng, mode, layout, BF16, 1500 + 5 * groups, 328 if mode == 0 else 136, 200,
                groups, empty=empty, spare=7, config=config)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("groups", [8, 64])
-@pytest.mark.parametrize("mode,layout,out_dtype", [(0, "NN", BF16), (1, "TN", BF16),
-                                                   (1, "NT", BF16), (1, "NT", F32)])
-def test_gpu_bf16_team_order_gives_the_same_bits(on_kernel, rng, groups, mode, layout,
-                                                 out_dtype):
-  """"bf16_team" computes every tile as "bf16" does (same tile, cluster, k-loop and epilogue),
-  on another CTA: equal outputs bit for bit, empty groups and rows of no group included."""
-  seed = int(rng.integers(2**31))
-  empty = tuple(range(2, groups, 5))
-  out = {config: check_kernel(np.random.default_rng(seed), mode, layout, out_dtype,
-                              1500 + 5 * groups, 328 if mode == 0 else 136, 200, groups,
-                              empty=empty, spare=7, config=config)
-         for config in ("bf16", "bf16_team")}
-  np.testing.assert_array_equal(out["bf16_team"], out["bf16"])
 
 
 @pytest.mark.gpu

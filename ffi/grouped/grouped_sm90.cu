@@ -80,7 +80,6 @@ Sm90Runner runner(int a, int b, int out, int cfg) {
       case sm90::kCfgN176: return run_instance<kE4M3, kE4M3, BF16, sm90::kCfgN176>;
       case sm90::kCfgFast: return run_instance<kE4M3, kE4M3, BF16, sm90::kCfgFast>;
       case sm90::kCfgPingpongFast: return run_instance<kE4M3, kE4M3, BF16, sm90::kCfgPingpongFast>;
-      case sm90::kCfgTeam: return run_instance<kE4M3, kE4M3, BF16, sm90::kCfgTeam>;
       default: return nullptr;
     }
 #else

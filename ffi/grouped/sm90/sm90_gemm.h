@@ -46,9 +46,6 @@ enum : int {
   kCfgBf16 = 6,          // 128x256x64, cluster 1x2, cooperative (the bf16 default)
   kCfgBf16C2x1 = 7,      // 128x256x64, cluster 2x1, cooperative
   kCfgBf16Pingpong = 8,  // 64x128x128, cluster 1x1, pingpong (small groups)
-  // The team tile order (sm90_team_scheduler.cuh: teams of ~8 clusters, each its own groups):
-  kCfgTeam = 9,          // kCfgDefault's tiles and cluster (per-tensor E4M3 x E4M3 -> bf16)
-  kCfgBf16Team = 10,     // kCfgBf16's tiles and cluster
 };
 
 // Operand layouts of the bf16 instances (which operand runs contiguously along the contraction

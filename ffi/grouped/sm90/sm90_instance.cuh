@@ -23,7 +23,6 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "grouped/sm90/sm90_gemm.h"
-#include "grouped/sm90/sm90_team_scheduler.cuh"
 
 namespace jqffi {
 namespace sm90 {
@@ -36,15 +35,13 @@ template <> struct ElementOf<kBF16> { using type = cutlass::bfloat16_t; };
 template <int O> struct OutputOf { using type = cutlass::bfloat16_t; };
 template <> struct OutputOf<kOutF32> { using type = float; };
 
-// A configuration: tile (M x N x K), cluster (M x N), schedule, accumulation and tile order.
-template <int TM, int TN, int TK, int CM, int CN, bool Pingpong = false, bool Fast = false,
-          bool Team = false>
+// A configuration: tile (M x N x K), cluster (M x N), schedule and accumulation.
+template <int TM, int TN, int TK, int CM, int CN, bool Pingpong = false, bool Fast = false>
 struct Tiles {
   using TileShape = cute::Shape<cute::Int<TM>, cute::Int<TN>, cute::Int<TK>>;
   using ClusterShape = cute::Shape<cute::Int<CM>, cute::Int<CN>, cute::_1>;
   static constexpr bool kPingpong = Pingpong;  // each consumer warpgroup its own tile, else one
   static constexpr bool kFast = Fast;          // FP8 fast accumulation (no float32 promotion)
-  static constexpr bool kTeam = Team;          // sm90_team_scheduler.cuh's tile order
 };
 
 // The configurations (kCfg* in sm90_gemm.h).
@@ -80,10 +77,6 @@ template <> struct TileConfig<kCfgBf16C2x1> : Tiles<128, 256, 64, 2, 1> {};
 // Small groups: each consumer warpgroup its own 64 x 128 tile (64 accumulator registers), one's
 // epilogue under the other's mainloop; 64-row tiles waste less of a short group than 128.
 template <> struct TileConfig<kCfgBf16Pingpong> : Tiles<64, 128, 128, 1, 1, true> {};
-// The default (FP8) and bf16 configurations in the team tile order (sm90_team_scheduler.cuh):
-// a CTA stays in one group for many tiles (the wgrad of many small groups).
-template <> struct TileConfig<kCfgTeam> : Tiles<128, 128, 128, 1, 2, false, false, true> {};
-template <> struct TileConfig<kCfgBf16Team> : Tiles<128, 256, 64, 1, 2, false, false, true> {};
 
 // kEpiRowScale's epilogue tree: D = convert((alpha[g] * acc) * row_scale[m]), float32 products
 // rounded once to ElementD (XLA's order when it scaled a float32 output). alpha: one float32
@@ -118,8 +111,6 @@ struct Instance {
   static constexpr int kAlignA = 16 / sizeof(ElementA), kAlignB = 16 / sizeof(ElementB),
                        kAlignD = 16 / sizeof(ElementD);
   using Config = TileConfig<CFG>;
-  // The problem shape type also selects the tile scheduler (sm90_team_scheduler.cuh).
-  using GroupShape = cute::conditional_t<Config::kTeam, TeamProblemShape, ProblemShape>;
   using TileShape = typename Config::TileShape;
   using ClusterShape = typename Config::ClusterShape;
   using KernelSchedule = typename Ops::template Schedule<Config>;
@@ -143,12 +134,8 @@ struct Instance {
           static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
 
-  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<GroupShape, CollectiveMainloop,
+  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
                                                           CollectiveEpilogue>;
-  static_assert(!Config::kTeam ||
-                    cute::is_same_v<typename GemmKernel::TileScheduler,
-                                    TeamScheduler<GemmKernel::TileSchedulerStages>>,
-                "a team configuration must run sm90_team_scheduler.cuh's scheduler");
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
   using StrideA = typename GemmKernel::InternalStrideA;
   using StrideB = typename GemmKernel::InternalStrideB;

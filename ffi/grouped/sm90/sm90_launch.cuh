@@ -199,10 +199,7 @@ std::string launch(const Problem& p, cudaStream_t stream) {
 
   typename Gemm::Arguments args;
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  typename K::GroupShape shape{};  // the shapes live on the device only
-  shape.num_groups = int(p.G);
-  shape.problem_shapes = arrays.shapes;
-  args.problem_shape = shape;
+  args.problem_shape = {int(p.G), arrays.shapes, nullptr};  // shapes live on the device only
   args.mainloop = [&]() -> typename K::GemmKernel::MainloopArguments {
     if constexpr (K::Ops::kBlockScaled) {
       const auto& sc = arrays.scales;

@@ -127,7 +127,7 @@ def selection(mode: int, a_shape, groups: int, out_dtype, *, a_k_major: bool = T
                      "instance (layouts TN, NN, NT)")
   tokens = a_shape[0] if mode == 0 else (a_shape[1] if a_k_major else a_shape[0])
   return sm90_configs.bf16_selection(layout, out_dtype, tokens / max(groups, 1),
-                                     row_scaled=row_scaled, wgrad=mode == 1, groups=groups)
+                                     row_scaled=row_scaled)
 
 
 def kernel_label(mode: int, a_shape, groups: int, out_dtype, *, a_k_major: bool = True,

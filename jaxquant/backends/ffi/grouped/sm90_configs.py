@@ -91,13 +91,6 @@ CONFIGS = {c.name: c for c in (
                _BF16_LAYOUTS + (BF16_NT_F32, BF16_TN_BF16_ROWS)),
     Sm90Config("bf16_pingpong", 8, (64, 128, 128), (1, 1), "pingpong", "float32",
                _BF16_LAYOUTS),
-    # "default" and "bf16" in the team tile order (ffi/grouped/sm90/sm90_team_scheduler.cuh:
-    # teams of ~8 clusters, each on its own groups, so a CTA stays in a group for many tiles;
-    # for the wgrad of many small groups)
-    Sm90Config("team", 9, (128, 128, 128), (1, 2), "cooperative, team tile order", "split",
-               (PER_TENSOR_E4M3_BF16,)),
-    Sm90Config("bf16_team", 10, (128, 256, 64), (1, 2), "cooperative, team tile order",
-               "float32", _BF16_LAYOUTS + (BF16_NT_F32,)),
 )}
 DEFAULT = CONFIGS["default"]
 BF16_DEFAULT = CONFIGS["bf16"]
@@ -116,11 +109,6 @@ BF16_LARGE_GROUP_TOKENS = 1024
 # TN 0.316-0.323 against 0.239-0.264; at 256 tokens a group (2-3 row tiles) "bf16_c2x1" stays
 # ahead (0.179-0.184 against 0.195).
 BF16_PAIRED_ROW_TILE_TOKENS = 192
-# From this many groups a wgrad takes the team tile order ("team" for per-tensor E4M3 x E4M3 ->
-# bfloat16, "bf16_team" for bfloat16 operands): with CUTLASS's order a CTA changes group at
-# nearly every tile once a group has about as many tiles as the GPU has CTAs (64 groups of a
-# 1408 x 2048 output: 176 FP8 tiles; ffi/grouped/NOTES.md, sessions 18-19).
-TEAM_MIN_GROUPS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +147,7 @@ def selected() -> Optional[Selection]:
   return parse(value) if value else None
 
 
-def automatic(kind: str, wgrad: bool, n: int, groups: int = 1) -> Selection:
+def automatic(kind: str, wgrad: bool, n: int) -> Selection:
   """The configuration a GEMM takes without `JAXQUANT_SM90_CONFIG`: an alternative only where
   it measured faster than "default" at both of `bench/grouped.py`'s shapes on an H100
   (bench/RESULTS.md, session 4; 8 experts N 14336, 64 experts N 1408):
@@ -167,10 +155,7 @@ def automatic(kind: str, wgrad: bool, n: int, groups: int = 1) -> Selection:
       at least 8192: "n176" (1199 vs 1163 and 539 vs 517 TFLOP/s for fprop; a 2048- or
       4096-wide N measured no better or worse);
     - Float8Block wgrad, 1x128 x 1x128 -> bf16: "c1x1" (849 vs 839 and 287 vs 256 TFLOP/s).
-    - per-tensor E4M3 x E4M3 -> bf16 wgrad of at least `TEAM_MIN_GROUPS` groups: "team".
   Fast-accumulation configurations are never chosen automatically."""
-  if kind == PER_TENSOR_E4M3_BF16 and wgrad and groups >= TEAM_MIN_GROUPS:
-    return Selection(CONFIGS["team"])
   if kind == PER_TENSOR_E4M3_BF16 and not wgrad and (n % 176 == 0 or n >= 8192):
     return Selection(CONFIGS["n176"])
   if kind == FLOAT8BLOCK_1x128_BF16 and wgrad:
@@ -215,18 +200,14 @@ def bf16_kind(layout: str, out_dtype, row_scaled: bool = False) -> str:
                                                                 else "")
 
 
-def automatic_bf16(kind: str, tokens_per_group: float, wgrad: bool = False,
-                   groups: int = 1) -> Selection:
-  """The configuration a bfloat16 GEMM takes without `JAXQUANT_SM90_CONFIG`, by layout, the
+def automatic_bf16(kind: str, tokens_per_group: float) -> Selection:
+  """The configuration a bfloat16 GEMM takes without `JAXQUANT_SM90_CONFIG`, by layout and the
   groups' average token count (the measured rules at `BF16_LARGE_GROUP_TOKENS` and
-  `BF16_PAIRED_ROW_TILE_TOKENS`) and, for a wgrad of groups below the large size, their number
-  (`TEAM_MIN_GROUPS`); an instance kind the chosen configuration does not have (float32
-  output) keeps "bf16"."""
+  `BF16_PAIRED_ROW_TILE_TOKENS`); an instance kind the chosen configuration does not have
+  (float32 output) keeps "bf16"."""
   large = tokens_per_group >= BF16_LARGE_GROUP_TOKENS
   one_row_tile = tokens_per_group < BF16_PAIRED_ROW_TILE_TOKENS
-  if wgrad and not large and groups >= TEAM_MIN_GROUPS:
-    name = "bf16_team"
-  elif kind.startswith("bfloat16 NN"):
+  if kind.startswith("bfloat16 NN"):
     name = "bf16" if large or one_row_tile else "bf16_c2x1"
   elif kind.startswith("bfloat16 NT"):
     name = "bf16_c2x1" if large else "bf16"
@@ -237,16 +218,14 @@ def automatic_bf16(kind: str, tokens_per_group: float, wgrad: bool = False,
 
 
 def bf16_selection(layout: str, out_dtype, tokens_per_group: float,
-                   row_scaled: bool = False, wgrad: bool = False,
-                   groups: int = 1) -> Selection:
+                   row_scaled: bool = False) -> Selection:
   """The configuration a bfloat16 GEMM is traced with: the one `JAXQUANT_SM90_CONFIG` forces
   (ValueError when it has no instance for this layout and output), else `automatic_bf16`.
-  `row_scaled`: with per-row factors in the epilogue (their own instances); `wgrad`: a
-  per-group contraction over the tokens of `groups` groups."""
+  `row_scaled`: with per-row factors in the epilogue (their own instances)."""
   kind = bf16_kind(layout, out_dtype, row_scaled)
   selection = selected()
   if selection is None:
-    return automatic_bf16(kind, tokens_per_group, wgrad, groups)
+    return automatic_bf16(kind, tokens_per_group)
   if kind not in selection.config.instances:
     raise ValueError(f"{ENV}={selection.label}: configuration {selection.config.name!r} has "
                      f"instances for {', '.join(selection.config.instances)} only, not {kind}")
