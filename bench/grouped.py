@@ -96,6 +96,17 @@ def _backend(value):
       os.environ["JAXQUANT_BACKEND"] = saved
 
 
+@contextlib.contextmanager
+def _wgrad_by_padding(on: bool):
+  """`sm90_configs.WGRAD_BY_PADDING` as it is (True) or off while a step is traced."""
+  saved = sm90_configs.WGRAD_BY_PADDING
+  sm90_configs.WGRAD_BY_PADDING = saved and on
+  try:
+    yield
+  finally:
+    sm90_configs.WGRAD_BY_PADDING = saved
+
+
 def step_fn(model):
   def step(variables, x, sizes, dy, key):
     apply = lambda v, x: model.apply(v, x, sizes, rngs={"quantize": key})
@@ -130,6 +141,12 @@ def run_case(experts: int, spec, args, card: str, torch_result=None) -> list[dic
   if not args.no_float32_params:  # Flax's default parameters: float32 kernels, bf16 compute
     for name, model in list(models.items()):
       models[f"{name}, float32 params"] = model.clone(param_dtype=jnp.float32)
+  unpadded = set()  # rows traced without the wgrad's padding rule (--compare-padding)
+  if args.compare_padding:
+    for name, model in list(models.items()):
+      if not name.startswith(RAGGED_DOT):
+        models[f"{name} [wgrad tiles as before]"] = model
+        unpadded.add(f"{name} [wgrad tiles as before]")
   flops = 3 * 2 * t * k * n
   rows, base = [], None
   timing = dict(repeats=args.repeats, calls=args.calls, warmup=args.warmup)
@@ -148,7 +165,7 @@ def run_case(experts: int, spec, args, card: str, torch_result=None) -> list[dic
       variables = {**variables, jq.flax.OVERWRITE_WITH_GRADIENT: state}
     paths = why = qpaths = ""
     backend = _backend("reference" if name.startswith(RAGGED_DOT) else None)
-    with backend:  # every row: which grouped GEMMs and quantizes ran
+    with backend, _wgrad_by_padding(name not in unpadded):  # which GEMMs and quantizes ran
       report = jq.explain(step, variables, x, sizes, dy, key)
       gemms = [d for d in report if d.op == "grouped_gemm"]
       paths = ",".join(sorted({d.path + ("-cutlass" if "CUTLASS" in d.detail else "")
@@ -514,6 +531,9 @@ def main(argv=None) -> int:
                       help="also time the grouped NVFP4 quantize next to the single-tensor one")
   parser.add_argument("--profile-dir", default=None,
                       help="also print each jaxquant step's GPU kernel split (jax.profiler)")
+  parser.add_argument("--compare-padding", action="store_true",
+                      help="also time every jaxquant step with its wgrads' tiles chosen without "
+                      "sm90_configs.WGRAD_BY_PADDING (as before it), same process")
   parser.add_argument("--no-torch", action="store_true",
                       help="skip the PyTorch torch._grouped_mm bf16 row")
   parser.add_argument("--no-float32-params", action="store_true",

@@ -254,6 +254,25 @@ def test_bf16_configurations_their_choice_and_errors(monkeypatch):
   assert sel("NT", F32, large).config.name == "bf16_c2x1"
   assert sel("NT", F32, 256.0).config.name == "bf16"
   assert sel("NN", BF16, large).is_default and not sel("NN", BF16, 256.0).is_default
+  # a wgrad whose output the 256 x 128 tiles (cluster 2 x 1) cover with less padding: N = 1408
+  # is 5.5 tiles of 256 (6 under any cluster) and exactly 11 of 128; a tie keeps the choice
+  assert sm90_configs.padded_elements((2048, 1408), sm90_configs.CONFIGS["bf16"]) == 2048 * 1536
+  assert sel("NT", BF16, 256.0, wgrad_mn=(2048, 1408)).config.name == "bf16_256x128"
+  assert sel("NT", F32, 256.0, wgrad_mn=(2048, 1408)).config.name == "bf16_256x128"
+  assert sel("TN", BF16, 256.0, wgrad_mn=(2048, 1408)).config.name == "bf16_256x128"
+  assert sel("TN", F32, 256.0, wgrad_mn=(2048, 1408)).config.name == "bf16"  # no instance
+  assert sel("NT", BF16, 256.0, wgrad_mn=(2048, 1536)).config.name == "bf16"
+  assert sel("NT", BF16, large, wgrad_mn=(2048, 1408)).config.name == "bf16_c2x1"
+  assert sel("NT", BF16, 256.0, wgrad_mn=(1408, 2048)).config.name == "bf16"  # 5.5 row tiles
+  monkeypatch.setattr(sm90_configs, "WGRAD_BY_PADDING", False)
+  assert sel("NT", BF16, 256.0, wgrad_mn=(2048, 1408)).config.name == "bf16"
+  monkeypatch.setattr(sm90_configs, "WGRAD_BY_PADDING", True)
+  auto, e4m3 = sm90_configs.automatic, sm90_configs.PER_TENSOR_E4M3_BF16
+  assert auto(e4m3, True, 1408, 2048).config.name == "c2x1"  # 11 column tiles, no 12th
+  assert auto(e4m3, True, 14336, 4096).config.name == "default"  # no padding either way
+  assert auto(e4m3, True, 1408, 1408).config.name == "default"  # 11 row tiles: c2x1 pads
+  assert auto(e4m3, True, 1408).config.name == "default"  # output shape not given
+  assert auto("", True, 1408, 2048).config.name == "default"  # E5M2 or float32 out
   assert {c.ident for c in sm90_configs.CONFIGS.values()} == set(range(len(sm90_configs.CONFIGS)))
   assert bf16.kernel_label(1, (64, 512), 8, BF16, a_k_major=False, b_k_major=False) == KERNEL
   assert "config bf16_c2x1" in bf16.kernel_label(0, (2048, 64), 8, BF16)
@@ -571,7 +590,8 @@ def test_gpu_bf16_gemm_is_within_the_bound(on_kernel, rng, groups, mode, layout,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["bf16", "bf16_c2x1", "bf16_pingpong", "bf16:rn"])
+@pytest.mark.parametrize("config",
+                         ["bf16", "bf16_c2x1", "bf16_pingpong", "bf16_256x128", "bf16:rn"])
 @pytest.mark.parametrize("groups", [1, 8, 64])
 @pytest.mark.parametrize("mode,layout", [(0, "TN"), (0, "NN"), (1, "TN"), (1, "NT")])
 def test_gpu_bf16_configurations_are_within_the_bound(on_kernel, rng, config, groups, mode,

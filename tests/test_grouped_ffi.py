@@ -1014,7 +1014,7 @@ def test_gpu_sm90_block_all_groups_empty_gives_zeros(on_sm90, rng):
 # stated fast bound, 2 K 2^-24 + 2^-7 of max |out| (tests/test_ffi_gemm.py; 2 K 2^-24 <= 2^-12
 # for these K <= 2048), plus one bfloat16 rounding (2^-8).
 
-SM90_FP8_CONFIGS = ["c1x1", "n176", "fast", "pingpong_fast", "default:rn"]
+SM90_FP8_CONFIGS = ["c1x1", "n176", "fast", "pingpong_fast", "c2x1", "default:rn"]
 SM90_BLOCK_CONFIGS = ["c1x1", "c2x1", "default:rn"]
 
 
@@ -1147,8 +1147,9 @@ def test_sm90_config_selection_and_its_errors(monkeypatch, rng):
   assert kernels.gemm_kernel(block.columnwise, block.columnwise, jnp.bfloat16) == sm90
   with pytest.raises(ValueError, match=r"\(1, 128\) x \(128, 128\)"):
     kernels.gemm_kernel(block.rowwise, block_w, jnp.bfloat16)
-  with pytest.raises(ValueError, match="per-tensor FP8"):
-    kernels.gemm_kernel(fp8, fp8_w, jnp.bfloat16)
+  assert kernels.gemm_kernel(fp8, fp8_w, jnp.bfloat16) == sm90  # E4M3 x E4M3 -> bf16 too
+  with pytest.raises(ValueError, match="not per-tensor FP8 float8_e4m3fn x float8_e5m2"):
+    kernels.gemm_kernel(fp8, e5m2_w, jnp.bfloat16)
 
   monkeypatch.setenv(sm90_configs.ENV, "default:rn")  # the default instances serve every type
   assert kernels.gemm_kernel(fp8, e5m2_w, jnp.float32) == sm90

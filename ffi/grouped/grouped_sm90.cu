@@ -80,6 +80,7 @@ Sm90Runner runner(int a, int b, int out, int cfg) {
       case sm90::kCfgN176: return run_instance<kE4M3, kE4M3, BF16, sm90::kCfgN176>;
       case sm90::kCfgFast: return run_instance<kE4M3, kE4M3, BF16, sm90::kCfgFast>;
       case sm90::kCfgPingpongFast: return run_instance<kE4M3, kE4M3, BF16, sm90::kCfgPingpongFast>;
+      case sm90::kCfgC2x1: return run_instance<kE4M3, kE4M3, BF16, sm90::kCfgC2x1>;
       default: return nullptr;
     }
 #else

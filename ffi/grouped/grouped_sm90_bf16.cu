@@ -83,7 +83,7 @@ Sm90Runner bf16_out(int layout) {
 }
 
 // The instance of (config, layout, output); nullptr when sm90.cmake built none (float32 output:
-// layout TN in the default configuration, layout NT in the two the no-recipe wgrad takes).
+// layout TN in the default configuration, layout NT in those the no-recipe wgrad takes).
 Sm90Runner runner(int cfg, int layout, int out) {
   if (out == kOutF32) {
     if (layout == sm90::kLayoutTN && cfg == sm90::kCfgBf16) {
@@ -94,6 +94,7 @@ Sm90Runner runner(int cfg, int layout, int out) {
       case sm90::kCfgBf16: return instance<sm90::kCfgBf16, sm90::kLayoutNT, kOutF32>();
 #ifndef JAXQUANT_SM90_DEFAULT_CONFIGS_ONLY
       case sm90::kCfgBf16C2x1: return instance<sm90::kCfgBf16C2x1, sm90::kLayoutNT, kOutF32>();
+      case sm90::kCfgBf16M256: return instance<sm90::kCfgBf16M256, sm90::kLayoutNT, kOutF32>();
 #endif
       default: return nullptr;
     }
@@ -103,6 +104,7 @@ Sm90Runner runner(int cfg, int layout, int out) {
 #ifndef JAXQUANT_SM90_DEFAULT_CONFIGS_ONLY
     case sm90::kCfgBf16C2x1: return bf16_out<sm90::kCfgBf16C2x1>(layout);
     case sm90::kCfgBf16Pingpong: return bf16_out<sm90::kCfgBf16Pingpong>(layout);
+    case sm90::kCfgBf16M256: return bf16_out<sm90::kCfgBf16M256>(layout);
 #endif
     default: return nullptr;
   }

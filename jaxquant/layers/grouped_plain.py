@@ -82,9 +82,9 @@ def _record(x, kernel, reason: Optional[str]) -> None:
     return
   path = dispatch.ffi_module().path_name()
   for label, mode, a_k, b_k in _GEMMS:
-    a_shape, _ = _shapes(label, x, kernel)
+    a_shape, b_shape = _shapes(label, x, kernel)
     kernel_name = bf16.kernel_label(mode, a_shape, groups, _out_dtype(label, x, kernel),
-                                    a_k_major=a_k, b_k_major=b_k)
+                                    a_k_major=a_k, b_k_major=b_k, b_shape=b_shape)
     record(Decision("grouped_gemm", label, f"{what}; kernel: {kernel_name}", path))
 
 

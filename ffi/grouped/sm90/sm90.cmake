@@ -21,7 +21,7 @@ set(JAXQUANT_CUTLASS_DIR "$ENV{JAXQUANT_CUTLASS_DIR}" CACHE PATH
     "CUTLASS include folder (holding cutlass/ and cute/); empty: the pip nvidia-cutlass wheel")
 option(JAXQUANT_GROUPED_SM90 "Build the CUTLASS Hopper grouped GEMM when CUTLASS is found" ON)
 # OFF: only the default configurations' instances (one set per kernel template), for a compile
-# check in less time (CI on CPU machines: 17 of 31 instances). Such a build cannot run the
+# check in less time (CI on CPU machines: 17 of 36 instances). Such a build cannot run the
 # alternative configurations, which the automatic choice takes on a GPU (the handler reports
 # that the configuration has no instance), so GPU builds keep it ON.
 option(JAXQUANT_SM90_ALL_CONFIGS "Build the alternative CUTLASS configurations' instances" ON)
@@ -107,9 +107,9 @@ function(jaxquant_add_grouped_sm90 target)
   # The alternative configurations (kCfg* in sm90_gemm.h), each only for the types it is
   # measured on (E4M3 x E4M3 -> bfloat16 per-tensor FP8, Float8Block 1x128 x 1x128 -> bfloat16,
   # the wgrad's): mirrored in jaxquant/backends/ffi/grouped/sm90_configs.py (SM90_INSTANCES).
-  set(fp8_alternatives kCfgC1x1 kCfgN176 kCfgFast kCfgPingpongFast)
+  set(fp8_alternatives kCfgC1x1 kCfgN176 kCfgFast kCfgPingpongFast kCfgC2x1)
   set(block_alternatives kCfgC1x1 kCfgC2x1)
-  set(bf16_configs kCfgBf16 kCfgBf16C2x1 kCfgBf16Pingpong)
+  set(bf16_configs kCfgBf16 kCfgBf16C2x1 kCfgBf16Pingpong kCfgBf16M256)
   if(NOT JAXQUANT_SM90_ALL_CONFIGS)
     set(fp8_alternatives "")
     set(block_alternatives "")
@@ -140,14 +140,15 @@ function(jaxquant_add_grouped_sm90 target)
   # bfloat16 x bfloat16 (jaxquant_grouped_gemm_bf16, sm90_kernel.cuh with kBF16): every
   # configuration for the three operand layouts (kLayout*: TN decoded / dgrad, NN the no-recipe
   # forward, NT the no-recipe wgrad), bfloat16 out; the default also TN -> float32 (float32
-  # outputs, decoded pairs whose experts carry per-column factors). NT -> float32 for the two
+  # outputs, decoded pairs whose experts carry per-column factors). NT -> float32 for the
   # configurations the no-recipe wgrad takes (float32 experts: their gradient written as float32
   # by the GEMM). Layout TN also with the row-scaled epilogue (kEpiRowScale: row-scaled NVFP4
   # tokens) for the configurations TN takes, bfloat16 out, and the default's float32 out.
   # Mirrored in sm90_configs.py.
   set(bf16_instances "kCfgBf16 kLayoutTN kOutF32 kEpiAlpha" "kCfgBf16 kLayoutTN kOutF32 kEpiRowScale"
       "kCfgBf16 kLayoutTN kOutBF16 kEpiRowScale" "kCfgBf16C2x1 kLayoutTN kOutBF16 kEpiRowScale"
-      "kCfgBf16 kLayoutNT kOutF32 kEpiAlpha" "kCfgBf16C2x1 kLayoutNT kOutF32 kEpiAlpha")
+      "kCfgBf16 kLayoutNT kOutF32 kEpiAlpha" "kCfgBf16C2x1 kLayoutNT kOutF32 kEpiAlpha"
+      "kCfgBf16M256 kLayoutNT kOutF32 kEpiAlpha")
   foreach(cfg IN LISTS bf16_configs)
     foreach(layout kLayoutTN kLayoutNN kLayoutNT)
       list(APPEND bf16_instances "${cfg} ${layout} kOutBF16 kEpiAlpha")

@@ -41,11 +41,12 @@ enum : int {
   kCfgN176 = 2,          // 128x176x128, cluster 1x1, cooperative (per-tensor)
   kCfgFast = 3,          // 128x128x128, cluster 1x1, cooperative, fast accumulation (per-tensor)
   kCfgPingpongFast = 4,  // 128x128x128, cluster 1x1, pingpong, fast accumulation (per-tensor)
-  kCfgC2x1 = 5,          // 128x128x128, cluster 2x1, cooperative (Float8Block)
+  kCfgC2x1 = 5,          // 128x128x128, cluster 2x1, cooperative (Float8Block, per-tensor)
   // bfloat16 operands (no FP8 promotion; 64-deep k-tiles, 128 bytes of a bf16 row):
   kCfgBf16 = 6,          // 128x256x64, cluster 1x2, cooperative (the bf16 default)
   kCfgBf16C2x1 = 7,      // 128x256x64, cluster 2x1, cooperative
   kCfgBf16Pingpong = 8,  // 64x128x128, cluster 1x1, pingpong (small groups)
+  kCfgBf16M256 = 9,      // 256x128x64, cluster 2x1, cooperative (N a multiple of 128, not 256)
 };
 
 // Operand layouts of the bf16 instances (which operand runs contiguously along the contraction

@@ -77,6 +77,11 @@ template <> struct TileConfig<kCfgBf16C2x1> : Tiles<128, 256, 64, 2, 1> {};
 // Small groups: each consumer warpgroup its own 64 x 128 tile (64 accumulator registers), one's
 // epilogue under the other's mainloop; 64-row tiles waste less of a short group than 128.
 template <> struct TileConfig<kCfgBf16Pingpong> : Tiles<64, 128, 128, 1, 1, true> {};
+// 256 x 128 tiles (each cooperative warpgroup a 128 x 128 float32 accumulator, 128 registers):
+// an N that is an odd multiple of 128 (1408 = 11 x 128) has no half-empty column of tiles
+// (5.5 x 256 rounds to 6); cluster 2 x 1 (B multicast) pairs the row tiles of an M that is a
+// multiple of 512, where a 1 x 2 cluster would pad 11 column tiles to 12.
+template <> struct TileConfig<kCfgBf16M256> : Tiles<256, 128, 64, 2, 1> {};
 
 // kEpiRowScale's epilogue tree: D = convert((alpha[g] * acc) * row_scale[m]), float32 products
 // rounded once to ElementD (XLA's order when it scaled a float32 output). alpha: one float32

@@ -118,24 +118,29 @@ def shape_reason(mode: int, a_shape: Sequence[int], b_shape: Sequence[int], *, a
 
 
 def selection(mode: int, a_shape, groups: int, out_dtype, *, a_k_major: bool = True,
-              b_k_major: bool = True, row_scaled: bool = False) -> sm90_configs.Selection:
+              b_k_major: bool = True, row_scaled: bool = False,
+              b_shape=None) -> sm90_configs.Selection:
   """The configuration (`sm90_configs.bf16_selection`) of a GEMM `shape_reason` accepts
-  (`row_scaled`: with per-row factors in the epilogue)."""
+  (`row_scaled`: with per-row factors in the epilogue; `b_shape`, when given, lets a wgrad's
+  choice see its output shape)."""
   layout = LAYOUTS.get((a_k_major, b_k_major))
   if layout is None:
     raise ValueError(f"a_k_major={a_k_major}, b_k_major={b_k_major}: no bfloat16 grouped GEMM "
                      "instance (layouts TN, NN, NT)")
   tokens = a_shape[0] if mode == 0 else (a_shape[1] if a_k_major else a_shape[0])
+  wgrad_mn = None
+  if mode == 1 and b_shape is not None:
+    wgrad_mn = (a_shape[0] if a_k_major else a_shape[1], b_shape[0] if b_k_major else b_shape[1])
   return sm90_configs.bf16_selection(layout, out_dtype, tokens / max(groups, 1),
-                                     row_scaled=row_scaled)
+                                     row_scaled=row_scaled, wgrad_mn=wgrad_mn)
 
 
 def kernel_label(mode: int, a_shape, groups: int, out_dtype, *, a_k_major: bool = True,
-                 b_k_major: bool = True, row_scaled: bool = False) -> str:
+                 b_k_major: bool = True, row_scaled: bool = False, b_shape=None) -> str:
   """`KERNEL` with the configuration when it is not the default, for `jaxquant.explain`
   (`row_scaled`: " with per-row factors in the epilogue")."""
   chosen = selection(mode, a_shape, groups, out_dtype, a_k_major=a_k_major, b_k_major=b_k_major,
-                     row_scaled=row_scaled)
+                     row_scaled=row_scaled, b_shape=b_shape)
   epilogue = " with per-row factors in the epilogue" if row_scaled else ""
   return KERNEL + epilogue + sm90_configs.kernel_label(chosen)
 
@@ -186,7 +191,7 @@ def gemm(a: jax.Array, b: jax.Array, starts: jax.Array, *, mode: int, out_dtype,
     if reason is not None:
       raise ValueError(f"row_scale: {reason}")
   chosen = selection(mode, a.shape, groups, out_dtype, a_k_major=a_k_major, b_k_major=b_k_major,
-                     row_scaled=has_row_scale)
+                     row_scaled=has_row_scale, b_shape=b.shape)
   has_alpha = alpha is not None
   alpha = (alpha.astype(jnp.float32).reshape(groups) if has_alpha
            else jnp.zeros((1,), jnp.float32))

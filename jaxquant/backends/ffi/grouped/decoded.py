@@ -121,7 +121,8 @@ def kernel_label(a: GroupedScaledTensor, b, out_dtype, bias=None, b_k_major: boo
   False: experts read along N from their `[G, K, N]` copy)."""
   label = bf16.kernel_label(a.token_axis, a.shape, a.groups,
                             _kernel_out(a, b, out_dtype, bias, b_k_major), b_k_major=b_k_major,
-                            row_scaled=rows_in_epilogue(a, b, out_dtype, bias, b_k_major))
+                            row_scaled=rows_in_epilogue(a, b, out_dtype, bias, b_k_major),
+                            b_shape=b.shape)
   if high_precision(a) and high_precision(b):
     return label
   return label + " on operands decoded to bfloat16"

@@ -83,7 +83,7 @@ CONFIGS = {c.name: c for c in (
     Sm90Config("pingpong_fast", 4, (128, 128, 128), (1, 1), "pingpong", "fast",
                (PER_TENSOR_E4M3_BF16,)),
     Sm90Config("c2x1", 5, (128, 128, 128), (2, 1), "cooperative", "split",
-               (FLOAT8BLOCK_1x128_BF16,)),
+               (FLOAT8BLOCK_1x128_BF16, PER_TENSOR_E4M3_BF16)),
     # bfloat16: float32 accumulation throughout (no FP8 promotion question), 64-deep k-tiles
     Sm90Config("bf16", 6, (128, 256, 64), (1, 2), "cooperative", "float32",
                _BF16_LAYOUTS + (BF16_TN_F32, BF16_NT_F32, BF16_TN_BF16_ROWS, BF16_TN_F32_ROWS)),
@@ -91,6 +91,8 @@ CONFIGS = {c.name: c for c in (
                _BF16_LAYOUTS + (BF16_NT_F32, BF16_TN_BF16_ROWS)),
     Sm90Config("bf16_pingpong", 8, (64, 128, 128), (1, 1), "pingpong", "float32",
                _BF16_LAYOUTS),
+    Sm90Config("bf16_256x128", 9, (256, 128, 64), (2, 1), "cooperative", "float32",
+               _BF16_LAYOUTS + (BF16_NT_F32,)),
 )}
 DEFAULT = CONFIGS["default"]
 BF16_DEFAULT = CONFIGS["bf16"]
@@ -109,6 +111,31 @@ BF16_LARGE_GROUP_TOKENS = 1024
 # TN 0.316-0.323 against 0.239-0.264; at 256 tokens a group (2-3 row tiles) "bf16_c2x1" stays
 # ahead (0.179-0.184 against 0.195).
 BF16_PAIRED_ROW_TILE_TOKENS = 192
+# A wgrad's [M, N] output is cut into whole tiles, and the tile grid into whole clusters: an N
+# of 1408 (11 x 128) is 12 columns of 128-wide tiles under a 1 x 2 cluster and 6 of 256-wide
+# ones, 9% of the tiles computing nothing. With this rule on, a wgrad takes the alternative
+# that covers its output with fewer padded elements ("c2x1" for per-tensor E4M3 x E4M3,
+# "bf16_256x128" for bfloat16 below the large group size), and keeps its configuration on a
+# tie (`padded_elements`).
+WGRAD_BY_PADDING = True
+
+
+def padded_elements(mn: tuple[int, int], config: "Sm90Config") -> int:
+  """Output elements the tiles of `config` cover for an [m, n] output: each axis rounded up to
+  whole tiles, then to whole clusters (CUTLASS's scheduler computes those tiles too)."""
+  covered = 1
+  for size, tile, cluster in zip(mn, config.tile[:2], config.cluster):
+    tiles = -(-size // tile)
+    covered *= -(-tiles // cluster) * cluster * tile
+  return covered
+
+
+def _less_padded(mn, chosen: "Sm90Config", alternative: "Sm90Config") -> "Sm90Config":
+  """`alternative` where `WGRAD_BY_PADDING` is on and it covers `mn` with fewer elements."""
+  if WGRAD_BY_PADDING and mn is not None and (
+      padded_elements(mn, alternative) < padded_elements(mn, chosen)):
+    return alternative
+  return chosen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +174,7 @@ def selected() -> Optional[Selection]:
   return parse(value) if value else None
 
 
-def automatic(kind: str, wgrad: bool, n: int) -> Selection:
+def automatic(kind: str, wgrad: bool, n: int, m: Optional[int] = None) -> Selection:
   """The configuration a GEMM takes without `JAXQUANT_SM90_CONFIG`: an alternative only where
   it measured faster than "default" at both of `bench/grouped.py`'s shapes on an H100
   (bench/RESULTS.md, session 4; 8 experts N 14336, 64 experts N 1408):
@@ -155,7 +182,11 @@ def automatic(kind: str, wgrad: bool, n: int) -> Selection:
       at least 8192: "n176" (1199 vs 1163 and 539 vs 517 TFLOP/s for fprop; a 2048- or
       4096-wide N measured no better or worse);
     - Float8Block wgrad, 1x128 x 1x128 -> bf16: "c1x1" (849 vs 839 and 287 vs 256 TFLOP/s).
+    - per-tensor E4M3 x E4M3 -> bf16 wgrad whose [m, n] output "c2x1" covers with fewer padded
+      elements (`WGRAD_BY_PADDING`).
   Fast-accumulation configurations are never chosen automatically."""
+  if kind == PER_TENSOR_E4M3_BF16 and wgrad and m is not None:
+    return Selection(_less_padded((m, n), DEFAULT, CONFIGS["c2x1"]))
   if kind == PER_TENSOR_E4M3_BF16 and not wgrad and (n % 176 == 0 or n >= 8192):
     return Selection(CONFIGS["n176"])
   if kind == FLOAT8BLOCK_1x128_BF16 and wgrad:
@@ -200,11 +231,13 @@ def bf16_kind(layout: str, out_dtype, row_scaled: bool = False) -> str:
                                                                 else "")
 
 
-def automatic_bf16(kind: str, tokens_per_group: float) -> Selection:
+def automatic_bf16(kind: str, tokens_per_group: float,
+                   wgrad_mn: Optional[tuple[int, int]] = None) -> Selection:
   """The configuration a bfloat16 GEMM takes without `JAXQUANT_SM90_CONFIG`, by layout and the
   groups' average token count (the measured rules at `BF16_LARGE_GROUP_TOKENS` and
-  `BF16_PAIRED_ROW_TILE_TOKENS`); an instance kind the chosen configuration does not have
-  (float32 output) keeps "bf16"."""
+  `BF16_PAIRED_ROW_TILE_TOKENS`) and, for a wgrad (`wgrad_mn`: its per-group output shape),
+  the padding rule (`WGRAD_BY_PADDING`); an instance kind the chosen configuration does not
+  have (float32 output) keeps "bf16"."""
   large = tokens_per_group >= BF16_LARGE_GROUP_TOKENS
   one_row_tile = tokens_per_group < BF16_PAIRED_ROW_TILE_TOKENS
   if kind.startswith("bfloat16 NN"):
@@ -214,18 +247,24 @@ def automatic_bf16(kind: str, tokens_per_group: float) -> Selection:
   else:
     name = "bf16" if one_row_tile else "bf16_c2x1"
   config = CONFIGS[name]
-  return Selection(config if kind in config.instances else BF16_DEFAULT)
+  config = config if kind in config.instances else BF16_DEFAULT
+  alternative = CONFIGS["bf16_256x128"]
+  if not large and kind in alternative.instances:
+    config = _less_padded(wgrad_mn, config, alternative)
+  return Selection(config)
 
 
 def bf16_selection(layout: str, out_dtype, tokens_per_group: float,
-                   row_scaled: bool = False) -> Selection:
+                   row_scaled: bool = False,
+                   wgrad_mn: Optional[tuple[int, int]] = None) -> Selection:
   """The configuration a bfloat16 GEMM is traced with: the one `JAXQUANT_SM90_CONFIG` forces
   (ValueError when it has no instance for this layout and output), else `automatic_bf16`.
-  `row_scaled`: with per-row factors in the epilogue (their own instances)."""
+  `row_scaled`: with per-row factors in the epilogue (their own instances); `wgrad_mn`: a
+  wgrad's per-group output shape."""
   kind = bf16_kind(layout, out_dtype, row_scaled)
   selection = selected()
   if selection is None:
-    return automatic_bf16(kind, tokens_per_group)
+    return automatic_bf16(kind, tokens_per_group, wgrad_mn)
   if kind not in selection.config.instances:
     raise ValueError(f"{ENV}={selection.label}: configuration {selection.config.name!r} has "
                      f"instances for {', '.join(selection.config.instances)} only, not {kind}")

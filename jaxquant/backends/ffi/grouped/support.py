@@ -484,7 +484,9 @@ def sm90_selection(a, b, out_dtype=None) -> sm90_configs.Selection:
   selection = sm90_configs.selected()
   if selection is None:
     kind = sm90_configs.instance_kind(a, b, out_dtype, block)
-    return sm90_configs.automatic(kind, a.token_axis == 1, int(b.shape[-2]))
+    wgrad = a.token_axis == 1
+    return sm90_configs.automatic(kind, wgrad, int(b.shape[-2]),
+                                  int(a.shape[-2]) if wgrad else None)
   reason = sm90_configs.unserved(selection, a, b, out_dtype, block)
   if reason is not None:
     raise ValueError(reason)
