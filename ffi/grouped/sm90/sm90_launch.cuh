@@ -108,8 +108,8 @@ __device__ __forceinline__ Stride leading(int64_t ld) {
 }
 
 // Zeros out[0, count) with the grid's threads: 16-byte stores where the span allows, element
-// stores for an unaligned head and the tail (an empty expert's wgrad output is M x N elements,
-// 12-46 MB in `train_lm --moe`; element stores wrote it at a fraction of DRAM's rate).
+// stores for an unaligned head and the tail (an empty expert's wgrad output is its whole M x N
+// weight gradient, megabytes, which element stores wrote a thread-iteration at a time).
 template <class T>
 __device__ void zero_fill(T* out, int64_t count, int64_t tid, int64_t threads) {
   constexpr int64_t kPerVec = 16 / sizeof(T);
