@@ -11,7 +11,7 @@ Float8CurrentScaling step (TN, wgrad on the 16-token layout).
 
     python bench/small_groups.py                        # 64 experts x 256 rows, K 2048, N 1408
     python bench/small_groups.py --groups 128 --rows 128
-    python bench/small_groups.py --configs bf16_pingpong128,epi64 --only wgrad
+    python bench/small_groups.py --configs c2x1,bf16_256x128 --only wgrad
     python bench/small_groups.py --once                 # each GEMM once after compiling (ncu)
     python bench/small_groups.py --empty 32             # half the groups empty (zero-fills)
     python bench/small_groups.py --tiny                 # CPU smoke check
