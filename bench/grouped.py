@@ -55,7 +55,7 @@ import grouped_quantize  # bench/grouped_quantize.py
 from timing import bench  # bench/timing.py (this folder is on sys.path when run)
 import jaxquant.flax  # noqa: F401
 from jaxquant.backends.ffi import gemm as ffi_gemm
-from jaxquant.backends.ffi.grouped import bf16, sm90_configs
+from jaxquant.backends.ffi.grouped import bf16, sm90_configs, support
 
 RECIPES = {
     "Float8CurrentScaling": lambda: jq.recipes.Float8CurrentScaling(),
@@ -107,6 +107,22 @@ def _wgrad_by_padding(on: bool):
     sm90_configs.WGRAD_BY_PADDING = saved
 
 
+@contextlib.contextmanager
+def _raw_copies(on: bool):
+  """MXFP8 copies written raw (decision 47; True: as users run) or decoded from their codes
+  (`JAXQUANT_GROUPED_RAW_COPIES=off`) while a step is traced."""
+  saved = os.environ.get(support.RAW_COPIES_ENV)
+  if not on:
+    os.environ[support.RAW_COPIES_ENV] = "off"
+  try:
+    yield
+  finally:
+    if saved is None:
+      os.environ.pop(support.RAW_COPIES_ENV, None)
+    else:
+      os.environ[support.RAW_COPIES_ENV] = saved
+
+
 def step_fn(model):
   def step(variables, x, sizes, dy, key):
     apply = lambda v, x: model.apply(v, x, sizes, rngs={"quantize": key})
@@ -147,6 +163,12 @@ def run_case(experts: int, spec, args, card: str, torch_result=None) -> list[dic
       if not name.startswith(RAGGED_DOT):
         models[f"{name} [wgrad tiles as before]"] = model
         unpadded.add(f"{name} [wgrad tiles as before]")
+  coded = set()  # rows traced with MXFP8 copies as codes, decoded apart (--compare-raw-copies)
+  if args.compare_raw_copies:
+    for name, model in list(models.items()):
+      if getattr(model, "recipe", None) is not None:
+        models[f"{name} [codes decoded]"] = model
+        coded.add(f"{name} [codes decoded]")
   flops = 3 * 2 * t * k * n
   rows, base = [], None
   timing = dict(repeats=args.repeats, calls=args.calls, warmup=args.warmup)
@@ -165,7 +187,7 @@ def run_case(experts: int, spec, args, card: str, torch_result=None) -> list[dic
       variables = {**variables, jq.flax.OVERWRITE_WITH_GRADIENT: state}
     paths = why = qpaths = ""
     backend = _backend("reference" if name.startswith(RAGGED_DOT) else None)
-    with backend, _wgrad_by_padding(name not in unpadded):  # which GEMMs and quantizes ran
+    with backend, _wgrad_by_padding(name not in unpadded), _raw_copies(name not in coded):
       report = jq.explain(step, variables, x, sizes, dy, key)
       gemms = [d for d in report if d.op == "grouped_gemm"]
       paths = ",".join(sorted({d.path + ("-cutlass" if "CUTLASS" in d.detail else "")
@@ -534,6 +556,9 @@ def main(argv=None) -> int:
   parser.add_argument("--compare-padding", action="store_true",
                       help="also time every jaxquant step with its wgrads' tiles chosen without "
                       "sm90_configs.WGRAD_BY_PADDING (as before it), same process")
+  parser.add_argument("--compare-raw-copies", action="store_true",
+                      help="also time every recipe's step with its MXFP8 copies written as codes "
+                      "and decoded apart (JAXQUANT_GROUPED_RAW_COPIES=off), same process")
   parser.add_argument("--no-torch", action="store_true",
                       help="skip the PyTorch torch._grouped_mm bf16 row")
   parser.add_argument("--no-float32-params", action="store_true",

@@ -364,8 +364,9 @@ def test_expert_weights_written_per_expert_in_one_call(rng, name, rowwise):
 def test_gathered_kernel_names_a_bad_expert_rows():
   x = jnp.zeros((256, 64), jnp.bfloat16)
   starts = jnp.asarray([0, 128, 256], jnp.int32)
-  with pytest.raises(ValueError, match="needs columnwise=True"):
-    single_ffi.quantize_gathered(x, starts, starts, 256, jq.MXFP8Quantizer(), rowwise=True,
+  with pytest.raises(ValueError, match=r"expert_rows=128: needs a length \(200\) of whole "
+                                       "experts"):
+    single_ffi.quantize_gathered(x, starts, starts, 200, jq.MXFP8Quantizer(), rowwise=True,
                                  columnwise=False, orig_dtype=jnp.bfloat16, expert_rows=128)
   with pytest.raises(Exception, match=r"expert_rows=48 must be 0 \(tokens\) or length / G "
                                       r"\(= 48\) and a multiple of 32"):

@@ -16,6 +16,7 @@
 #include "grouped/grouped_args.h"
 #include "grouped/handlers.h"
 #include "jaxquant_numerics.h"
+#include "quantize/mxfp8_raw.cuh"
 
 namespace jqffi {
 namespace {
@@ -67,7 +68,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
 }
 
 // MXFP8: chunk i (16 values of one 32-block) of the [B * R, C / 16] grid: 16 codes to float32
-// (exact: through float16), times 2^(e - 127) in float32, rounded once to bfloat16: XLA's decode.
+// (exact: through float16), times 2^(e - 127) in float32, rounded once to bfloat16: XLA's decode
+// (quantize/mxfp8_raw.cuh, shared with the quantize kernel's raw output).
 __global__ void __launch_bounds__(kDecodeThreads)
     decode_mxfp8_kernel(const uint4* __restrict__ data, const uint8_t* __restrict__ scale,
                         uint4* __restrict__ out, uint32_t chunks, uint32_t chunks_per_row,
@@ -79,20 +81,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const uint4 codes = __ldg(data + i);
   const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
   uint32_t v[8];
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    const uint32_t pair = (words[k / 2] >> (16 * (k % 2))) & 0xFFFFu;
-    __half2_raw h;
-    if (e5m2) {
-      h.x = uint16_t((pair & 0xFFu) << 8);
-      h.y = uint16_t(pair & 0xFF00u);
-    } else {
-      h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(pair), __NV_E4M3);
-    }
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
-    const __nv_bfloat162 b = __floats2bfloat162_rn(jq::mxfp8_raw(f.x, s), jq::mxfp8_raw(f.y, s));
-    v[k] = *reinterpret_cast<const uint32_t*>(&b);
-  }
+  mxfp8_raw_words<4>(words, s, e5m2, v);
   out[2 * size_t(i)] = make_uint4(v[0], v[1], v[2], v[3]);
   out[2 * size_t(i) + 1] = make_uint4(v[4], v[5], v[6], v[7]);
 }

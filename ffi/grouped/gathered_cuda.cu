@@ -4,7 +4,9 @@
 // was a full read and write of x or dy a step). Each tile row is a layout position: its group
 // is found by a search of pstarts (a few cached loads; every pass's search is independent, so
 // they overlap), then the row starts[g] + i of x is loaded, or zeros (padding, no group). The
-// math and the outputs are the single-tensor kernel's for that [L, C] matrix, bit for bit.
+// math and the outputs are the single-tensor kernel's for that [L, C] matrix, bit for bit. MXFP8
+// may write its copies raw (`raw`: bfloat16 code x block scale, for the grouped GEMMs that
+// read decoded operands), skipping the decode pass those GEMMs would otherwise run.
 // Group offsets stay on the device (no host sync, no allocation: command-buffer compatible).
 #include <cuda_runtime.h>
 
@@ -81,7 +83,8 @@ __device__ __forceinline__ RowDestination row_destination(const GatheredTile<In,
   return {rows.source(r, reader.g0), r < rows.T && r >= int64_t(__ldg(rows.starts + rows.G))};
 }
 
-template <typename Args, typename Params>
+// kRaw: MXFP8 copies written as bfloat16 raw values (`Mxfp8Params::raw`).
+template <bool kRaw, typename Args, typename Params>
 ffi::Error quantize_gathered(const char* target, cudaStream_t stream, const Args& a,
                              const GroupedRows& rows, const Params& p) {
   JQ_RETURN_IF_ERROR(clear(stream, a.amax, 4));
@@ -91,15 +94,15 @@ ffi::Error quantize_gathered(const char* target, cudaStream_t stream, const Args
     const bool vec = aligned(a.x.data, 16) && rows.C % 8 == 0;
     if (p.expert_rows) {  // position r is row r: read x directly, not through the offsets
       const Direct<T> w{static_cast<const T*>(a.x.data), rows.T, rows.C, vec};
-      e = launch_fp8_tiles<true>(stream, p, w);
+      e = launch_fp8_tiles<true, kRaw>(stream, p, w);
     } else if (rows.row_packed) {
       const GatheredRows<T, true> x{static_cast<const T*>(a.x.data), rows.T, rows.C, rows.L, vec,
                                     rows.starts, rows.pstarts, int(rows.G)};
-      e = launch_fp8_tiles(stream, p, x);
+      e = launch_fp8_tiles<false, kRaw>(stream, p, x);
     } else {
       const GatheredRows<T> x{static_cast<const T*>(a.x.data), rows.T, rows.C, rows.L, vec,
                               rows.starts, rows.pstarts, int(rows.G)};
-      e = launch_fp8_tiles(stream, p, x);
+      e = launch_fp8_tiles<false, kRaw>(stream, p, x);
     }
   });
   return launch_status(target, e);
@@ -108,14 +111,16 @@ ffi::Error quantize_gathered(const char* target, cudaStream_t stream, const Args
 ffi::Error GroupedQuantizeMxfp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer starts,
                                     ffi::AnyBuffer pstarts, ffi::RemainingRets rets, bool rowwise,
                                     bool columnwise, int64_t length, int64_t expert_rows,
-                                    bool row_packed) {
+                                    bool row_packed, bool raw, bool raw_e5m2) {
+  const char* t = "jaxquant_grouped_quantize_mxfp8";
   Mxfp8Args a;
   GroupedRows rows;
   JQ_RETURN_IF_ERROR(decode_gathered_mxfp8(x, starts, pstarts, rets, rowwise, columnwise, length,
-                                           expert_rows, row_packed, &a, &rows));
+                                           expert_rows, row_packed, raw, raw_e5m2, &a, &rows));
   Mxfp8Params p = mxfp8_params(a, a.x.rows, a.x.cols);
   p.expert_rows = rows.expert_rows;
-  return quantize_gathered("jaxquant_grouped_quantize_mxfp8", stream, a, rows, p);
+  return raw ? quantize_gathered<true>(t, stream, a, rows, p)
+             : quantize_gathered<false>(t, stream, a, rows, p);
 }
 
 ffi::Error GroupedQuantizeFp8BlockCuda(cudaStream_t stream, ffi::AnyBuffer x,
@@ -130,7 +135,7 @@ ffi::Error GroupedQuantizeFp8BlockCuda(cudaStream_t stream, ffi::AnyBuffer x,
                                                expert_rows, row_packed, &a, &rows));
   Fp8BlockParams p = fp8_block_params(a, a.x.rows, a.x.cols);
   p.expert_rows = rows.expert_rows;
-  return quantize_gathered("jaxquant_grouped_quantize_fp8_block", stream, a, rows, p);
+  return quantize_gathered<false>("jaxquant_grouped_quantize_fp8_block", stream, a, rows, p);
 }
 
 }  // namespace

@@ -466,18 +466,18 @@ ffi::Error read_expert_copies(const char* t, ffi::RemainingRets rets, int64_t G,
   const int64_t C = a->x.cols;
   ffi::DataType row_type = ffi::DataType::INVALID, col_type = ffi::DataType::INVALID;
   if (a->rowwise) {
-    JQ_RETURN_IF_ERROR(read_blocks(r, "rowwise", G * E, C, kFp8Types, scale_type,
+    JQ_RETURN_IF_ERROR(read_blocks(r, "rowwise", G * E, C, data_types(*a), scale_type,
                                    row_block_rows, block, &a->row_data, row_scale, &row_type));
   }
   if (a->columnwise) {
     void* p;
-    JQ_RETURN_IF_ERROR(r.next("columnwise data", kFp8Types, {G, C, E}, &p, &col_type));
+    JQ_RETURN_IF_ERROR(r.next("columnwise data", data_types(*a), {G, C, E}, &p, &col_type));
     a->col_data = static_cast<uint8_t*>(p);
     JQ_RETURN_IF_ERROR(
         r.next("columnwise scale_inv", {scale_type}, {G, col_scale_rows, E / block}, &p));
     *col_scale = static_cast<Scale*>(p);
   }
-  JQ_RETURN_IF_ERROR(read_format(t, *a, row_type, col_type, &a->fmt));
+  JQ_RETURN_IF_ERROR(read_payload_format(t, a, row_type, col_type));
   JQ_RETURN_IF_ERROR(read_scalar(r, "amax", &a->amax));
   return r.done();
 }
@@ -528,10 +528,6 @@ ffi::Error decode_gathered(const char* t, ffi::AnyBuffer x, ffi::AnyBuffer start
     return r.done();
   }
   if (expert_rows == 0) return read_all_results(t, rets, a);
-  if (!a->columnwise) {
-    return invalid(t, "expert_rows > 0 needs the columnwise copy (columnwise = true): the "
-                      "rowwise copy alone is the tokens' (expert_rows = 0)");
-  }
   if (length >= (int64_t(1) << 31)) {  // the kernels index positions in 32 bits
     return invalid(t, "expert weights of " + std::to_string(length) + " rows (G E) must have "
                       "fewer than 2^31");
@@ -539,15 +535,24 @@ ffi::Error decode_gathered(const char* t, ffi::AnyBuffer x, ffi::AnyBuffer start
   return read_expert_results(t, rets, rows->G, expert_rows, a);
 }
 
+// `raw`: the data results are bfloat16 raw values (code x block scale, the bits
+// jaxquant_grouped_decode_mxfp8 gives the codes) of payload format E5M2 when `raw_e5m2`, else
+// E4M3; the scales and amax as always. Without `raw`, `raw_e5m2` must be false (the data
+// dtypes give the format).
 inline ffi::Error decode_gathered_mxfp8(ffi::AnyBuffer x, ffi::AnyBuffer starts,
                                         ffi::AnyBuffer pstarts, ffi::RemainingRets rets,
                                         bool rowwise, bool columnwise, int64_t length,
-                                        int64_t expert_rows, bool row_packed, Mxfp8Args* a,
-                                        GroupedRows* rows) {
+                                        int64_t expert_rows, bool row_packed, bool raw,
+                                        bool raw_e5m2, Mxfp8Args* a, GroupedRows* rows) {
   const char* t = "jaxquant_grouped_quantize_mxfp8";
+  if (raw_e5m2 && !raw) {
+    return invalid(t, "raw_e5m2 is true without raw; the codes' dtype gives their format");
+  }
   return decode_gathered(t, x, starts, pstarts, rets, length, expert_rows, row_packed, 32, a,
                          rows,
                          [&](Mxfp8Args* m) {
+    m->raw = raw;
+    if (raw) m->fmt = raw_e5m2 ? jq::Fp8::kE5M2 : jq::Fp8::kE4M3;
     return set_directions(t, rowwise, columnwise, m);
   });
 }
@@ -653,8 +658,9 @@ auto BindGroupedQuantizeFp8(Binding binding) {
 // target's outputs for the gathered layout; its attributes, then the layout length.
 template <typename Binding>
 auto BindGroupedQuantizeMxfp8(Binding binding) {
-  return Attrs<int64_t>(Mxfp8Attrs(Args<3>(std::move(binding)).RemainingRets()), "length",
-                        "expert_rows").template Attr<bool>("row_packed");
+  return Attrs<bool>(Attrs<int64_t>(Mxfp8Attrs(Args<3>(std::move(binding)).RemainingRets()),
+                                    "length", "expert_rows"),
+                     "row_packed", "raw", "raw_e5m2");
 }
 
 template <typename Binding>

@@ -385,7 +385,7 @@ void quantize_gathered(const GroupedRows& rows, Args& a, Scale** col_scale, int6
     return;
   }
   const int64_t E = rows.expert_rows;
-  if (E == 0) {
+  if (E == 0 || !a.columnwise) {  // tokens, or the experts' rowwise copy alone (x's own rows)
     quantize_matrix(m, a);
     return;
   }
@@ -401,14 +401,55 @@ void quantize_gathered(const GroupedRows& rows, Args& a, Scale** col_scale, int6
   regroup_experts(scale, scale_rows, L, E, block, out_scale);
 }
 
+// MXFP8 codes [rows, cols] with their E8M0 scales [rows, ceil(cols / 32)] as raw values in
+// bfloat16 bits (XLA:CPU's f32 product and f32 -> bf16 rounding): the decode target's values and
+// the quantize target's raw copies.
+void mxfp8_raw_matrix(const uint8_t* codes, const uint8_t* scale, int64_t rows, int64_t cols,
+                      int64_t scale_cols, bool e5m2, uint16_t* out) {
+  for (int64_t row = 0; row < rows; ++row) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t i = row * cols + c;
+      const float v = e5m2 ? jq::decode_e5m2(codes[i]) : jq::decode_e4m3(codes[i]);
+      const float value = jq::mxfp8_raw(v, jq::decode_e8m0(scale[row * scale_cols + c / 32]));
+      out[i] = static_cast<uint16_t>(jq::bf16_bits_rne(value));
+    }
+  }
+}
+
 ffi::Error GroupedQuantizeMxfp8Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::AnyBuffer pstarts,
                                    ffi::RemainingRets rets, bool rowwise, bool columnwise,
-                                   int64_t length, int64_t expert_rows, bool row_packed) {
+                                   int64_t length, int64_t expert_rows, bool row_packed, bool raw,
+                                   bool raw_e5m2) {
   Mxfp8Args a;
   GroupedRows rows;
   JQ_RETURN_IF_ERROR(decode_gathered_mxfp8(x, starts, pstarts, rets, rowwise, columnwise, length,
-                                           expert_rows, row_packed, &a, &rows));
-  quantize_gathered(rows, a, &a.col_scale, rows.C, 32);
+                                           expert_rows, row_packed, raw, raw_e5m2, &a, &rows));
+  if (!raw) {
+    quantize_gathered(rows, a, &a.col_scale, rows.C, 32);
+    return ffi::Error::Success();
+  }
+  // Raw copies: the codes into scratch, then decoded into the bfloat16 results. Every copy is a
+  // [rows, cols] matrix of 32-blocks along its rows: the rowwise one [L or T, C], the columnwise
+  // one [C, L], or for experts [G C, E].
+  const int64_t C = rows.C, L = rows.L, row_rows = rows.row_packed ? rows.T : L;
+  auto* row_out = reinterpret_cast<uint16_t*>(a.row_data);
+  auto* col_out = reinterpret_cast<uint16_t*>(a.col_data);
+  const uint8_t* row_scale = a.row_scale;
+  const uint8_t* col_scale = a.col_scale;
+  std::vector<uint8_t> row_codes(a.rowwise ? size_t(row_rows * C) : 0);
+  std::vector<uint8_t> col_codes(a.columnwise ? size_t(C * L) : 0);
+  a.row_data = row_codes.data();
+  a.col_data = col_codes.data();
+  quantize_gathered(rows, a, &a.col_scale, C, 32);
+  const bool e5m2 = a.fmt == jq::Fp8::kE5M2;
+  if (a.rowwise) {
+    mxfp8_raw_matrix(row_codes.data(), row_scale, row_rows, C, ceil_div(C, 32), e5m2, row_out);
+  }
+  if (a.columnwise) {
+    const int64_t E = rows.expert_rows, col_rows = E ? (L / E) * C : C, col_cols = E ? E : L;
+    mxfp8_raw_matrix(col_codes.data(), col_scale, col_rows, col_cols, ceil_div(col_cols, 32),
+                     e5m2, col_out);
+  }
   return ffi::Error::Success();
 }
 
@@ -431,14 +472,7 @@ ffi::Error GroupedDecodeMxfp8Cpu(ffi::AnyBuffer data, ffi::AnyBuffer scale,
                                  ffi::Result<ffi::AnyBuffer> out) {
   Mxfp8DecodeParams p;
   JQ_RETURN_IF_ERROR(decode_mxfp8_decode("jaxquant_grouped_decode_mxfp8", data, scale, out, &p));
-  for (int64_t row = 0; row < p.B * p.R; ++row) {
-    for (int64_t c = 0; c < p.C; ++c) {
-      const int64_t i = row * p.C + c;
-      const float v = p.e5m2 ? jq::decode_e5m2(p.data[i]) : jq::decode_e4m3(p.data[i]);
-      const float value = jq::mxfp8_raw(v, jq::decode_e8m0(p.scale[row * p.scale_cols + c / 32]));
-      p.out[i] = static_cast<uint16_t>(jq::bf16_bits_rne(value));
-    }
-  }
+  mxfp8_raw_matrix(p.data, p.scale, p.B * p.R, p.C, p.scale_cols, p.e5m2, p.out);
   return ffi::Error::Success();
 }
 

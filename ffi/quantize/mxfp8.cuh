@@ -1,6 +1,7 @@
 // MXFP8 quantize kernel.
 #pragma once
 
+#include "quantize/mxfp8_raw.cuh"
 #include "quantize/tile.cuh"
 
 namespace jqffi {
@@ -12,6 +13,7 @@ namespace {
 struct Mxfp8Params {
   int64_t R, C;  // the quantized matrix (the producer's values)
   bool vec_row, vec_col, do_row, do_col;
+  bool raw;  // row / col hold bfloat16 raw values (code x block scale) instead of the codes
   jq::Fp8 fmt;
   uint8_t *row, *row_scale, *col, *col_scale;
   float* amax;
@@ -21,10 +23,11 @@ struct Mxfp8Params {
 
 // The kernel's parameters for the decoded call `a` quantizing an R x C matrix (col_sums: the
 // fused activation gradient's column sums, or null).
+// Raw copies (`a.raw`) store 8 and 16 bfloat16 values a thread: 16-byte stores when aligned.
 inline Mxfp8Params mxfp8_params(const Mxfp8Args& a, int64_t R, int64_t C, float* col_sums = nullptr) {
-  return {R, C, aligned(a.row_data, 8) && C % 8 == 0, aligned(a.col_data, 16) && R % 16 == 0,
-          a.rowwise, a.columnwise, a.fmt, a.row_data, a.row_scale, a.col_data, a.col_scale,
-          a.amax, col_sums};
+  return {R, C, aligned(a.row_data, a.raw ? 16 : 8) && C % 8 == 0,
+          aligned(a.col_data, 16) && R % (a.raw ? 8 : 16) == 0, a.rowwise, a.columnwise, a.raw,
+          a.fmt, a.row_data, a.row_scale, a.col_data, a.col_scale, a.amax, col_sums};
 }
 
 __device__ __forceinline__ uint32_t mxfp8_codes4(const float* v, jq::Mxfp8Factors f, uint32_t e, jq::Fp8 fmt) {
@@ -33,7 +36,9 @@ __device__ __forceinline__ uint32_t mxfp8_codes4(const float* v, jq::Mxfp8Factor
 }
 
 // kExperts: p.expert_rows > 0 (a separate instance, so the other kernels keep their registers).
-template <typename P, bool kExperts = false>
+// kRaw: p.raw, each copy written as the bfloat16 raw values of its codes (what the grouped
+// GEMMs on decoded operands read; quantize/mxfp8_raw.cuh), its scales as always.
+template <typename P, bool kExperts = false, bool kRaw = false>
 __global__ void __launch_bounds__(kThreads, ProducerMinCtas<P>::value) mxfp8_kernel(const Mxfp8Params p, const P prod) {
   using G = FP8Tile<typename P::Out>;
   __shared__ uint32_t red[kThreads / 32];
@@ -55,8 +60,15 @@ __global__ void __launch_bounds__(kThreads, ProducerMinCtas<P>::value) mxfp8_ker
       const auto store_row = [&](int64_t row, const float* w, uint32_t bits) {
         const uint32_t e = jq::e8m0_from_amax(__uint_as_float(bits), inv_fmax);
         const jq::Mxfp8Factors f = jq::mxfp8_factors(e);
-        store_bytes8(p.row + row * p.C + c, mxfp8_codes4(w, f, e, p.fmt), mxfp8_codes4(w + 4, f, e, p.fmt),
-                     int(min64(8, p.C - c)), p.vec_row);
+        const uint32_t q[2] = {mxfp8_codes4(w, f, e, p.fmt), mxfp8_codes4(w + 4, f, e, p.fmt)};
+        if constexpr (kRaw) {
+          uint32_t raw[4];
+          mxfp8_raw_words<2>(q, jq::decode_e8m0(e), p.fmt == jq::Fp8::kE5M2, raw);
+          store_bf16_words(reinterpret_cast<uint16_t*>(p.row) + row * p.C + c, raw,
+                           int(min64(8, p.C - c)), p.vec_row);
+        } else {
+          store_bytes8(p.row + row * p.C + c, q[0], q[1], int(min64(8, p.C - c)), p.vec_row);
+        }
         if ((tid & 3) == 0) p.row_scale[row * row_nb + c / 32] = uint8_t(e);
       };
       if (to.row >= 0) store_row(to.row, v, m);
@@ -81,14 +93,19 @@ __global__ void __launch_bounds__(kThreads, ProducerMinCtas<P>::value) mxfp8_ker
     const uint32_t e = jq::e8m0_from_amax(__uint_as_float(m), inv_fmax);
     const jq::Mxfp8Factors f = jq::mxfp8_factors(e);
     const auto codes4 = [&](const float* v) { return mxfp8_codes4(v, f, e, p.fmt); };
-    if constexpr (kExperts) {
-      if ((chunk.slot.j & 1) == 0) {
-        p.col_scale[expert_column_index(chunk.c, chunk.rr, p.C, p.expert_rows, 32)] = uint8_t(e);
-      }
-      chunk.store(p.col, p.R, p.vec_col, codes4, p.C, p.expert_rows);
+    const float s = jq::decode_e8m0(e);
+    const auto raw8 = [&](const uint32_t* q, uint32_t* out) {
+      mxfp8_raw_words<2>(q, s, p.fmt == jq::Fp8::kE5M2, out);
+    };
+    const int64_t E = kExperts ? p.expert_rows : 0;
+    if ((chunk.slot.j & 1) == 0) {
+      p.col_scale[kExperts ? expert_column_index(chunk.c, chunk.rr, p.C, E, 32)
+                           : chunk.c * col_nb + chunk.rr / 32] = uint8_t(e);
+    }
+    if constexpr (kRaw) {
+      chunk.store_raw(reinterpret_cast<uint16_t*>(p.col), p.R, p.vec_col, codes4, raw8, p.C, E);
     } else {
-      if ((chunk.slot.j & 1) == 0) p.col_scale[chunk.c * col_nb + chunk.rr / 32] = uint8_t(e);
-      chunk.store(p.col, p.R, p.vec_col, codes4);
+      chunk.store(p.col, p.R, p.vec_col, codes4, p.C, E);
     }
   }
 }

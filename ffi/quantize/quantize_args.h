@@ -385,6 +385,9 @@ inline ffi::Error decode_fp8_delayed_update(ffi::AnyBuffer x, ffi::AnyBuffer s,
 struct Mxfp8Args {
   Input x;
   bool rowwise = false, columnwise = false;
+  // The grouped target's `raw`: bfloat16 data results holding the codes' raw values (code x
+  // block scale), the payload format then given by `raw_e5m2` rather than the data dtype.
+  bool raw = false;
   jq::Fp8 fmt = jq::Fp8::kE4M3;
   uint8_t *row_data = nullptr, *row_scale = nullptr, *col_data = nullptr, *col_scale = nullptr;
   float* amax = nullptr;
@@ -393,19 +396,41 @@ struct Mxfp8Args {
 // The results of jaxquant_quantize_mxfp8 for an R x C matrix (directions set in `a`): E8M0
 // scales of 1x32 blocks. `row_R` >= 0: the rowwise copy's rows instead of R (a grouped call's
 // packed rowwise copy beside its padded columnwise one).
+constexpr std::initializer_list<ffi::DataType> kBf16Type = {ffi::DataType::BF16};
+
+// The dtypes a quantize target's data results may have: FP8 codes, or bfloat16 for MXFP8's raw
+// copies.
+template <typename Args>
+std::initializer_list<ffi::DataType> data_types(const Args&) { return kFp8Types; }
+inline std::initializer_list<ffi::DataType> data_types(const Mxfp8Args& a) {
+  return a.raw ? kBf16Type : kFp8Types;
+}
+
+// The payload format: from the data dtypes (`read_format`), or for raw copies the attribute's,
+// already in `a->fmt`.
+template <typename Args>
+ffi::Error read_payload_format(const char* t, Args* a, ffi::DataType row_type,
+                               ffi::DataType col_type) {
+  return read_format(t, *a, row_type, col_type, &a->fmt);
+}
+inline ffi::Error read_payload_format(const char* t, Mxfp8Args* a, ffi::DataType row_type,
+                                      ffi::DataType col_type) {
+  return a->raw ? ffi::Error::Success() : read_format(t, *a, row_type, col_type, &a->fmt);
+}
+
 inline ffi::Error read_results(const char* t, RetReader& r, int64_t R, int64_t C, Mxfp8Args* a,
                                int64_t row_R = -1) {
   const auto e8m0 = ffi::DataType::F8E8M0FNU;
   ffi::DataType row_type = ffi::DataType::INVALID, col_type = ffi::DataType::INVALID;
   if (a->rowwise) {
-    JQ_RETURN_IF_ERROR(read_blocks(r, "rowwise", row_R >= 0 ? row_R : R, C, kFp8Types, e8m0, 1,
-                                   32, &a->row_data, &a->row_scale, &row_type));
+    JQ_RETURN_IF_ERROR(read_blocks(r, "rowwise", row_R >= 0 ? row_R : R, C, data_types(*a), e8m0,
+                                   1, 32, &a->row_data, &a->row_scale, &row_type));
   }
   if (a->columnwise) {
-    JQ_RETURN_IF_ERROR(read_blocks(r, "columnwise", C, R, kFp8Types, e8m0, 1, 32, &a->col_data,
-                                   &a->col_scale, &col_type));
+    JQ_RETURN_IF_ERROR(read_blocks(r, "columnwise", C, R, data_types(*a), e8m0, 1, 32,
+                                   &a->col_data, &a->col_scale, &col_type));
   }
-  JQ_RETURN_IF_ERROR(read_format(t, *a, row_type, col_type, &a->fmt));
+  JQ_RETURN_IF_ERROR(read_payload_format(t, a, row_type, col_type));
   return read_scalar(r, "amax", &a->amax);
 }
 

@@ -71,6 +71,24 @@ __device__ __forceinline__ void store_bytes16(uint8_t* dst, const uint32_t (&w)[
   }
 }
 
+// Stores the first n of the 2 * N bfloat16 values in words w (two a word, the first in the low
+// half) at dst; 16-byte stores when all are stored and dst is 16-byte aligned (`vec`).
+template <int N>
+__device__ __forceinline__ void store_bf16_words(uint16_t* dst, const uint32_t (&w)[N], int n, bool vec) {
+  static_assert(N % 4 == 0, "whole 16-byte stores");
+  if (vec && n == 2 * N) {
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      reinterpret_cast<uint4*>(dst)[i] = make_uint4(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]);
+    }
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 2 * N; ++i) {
+    if (i < n) dst[i] = uint16_t((w[i / 2] >> (16 * (i % 2))) & 0xFFFFu);
+  }
+}
+
 __device__ __forceinline__ void store_bytes4(uint8_t* dst, uint32_t w, int n, bool vec) {
   if (vec && n == 4) {
     *reinterpret_cast<uint32_t*>(dst) = w;
@@ -398,6 +416,23 @@ struct Fp8TileColumn {
       store_bytes16(out + expert_column_index(c, rr, C, E, 1), q, 16, vec);
     } else {
       store_bytes16(out + c * R + rr, q, int(min64(16, R - rr)), vec);
+    }
+  }
+
+  // The same chunk's 16 values as the bfloat16 raw values of their codes (`raw8(q, v)` turns
+  // two words of codes into four of bfloat16 pairs) at the same positions of a bfloat16 copy.
+  template <typename Code4, typename Raw8>
+  __device__ __forceinline__ void store_raw(uint16_t* out, int64_t R, bool vec, Code4 code4, Raw8 raw8,
+                                            int64_t C = 0, int64_t E = 0) const {
+    uint32_t q[4], v[8];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) q[k] = code4(w + 4 * k);
+    raw8(q, v);
+    raw8(q + 2, v + 4);
+    if (E > 0) {
+      store_bf16_words(out + expert_column_index(c, rr, C, E, 1), v, 16, vec);
+    } else {
+      store_bf16_words(out + c * R + rr, v, int(min64(16, R - rr)), vec);
     }
   }
 };

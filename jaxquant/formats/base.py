@@ -97,6 +97,12 @@ class Format:
     """float32 blocks times block scales, without the GEMM factor."""
     raise self._undefined("dequantize_raw")
 
+  def stores_raw(self, t: ScaledTensor) -> bool:
+    """Whether `t.data` holds its raw values in bfloat16 (payload x block scale, what a GEMM on
+    decoded operands reads) instead of the payload: MXFP8 copies the grouped FFI kernels write
+    for those GEMMs (`jaxquant.grouped.quantize(decoded=True)`). `dequantize_raw` reads both."""
+    return False
+
   def gemm_factor(self, t: ScaledTensor) -> Optional[jax.Array]:
     """The per-tensor (`()`) or per-row (`[rows]`) factor a GEMM applies to its accumulator."""
     return None

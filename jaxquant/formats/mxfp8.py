@@ -2,7 +2,9 @@
 
 The block exponent rounds `amax / fmax` up to a power of two, so a finite block never
 saturates; a block holding NaN gets exponent 255 and an all-NaN payload. Scales are block-local,
-so a grouped copy is the single-matrix reference on the padded token layout.
+so a grouped copy is the single-matrix reference on the padded token layout. A grouped copy
+may hold its raw values in bfloat16 instead of the codes (`stores_raw`), for the grouped GEMMs
+that read decoded operands.
 """
 
 from __future__ import annotations
@@ -44,7 +46,16 @@ def block_exponents(t: ScaledTensor) -> jax.Array:
   return lax.bitcast_convert_type(t.scale_inv, jnp.uint8)
 
 
+def stores_raw(t: ScaledTensor) -> bool:
+  """Whether `t.data` holds the raw values (code x 2^(e - 127) rounded once to bfloat16) rather
+  than the codes: bfloat16 data, a grouped FFI copy written for the GEMMs that read decoded
+  operands. Equal to the codes' decode wherever that is exact in bfloat16 (above 2^-126)."""
+  return np.dtype(t.data.dtype) == np.dtype(jnp.bfloat16)
+
+
 def dequantize_raw(t: ScaledTensor) -> jax.Array:
+  if stores_raw(t):
+    return t.data.astype(jnp.float32)
   rows, cols = t.shape
   scale = expand_blocks(e8m0_decode_exponent(block_exponents(t)), 1, BLOCK)[:, :cols]
   return decode(t.data) * scale
@@ -58,6 +69,9 @@ class MXFP8Format(Format):
 
   def dequantize_raw(self, t):
     return dequantize_raw(t)
+
+  def stores_raw(self, t) -> bool:
+    return stores_raw(t)
 
   def grouped_quantize(self, mat, quantizer, ctx):
     return block_local(self, mat, quantizer, ctx)

@@ -43,6 +43,8 @@ RawDecoder = Callable[[Union[GroupedScaledTensor, ScaledTensor]], Optional[jax.A
 
 
 def _raw_bf16(storage, xla_raw, decoder: Optional[RawDecoder]) -> jax.Array:
+  if format_of(storage.quantizer).stores_raw(storage):  # decoded by its quantize kernel
+    return storage.data
   values = decoder(storage) if decoder is not None else None
   return xla_raw().astype(jnp.bfloat16) if values is None else values
 

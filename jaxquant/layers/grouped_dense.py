@@ -26,7 +26,11 @@ Semantics the issue left open, decided here:
   a padded copy has `b * floor((T + G (b - 1)) / b)` token positions;
 - a kernel in its parameter dtype (float32 under bf16 compute) is quantized from that dtype and
   gets its gradient in it, Identity directions are cast to `x`'s dtype, as `jaxquant.dense`
-  does (every expert exactly as its own Dense).
+  does (every expert exactly as its own Dense);
+- every copy feeds only this layer's grouped GEMMs (`decoded=True`), so where those GEMMs
+  decode MXFP8 to bfloat16 (CUDA) its copies are stored raw by their quantize kernels
+  (design decision 47): the same GEMM inputs, one pass fewer, and bfloat16 residuals of x's
+  and the weights' columnwise copies instead of FP8 ones (twice their bytes).
 """
 
 from __future__ import annotations
@@ -107,7 +111,7 @@ def _forward(config: _Config, x, kernel, bias, sizes, key, states, *, need_dgrad
   key_x, key_w, _ = _keys(key, config.groups)
   qx = grouped_ops.quantize(x, sizes, q.input, rowwise=True, columnwise=need_wgrad,
                             row_block=config.x_row_block, col_block=config.wgrad_block,
-                            keys=key_x, state=states[0], role=q.roles[0])
+                            keys=key_x, state=states[0], role=q.roles[0], decoded=True)
   read_transposed = need_dgrad and grouped_kernels.experts_read_transposed(
       q.weight, x.dtype, bias is not None)
   qw, w_fprop = _quantize_weights(kernel, q, need_dgrad, read_transposed, key_w, states[1])
@@ -138,14 +142,14 @@ def _quantize_weights(kernel, q: DenseQuantizers, need_dgrad: bool, read_transpo
       or _experts_reason(q.weight, (groups, n, k), True, need_dgrad) is not None):
     if read_transposed and _experts_reason(swapped, (groups, k, n), True, False) is None:
       kn = grouped_ops.quantize_experts(kernel, swapped, rowwise=True, columnwise=False,
-                                        keys=keys, state=state, role=q.roles[1])
+                                        keys=keys, state=state, role=q.roles[1], decoded=True)
       return QuantizedTensor(None, kn.rowwise, q.weight), TransposedExperts(kn.rowwise)
     kn = grouped_ops.quantize_experts(kernel, swapped, rowwise=need_dgrad, columnwise=True,
-                                      keys=keys, state=state, role=q.roles[1])
+                                      keys=keys, state=state, role=q.roles[1], decoded=True)
     return QuantizedTensor(kn.columnwise, kn.rowwise, q.weight), kn.columnwise
   qw = grouped_ops.quantize_experts(jnp.swapaxes(kernel, 1, 2), q.weight, rowwise=True,
                                     columnwise=need_dgrad, keys=keys, state=state,
-                                    role=q.roles[1])
+                                    role=q.roles[1], decoded=True)
   return qw, qw.rowwise
 
 
@@ -187,7 +191,7 @@ def _bwd(config, residuals, dy):
   dqy = grouped_ops.quantize(dy, sizes, q.grad_output, rowwise=w_col is not None,
                              columnwise=x_col is not None, row_block=config.dy_row_block,
                              col_block=config.wgrad_block, keys=key_g, state=states[2],
-                             role=q.roles[2])
+                             role=q.roles[2], decoded=True)
   dx = dkernel = None
   if w_col is not None:
     dx = grouped_ops.gemm(dqy.rowwise, w_col, out_dtype=config.x_dtype,

@@ -158,23 +158,28 @@ def _record(op: str, role, detail: str, quantizer: Optional[Quantizer], reason_f
 
 # ------------------------------------------- quantize -----------------------------------------
 
-def _fp8_note(leaf: Quantizer):
-  """For per-tensor FP8 (the grouped FP8 kernel), the `_record` note naming the launches that
-  run (delayed scaling has no amax pass); None for other formats."""
-  if kernels.quantize_route(leaf, "rowwise")[0] != "fp8":
-    return None
-  return lambda: (kernels.fp8_kernel_note(leaf), "")
+def _fp8_note(leaf: Quantizer, decoded: bool = False):
+  """The `_record` note of an FFI quantize: for per-tensor FP8 (the grouped FP8 kernel) the
+  launches that run (delayed scaling has no amax pass); for copies written raw for the decoded
+  GEMMs (`decoded`, MXFP8 on CUDA) that they are; else None."""
+  if kernels.quantize_route(leaf, "rowwise")[0] == "fp8":
+    return lambda: (kernels.fp8_kernel_note(leaf), "")
+  if decoded and kernels.raw_copies_reason(leaf) is None:
+    return lambda: ("written as raw bfloat16 values for the GEMMs on decoded operands (no "
+                    "decode pass)", "")
+  return None
 
 
 def _tokens(x, sizes, leaf: Quantizer, direction: str, layout: TokenLayout, words, state,
-            orig_dtype, role) -> GroupedScaledTensor:
+            orig_dtype, role, decoded: bool = False) -> GroupedScaledTensor:
   detail = (f"{direction}: {leaf} [{layout.groups} groups, "
             f"{'packed' if not layout.padded else f'token block {layout.block}'}]")
   path = _record("grouped_quantize", role, detail, leaf,
                  lambda: kernels.quantize_unsupported(leaf, direction, tuple(x.shape)),
-                 _fp8_note(leaf))
+                 _fp8_note(leaf, decoded))
   if path == "ffi":
-    return kernels.quantize_tokens(x, sizes, leaf, direction, layout, words, state, orig_dtype)
+    return kernels.quantize_tokens(x, sizes, leaf, direction, layout, words, state, orig_dtype,
+                                   decoded)
   return _tokens_reference(x, sizes, leaf, direction, layout, words, state, orig_dtype)
 
 
@@ -196,7 +201,8 @@ def _tokens_reference(x, sizes, leaf: Quantizer, direction: str, layout: TokenLa
 def quantize(x: jax.Array, group_sizes: jax.Array, quantizer: Quantizer, *,
              rowwise: bool = True, columnwise: bool = True, row_block: Optional[int] = None,
              col_block: Optional[int] = None, keys: Optional[jax.Array] = None,
-             state: Any = None, role: Any = None) -> GroupedQuantizedTensor:
+             state: Any = None, role: Any = None,
+             decoded: bool = False) -> GroupedQuantizedTensor:
   """Quantize tokens `x[T, C]` sorted by group, each group as if it were alone.
 
   Group `g` (rows `[n_0 + ... + n_{g-1}, ... + n_g)`) gets bit-for-bit the storage that
@@ -219,6 +225,10 @@ def quantize(x: jax.Array, group_sizes: jax.Array, quantizer: Quantizer, *,
     keys: one PRNG key per group (`[G]`), required for stochastic rounding.
     state: per-group state (`jaxquant.grouped.init_state(quantizer, G)`) for delayed scaling.
     role: optional `QuantizerRole` for `jaxquant.explain`.
+    decoded: the copies feed only `gemm`; where the backend's grouped GEMMs decode a format to
+      bfloat16 anyway (MXFP8 on CUDA), its quantize kernel may store that format's copies as
+      their raw values in bfloat16 (`Format.stores_raw`: the decode's bits, no decode pass).
+      Such copies dequantize and multiply exactly as the codes do.
   """
   if not isinstance(quantizer, Quantizer):
     raise TypeError(f"quantizer: expected a jaxquant Quantizer, got {type(quantizer).__name__}")
@@ -240,7 +250,7 @@ def quantize(x: jax.Array, group_sizes: jax.Array, quantizer: Quantizer, *,
   def copy(source, leaf, direction, leaf_state):
     layout = TokenLayout(tokens, groups, _layout_block(leaf, direction, requested[direction]))
     return _tokens(source, sizes, leaf, direction, layout, words[direction], leaf_state,
-                   orig_dtype, role)
+                   orig_dtype, role, decoded)
 
   fmt = format_of(quantizer)
   halves = fmt.halves(quantizer)
@@ -248,7 +258,7 @@ def quantize(x: jax.Array, group_sizes: jax.Array, quantizer: Quantizer, *,
     layouts = {d: TokenLayout(tokens, groups, _layout_block(quantizer, d, requested[d]))
                for d in DIRECTIONS}
     if rowwise and columnwise and kernels.pair_served(quantizer, *layouts.values()):
-      return _token_pair(x, sizes, quantizer, layouts, state, orig_dtype, role)
+      return _token_pair(x, sizes, quantizer, layouts, state, orig_dtype, role, decoded)
     row = copy(x, quantizer, "rowwise", state) if rowwise else None
     col = copy(x, quantizer, "columnwise", state) if columnwise else None
     return GroupedQuantizedTensor(row, col, quantizer)
@@ -263,8 +273,8 @@ def quantize(x: jax.Array, group_sizes: jax.Array, quantizer: Quantizer, *,
   return GroupedQuantizedTensor(row if rowwise else None, col, quantizer)
 
 
-def _token_pair(x, sizes, leaf: Quantizer, layouts: dict, state, orig_dtype,
-                role) -> GroupedQuantizedTensor:
+def _token_pair(x, sizes, leaf: Quantizer, layouts: dict, state, orig_dtype, role,
+                decoded: bool = False) -> GroupedQuantizedTensor:
   """Both copies of per-tensor FP8, MXFP8 or Float8Block tokens, each in its layout
   (`layouts[direction]`: one layout, or a packed rowwise one beside a padded columnwise one):
   one FFI call reads x once (`kernels.pair_served`)."""
@@ -274,10 +284,11 @@ def _token_pair(x, sizes, leaf: Quantizer, layouts: dict, state, orig_dtype,
            else f"rowwise {name(row_layout)}, columnwise {name(col_layout)}")
   detail = f"rowwise+columnwise: {leaf} [{row_layout.groups} groups, {shape}]"
   path = _record("grouped_quantize", role, detail, leaf,
-                 lambda: kernels.quantize_unsupported(leaf, "rowwise"), _fp8_note(leaf))
+                 lambda: kernels.quantize_unsupported(leaf, "rowwise"),
+                 _fp8_note(leaf, decoded))
   if path == "ffi":
     row, col = kernels.quantize_token_pair(x, sizes, leaf, row_layout, col_layout, state,
-                                           orig_dtype)
+                                           orig_dtype, decoded)
   else:
     row, col = (_tokens_reference(x, sizes, leaf, d, layouts[d], None, state, orig_dtype)
                 for d in DIRECTIONS)
@@ -308,12 +319,12 @@ def _expert(w2d, quantizer: Quantizer, rowwise: bool, columnwise: bool, words, s
 
 def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool = True,
                      columnwise: bool = True, keys: Optional[jax.Array] = None,
-                     state: Any = None, role: Any = None) -> QuantizedTensor:
+                     state: Any = None, role: Any = None, decoded: bool = False) -> QuantizedTensor:
   """Quantize one matrix per expert: `w[G, rows, cols]` (contraction axis last).
 
   Returns a `QuantizedTensor` whose `ScaledTensor`s carry a leading `[G]` axis; expert `g`'s
   slice is bit-for-bit `jaxquant.ops.quantize(w[g], quantizer, key=keys[g], state=state[g])`
-  (its own amax, scales, delayed-scaling state and key).
+  (its own amax, scales, delayed-scaling state and key). `decoded` as for `quantize`.
   """
   if not isinstance(quantizer, Quantizer):
     raise TypeError(f"quantizer: expected a jaxquant Quantizer, got {type(quantizer).__name__}")
@@ -336,12 +347,13 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool = True
       leaf = quantizer.for_direction(direction)
       paths.append(_record("grouped_quantize", role, f"{direction}: {leaf} [{groups} experts]",
                            leaf, lambda d=direction: kernels.quantize_experts_unsupported(
-                               quantizer, tuple(w.shape), d), _fp8_note(leaf)))
+                               quantizer, tuple(w.shape), d), _fp8_note(leaf, decoded)))
   orig_dtype = np.dtype(w.dtype)
   words = _direction_words(keys, quantizer)
   if all(p == "ffi" for p in paths):
     return kernels.quantize_experts(w, quantizer, rowwise=rowwise, columnwise=columnwise,
-                                    state=state, orig_dtype=orig_dtype, words=words)
+                                    state=state, orig_dtype=orig_dtype, words=words,
+                                    decoded=decoded)
   return jax.vmap(lambda m, wd, s: _expert(m, quantizer, rowwise, columnwise, wd, s,
                                            orig_dtype))(w, words, state)
 

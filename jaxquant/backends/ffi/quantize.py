@@ -63,8 +63,11 @@ class Request:
   # [G, cols, expert_rows] (each expert's on its own) with its scales likewise.
   expert_rows: int = 0
   # With `gather`: the rowwise copy in the packed layout (x2d's rows, those past the groups as
-  # zeros) while the columnwise copy takes the gathered layout.
+  # zeros) while the columnwise one takes the gathered layout.
   row_packed: bool = False
+  # With `gather`, MXFP8: each copy's data as its raw values in bfloat16 (code x block scale,
+  # `jaxquant.formats.mxfp8.stores_raw`), written by the kernel instead of the codes.
+  raw: bool = False
 
   @property
   def shape(self) -> tuple[int, int]:
@@ -133,9 +136,13 @@ def _call(req: Request, target: str, results: list, layout: Layout, **attributes
   starts, pstarts, length = req.gather
   if req.expert_rows:  # [cols, G E] -> [G, cols, E] (scales: [s, G E / b] -> [G, s, E / b])
     groups = length // req.expert_rows
-    first = 2 if req.rowwise else 0  # the columnwise data and scales
+    first = 2 if req.rowwise else 0  # the columnwise data and scales, when asked for
     results = [_sds((groups, r.shape[0], r.shape[1] // groups), r.dtype)
-               if first <= i < first + 2 else r for i, r in enumerate(results)]
+               if req.columnwise and first <= i < first + 2 else r
+               for i, r in enumerate(results)]
+  if target == "jaxquant_quantize_mxfp8":  # raw copies name their payload format
+    e5m2 = attributes.pop("e5m2", False)
+    attributes.update(raw=req.raw, raw_e5m2=req.raw and e5m2)
   return calls.call(GATHERED_TARGETS[target], results, req.x2d, starts, pstarts,
                     length=np.int64(length), expert_rows=np.int64(req.expert_rows),
                     row_packed=req.row_packed, **attributes)
@@ -316,12 +323,16 @@ def _block_scales(req: Request, quantizer: Quantizer) -> tuple:
 # -------------------------------------------- MXFP8 -------------------------------------------
 
 def _mxfp8(req: Request, quantizer: MXFP8Quantizer) -> Pair:
+  if req.raw and req.gather is None:
+    raise ValueError("raw MXFP8 copies come from the grouped target only (a gathered request)")
   row_scale, col_scale, row_dims, col_dims = _block_scales(req, quantizer)
-  results = _data_results(req, quantizer.dtype, row_scale, col_scale) + [_sds((), np.float32)]
+  data_dtype = jnp.bfloat16 if req.raw else quantizer.dtype
+  results = _data_results(req, data_dtype, row_scale, col_scale) + [_sds((), np.float32)]
   layout = _layout(req, "jaxquant_quantize_mxfp8", (X_DIMS,), row_dims, col_dims, tail=((),),
                    reduce=((0, ("m", "k")),))
+  extra = {"e5m2": np.dtype(quantizer.dtype) == np.dtype(jnp.float8_e5m2)} if req.raw else {}
   outs = _call(req, "jaxquant_quantize_mxfp8", results, layout, rowwise=req.rowwise,
-               columnwise=req.columnwise)
+               columnwise=req.columnwise, **extra)
   row, row_scale, col, col_scale = _split(req, outs, with_scales=True)
   amax = outs.pop(0)
   return _pair(req, quantizer, row, row_scale, amax, col, col_scale, amax)
@@ -447,19 +458,26 @@ def gathered_kernel(quantizer: Quantizer) -> Optional[str]:
 
 def quantize_gathered(x2d, starts: jax.Array, pstarts: jax.Array, length: int,
                       quantizer: Quantizer, *, rowwise: bool, columnwise: bool,
-                      orig_dtype: Any, expert_rows: int = 0, row_packed: bool = False) -> Pair:
+                      orig_dtype: Any, expert_rows: int = 0, row_packed: bool = False,
+                      raw: bool = False) -> Pair:
   """`quantize_single` of the token layout of `length` positions gathered from `x2d`'s rows
   (position pstarts[g] + i holds row starts[g] + i while inside group g, else zeros), bit for
   bit, with no gathered copy: `gathered_kernel(quantizer)` reads x through the offsets.
 
   `expert_rows` > 0: x2d is expert weights `[G expert_rows, cols]` (starts = pstarts = g
-  expert_rows), and the columnwise copy comes back as `[G, cols, expert_rows]` with its scales
-  likewise: each expert's copy, written so by the kernel (no regrouping transpose), which reads
-  x2d directly; the rowwise copy, when asked for too, is `[G expert_rows, cols]` as for tokens.
+  expert_rows), which the kernel reads directly; the columnwise copy comes back as
+  `[G, cols, expert_rows]` with its scales likewise (each expert's copy, written so by the
+  kernel: no regrouping transpose), the rowwise copy as `[G expert_rows, cols]`.
 
   `row_packed` (tokens, a format with one-row blocks): the rowwise copy of the packed layout
   (`quantize_gathered(x2d, starts, starts, T, ...)`'s) and the columnwise copy of this one from
-  one launch, one read of x."""
+  one launch, one read of x.
+
+  `raw` (MXFP8): each copy's data is its raw values in bfloat16 (code x block scale, the bits
+  the grouped decode would give; `jaxquant.formats.mxfp8.stores_raw`), its scales and amax as
+  always."""
+  if raw and format_of(quantizer).name != "mxfp8":
+    raise ValueError(f"raw: only MXFP8 copies are written raw; got {quantizer}")
   if gathered_kernel(quantizer) is None:
     raise ValueError(f"no gathered quantize kernel for {quantizer}")
   if row_packed and (not rowwise or expert_rows or length < x2d.shape[0]
@@ -467,13 +485,12 @@ def quantize_gathered(x2d, starts: jax.Array, pstarts: jax.Array, length: int,
     raise ValueError(f"row_packed: needs the rowwise copy of tokens in one-row blocks and a "
                      f"layout of at least {x2d.shape[0]} positions; got {quantizer}, "
                      f"rowwise={rowwise}, expert_rows={expert_rows}, length={length}")
-  if expert_rows and (not columnwise or length % expert_rows):
-    raise ValueError(f"expert_rows={expert_rows}: needs columnwise=True and a length "
-                     f"({length}) of whole experts")
+  if expert_rows and length % expert_rows:
+    raise ValueError(f"expert_rows={expert_rows}: needs a length ({length}) of whole experts")
   reason = unsupported(x2d, quantizer, rowwise=rowwise, columnwise=columnwise)
   if reason is not None:
     raise ValueError(f"FFI quantize cannot serve {quantizer}: {reason}")
   req = Request(x2d, rowwise, columnwise, orig_dtype,
                 gather=(starts.astype(jnp.int32), pstarts.astype(jnp.int32), int(length)),
-                expert_rows=int(expert_rows), row_packed=bool(row_packed))
+                expert_rows=int(expert_rows), row_packed=bool(row_packed), raw=bool(raw))
   return KERNEL_FORMATS[format_of(quantizer).quantize_kernel(quantizer)](req, quantizer)

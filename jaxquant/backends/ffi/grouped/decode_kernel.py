@@ -10,7 +10,8 @@ give a thread 16 values of one block and write the same bits as XLA's decode:
   jaxquant_grouped_decode_mxfp8  MXFP8 (E4M3 / E5M2 x E8M0), columns a multiple of 16: the
       float32 product rounded once to bfloat16, as XLA's decode (exact above 2^-126).
 
-A storage the kernels do not take stays with XLA, and `slower_note` names it for explain.
+A storage the kernels do not take stays with XLA, and `slower_note` names it for explain. A
+storage its quantize kernel wrote raw (`Format.stores_raw`) is its own decode.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ Storage = Union[ScaledTensor, GroupedScaledTensor]
 
 
 def reason(storage: Storage) -> Optional[str]:
-  """Why no kernel decodes `storage` (None: one does)."""
+  """Why no kernel decodes `storage` (None: one does, or its quantize kernel already did)."""
+  if format_of(storage.quantizer).stores_raw(storage):
+    return None
   name = format_of(storage.quantizer).name
   target = TARGETS.get(name)
   if target is None:
@@ -58,6 +61,8 @@ def raw_bf16(storage: Storage) -> Optional[jax.Array]:
   `reason` says XLA decodes them."""
   if reason(storage) is not None:
     return None
+  if format_of(storage.quantizer).stores_raw(storage):
+    return storage.data
   data, scale_inv = storage.data, storage.scale_inv
   *lead, rows, cols = data.shape
   batch = int(np.prod(lead)) if lead else 1

@@ -152,12 +152,19 @@ def _make(data, scale_inv, amax, sizes, leaf, orig_dtype, direction, layout, rht
                              0 if direction == "rowwise" else 1, layout)
 
 
+def _raw(leaf: Quantizer, decoded: bool) -> bool:
+  """Whether copies of `leaf` for GEMMs that read decoded operands (`decoded`) are written raw."""
+  return decoded and support.raw_copies_reason(leaf) is None
+
+
 def quantize_token_pair(x: jax.Array, sizes: jax.Array, leaf: Quantizer, row_layout: TokenLayout,
-                        col_layout: TokenLayout, state: Any,
-                        orig_dtype) -> tuple[GroupedScaledTensor, GroupedScaledTensor]:
+                        col_layout: TokenLayout, state: Any, orig_dtype,
+                        decoded: bool = False) -> tuple[GroupedScaledTensor, GroupedScaledTensor]:
   """Both copies of tokens from one call (one read of x), in one layout or the rowwise copy
   packed and the columnwise one in its padded layout (`pair_served`): per-tensor FP8 through
-  the grouped FP8 kernel, MXFP8 / Float8Block through the gathered kernel (`row_packed`)."""
+  the grouped FP8 kernel, MXFP8 / Float8Block through the gathered kernel (`row_packed`).
+  `decoded`: the copies feed only grouped GEMMs, so MXFP8's may be written raw
+  (`support.raw_copies_reason`)."""
   if not pair_served(leaf, row_layout, col_layout):
     raise ValueError(f"one grouped call writes both copies of {leaf} in one layout, or (formats "
                      f"with one-row blocks) a packed rowwise copy beside a padded columnwise one; "
@@ -168,7 +175,7 @@ def quantize_token_pair(x: jax.Array, sizes: jax.Array, leaf: Quantizer, row_lay
   if support.quantize_route(leaf, "rowwise")[0] != "fp8":
     row, col = single.quantize_gathered(x, starts, pstarts, col_layout.length, leaf,
                                         rowwise=True, columnwise=True, orig_dtype=orig_dtype,
-                                        row_packed=row_packed)
+                                        row_packed=row_packed, raw=_raw(leaf, decoded))
     amax = group_amax(x, sizes)
     return (_make(row.data, row.scale_inv, amax, sizes, leaf, orig_dtype, "rowwise", row_layout),
             _make(col.data, col.scale_inv, amax, sizes, leaf, orig_dtype, "columnwise",
@@ -195,8 +202,9 @@ def pair_served(leaf: Quantizer, row_layout: TokenLayout, col_layout: TokenLayou
 
 def quantize_tokens(x: jax.Array, sizes: jax.Array, leaf: Quantizer, direction: str,
                     layout: TokenLayout, words: Optional[jax.Array], state: Any,
-                    orig_dtype) -> GroupedScaledTensor:
-  """One copy of tokens `x[T, C]` (see `jaxquant.ops.grouped.quantize`) through the FFI."""
+                    orig_dtype, decoded: bool = False) -> GroupedScaledTensor:
+  """One copy of tokens `x[T, C]` (see `jaxquant.ops.grouped.quantize`) through the FFI;
+  `decoded` as for `quantize_token_pair`."""
   route, reason = support.quantize_route(leaf, direction, tuple(x.shape))
   if reason is not None:
     raise ValueError(f"grouped FFI quantize cannot serve {leaf} ({direction}): {reason}")
@@ -215,11 +223,12 @@ def quantize_tokens(x: jax.Array, sizes: jax.Array, leaf: Quantizer, direction: 
     return _make(row if rowwise else col, scale_inv, amax, sizes, leaf, orig_dtype, direction,
                  layout)
   if rowwise and not layout.padded and (format_of(leaf).blocks(leaf) or (0,))[0] == 1:
-    t = _packed_rows(x, sizes, leaf, orig_dtype)
+    t = _packed_rows(x, sizes, leaf, orig_dtype, decoded)
   elif gathered_served(leaf):  # the kernel reads the layout's rows through the offsets
     row, col = single.quantize_gathered(x, _offsets(sizes), _offsets(layout.extents(sizes)),
                                         layout.length, leaf, rowwise=rowwise,
-                                        columnwise=not rowwise, orig_dtype=orig_dtype)
+                                        columnwise=not rowwise, orig_dtype=orig_dtype,
+                                        raw=_raw(leaf, decoded))
     t = row if rowwise else col
   else:
     row, col = single.quantize_single(layout.gather(x, sizes), leaf, rowwise=rowwise,
@@ -237,7 +246,8 @@ def gathered_served(leaf: Quantizer) -> bool:
   return target is not None and target in registry.registered_targets(current_platform())
 
 
-def _packed_rows(x: jax.Array, sizes: jax.Array, leaf: Quantizer, orig_dtype) -> ScaledTensor:
+def _packed_rows(x: jax.Array, sizes: jax.Array, leaf: Quantizer, orig_dtype,
+                 decoded: bool = False) -> ScaledTensor:
   """The rowwise copy of the packed layout for a format whose blocks are one row tall (MXFP8,
   Float8Block 1x128, row-scaled NVFP4): that layout is x's own rows with the rows past
   `sum(sizes)` zeroed, and each row quantizes on its own, so x is quantized as it is and the
@@ -250,7 +260,7 @@ def _packed_rows(x: jax.Array, sizes: jax.Array, leaf: Quantizer, orig_dtype) ->
   if gathered_served(leaf):
     starts = _offsets(sizes)
     t, _ = single.quantize_gathered(x, starts, starts, rows, leaf, rowwise=True, columnwise=False,
-                                    orig_dtype=orig_dtype)
+                                    orig_dtype=orig_dtype, raw=_raw(leaf, decoded))
     return t
   t, _ = single.quantize_single(x, leaf, rowwise=True, columnwise=False, orig_dtype=orig_dtype)
   zero, _ = single.quantize_single(jnp.zeros((1, cols), x.dtype), leaf, rowwise=True,
@@ -270,14 +280,15 @@ def _packed_rows(x: jax.Array, sizes: jax.Array, leaf: Quantizer, orig_dtype) ->
 
 
 def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool, columnwise: bool,
-                     state: Any, orig_dtype, words=None) -> QuantizedTensor:
+                     state: Any, orig_dtype, words=None, decoded: bool = False) -> QuantizedTensor:
   """Expert weights `w[G, rows, cols]`, each expert bit-for-bit its own quantize (columnwise
   copies `[G, cols, rows]`): per-tensor FP8 both copies in one grouped call (every expert its
   own amax and scale); NVFP4 (one amax per expert) through the grouped NVFP4 kernel, both copies
   of one quantizer in one call; block formats one single-tensor launch per copy
   (`_experts_single`). A Hybrid whose columnwise copy comes from the `rowwise_dequantized`
   source quantizes each expert's decoded rowwise copy. `words`: per direction, the
-  stochastic-rounding words of each expert (`[G, 2]`) or None."""
+  stochastic-rounding words of each expert (`[G, 2]`) or None. `decoded`: the copies feed only
+  grouped GEMMs, so MXFP8's from the gathered kernel may be written raw."""
   fmt = format_of(quantizer)
   one_quantizer = fmt.halves(quantizer) is None  # one quantizer makes both copies
   if one_quantizer and fmt.grouped_quantize_kernel(quantizer, "rowwise")[0] == "fp8":
@@ -293,7 +304,8 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool, colum
       and all(support.expert_route(quantizer, d, tuple(w.shape))[1] is None
               for d in ("rowwise", "columnwise"))):
     # MXFP8 / Float8Block: both copies from one launch (one read of w).
-    copies = _experts_gathered(w, quantizer, True, orig_dtype, jax.vmap(tensor_amax)(w))
+    copies = _experts_gathered(w, quantizer, True, orig_dtype, jax.vmap(tensor_amax)(w),
+                               _raw(quantizer, decoded))
     return QuantizedTensor(copies["rowwise"], copies["columnwise"], quantizer)
   expert_amax = None  # each expert's tensor amax, one pass over w shared by both copies
   copies = {}
@@ -323,7 +335,8 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool, colum
         if expert_amax is None and not _row_scaled(leaf):
           expert_amax = jax.vmap(tensor_amax)(w)
         amax = expert_amax
-      copies[direction] = _experts_single(source, leaf, direction, orig_dtype, amax)
+      copies[direction] = _experts_single(source, leaf, direction, orig_dtype, amax,
+                                          _raw(leaf, decoded))
   return QuantizedTensor(copies.get("rowwise") if rowwise else None, copies.get("columnwise"),
                          quantizer)
 
@@ -362,7 +375,7 @@ def _experts_fp8(w, quantizer, rowwise: bool, columnwise: bool, state, orig_dtyp
 
 
 def _experts_single(w: jax.Array, leaf: Quantizer, direction: str, orig_dtype,
-                    expert_amax: Optional[jax.Array]) -> ScaledTensor:
+                    expert_amax: Optional[jax.Array], raw: bool = False) -> ScaledTensor:
   """One copy of block-scaled expert weights from one kernel launch on `[G * rows, cols]`:
   `support.expert_route` checked that no block spans two experts, so every block (and, for
   row-scaled NVFP4, every row amax) is the expert's own. The rowwise copy is a reshape. The
@@ -370,11 +383,21 @@ def _experts_single(w: jax.Array, leaf: Quantizer, direction: str, orig_dtype,
   which writes each expert's `[cols, rows]` on its own; other formats' `[cols, G * rows]` is
   regrouped to `[G, cols, rows]` (data and block scales) by one XLA transpose.
   `expert_amax[G]` is each expert's own tensor amax (`tensor_amax`, as the reference computes
-  it), passed in so both copies share one pass."""
+  it), passed in so both copies share one pass. `raw`: the copy written raw by the gathered
+  kernel (the rowwise one on the experts' rows as they are, the same codes as the single-tensor
+  kernel's)."""
   groups, rows, cols = w.shape
   rowwise = direction == "rowwise"
   if not rowwise and gathered_served(leaf):
-    return _experts_gathered(w, leaf, False, orig_dtype, expert_amax)["columnwise"]
+    return _experts_gathered(w, leaf, False, orig_dtype, expert_amax, raw)["columnwise"]
+  if rowwise and raw:  # the gathered kernel reading the experts' rows as they are: the same codes
+    starts = jnp.arange(groups + 1, dtype=jnp.int32) * rows
+    row, _ = single.quantize_gathered(w.reshape(groups * rows, cols), starts, starts,
+                                      groups * rows, leaf, rowwise=True, columnwise=False,
+                                      orig_dtype=orig_dtype, expert_rows=rows, raw=True)
+    regroup = lambda a: a.reshape(groups, rows, *a.shape[1:])
+    return ScaledTensor(regroup(row.data), regroup(row.scale_inv), expert_amax, leaf,
+                        orig_dtype, row.rht)
   row, col = single.quantize_single(w.reshape(groups * rows, cols), leaf, rowwise=rowwise,
                                     columnwise=not rowwise, orig_dtype=orig_dtype)
   t = row if rowwise else col
@@ -387,7 +410,7 @@ def _experts_single(w: jax.Array, leaf: Quantizer, direction: str, orig_dtype,
 
 
 def _experts_gathered(w: jax.Array, leaf: Quantizer, rowwise: bool, orig_dtype,
-                      expert_amax: jax.Array) -> dict:
+                      expert_amax: jax.Array, raw: bool = False) -> dict:
   """MXFP8 / Float8Block expert weights from one launch of the gathered kernel with
   `expert_rows`: the columnwise copy with each expert's `[cols, rows]` written on its own (no
   regrouping transpose), and with `rowwise` the rowwise copy too (a reshape), one read of `w`."""
@@ -395,7 +418,7 @@ def _experts_gathered(w: jax.Array, leaf: Quantizer, rowwise: bool, orig_dtype,
   starts = jnp.arange(groups + 1, dtype=jnp.int32) * rows
   row, col = single.quantize_gathered(w.reshape(groups * rows, cols), starts, starts,
                                       groups * rows, leaf, rowwise=rowwise, columnwise=True,
-                                      orig_dtype=orig_dtype, expert_rows=rows)
+                                      orig_dtype=orig_dtype, expert_rows=rows, raw=raw)
   out = {"columnwise": ScaledTensor(col.data, col.scale_inv, expert_amax, leaf, orig_dtype,
                                     col.rht)}
   if rowwise:

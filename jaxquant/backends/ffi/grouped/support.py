@@ -48,6 +48,12 @@ Targets (ffi/grouped, CPU and CUDA handlers with the same numerics):
       JAXQUANT_GROUPED_GEMM_KERNEL=mma_sync, the mma.sync kernel, with the reason
       (`jaxquant.explain` shows the kernel and why).
 
+Raw copies (design decision 47): where the grouped GEMMs read MXFP8 operands decoded to
+bfloat16 (CUDA, the bfloat16 CUTLASS kernel), `jaxquant_grouped_quantize_mxfp8` writes the copies
+that feed only those GEMMs (`jaxquant.grouped.quantize(decoded=True)`, as `grouped_dense` asks)
+as their raw values in bfloat16 (`raw=True`), the decode's bits, so no decode pass runs
+(`raw_copies_reason`; `JAXQUANT_GROUPED_RAW_COPIES=off` keeps the codes).
+
 Block formats whose scales are block-local (MXFP8, Float8Block; the rowwise copy of row-scaled
 NVFP4) need no grouped quantize kernel: the reference quantizes the padded token layout with the
 single-tensor format, so the ordinary single-tensor kernel (one launch) on the XLA-gathered
@@ -64,6 +70,7 @@ program (one `jax.lax.ragged_dot` per GEMM), never a Python loop over groups.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import jax.numpy as jnp
@@ -242,6 +249,43 @@ def quantize_experts_unsupported(quantizer, w_shape=None,
   return None
 
 
+# ------------------------------------------ raw copies -----------------------------------------
+
+RAW_COPIES_ENV = "JAXQUANT_GROUPED_RAW_COPIES"
+RAW_COPIES_CHOICES = ("auto", "off")
+
+
+def raw_copies_choice() -> str:
+  """`JAXQUANT_GROUPED_RAW_COPIES` ("auto" when unset); an unknown value is an error."""
+  value = os.environ.get(RAW_COPIES_ENV, "").strip().lower() or "auto"
+  if value not in RAW_COPIES_CHOICES:
+    raise ValueError(f"{RAW_COPIES_ENV}={value!r}; expected one of {RAW_COPIES_CHOICES}")
+  return value
+
+
+def raw_copies_reason(leaf) -> Optional[str]:
+  """Why copies of `leaf` that feed only grouped GEMMs are not written raw (bfloat16 code x
+  block scale) by their quantize kernel (None: they are). Only MXFP8 is, where its GEMMs decode
+  it for the bfloat16 CUTLASS kernel: there the raw copy is what the decode would give, one
+  pass sooner. NVFP4 keeps its codes (its 4-bit codes are a quarter of the raw bytes and its
+  second-level factors stay apart)."""
+  if format_of(leaf).name != "mxfp8":
+    return f"{format_of(leaf).name} keeps its codes"
+  if raw_copies_choice() == "off":
+    return f"{RAW_COPIES_ENV}=off"
+  if decoded.kernel_choice() != "auto":
+    return f"{decoded.KERNEL_ENV}={decoded.kernel_choice()}: the GEMMs read codes"
+  reason = bf16.device_reason()
+  if reason is not None:
+    return reason
+  return _missing(single_quantize.gathered_kernel(leaf))
+
+
+def _stores_raw(operand) -> bool:
+  return (getattr(operand, "scale_inv", None) is not None
+          and format_of(operand.quantizer).stores_raw(operand))
+
+
 # --------------------------------------------- GEMM -------------------------------------------
 
 def gemm_scaling(operand) -> Optional[int]:
@@ -262,6 +306,14 @@ def _decodes_exactly(a, b) -> bool:
 def gemm_unsupported(a, b, out_dtype=None) -> Optional[str]:
   """Why a grouped GEMM of `a` and `b` cannot run on the FFI. A pair with a high-precision
   (Identity) operand runs only on the bfloat16 CUTLASS kernel (`decoded`)."""
+  raw = [name for name, o in (("a", a), ("b", b)) if _stores_raw(o)]
+  if raw:  # bfloat16 values, not codes: only the bfloat16 kernel reads them
+    reason = decoded.route_reason(a, b, a.orig_dtype if out_dtype is None else out_dtype,
+                                  exact=_decodes_exactly(a, b))
+    if reason is not None:
+      return (f"{' and '.join(raw)} hold raw MXFP8 values in bfloat16, which only the "
+              f"bfloat16 CUTLASS kernel reads: {reason}")
+    return None
   bf16_reason = None
   if decoded.high_precision(a) or decoded.high_precision(b):
     bf16_reason = decoded.route_reason(a, b, a.orig_dtype if out_dtype is None else out_dtype,

@@ -1,0 +1,249 @@
+"""MXFP8 copies written raw (design decision 47): where the grouped GEMMs read MXFP8 decoded to
+bfloat16, `jaxquant_grouped_quantize_mxfp8` writes the copies `grouped_dense` makes for them as
+their raw values (bfloat16 code x block scale) instead of the codes, so no decode pass runs.
+
+The contract: a raw copy's data is bit for bit the decode of the codes the same call writes
+without `raw` (scales and amax unchanged), and a GroupedDense step with raw copies is bit for
+bit the step that decodes its codes (the bfloat16 GEMMs read the same values). CPU tests run the
+CPU handlers (the `bf16_device` fixture lets the bfloat16 kernel's CPU handler stand in for the
+CUDA kernel); `-m gpu` runs the CUDA kernels.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+import oracle
+import test_grouped_bf16 as tgb
+import test_grouped_ffi as tgf
+from jaxquant.backends.ffi import calls, registry
+from jaxquant.backends.ffi import quantize as single
+from jaxquant.backends.ffi.grouped import decode_kernel, decoded, support
+from jaxquant.formats import format_of
+
+bf16_device = tgb.bf16_device
+on_kernel = tgb.on_kernel
+TARGET = "jaxquant_grouped_quantize_mxfp8"
+BF16 = np.dtype(jnp.bfloat16)
+PAYLOADS = {"e4m3": jq.MXFP8Quantizer(), "e5m2": jq.MXFP8Quantizer(jnp.float8_e5m2)}
+RAW_NOTE = "written as raw bfloat16 values"
+
+needs_target = pytest.mark.skipif(TARGET not in registry.registered_targets("cpu"),
+                                  reason=f"jaxquant FFI extension without {TARGET}")
+
+
+def _offsets(sizes):
+  return jnp.asarray(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
+
+
+def _tokens(rng, tokens, cols, dtype, nan=False):
+  """Random tokens spanning many binades (every block scale differs), one NaN on request."""
+  spread = 4 if dtype == jnp.float16 else 20  # float16 keeps its range
+  x = oracle.random_matrix(rng, (tokens, cols)) * np.exp2(rng.integers(-spread, spread,
+                                                                       (tokens, 1)))
+  if nan:
+    x[5, 3] = np.nan
+  return jnp.asarray(x, dtype)
+
+
+def _assert_raw_is_the_decode(codes, raw):
+  """`raw` (a raw copy) holds bit for bit the bfloat16 decode of `codes` (the same call's
+  codes), with the same scales; a copy of one sign or all NaN would test little."""
+  assert raw.data.dtype == BF16 and codes.data.dtype != BF16
+  assert format_of(raw.quantizer).stores_raw(raw) and not format_of(codes.quantizer).stores_raw(
+      codes)
+  np.testing.assert_array_equal(np.asarray(raw.scale_inv).view(np.uint8),
+                                np.asarray(codes.scale_inv).view(np.uint8))
+  expected = np.asarray(jnp.asarray(format_of(codes.quantizer).dequantize_raw(codes)
+                                    if codes.data.ndim == 2 else
+                                    jax.vmap(lambda d, s: format_of(codes.quantizer).dequantize_raw(
+                                        type(codes)(d, s, None, codes.quantizer)))(
+                                            codes.data, codes.scale_inv), jnp.bfloat16))
+  got = np.asarray(raw.data)
+  nan = np.isnan(expected.astype(np.float32))
+  np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
+  mismatch = got.view(np.uint16)[~nan] != expected.view(np.uint16)[~nan]
+  assert not mismatch.any(), f"{mismatch.sum()} raw values differ from the codes' decode"
+  values = expected.astype(np.float32)[~nan]
+  assert (values > 0).any() and (values < 0).any()
+
+
+def _gathered(x, sizes, block, quantizer, raw, **kwargs):
+  starts = _offsets(sizes)
+  pstarts = _offsets(-(-np.asarray(sizes) // block) * block)
+  length = int(pstarts[-1]) + block  # a spare block of no group at the end
+  fn = lambda x: single.quantize_gathered(x, starts, pstarts, length, quantizer,
+                                          orig_dtype=np.dtype(x.dtype), raw=raw, **kwargs)
+  return jax.jit(fn)(x)
+
+
+def check_token_copies(rng, name, tokens, cols, dtype, nan=False):
+  """Both copies in one layout, and the packed rowwise copy beside a padded columnwise one."""
+  x = _tokens(rng, tokens, cols, dtype, nan)
+  sizes = tgf._sizes(rng, tokens, 5, (2,), 9)
+  for row_packed in (False, True):
+    kw = dict(rowwise=True, columnwise=True, row_packed=row_packed)
+    codes = _gathered(x, sizes, 32, PAYLOADS[name], False, **kw)
+    raw = _gathered(x, sizes, 32, PAYLOADS[name], True, **kw)
+    for c, r in zip(codes, raw):
+      _assert_raw_is_the_decode(c, r)
+      assert float(c.amax) == float(r.amax) or (nan and np.isnan(float(r.amax)))
+
+
+def check_expert_copies(rng, name, groups, rows, cols, dtype):
+  """Expert weights read as they are: both copies from one launch (the columnwise copy
+  `[G, cols, rows]`), either alone."""
+  w = _tokens(rng, groups * rows, cols, dtype)
+  starts = jnp.arange(groups + 1, dtype=jnp.int32) * rows
+  for rowwise, columnwise in ((True, True), (False, True), (True, False)):
+    fn = lambda w, raw: single.quantize_gathered(
+        w, starts, starts, groups * rows, PAYLOADS[name], rowwise=rowwise, columnwise=columnwise,
+        orig_dtype=np.dtype(w.dtype), expert_rows=rows, raw=raw)
+    codes, raw = jax.jit(fn, static_argnums=1)(w, False), jax.jit(fn, static_argnums=1)(w, True)
+    for c, r in zip(codes, raw):
+      if c is not None:
+        _assert_raw_is_the_decode(c, r)
+
+
+# --------------------------------------- the handlers -----------------------------------------
+
+@needs_target
+@pytest.mark.parametrize("name", sorted(PAYLOADS))
+@pytest.mark.parametrize("cols,dtype", [(96, jnp.bfloat16), (72, jnp.float32), (44, jnp.float16)])
+def test_cpu_raw_token_copies_are_the_decode_of_the_codes(rng, name, cols, dtype):
+  check_token_copies(rng, name, 150, cols, dtype, nan=cols == 72)
+
+
+@needs_target
+@pytest.mark.parametrize("name", sorted(PAYLOADS))
+def test_cpu_raw_expert_copies_are_the_decode_of_the_codes(rng, name):
+  check_expert_copies(rng, name, 3, 64, 40, jnp.float32)
+
+
+@needs_target
+def test_the_handler_names_a_bad_raw_argument(rng):
+  x = jnp.ones((64, 32), jnp.bfloat16)
+  starts = jnp.asarray([0, 64], jnp.int32)
+  results = [jax.ShapeDtypeStruct((64, 32), jnp.bfloat16),
+             jax.ShapeDtypeStruct((64, 1), jnp.float8_e8m0fnu),
+             jax.ShapeDtypeStruct((), jnp.float32)]
+  common = dict(rowwise=True, columnwise=False, length=np.int64(64), expert_rows=np.int64(0),
+                row_packed=False)
+  with pytest.raises(Exception, match="raw_e5m2 is true without raw"):
+    jax.jit(lambda x: calls.call(TARGET, results, x, starts, starts, raw=False, raw_e5m2=True,
+                                 **common))(x)
+  with pytest.raises(Exception, match="rowwise data is bfloat16.*; expected float8_e4m3fn or "
+                                      "float8_e5m2"):
+    jax.jit(lambda x: calls.call(TARGET, results, x, starts, starts, raw=False, raw_e5m2=False,
+                                 **common))(x)  # bfloat16 data without raw
+
+
+def test_only_mxfp8_copies_are_written_raw(rng):
+  x = jnp.ones((64, 256), jnp.bfloat16)
+  starts = jnp.asarray([0, 64], jnp.int32)
+  with pytest.raises(ValueError, match="raw: only MXFP8 copies are written raw"):
+    single.quantize_gathered(x, starts, starts, 64, jq.Float8BlockQuantizer(), rowwise=True,
+                             columnwise=False, orig_dtype=np.dtype(jnp.bfloat16), raw=True)
+  assert support.raw_copies_reason(jq.NVFP4Quantizer()) == "nvfp4 keeps its codes"
+
+
+# ------------------------------------- GroupedDense -------------------------------------------
+
+RECIPES = {
+    "MXFP8BlockScaling": jq.recipes.MXFP8BlockScaling,
+    "moe_nvfp4_fwd_mxfp8_bwd": lambda: jq.CustomRecipe(
+        jq.factories.moe_nvfp4_forward_mxfp8_backward),
+}
+
+
+def _raw_and_codes_steps(rng, recipe, monkeypatch, groups=4, tokens=96, k=64, n=64):
+  """The GroupedDense step with raw copies and with the codes decoded, its explain report and
+  its lowered program."""
+  step, args = tgf._grouped_step(RECIPES[recipe](), groups, tokens, k, n, rng)
+  monkeypatch.delenv("JAXQUANT_BACKEND", raising=False)
+  monkeypatch.delenv(support.RAW_COPIES_ENV, raising=False)
+  report = jq.explain(step, *args)
+  lower = lambda: jax.jit(lambda *a: step(*a)).lower(*args).as_text()  # a fresh trace
+  text = lower()
+  raw = tgf._on("auto", step, *args)
+  monkeypatch.setenv(support.RAW_COPIES_ENV, "off")
+  codes_text = lower()
+  codes = tgf._on("auto", step, *args)
+  monkeypatch.delenv(support.RAW_COPIES_ENV)
+  return raw, codes, report, text, codes_text, (step, args)
+
+
+def check_layer(rng, recipe, monkeypatch, **shape):
+  raw, codes, report, text, codes_text, (step, args) = _raw_and_codes_steps(
+      rng, recipe, monkeypatch, **shape)
+  mxfp8 = [d for d in report if d.op == "grouped_quantize" and "MXFP8" in d.detail]
+  assert mxfp8 and all(RAW_NOTE in d.detail for d in mxfp8), "\n".join(map(str, report))
+  others = [d for d in report if d.op == "grouped_quantize" and "MXFP8" not in d.detail]
+  assert all(RAW_NOTE not in d.detail for d in others)
+  assert decode_kernel.MXFP8_TARGET not in text and decode_kernel.MXFP8_TARGET in codes_text
+  assert "raw = true" in text and "raw = true" not in codes_text
+  for u, v in zip(jax.tree_util.tree_leaves(raw), jax.tree_util.tree_leaves(codes)):
+    u, v = np.asarray(u), np.asarray(v)
+    assert u.dtype == v.dtype
+    np.testing.assert_array_equal(u.view(np.uint8), v.view(np.uint8))
+  ref = tgf._on("reference", step, *args)
+  for u, v in zip(jax.tree_util.tree_leaves(raw), jax.tree_util.tree_leaves(ref)):
+    tgf._assert_close(np.asarray(u, np.float32), np.asarray(v, np.float32), 2.0**-7)
+
+
+@needs_target
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_grouped_dense_with_raw_copies_is_bit_for_bit_the_decoded_step(bf16_device, rng,
+                                                                       monkeypatch, recipe):
+  check_layer(rng, recipe, monkeypatch)
+
+
+@needs_target
+def test_raw_copies_need_the_decoded_route_and_say_why_not(bf16_device, rng, monkeypatch):
+  """With the mma.sync kernel chosen the copies keep their codes (the kernel reads codes), and
+  a raw operand handed to a GEMM the bfloat16 kernel cannot serve goes to the reference with
+  the reason, never to a kernel that reads codes."""
+  leaf = jq.MXFP8Quantizer()
+  assert support.raw_copies_reason(leaf) is None
+  monkeypatch.setenv(decoded.KERNEL_ENV, "mma_sync")
+  assert support.raw_copies_reason(leaf) == f"{decoded.KERNEL_ENV}=mma_sync: the GEMMs read codes"
+  monkeypatch.delenv(decoded.KERNEL_ENV)
+  monkeypatch.setenv(support.RAW_COPIES_ENV, "bogus")
+  with pytest.raises(ValueError, match="JAXQUANT_GROUPED_RAW_COPIES='bogus'"):
+    support.raw_copies_reason(leaf)
+  monkeypatch.delenv(support.RAW_COPIES_ENV)
+  a, e = tgb._tokens_and_experts(rng, leaf, leaf)
+  raw_a = type(a)(jnp.asarray(format_of(leaf).dequantize_raw(a), jnp.bfloat16), a.scale_inv,
+                  a.amax, a.group_sizes, a.quantizer, a.orig_dtype, a.rht, a.token_axis, a.layout)
+  assert support.gemm_unsupported(raw_a, e, jnp.float32) is None
+  monkeypatch.setattr(tgb.bf16, "device_reason", lambda platform=None: "no device here")
+  reason = support.gemm_unsupported(raw_a, e, jnp.float32)
+  assert reason.startswith("a hold raw MXFP8 values in bfloat16, which only the bfloat16 "
+                           "CUTLASS kernel reads: no device here"), reason
+  fn = lambda a, e: jq.grouped.gemm(a, e, out_dtype=jnp.float32)
+  np.testing.assert_array_equal(np.asarray(tgf._on("auto", fn, raw_a, e)),
+                                np.asarray(tgf._on("reference", fn, a, e)))
+
+
+# -------------------------------------------- GPU ---------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(PAYLOADS))
+def test_gpu_raw_copies_are_the_decode_of_the_codes(on_kernel, rng, name):
+  """Token copies (aligned and not: 16-byte stores and element stores, a NaN block) and expert
+  weights of 8 experts of 256 x 1408 (more than one wave of tiles)."""
+  for cols, dtype in ((96, jnp.bfloat16), (72, jnp.float32), (44, jnp.float16)):
+    check_token_copies(rng, name, 1500, cols, dtype, nan=cols == 72)
+  check_expert_copies(rng, name, 8, 256, 1408, jnp.bfloat16)
+  check_expert_copies(rng, name, 3, 64, 40, jnp.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_gpu_grouped_dense_with_raw_copies_is_bit_for_bit_the_decoded_step(
+    on_kernel, rng, monkeypatch, recipe):
+  check_layer(rng, recipe, monkeypatch, groups=8, tokens=1024, k=256, n=192)
