@@ -223,7 +223,8 @@ def print_profile(step, step_args, profile_dir: str, name: str, steps: int = 5) 
   import shutil
   import time
   import e2e_trace  # bench/e2e_trace.py
-  logdir = os.path.join(profile_dir, name.replace(" ", "_"))
+  logdir = os.path.join(profile_dir, "".join(c if c.isalnum() or c in "-." else "_"
+                                             for c in name))  # no glob characters ("[...]")
   shutil.rmtree(logdir, ignore_errors=True)
   with jax.profiler.trace(logdir):
     t0 = time.perf_counter()
@@ -250,7 +251,7 @@ TORCH_GROUP_ALIGN = 8  # rows per token group for torch._grouped_mm bf16 (torcht
 
 
 def torch_grouped_mm_step(t: int, k: int, n: int, sizes: np.ndarray, seed: int,
-                          timing) -> tuple[float | None, str]:
+                          timing, profile: bool = False) -> tuple[float | None, str]:
   """(seconds, note) of PyTorch's `torch._grouped_mm` bf16 step on the same shapes and group
   sizes: forward (rows x each group's `[K, N]`, the weights stored `[G, N, K]` and passed
   transposed, as torchtitan's MoE does) and both gradients through autograd, timed with CUDA
@@ -272,7 +273,7 @@ def torch_grouped_mm_step(t: int, k: int, n: int, sizes: np.ndarray, seed: int,
   if not hasattr(torch, "_grouped_mm"):
     return None, f"torch {torch.__version__} has no torch._grouped_mm"
   try:
-    sec, rows = _time_torch_grouped_mm(torch, t, k, n, sizes, seed, timing)
+    sec, rows = _time_torch_grouped_mm(torch, t, k, n, sizes, seed, timing, profile)
   except Exception as e:  # noqa: BLE001 - report and go on with the JAX rows
     return None, f"torch._grouped_mm failed: {type(e).__name__}: {str(e)[:300]}"
   finally:
@@ -281,8 +282,11 @@ def torch_grouped_mm_step(t: int, k: int, n: int, sizes: np.ndarray, seed: int,
                f"to {TORCH_GROUP_ALIGN} rows: {rows} rows for {t}")
 
 
-def _time_torch_grouped_mm(torch, t, k, n, sizes, seed, timing) -> tuple[float, int]:
-  """(median seconds per step, padded rows) of `torch_grouped_mm_step`'s step."""
+def _time_torch_grouped_mm(torch, t, k, n, sizes, seed, timing,
+                           profile: bool = False) -> tuple[float, int]:
+  """(median seconds per step, padded rows) of `torch_grouped_mm_step`'s step; with `profile`,
+  also prints its CUDA kernels' time per step (torch.profiler, after the timing): the peer's
+  split beside jaxquant's (`print_profile`)."""
   gen = torch.Generator(device="cuda").manual_seed(seed)
   randn = lambda *shape: torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16)
   padded = -(-np.asarray(sizes, np.int64) // TORCH_GROUP_ALIGN) * TORCH_GROUP_ALIGN
@@ -308,7 +312,27 @@ def _time_torch_grouped_mm(torch, t, k, n, sizes, seed, timing) -> tuple[float, 
     end.record()
     end.synchronize()
     times.append(start.elapsed_time(end) / 1e3 / timing["calls"])
+  if profile:
+    _print_torch_kernels(torch, step, timing["calls"])
   return float(np.median(times)), rows
+
+
+def _print_torch_kernels(torch, step, steps: int) -> None:
+  from torch.profiler import ProfilerActivity
+  with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+    for _ in range(steps):
+      step()
+    torch.cuda.synchronize()
+  kernels = []
+  for e in prof.key_averages():
+    us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+    if us:
+      kernels.append((us / 1e3 / steps, e.key))
+  kernels.sort(reverse=True)
+  print(f"    profile torch._grouped_mm step: {sum(ms for ms, _ in kernels):.3f} ms of kernels a "
+        "step; top kernels:", flush=True)
+  for ms, name in kernels[:8]:
+    print(f"      {ms:8.3f} ms  {name[:120]}", flush=True)
 
 
 def torch_row(experts: int, t, k, n, flops, result, dense_row, card) -> dict | None:
@@ -582,7 +606,7 @@ def main(argv=None) -> int:
       sizes = group_sizes(np.random.default_rng(args.seed), t, groups)  # run_case's draw
       torch_results[experts] = torch_grouped_mm_step(
           t, k, n, sizes, args.seed, dict(repeats=args.repeats, calls=args.calls,
-                                          warmup=args.warmup))
+                                          warmup=args.warmup), bool(args.profile_dir))
   device = jax.devices()[0]
   card = getattr(device, "device_kind", str(device))
   print(f"device: {card}; jax {jax.__version__}", flush=True)

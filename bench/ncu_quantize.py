@@ -5,7 +5,8 @@
 
 Each case is compiled first, then run once, so a kernel filter sees exactly one launch per case
 (in the order printed). The shapes are bench/grouped.py's 8-expert step (Mixtral fc1: tokens
-x [16384, 4096], output gradients dy [16384, 14336], expert weights [8, 14336, 4096]). `--tiny`
+x [16384, 4096], output gradients dy [16384, 14336], expert weights [8, 14336, 4096]; `--shape
+moe64` the 64-expert step's, [64, 1408, 2048] weights). `--tiny`
 runs small shapes (a CPU smoke check). Timings come from bench/grouped_quantize.py and
 bench/quantize.py; this script only gives a profiler one launch of each kernel to read.
 """
@@ -23,7 +24,8 @@ import numpy as np
 import jaxquant as jq
 import jaxquant.grouped as jg
 
-SHAPES = {"llm": (8, 16384, 4096, 14336), "tiny": (8, 256, 128, 64)}
+SHAPES = {"llm": (8, 16384, 4096, 14336), "moe64": (64, 16384, 2048, 1408),
+          "tiny": (8, 256, 128, 64)}
 
 
 def cases(groups: int, tokens: int, k: int, n: int):
@@ -66,13 +68,23 @@ def cases(groups: int, tokens: int, k: int, n: int):
          lambda dy, sz: jg.quantize(dy, sz, block), (dy, sizes))
   yield ("mxfp8: dy, both copies (one gathered launch)",
          lambda dy, sz: jg.quantize(dy, sz, jq.MXFP8Quantizer()), (dy, sizes))
+  # the copies GroupedDense makes for its decoded GEMMs (design decision 47): raw bfloat16
+  # values where the bfloat16 CUTLASS kernel runs, else the codes as above
+  yield ("mxfp8 decoded=True: dy, both copies",
+         lambda dy, sz: jg.quantize(dy, sz, jq.MXFP8Quantizer(), decoded=True), (dy, sizes))
+  yield ("mxfp8: expert weights, both copies",
+         lambda w: jg.quantize_experts(w, jq.MXFP8Quantizer()), (w,))
+  yield ("mxfp8 decoded=True: expert weights, both copies",
+         lambda w: jg.quantize_experts(w, jq.MXFP8Quantizer(), decoded=True), (w,))
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--tiny", action="store_true", help="small shapes (runs on CPU)")
+  parser.add_argument("--shape", choices=sorted(SHAPES), default="llm",
+                      help="llm: the 8-expert step's operands; moe64: the 64-expert step's")
   args = parser.parse_args(argv)
-  spec = SHAPES["tiny" if args.tiny else "llm"]
+  spec = SHAPES["tiny" if args.tiny else args.shape]
   compiled = []
   for name, fn, fn_args in cases(*spec):
     compiled.append((name, jax.jit(fn).lower(*fn_args).compile(), fn_args))
