@@ -23,10 +23,11 @@ struct Mxfp8Params {
 
 // The kernel's parameters for the decoded call `a` quantizing an R x C matrix (col_sums: the
 // fused activation gradient's column sums, or null).
-// Raw copies (`a.raw`) store 8 and 16 bfloat16 values a thread: 16-byte stores when aligned.
+// Raw copies (`a.raw`) store 8 and 16 bfloat16 values a thread: 16-byte stores when aligned,
+// the columnwise ones by pairs of lanes over whole 32-row blocks (`Fp8TileColumn::store_raw`).
 inline Mxfp8Params mxfp8_params(const Mxfp8Args& a, int64_t R, int64_t C, float* col_sums = nullptr) {
   return {R, C, aligned(a.row_data, a.raw ? 16 : 8) && C % 8 == 0,
-          aligned(a.col_data, 16) && R % (a.raw ? 8 : 16) == 0, a.rowwise, a.columnwise, a.raw,
+          aligned(a.col_data, 16) && R % (a.raw ? 32 : 16) == 0, a.rowwise, a.columnwise, a.raw,
           a.fmt, a.row_data, a.row_scale, a.col_data, a.col_scale, a.amax, col_sums};
 }
 
@@ -89,7 +90,8 @@ __global__ void __launch_bounds__(kThreads, ProducerMinCtas<P>::value) mxfp8_ker
     const Fp8TileColumn<G> chunk(ld.tile, ld.t, it, p.C, p.col_sums);
     uint32_t m = abs_bits_max<16>(chunk.w);
     m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));  // chunks j, j^1 = one 32-row block
-    if (!p.do_col || chunk.c >= p.C || chunk.rr >= p.R) continue;
+    const bool active = p.do_col && chunk.c < p.C && chunk.rr < p.R;
+    if (!kRaw && !active) continue;  // raw copies: every lane stores (store_raw's shuffle)
     const uint32_t e = jq::e8m0_from_amax(__uint_as_float(m), inv_fmax);
     const jq::Mxfp8Factors f = jq::mxfp8_factors(e);
     const auto codes4 = [&](const float* v) { return mxfp8_codes4(v, f, e, p.fmt); };
@@ -98,12 +100,13 @@ __global__ void __launch_bounds__(kThreads, ProducerMinCtas<P>::value) mxfp8_ker
       mxfp8_raw_words<2>(q, s, p.fmt == jq::Fp8::kE5M2, out);
     };
     const int64_t E = kExperts ? p.expert_rows : 0;
-    if ((chunk.slot.j & 1) == 0) {
+    if (active && (chunk.slot.j & 1) == 0) {
       p.col_scale[kExperts ? expert_column_index(chunk.c, chunk.rr, p.C, E, 32)
                            : chunk.c * col_nb + chunk.rr / 32] = uint8_t(e);
     }
     if constexpr (kRaw) {
-      chunk.store_raw(reinterpret_cast<uint16_t*>(p.col), p.R, p.vec_col, codes4, raw8, p.C, E);
+      chunk.store_raw(reinterpret_cast<uint16_t*>(p.col), p.R, p.vec_col, codes4, raw8, active,
+                      p.C, E);
     } else {
       chunk.store(p.col, p.R, p.vec_col, codes4, p.C, E);
     }

@@ -421,19 +421,35 @@ struct Fp8TileColumn {
 
   // The same chunk's 16 values as the bfloat16 raw values of their codes (`raw8(q, v)` turns
   // two words of codes into four of bfloat16 pairs) at the same positions of a bfloat16 copy.
+  // Every lane calls it (a shuffle); `active`: whether this lane's chunk is in the matrix.
+  // `vec` (16-byte aligned, R a multiple of 32): the lanes of a 32-row block (chunks j, j ^ 1,
+  // neighbours) swap a half so that each of the pair's two 16-byte stores writes 32 contiguous
+  // bytes with its partner's: whole L2 sectors. Each lane storing its own 32 bytes left every
+  // store instruction writing half sectors, and the raw expert copies ran at 2.4 TB/s with L2
+  // 91% busy (session 20, Nsight Compute).
   template <typename Code4, typename Raw8>
   __device__ __forceinline__ void store_raw(uint16_t* out, int64_t R, bool vec, Code4 code4, Raw8 raw8,
-                                            int64_t C = 0, int64_t E = 0) const {
+                                            bool active, int64_t C = 0, int64_t E = 0) const {
     uint32_t q[4], v[8];
 #pragma unroll
     for (int k = 0; k < 4; ++k) q[k] = code4(w + 4 * k);
-    raw8(q, v);
-    raw8(q + 2, v + 4);
-    if (E > 0) {
-      store_bf16_words(out + expert_column_index(c, rr, C, E, 1), v, 16, vec);
-    } else {
-      store_bf16_words(out + c * R + rr, v, int(min64(16, R - rr)), vec);
+    raw8(q, v);      // v[0..3]: rows rr .. rr+7
+    raw8(q + 2, v + 4);  // v[4..7]: rows rr+8 .. rr+15
+    const bool odd = slot.j & 1;
+    uint32_t got[4];  // even lane: the odd partner's rows rr+16 .. rr+23; odd: the even's rr-8 .. rr-1
+#pragma unroll
+    for (int i = 0; i < 4; ++i) got[i] = __shfl_xor_sync(0xFFFFFFFFu, odd ? v[i] : v[4 + i], 1);
+    if (!active) return;
+    uint16_t* dst = E > 0 ? out + expert_column_index(c, rr, C, E, 1) : out + c * R + rr;
+    if (!vec) {
+      store_bf16_words(dst, v, E > 0 ? 16 : int(min64(16, R - rr)), false);
+      return;
     }
+    // Branch-free, so both lanes of a pair issue the same two store instructions.
+    const uint4 first = odd ? make_uint4(got[0], got[1], got[2], got[3]) : make_uint4(v[0], v[1], v[2], v[3]);
+    const uint4 second = odd ? make_uint4(v[4], v[5], v[6], v[7]) : make_uint4(got[0], got[1], got[2], got[3]);
+    *reinterpret_cast<uint4*>(dst + (odd ? -8 : 0)) = first;
+    *reinterpret_cast<uint4*>(dst + (odd ? 8 : 16)) = second;
   }
 };
 
