@@ -24,7 +24,7 @@ struct Mxfp8Params {
 // The kernel's parameters for the decoded call `a` quantizing an R x C matrix (col_sums: the
 // fused activation gradient's column sums, or null).
 // Raw copies (`a.raw`) store 8 and 16 bfloat16 values a thread: 16-byte stores when aligned,
-// the columnwise ones by pairs of lanes over whole 32-row blocks (`Fp8TileColumn::store_raw`).
+// tokens' columnwise ones by pairs of lanes over whole 32-row blocks (`Fp8TileColumn::store_raw`).
 inline Mxfp8Params mxfp8_params(const Mxfp8Args& a, int64_t R, int64_t C, float* col_sums = nullptr) {
   return {R, C, aligned(a.row_data, a.raw ? 16 : 8) && C % 8 == 0,
           aligned(a.col_data, 16) && R % (a.raw ? 32 : 16) == 0, a.rowwise, a.columnwise, a.raw,
@@ -105,8 +105,8 @@ __global__ void __launch_bounds__(kThreads, ProducerMinCtas<P>::value) mxfp8_ker
                            : chunk.c * col_nb + chunk.rr / 32] = uint8_t(e);
     }
     if constexpr (kRaw) {
-      chunk.store_raw(reinterpret_cast<uint16_t*>(p.col), p.R, p.vec_col, codes4, raw8, active,
-                      p.C, E);
+      chunk.template store_raw<!kExperts>(reinterpret_cast<uint16_t*>(p.col), p.R, p.vec_col,
+                                          codes4, raw8, active, p.C, E);
     } else {
       chunk.store(p.col, p.R, p.vec_col, codes4, p.C, E);
     }

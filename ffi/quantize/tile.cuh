@@ -421,28 +421,31 @@ struct Fp8TileColumn {
 
   // The same chunk's 16 values as the bfloat16 raw values of their codes (`raw8(q, v)` turns
   // two words of codes into four of bfloat16 pairs) at the same positions of a bfloat16 copy.
-  // Every lane calls it (a shuffle); `active`: whether this lane's chunk is in the matrix.
+  // Every lane calls it; `active`: whether this lane's chunk is in the matrix. kPairs, with
   // `vec` (16-byte aligned, R a multiple of 32): the lanes of a 32-row block (chunks j, j ^ 1,
-  // neighbours) swap a half so that each of the pair's two 16-byte stores writes 32 contiguous
-  // bytes with its partner's: whole L2 sectors. Each lane storing its own 32 bytes left every
-  // store instruction writing half sectors, and the raw expert copies ran at 2.4 TB/s with L2
-  // 91% busy (session 20, Nsight Compute).
-  template <typename Code4, typename Raw8>
+  // neighbours) swap a half (a shuffle) so that each of the pair's two 16-byte stores writes 32
+  // contiguous bytes with its partner's, whole L2 sectors; without it each lane stores its own
+  // 32 bytes and every store instruction writes half sectors. Nsight Compute, H200, session
+  // 20: the 64-expert step's dy copies 108 -> 84 us with pairs, its expert weights 448 -> 484 us,
+  // so the kernel pairs tokens' copies only.
+  template <bool kPairs, typename Code4, typename Raw8>
   __device__ __forceinline__ void store_raw(uint16_t* out, int64_t R, bool vec, Code4 code4, Raw8 raw8,
                                             bool active, int64_t C = 0, int64_t E = 0) const {
     uint32_t q[4], v[8];
 #pragma unroll
     for (int k = 0; k < 4; ++k) q[k] = code4(w + 4 * k);
-    raw8(q, v);      // v[0..3]: rows rr .. rr+7
+    raw8(q, v);          // v[0..3]: rows rr .. rr+7
     raw8(q + 2, v + 4);  // v[4..7]: rows rr+8 .. rr+15
     const bool odd = slot.j & 1;
     uint32_t got[4];  // even lane: the odd partner's rows rr+16 .. rr+23; odd: the even's rr-8 .. rr-1
+    if constexpr (kPairs) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) got[i] = __shfl_xor_sync(0xFFFFFFFFu, odd ? v[i] : v[4 + i], 1);
+      for (int i = 0; i < 4; ++i) got[i] = __shfl_xor_sync(0xFFFFFFFFu, odd ? v[i] : v[4 + i], 1);
+    }
     if (!active) return;
     uint16_t* dst = E > 0 ? out + expert_column_index(c, rr, C, E, 1) : out + c * R + rr;
-    if (!vec) {
-      store_bf16_words(dst, v, E > 0 ? 16 : int(min64(16, R - rr)), false);
+    if (!kPairs || !vec) {
+      store_bf16_words(dst, v, E > 0 ? 16 : int(min64(16, R - rr)), vec);
       return;
     }
     // Branch-free, so both lanes of a pair issue the same two store instructions.
