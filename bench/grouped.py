@@ -45,6 +45,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -254,9 +255,12 @@ def torch_grouped_mm_step(t: int, k: int, n: int, sizes: np.ndarray, seed: int,
                           timing, profile: bool = False) -> tuple[float | None, str]:
   """(seconds, note) of PyTorch's `torch._grouped_mm` bf16 step on the same shapes and group
   sizes: forward (rows x each group's `[K, N]`, the weights stored `[G, N, K]` and passed
-  transposed, as torchtitan's MoE does) and both gradients through autograd, timed with CUDA
-  events (median over repeats of back-to-back steps, after warm-up); (None, why) where torch,
-  its CUDA device or `_grouped_mm` is missing or the call fails. Runs before JAX starts on the
+  transposed, as torchtitan's MoE does) and both gradients through autograd (median over
+  repeats of back-to-back steps, after warm-up); (None, why) where torch, its CUDA device or
+  `_grouped_mm` is missing or the call fails. Timed by the host clock to each round's last
+  result, as `bench/timing.py` times every JAX row; until session 20 it was timed by CUDA
+  events, which leave out each round's host latency before its first kernel (the CUDA-event
+  time is printed beside it). Runs before JAX starts on the
   GPU (`main`), so JAX's preallocated pool does not starve it, and frees its memory after.
 
   Every group is padded to a multiple of `TORCH_GROUP_ALIGN` rows first, as torchtitan pads its
@@ -303,15 +307,20 @@ def _time_torch_grouped_mm(torch, t, k, n, sizes, seed, timing,
   for _ in range(timing["warmup"]):
     step()
   torch.cuda.synchronize()
-  times = []
-  for _ in range(timing["repeats"]):
+  times, events = [], []
+  for _ in range(timing["repeats"]):  # bench/timing.py's rounds: host clock to the last result
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
     start.record()
     for _ in range(timing["calls"]):
       step()
     end.record()
     end.synchronize()
-    times.append(start.elapsed_time(end) / 1e3 / timing["calls"])
+    times.append((time.perf_counter() - t0) / timing["calls"])
+    events.append(start.elapsed_time(end) / 1e3 / timing["calls"])
+  print(f"    torch._grouped_mm step by CUDA events (GPU time from its first kernel): "
+        f"{np.median(events) * 1e3:.3f} ms; by the host clock, as every JAX row: "
+        f"{np.median(times) * 1e3:.3f} ms", flush=True)
   if profile:
     _print_torch_kernels(torch, step, timing["calls"])
   return float(np.median(times)), rows
