@@ -222,7 +222,7 @@ def test_raw_copies_need_the_decoded_route_and_say_why_not(bf16_device, rng, mon
   assert support.gemm_unsupported(raw_a, e, jnp.float32) is None
   monkeypatch.setattr(tgb.bf16, "device_reason", lambda platform=None: "no device here")
   reason = support.gemm_unsupported(raw_a, e, jnp.float32)
-  assert reason.startswith("a hold raw MXFP8 values in bfloat16, which only the bfloat16 "
+  assert reason.startswith("a holds raw MXFP8 values in bfloat16, which only the bfloat16 "
                            "CUTLASS kernel reads: no device here"), reason
   fn = lambda a, e: jq.grouped.gemm(a, e, out_dtype=jnp.float32)
   np.testing.assert_array_equal(np.asarray(tgf._on("auto", fn, raw_a, e)),

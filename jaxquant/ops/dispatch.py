@@ -11,21 +11,18 @@ Every choice is recorded for `jaxquant.explain` with its reason.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 from jaxquant.backends.ffi import ops as ffi
 from jaxquant.backends.ffi import registry
 from jaxquant.backends.platform import current_platform
+from jaxquant.settings import env_choice
 
 BACKENDS = ("auto", "reference", "ffi", "xla")
 
 
 def requested_backend() -> str:
-  value = os.environ.get("JAXQUANT_BACKEND", "auto").strip().lower() or "auto"
-  if value not in BACKENDS:
-    raise ValueError(f"JAXQUANT_BACKEND={value!r}; expected one of {BACKENDS}")
-  return value
+  return env_choice("JAXQUANT_BACKEND", BACKENDS, "auto")
 
 
 def ffi_module():

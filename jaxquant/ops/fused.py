@@ -18,7 +18,6 @@ whether the layers fuse by default (not yet anywhere: decision 20 of docs/design
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Optional
 
 import jax
@@ -33,6 +32,7 @@ from jaxquant.numerics.reductions import pairwise_sum
 from jaxquant.ops import dispatch
 from jaxquant.formats import format_of
 from jaxquant.quantizers import Quantizer
+from jaxquant.settings import env_choice
 from jaxquant.tensors import QuantizedTensor
 
 __all__ = ["NormQuantized", "activation_grad_quantize", "activation_quantize",
@@ -60,9 +60,7 @@ def auto_fusion_reason() -> Optional[str]:
   slower still. The layers fuse when asked (`fuse_producers=True`);
   `JAXQUANT_FUSE_PRODUCERS=on` fuses wherever the formats allow, `off` never (A/B timings
   without touching a model; a module's explicit `fuse_producers` wins)."""
-  setting = os.environ.get("JAXQUANT_FUSE_PRODUCERS", "auto").strip().lower() or "auto"
-  if setting not in ("auto", "on", "off"):
-    raise ValueError(f"JAXQUANT_FUSE_PRODUCERS={setting!r}; expected 'auto', 'on' or 'off'")
+  setting = env_choice("JAXQUANT_FUSE_PRODUCERS", ("auto", "on", "off"), "auto")
   if setting == "off":
     return "JAXQUANT_FUSE_PRODUCERS=off"
   if setting == "on":

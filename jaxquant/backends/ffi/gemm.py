@@ -56,6 +56,7 @@ from jaxquant.backends.platform import compute_capability
 from jaxquant.backends.platform import current_platform as _platform
 from jaxquant.backends.reference import ops as reference
 from jaxquant.tensors import ScaledTensor
+from jaxquant.settings import env_choice
 
 Operand = Union[ScaledTensor, jax.Array]
 
@@ -79,9 +80,7 @@ MX_GEMM_AUTO_REASON = (
 
 def _mx_gemm_choice(platform: str) -> str:
   """How MXFP8 / NVFP4 pairs are multiplied: "wgmma-dequant" or "dequant-bf16"."""
-  value = os.environ.get("JAXQUANT_MX_GEMM", "auto").strip().lower() or "auto"
-  if value not in MX_GEMM_CHOICES:
-    raise ValueError(f"JAXQUANT_MX_GEMM={value!r}; expected one of {MX_GEMM_CHOICES}")
+  value = env_choice("JAXQUANT_MX_GEMM", MX_GEMM_CHOICES, "auto")
   if value == "auto":
     return "dequant-bf16" if platform == "cuda" else "wgmma-dequant"
   return value

@@ -9,7 +9,6 @@ call on purpose: a sharded caller inserts its `pmax` between the two.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Callable, Optional
 
 import jax
@@ -26,6 +25,7 @@ from jaxquant.quantizers import (HIGH_PRECISION_DTYPES, Float8BlockQuantizer,
                                  Quantizer)
 from jaxquant.state import DelayedScalingState
 from jaxquant.tensors import ScaledTensor
+from jaxquant.settings import env_choice
 
 Pair = tuple[Optional[ScaledTensor], Optional[ScaledTensor]]
 
@@ -39,10 +39,7 @@ DEFAULT_AMAX_SOURCE = "kernel"
 
 
 def amax_source() -> str:
-  value = os.environ.get("JAXQUANT_FFI_AMAX", DEFAULT_AMAX_SOURCE).strip().lower()
-  if value not in AMAX_SOURCES:
-    raise ValueError(f"JAXQUANT_FFI_AMAX={value!r}; expected one of {AMAX_SOURCES}")
-  return value
+  return env_choice("JAXQUANT_FFI_AMAX", AMAX_SOURCES, DEFAULT_AMAX_SOURCE)
 _MAX_DIM = 2**31 - 1
 
 

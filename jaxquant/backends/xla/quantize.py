@@ -19,7 +19,6 @@ so `q` equals the reference's `cast_sat`. Under a mesh the amax reduction is par
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 import jax
@@ -35,6 +34,7 @@ from jaxquant.numerics.minifloat import MinifloatSpec
 from jaxquant.quantizers import HIGH_PRECISION_DTYPES, Quantizer
 from jaxquant.state import DelayedScalingState, quantize_scale
 from jaxquant.tensors import ScaledTensor
+from jaxquant.settings import env_choice
 
 PATH_NAME = "xla-fused"
 
@@ -50,10 +50,7 @@ DEFAULT_COLUMNWISE = "transpose-op"
 
 
 def columnwise_mode() -> str:
-  value = os.environ.get("JAXQUANT_XLA_COLUMNWISE", DEFAULT_COLUMNWISE).strip().lower()
-  if value not in COLUMNWISE_MODES:
-    raise ValueError(f"JAXQUANT_XLA_COLUMNWISE={value!r}; expected one of {COLUMNWISE_MODES}")
-  return value
+  return env_choice("JAXQUANT_XLA_COLUMNWISE", COLUMNWISE_MODES, DEFAULT_COLUMNWISE)
 
 # Where the automatic choice takes this path over the FFI kernel, and why: {platform: {quantizer
 # type: reason}}. Empty: measured in the training step of bench/e2e.py on an H100 (d_model 2048

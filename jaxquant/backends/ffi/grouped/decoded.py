@@ -20,7 +20,6 @@ in one process; the default ("auto") decodes.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import jax
@@ -32,6 +31,7 @@ from jaxquant.grouping import decode
 from jaxquant.grouping.layout import per_position
 from jaxquant.grouping.tensors import GroupedScaledTensor, positions, row_scaled
 from jaxquant.tensors import ScaledTensor
+from jaxquant.settings import env_choice
 
 KERNEL_ENV = "JAXQUANT_GROUPED_GEMM_KERNEL"
 KERNEL_CHOICES = ("auto", "mma_sync")
@@ -39,10 +39,7 @@ KERNEL_CHOICES = ("auto", "mma_sync")
 
 def kernel_choice() -> str:
   """`JAXQUANT_GROUPED_GEMM_KERNEL` ("auto" when unset); an unknown value is an error."""
-  value = os.environ.get(KERNEL_ENV, "").strip().lower() or "auto"
-  if value not in KERNEL_CHOICES:
-    raise ValueError(f"{KERNEL_ENV}={value!r}; expected one of {KERNEL_CHOICES}")
-  return value
+  return env_choice(KERNEL_ENV, KERNEL_CHOICES, "auto")
 
 
 def high_precision(operand) -> bool:

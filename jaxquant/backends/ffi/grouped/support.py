@@ -70,7 +70,6 @@ program (one `jax.lax.ragged_dot` per GEMM), never a Python loop over groups.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import jax.numpy as jnp
@@ -82,6 +81,7 @@ from jaxquant.backends.ffi.grouped import bf16, decode_kernel, decoded, sm90_con
 from jaxquant.backends.platform import compute_capability
 from jaxquant.backends.platform import current_platform as _platform
 from jaxquant.formats import format_of
+from jaxquant.settings import env_choice
 
 QUANTIZE_TARGET_PREFIX = "jaxquant_grouped_quantize"
 GEMM_SM90_TARGET = "jaxquant_grouped_gemm_sm90"
@@ -257,10 +257,7 @@ RAW_COPIES_CHOICES = ("auto", "off")
 
 def raw_copies_choice() -> str:
   """`JAXQUANT_GROUPED_RAW_COPIES` ("auto" when unset); an unknown value is an error."""
-  value = os.environ.get(RAW_COPIES_ENV, "").strip().lower() or "auto"
-  if value not in RAW_COPIES_CHOICES:
-    raise ValueError(f"{RAW_COPIES_ENV}={value!r}; expected one of {RAW_COPIES_CHOICES}")
-  return value
+  return env_choice(RAW_COPIES_ENV, RAW_COPIES_CHOICES, "auto")
 
 
 def raw_copies_reason(leaf) -> Optional[str]:
@@ -311,8 +308,9 @@ def gemm_unsupported(a, b, out_dtype=None) -> Optional[str]:
     reason = decoded.route_reason(a, b, a.orig_dtype if out_dtype is None else out_dtype,
                                   exact=_decodes_exactly(a, b))
     if reason is not None:
-      return (f"{' and '.join(raw)} hold raw MXFP8 values in bfloat16, which only the "
-              f"bfloat16 CUTLASS kernel reads: {reason}")
+      holds = "a and b hold" if len(raw) == 2 else f"{raw[0]} holds"
+      return (f"{holds} raw MXFP8 values in bfloat16, which only the bfloat16 CUTLASS kernel "
+              f"reads: {reason}")
     return None
   bf16_reason = None
   if decoded.high_precision(a) or decoded.high_precision(b):
