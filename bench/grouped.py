@@ -589,6 +589,10 @@ def main(argv=None) -> int:
   parser.add_argument("--compare-padding", action="store_true",
                       help="also time every jaxquant step with its wgrads' tiles chosen without "
                       "sm90_configs.WGRAD_BY_PADDING (as before it), same process")
+  parser.add_argument("--profile-torch", action="store_true",
+                      help="also print the torch._grouped_mm step's CUDA kernels (torch.profiler); "
+                           "not with --profile-dir: after torch.profiler, jax.profiler's traces in "
+                           "the same process come back empty")
   parser.add_argument("--compare-raw-copies", action="store_true",
                       help="also time every recipe's step with its MXFP8 copies written as codes "
                       "and decoded apart (JAXQUANT_GROUPED_RAW_COPIES=off), same process")
@@ -602,6 +606,9 @@ def main(argv=None) -> int:
   parser.add_argument("--no-steps", action="store_true",
                       help="skip the GroupedDense step table (with --gemms / --quantize)")
   args = parser.parse_args(argv)
+  if args.profile_torch and args.profile_dir:
+    parser.error("--profile-torch with --profile-dir: after torch.profiler, jax.profiler's "
+                 "traces in the same process come back empty; profile them in two runs")
   if args.sm90_configs == ["all"]:
     args.sm90_configs = list(sm90_configs.CONFIGS) + ["default:rn", "bf16:rn"]
   for config in args.sm90_configs or []:
@@ -615,7 +622,7 @@ def main(argv=None) -> int:
       sizes = group_sizes(np.random.default_rng(args.seed), t, groups)  # run_case's draw
       torch_results[experts] = torch_grouped_mm_step(
           t, k, n, sizes, args.seed, dict(repeats=args.repeats, calls=args.calls,
-                                          warmup=args.warmup), bool(args.profile_dir))
+                                          warmup=args.warmup), args.profile_torch)
   device = jax.devices()[0]
   card = getattr(device, "device_kind", str(device))
   print(f"device: {card}; jax {jax.__version__}", flush=True)
