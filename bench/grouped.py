@@ -83,18 +83,24 @@ RAGGED_DOT = "bf16 jax.lax.ragged_dot"
 
 
 @contextlib.contextmanager
-def _backend(value):
-  """JAXQUANT_BACKEND=value while a step is traced (None: as the environment has it)."""
-  saved = os.environ.get("JAXQUANT_BACKEND")
+def _env(name: str, value):
+  """Environment variable `name` = value while a step is traced (None: as the environment has
+  it)."""
+  saved = os.environ.get(name)
   if value is not None:
-    os.environ["JAXQUANT_BACKEND"] = value
+    os.environ[name] = value
   try:
     yield
   finally:
     if saved is None:
-      os.environ.pop("JAXQUANT_BACKEND", None)
+      os.environ.pop(name, None)
     else:
-      os.environ["JAXQUANT_BACKEND"] = saved
+      os.environ[name] = saved
+
+
+def _backend(value):
+  """JAXQUANT_BACKEND=value while a step is traced (None: as the environment has it)."""
+  return _env("JAXQUANT_BACKEND", value)
 
 
 @contextlib.contextmanager
@@ -108,20 +114,10 @@ def _wgrad_by_padding(on: bool):
     sm90_configs.WGRAD_BY_PADDING = saved
 
 
-@contextlib.contextmanager
 def _raw_copies(on: bool):
   """MXFP8 copies written raw (decision 47; True: as users run) or decoded from their codes
   (`JAXQUANT_GROUPED_RAW_COPIES=off`) while a step is traced."""
-  saved = os.environ.get(support.RAW_COPIES_ENV)
-  if not on:
-    os.environ[support.RAW_COPIES_ENV] = "off"
-  try:
-    yield
-  finally:
-    if saved is None:
-      os.environ.pop(support.RAW_COPIES_ENV, None)
-    else:
-      os.environ[support.RAW_COPIES_ENV] = saved
+  return _env(support.RAW_COPIES_ENV, None if on else "off")
 
 
 def step_fn(model):

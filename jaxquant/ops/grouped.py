@@ -158,7 +158,7 @@ def _record(op: str, role, detail: str, quantizer: Optional[Quantizer], reason_f
 
 # ------------------------------------------- quantize -----------------------------------------
 
-def _fp8_note(leaf: Quantizer, decoded: bool = False):
+def _kernel_note(leaf: Quantizer, decoded: bool = False):
   """The `_record` note of an FFI quantize: for per-tensor FP8 (the grouped FP8 kernel) the
   launches that run (delayed scaling has no amax pass); for copies written raw for the decoded
   GEMMs (`decoded`, MXFP8 on CUDA) that they are; else None."""
@@ -176,7 +176,7 @@ def _tokens(x, sizes, leaf: Quantizer, direction: str, layout: TokenLayout, word
             f"{'packed' if not layout.padded else f'token block {layout.block}'}]")
   path = _record("grouped_quantize", role, detail, leaf,
                  lambda: kernels.quantize_unsupported(leaf, direction, tuple(x.shape)),
-                 _fp8_note(leaf, decoded))
+                 _kernel_note(leaf, decoded))
   if path == "ffi":
     return kernels.quantize_tokens(x, sizes, leaf, direction, layout, words, state, orig_dtype,
                                    decoded)
@@ -285,7 +285,7 @@ def _token_pair(x, sizes, leaf: Quantizer, layouts: dict, state, orig_dtype, rol
   detail = f"rowwise+columnwise: {leaf} [{row_layout.groups} groups, {shape}]"
   path = _record("grouped_quantize", role, detail, leaf,
                  lambda: kernels.quantize_unsupported(leaf, "rowwise"),
-                 _fp8_note(leaf, decoded))
+                 _kernel_note(leaf, decoded))
   if path == "ffi":
     row, col = kernels.quantize_token_pair(x, sizes, leaf, row_layout, col_layout, state,
                                            orig_dtype, decoded)
@@ -347,7 +347,7 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool = True
       leaf = quantizer.for_direction(direction)
       paths.append(_record("grouped_quantize", role, f"{direction}: {leaf} [{groups} experts]",
                            leaf, lambda d=direction: kernels.quantize_experts_unsupported(
-                               quantizer, tuple(w.shape), d), _fp8_note(leaf, decoded)))
+                               quantizer, tuple(w.shape), d), _kernel_note(leaf, decoded)))
   orig_dtype = np.dtype(w.dtype)
   words = _direction_words(keys, quantizer)
   if all(p == "ffi" for p in paths):

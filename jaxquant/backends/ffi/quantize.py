@@ -125,9 +125,11 @@ GATHERED_TARGETS = {"jaxquant_quantize_mxfp8": "jaxquant_grouped_quantize_mxfp8"
                     "jaxquant_quantize_fp8_block": "jaxquant_grouped_quantize_fp8_block"}
 
 
-def _call(req: Request, target: str, results: list, layout: Layout, **attributes) -> list:
+def _call(req: Request, target: str, results: list, layout: Layout, gathered=None,
+          **attributes) -> list:
   """`target` on `req.x2d`, or its grouped twin on the gathered layout `req.gather` (not
-  partitioned: the grouped calls run per device, inside the expert-parallel shard_map)."""
+  partitioned: the grouped calls run per device, inside the expert-parallel shard_map), which
+  also takes the attributes in `gathered`."""
   if req.gather is None:
     return calls.call(target, results, req.x2d, layout=layout, **attributes)
   starts, pstarts, length = req.gather
@@ -137,12 +139,9 @@ def _call(req: Request, target: str, results: list, layout: Layout, **attributes
     results = [_sds((groups, r.shape[0], r.shape[1] // groups), r.dtype)
                if req.columnwise and first <= i < first + 2 else r
                for i, r in enumerate(results)]
-  if target == "jaxquant_quantize_mxfp8":  # raw copies name their payload format
-    e5m2 = attributes.pop("e5m2", False)
-    attributes.update(raw=req.raw, raw_e5m2=req.raw and e5m2)
   return calls.call(GATHERED_TARGETS[target], results, req.x2d, starts, pstarts,
                     length=np.int64(length), expert_rows=np.int64(req.expert_rows),
-                    row_packed=req.row_packed, **attributes)
+                    row_packed=req.row_packed, **(gathered or {}), **attributes)
 
 
 def _split(req: Request, outs: list, with_scales: bool):
@@ -327,9 +326,10 @@ def _mxfp8(req: Request, quantizer: MXFP8Quantizer) -> Pair:
   results = _data_results(req, data_dtype, row_scale, col_scale) + [_sds((), np.float32)]
   layout = _layout(req, "jaxquant_quantize_mxfp8", (X_DIMS,), row_dims, col_dims, tail=((),),
                    reduce=((0, ("m", "k")),))
-  extra = {"e5m2": np.dtype(quantizer.dtype) == np.dtype(jnp.float8_e5m2)} if req.raw else {}
+  e5m2 = np.dtype(quantizer.dtype) == np.dtype(jnp.float8_e5m2)  # raw data does not say it
   outs = _call(req, "jaxquant_quantize_mxfp8", results, layout, rowwise=req.rowwise,
-               columnwise=req.columnwise, **extra)
+               columnwise=req.columnwise,
+               gathered=dict(raw=req.raw, raw_e5m2=req.raw and bool(e5m2)))
   row, row_scale, col, col_scale = _split(req, outs, with_scales=True)
   amax = outs.pop(0)
   return _pair(req, quantizer, row, row_scale, amax, col, col_scale, amax)
