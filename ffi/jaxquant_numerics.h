@@ -310,6 +310,21 @@ __device__ __forceinline__ uint32_t encode_fp8x4(float v0, float v1, float v2, f
          (encode_fp8(v3, f) << 24);
 #endif
 }
+
+// encode_fp8x4 of four values none of which is NaN (the caller knows: MXFP8 scales a finite or
+// infinite block by a finite factor, and writes a NaN block's codes itself), without the NaN
+// canonicalization: satfinite gives the same codes for every other input.
+__device__ __forceinline__ uint32_t encode_fp8x4_not_nan(float v0, float v1, float v2, float v3,
+                                                         Fp8 f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const __nv_fp8_interpretation_t kind = f == Fp8::kE4M3 ? __NV_E4M3 : __NV_E5M2;
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v0, v1), __NV_SATFINITE, kind);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v2, v3), __NV_SATFINITE, kind);
+  return lo | (hi << 16);
+#else
+  return encode_fp8x4(v0, v1, v2, v3, f);
+#endif
+}
 #endif
 
 // Exact float32 value of an E4M3 code (XLA's f8e4m3fn -> f32 conversion), without branches
@@ -423,9 +438,12 @@ struct Mxfp8Factors {
   float a, b;
 };
 
+// With k = 127 - min(e, 254) in [-127, 127]: a = 2^max(k, -126) and b = 2^min(k + 126, 0),
+// both normal, so each is its bits (exp2i's subnormal branch never runs): b is 1 except at
+// e = 254 (b = 1/2), where the product a * b = 2^-127 would be the subnormal.
 JQ_HD Mxfp8Factors mxfp8_factors(uint32_t e) {
-  const int k = 127 - static_cast<int>(min_u(e, 254u));
-  return {exp2i(k > -126 ? k : -126), exp2i(k + 126 < 0 ? k + 126 : 0)};
+  const uint32_t ec = min_u(e, 254u);
+  return {pow2_normal(ec == 254u ? -126 : 127 - static_cast<int>(ec)), ec == 254u ? 0.5f : 1.0f};
 }
 
 // scales.nvfp4_global_encode_scale: S_enc.

@@ -98,6 +98,9 @@ __global__ void __launch_bounds__(kThreads, TileMinCtas<P>::value) fp8_block_ker
     }
   }
   if (!ld.column_phase) return;
+  // expert weights: the place of this thread's rows in the columnwise copies (E % 128 == 0, so
+  // the tile's rows are one expert's and a 128-row block's scale index is its chunk's)
+  const ExpertRow er = kExperts ? ExpertRow(t.r0 + 16 * ColumnSlot<G>(0).j, p.expert_rows) : ExpertRow{};
 #pragma unroll
   for (int it = 0; it < G::ITERS; ++it) {
     const Fp8TileColumn<G> chunk(ld.tile, t, it, p.C, p.col_sums);
@@ -109,16 +112,12 @@ __global__ void __launch_bounds__(kThreads, TileMinCtas<P>::value) fp8_block_ker
     if (!p.do_col || chunk.c >= p.C || chunk.rr >= p.R) continue;
     const auto codes4 = [&](const float* v) { return fp8_codes4(v, scale, p.fmt); };
     if constexpr (kExperts) {
-      const int64_t E = p.expert_rows;
       if constexpr (kBlock2d) {
-        if (tid == 0) {
-          p.col_scale[expert_column_index(t.c0 / 128, t.r0, (p.C + 127) / 128, E, 128)] =
-              jq::rcp_f32(scale);
-        }
+        if (tid == 0) p.col_scale[er.index(t.c0 / 128, (p.C + 127) / 128, 128)] = jq::rcp_f32(scale);
       } else if (chunk.slot.j == 0) {
-        p.col_scale[expert_column_index(chunk.c, t.r0, p.C, E, 128)] = jq::rcp_f32(scale);
+        p.col_scale[er.index(chunk.c, p.C, 128)] = jq::rcp_f32(scale);
       }
-      chunk.store(p.col, p.R, p.vec_col, codes4, p.C, E);
+      chunk.store(p.col, p.R, p.vec_col, codes4, p.C, er);
     } else {
       if constexpr (kBlock2d) {
         if (tid == 0) p.col_scale[(t.c0 / 128) * col_nb + t.r0 / 128] = jq::rcp_f32(scale);

@@ -31,9 +31,13 @@ inline Mxfp8Params mxfp8_params(const Mxfp8Args& a, int64_t R, int64_t C, float*
           a.fmt, a.row_data, a.row_scale, a.col_data, a.col_scale, a.amax, col_sums};
 }
 
+// Four codes of a block with exponent e: NaN codes for a NaN block (e = 255), else v * a * b,
+// which is v * a where b = 1 (every e but 254: x * 1 == x, one multiply an element saved) and is
+// never NaN (finite or infinite values times finite factors).
 __device__ __forceinline__ uint32_t mxfp8_codes4(const float* v, jq::Mxfp8Factors f, uint32_t e, jq::Fp8 fmt) {
   if (e == 255) return 0x7F7F7F7Fu;
-  return jq::encode_fp8x4(v[0] * f.a * f.b, v[1] * f.a * f.b, v[2] * f.a * f.b, v[3] * f.a * f.b, fmt);
+  if (f.b == 1.0f) return jq::encode_fp8x4_not_nan(v[0] * f.a, v[1] * f.a, v[2] * f.a, v[3] * f.a, fmt);
+  return jq::encode_fp8x4_not_nan(v[0] * f.a * f.b, v[1] * f.a * f.b, v[2] * f.a * f.b, v[3] * f.a * f.b, fmt);
 }
 
 // kExperts: p.expert_rows > 0 (a separate instance, so the other kernels keep their registers).
@@ -85,6 +89,8 @@ __global__ void __launch_bounds__(kThreads, ProducerMinCtas<P>::value) mxfp8_ker
   }
   if (!ld.column_phase) return;
   __syncthreads();
+  // expert weights: the place of this thread's rows in the columnwise copies, for every iteration
+  const ExpertRow er = kExperts ? ExpertRow(ld.t.r0 + 16 * ColumnSlot<G>(0).j, p.expert_rows) : ExpertRow{};
 #pragma unroll
   for (int it = 0; it < G::ITERS; ++it) {
     const Fp8TileColumn<G> chunk(ld.tile, ld.t, it, p.C, p.col_sums);
@@ -99,16 +105,14 @@ __global__ void __launch_bounds__(kThreads, ProducerMinCtas<P>::value) mxfp8_ker
     const auto raw8 = [&](const uint32_t* q, uint32_t* out) {
       mxfp8_raw_words<2>(q, s, p.fmt == jq::Fp8::kE5M2, out);
     };
-    const int64_t E = kExperts ? p.expert_rows : 0;
     if (active && (chunk.slot.j & 1) == 0) {
-      p.col_scale[kExperts ? expert_column_index(chunk.c, chunk.rr, p.C, E, 32)
-                           : chunk.c * col_nb + chunk.rr / 32] = uint8_t(e);
+      p.col_scale[kExperts ? er.index(chunk.c, p.C, 32) : chunk.c * col_nb + chunk.rr / 32] = uint8_t(e);
     }
     if constexpr (kRaw) {
       chunk.template store_raw<!kExperts>(reinterpret_cast<uint16_t*>(p.col), p.R, p.vec_col,
-                                          codes4, raw8, active, p.C, E);
+                                          codes4, raw8, active, p.C, er);
     } else {
-      chunk.store(p.col, p.R, p.vec_col, codes4, p.C, E);
+      chunk.store(p.col, p.R, p.vec_col, codes4, p.C, er);
     }
   }
 }

@@ -71,6 +71,15 @@ __device__ __forceinline__ void store_bytes16(uint8_t* dst, const uint32_t (&w)[
   }
 }
 
+// One 16-byte global store (st.global.v4): a plain uint4 store of the row phase's raw values
+// compiled to four 4-byte stores (session 21, the SASS of every raw MXFP8 instance), writing
+// partial L2 sectors; the instruction written out keeps it one store (a weak one, as a plain
+// store; __stwb's `.wb` compiles to a strong one).
+__device__ __forceinline__ void store16(void* dst, uint4 v) {
+  asm("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+      : "memory");
+}
+
 // Stores the first n of the 2 * N bfloat16 values in words w (two a word, the first in the low
 // half) at dst; 16-byte stores when all are stored and dst is 16-byte aligned (`vec`).
 template <int N>
@@ -79,7 +88,7 @@ __device__ __forceinline__ void store_bf16_words(uint16_t* dst, const uint32_t (
   if (vec && n == 2 * N) {
 #pragma unroll
     for (int i = 0; i < N / 4; ++i) {
-      reinterpret_cast<uint4*>(dst)[i] = make_uint4(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]);
+      store16(dst + 8 * i, make_uint4(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]));
     }
     return;
   }
@@ -374,17 +383,24 @@ struct Fp8TileLoad {
   }
 };
 
-// Index of (row c, position r) in expert weights' columnwise copy [G, rows, E / per] (E rows an
-// expert; per = positions an element covers: 1 for data, the block for scales; rows = C, or
-// the row blocks for 2-D scales): expert r / E's [rows, E / per] matrix.
-// Positions are below 2^31 (the handlers check), so the division by E is a 32-bit one.
-__device__ __forceinline__ int64_t expert_column_index(int64_t c, int64_t r, int64_t rows,
-                                                       int64_t E, int per) {
-  const uint32_t e32 = uint32_t(E), expert = uint32_t(r) / e32;
-  const uint32_t local = uint32_t(r) - expert * e32;
-  const int64_t len = E / per;
-  return int64_t(expert) * rows * len + c * len + local / uint32_t(per);
-}
+// Where position r of expert weights (E rows an expert) sits in their columnwise copy
+// [G, rows, E / per] (per = positions an element covers: 1 for data, the block for scales;
+// rows = C, or the row blocks for 2-D scales): expert r / E's [rows, E / per] matrix. A
+// column-phase thread keeps its rows for the whole phase (only its column changes), so the
+// kernels find this once, not at every store: the division cost ~35 instructions a store in
+// the expert-weights instances (session 21 SASS). Positions are below 2^31 (the handlers
+// check), so the division is a 32-bit one. E = 0 (the default): not expert weights.
+struct ExpertRow {
+  uint32_t E = 0, expert = 0, local = 0;
+  ExpertRow() = default;
+  __device__ __forceinline__ ExpertRow(int64_t r, int64_t rows_an_expert)
+      : E(uint32_t(rows_an_expert)), expert(uint32_t(r) / E), local(uint32_t(r) - expert * E) {}
+  // Index of (row c, this position) in the copy.
+  __device__ __forceinline__ int64_t index(int64_t c, int64_t rows, int per) const {
+    const int64_t len = E / uint32_t(per);
+    return int64_t(expert) * rows * len + c * len + local / uint32_t(per);
+  }
+};
 
 // Column phase, iteration `it`: this thread's 16-row chunk of its tile column (matrix column c,
 // rows rr .. rr+15) as floats, and its share of the column sums when `col_sums` is not null
@@ -404,16 +420,16 @@ struct Fp8TileColumn {
 
   // Writes the chunk's 16 one-byte codes (`code4(w + 4 * k)` packs four) to the columnwise copy
   // `out` [C, R] (the matrix transposed): row c, columns rr .. rr+15, clipped to R. Expert
-  // weights (`E` > 0 rows an expert, a multiple of 16): `out` is [R / E, C, E], each expert's
-  // copy on its own (`expert_column_index`).
+  // weights (`er.E` > 0 rows an expert, a multiple of 16; `er` the place of rr): `out` is
+  // [R / E, C, E], each expert's copy on its own.
   template <typename Code4>
   __device__ __forceinline__ void store(uint8_t* out, int64_t R, bool vec, Code4 code4,
-                                        int64_t C = 0, int64_t E = 0) const {
+                                        int64_t C = 0, ExpertRow er = {}) const {
     uint32_t q[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) q[k] = code4(w + 4 * k);
-    if (E > 0) {
-      store_bytes16(out + expert_column_index(c, rr, C, E, 1), q, 16, vec);
+    if (er.E > 0) {
+      store_bytes16(out + er.index(c, C, 1), q, 16, vec);
     } else {
       store_bytes16(out + c * R + rr, q, int(min64(16, R - rr)), vec);
     }
@@ -430,7 +446,7 @@ struct Fp8TileColumn {
   // so the kernel pairs tokens' copies only.
   template <bool kPairs, typename Code4, typename Raw8>
   __device__ __forceinline__ void store_raw(uint16_t* out, int64_t R, bool vec, Code4 code4, Raw8 raw8,
-                                            bool active, int64_t C = 0, int64_t E = 0) const {
+                                            bool active, int64_t C = 0, ExpertRow er = {}) const {
     uint32_t q[4], v[8];
 #pragma unroll
     for (int k = 0; k < 4; ++k) q[k] = code4(w + 4 * k);
@@ -443,16 +459,16 @@ struct Fp8TileColumn {
       for (int i = 0; i < 4; ++i) got[i] = __shfl_xor_sync(0xFFFFFFFFu, odd ? v[i] : v[4 + i], 1);
     }
     if (!active) return;
-    uint16_t* dst = E > 0 ? out + expert_column_index(c, rr, C, E, 1) : out + c * R + rr;
+    uint16_t* dst = er.E > 0 ? out + er.index(c, C, 1) : out + c * R + rr;
     if (!kPairs || !vec) {
-      store_bf16_words(dst, v, E > 0 ? 16 : int(min64(16, R - rr)), vec);
+      store_bf16_words(dst, v, er.E > 0 ? 16 : int(min64(16, R - rr)), vec);
       return;
     }
     // Branch-free, so both lanes of a pair issue the same two store instructions.
     const uint4 first = odd ? make_uint4(got[0], got[1], got[2], got[3]) : make_uint4(v[0], v[1], v[2], v[3]);
     const uint4 second = odd ? make_uint4(v[4], v[5], v[6], v[7]) : make_uint4(got[0], got[1], got[2], got[3]);
-    *reinterpret_cast<uint4*>(dst + (odd ? -8 : 0)) = first;
-    *reinterpret_cast<uint4*>(dst + (odd ? 8 : 16)) = second;
+    store16(dst + (odd ? -8 : 0), first);
+    store16(dst + (odd ? 8 : 16), second);
   }
 };
 
