@@ -414,16 +414,15 @@ JQ_HD float fp8_tensor_scale(float s, bool delayed, float fmax, bool pow2_scale,
 }
 
 // scales.e8m0_from_amax: MXFP8 biased block exponent in [0, 255]. `inv_fmax` = float32(1/fmax).
+// With b = |s|'s bits, b + 0x7FFFFF carries into the exponent field exactly when the mantissa is
+// not 0, so (b + 0x7FFFFF) >> 23 is exponent + (mantissa != 0): 0 for 0, 1 for a subnormal, 255
+// for infinity and for finite s above 2^127 (both capped to 254); NaN is 255. `s == 0` also holds for a
+// subnormal s where the host flushes it (the CPU handlers' inherited DAZ): e = 0 there, as XLA:CPU.
 JQ_HD uint32_t e8m0_from_amax(float block_amax, float inv_fmax) {
   const float s = block_amax * inv_fmax;
-  const uint32_t b = bits_of(s);
-  const uint32_t exponent = (b >> 23) & 0xFFu;
-  const uint32_t mantissa = b & 0x7FFFFFu;
-  uint32_t e = min_u(exponent + (mantissa != 0 ? 1u : 0u), 254u);
-  if (s == 0.0f) e = 0;
-  if (is_inf(s)) e = 254;
-  if (is_nan(s)) e = 255;
-  return e;
+  const uint32_t b = bits_of(s) & 0x7FFFFFFFu;
+  const uint32_t e = b > 0x7F800000u ? 255u : min_u((b + 0x7FFFFFu) >> 23, 254u);
+  return s == 0.0f ? 0u : e;
 }
 
 constexpr float kInvFmaxE4M3 = 0x1.24924ap-9f;   // jnp.float32(1 / 448)

@@ -2,8 +2,8 @@
 // Float8Block tile kernels (quantize/fp8_tiles.cuh) on the token layout gathered from x, read
 // through the group offsets instead of from an XLA-gathered bfloat16 copy (issue 23: that copy
 // was a full read and write of x or dy a step). Each tile row is a layout position: its group
-// is found by a search of pstarts (a few cached loads; every pass's search is independent, so
-// they overlap), then the row starts[g] + i of x is loaded, or zeros (padding, no group). The
+// is found by a binary search of pstarts, once a row by one thread into shared memory before
+// the tile's loads, then the row starts[g] + i of x is loaded, or zeros (padding, no group). The
 // math and the outputs are the single-tensor kernel's for that [L, C] matrix, bit for bit. MXFP8
 // may write its copies raw (`raw`: bfloat16 code x block scale, for the grouped GEMMs that
 // read decoded operands), skipping the decode pass those GEMMs would otherwise run.
@@ -23,10 +23,10 @@ namespace {
 
 // The tile kernels' producer for a gathered token layout (quantize/tile.cuh's `Direct` reads x
 // itself): position r holds row starts[g] + (r - pstarts[g]) of x while inside group g. The
-// kernels read it through `tile_reader` (below), which knows the group of the tile's first row.
-// kPacked (row_packed): the rowwise codes of position r go to that source row of the packed copy
-// `[T, C]` instead (none for padding), and positions starts[G] <= r < T also write packed row r
-// as a row of no group (zeros); the columnwise copy keeps the layout.
+// kernels read it through `prepare_tile` / `tile_reader` (below): each tile's source rows are
+// found once. kPacked (row_packed): the rowwise codes of position r go to that source row of
+// the packed copy `[T, C]` instead (none for padding), and positions starts[G] <= r < T also
+// write packed row r as a row of no group (zeros); the columnwise copy keeps the layout.
 template <typename In, bool kPacked = false>
 struct GatheredRows {
   using Out = In;
@@ -37,50 +37,62 @@ struct GatheredRows {
   const int32_t* pstarts;
   int G;
 
-  // Position r's row of x, or -1 past L, in padding and past the groups; g: the group of a
-  // position at or before r (the search for r's goes forward from it).
-  __device__ __forceinline__ int64_t source(int64_t r, int g) const {
+  // Position r's row of x, or -1 past L, in padding and past the groups (rows of x are int32,
+  // as the offsets).
+  __device__ __forceinline__ int32_t source(int64_t r) const {
     if (r >= L) return -1;
-    while (g < G && int64_t(__ldg(pstarts + g + 1)) <= r) ++g;
+    const int g = upper_group(pstarts, G, r);
     if (g >= G) return -1;
     const int64_t local = r - __ldg(pstarts + g);
-    return local < int64_t(__ldg(starts + g + 1)) - __ldg(starts + g) ? __ldg(starts + g) + local : -1;
-  }
-
-  // Position r's row, read as zeros where it has no source row.
-  __device__ __forceinline__ void load8(int64_t r, int g, int64_t c, In* out) const {
-    const int64_t src = source(r, g);
-    jqffi::load8(x, src >= 0 ? T : 0, C, src >= 0 ? src : 0, c, vec, out);  // R = 0: zeros
+    return local < int64_t(__ldg(starts + g + 1)) - __ldg(starts + g) ? int32_t(__ldg(starts + g) + local) : -1;
   }
 };
 
 template <typename In, bool kPacked>
 struct TileMinCtas<GatheredRows<In, kPacked>> : TileMinCtas<Direct<In>> {};
 
-// The reader of one tile's rows (r0 and on): the group of r0 found once by binary search, each
-// row's from there by a forward scan (a tile spans few groups). The search per row took the
-// packed rowwise copies 60% longer than reading x directly (H100, session 9).
+// The source rows of the CTA's tile (position r0 + i at [i]; -1: none), found by one thread a
+// row (prepare_tile) and read by every thread of that row in the load phase and again where
+// the packed rowwise copy is written. Session 21 (Nsight Compute, the 64-expert step's dy):
+// each of a row's 16 threads searching the offsets in both places took ~900 of the kernel's
+// ~3800 instructions a warp.
+__shared__ int32_t tile_sources[FP8Tile<BF16>::TR];
+
+template <typename In, bool kPacked>
+__device__ __forceinline__ void prepare_tile(const GatheredRows<In, kPacked>& rows, int64_t r0) {
+  static_assert(FP8Tile<In>::TR == FP8Tile<BF16>::TR && FP8Tile<In>::TR <= kThreads, "one row a thread");
+  if (threadIdx.x < FP8Tile<In>::TR) tile_sources[threadIdx.x] = rows.source(r0 + threadIdx.x);
+  __syncthreads();
+}
+
+// The reader of one tile's rows (r0 and on), from the table prepare_tile filled.
 template <typename In, bool kPacked>
 struct GatheredTile {
   using Out = In;
-  GatheredRows<In, kPacked> rows;  // a copy: a reference to the kernel's parameter would copy it to local
-  int g0;
+  const In* x;
+  int64_t T, C, r0;
+  bool vec;
+  int64_t zero_from;  // kPacked: the first packed row of no group (starts[G])
+
+  __device__ __forceinline__ int32_t source(int64_t r) const { return tile_sources[r - r0]; }
+
+  // Position r's row, read as zeros where it has no source row.
   __device__ __forceinline__ void load8(int64_t r, int64_t c, In* out) const {
-    rows.load8(r, g0, c, out);
+    const int32_t src = source(r);
+    jqffi::load8(x, src >= 0 ? T : 0, C, src >= 0 ? src : 0, c, vec, out);  // R = 0: zeros
   }
 };
 
 template <typename In, bool kPacked>
 __device__ __forceinline__ GatheredTile<In, kPacked> tile_reader(const GatheredRows<In, kPacked>& rows,
                                                                  int64_t r0) {
-  return {rows, r0 < rows.L ? upper_group(rows.pstarts, rows.G, r0) : rows.G};
+  return {rows.x, rows.T, rows.C, r0, rows.vec, kPacked ? int64_t(__ldg(rows.starts + rows.G)) : 0};
 }
 
 // The packed rowwise copy's rows (quantize/tile.cuh's `row_destination`).
 template <typename In>
 __device__ __forceinline__ RowDestination row_destination(const GatheredTile<In, true>& reader, int64_t r) {
-  const GatheredRows<In, true>& rows = reader.rows;
-  return {rows.source(r, reader.g0), r < rows.T && r >= int64_t(__ldg(rows.starts + rows.G))};
+  return {reader.source(r), r < reader.T && r >= reader.zero_from};
 }
 
 // kRaw: MXFP8 copies written as bfloat16 raw values (`Mxfp8Params::raw`).

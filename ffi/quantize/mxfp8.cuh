@@ -31,13 +31,30 @@ inline Mxfp8Params mxfp8_params(const Mxfp8Args& a, int64_t R, int64_t C, float*
           a.fmt, a.row_data, a.row_scale, a.col_data, a.col_scale, a.amax, col_sums};
 }
 
-// Four codes of a block with exponent e: NaN codes for a NaN block (e = 255), else v * a * b,
-// which is v * a where b = 1 (every e but 254: x * 1 == x, one multiply an element saved) and is
-// never NaN (finite or infinite values times finite factors).
-__device__ __forceinline__ uint32_t mxfp8_codes4(const float* v, jq::Mxfp8Factors f, uint32_t e, jq::Fp8 fmt) {
-  if (e == 255) return 0x7F7F7F7Fu;
-  if (f.b == 1.0f) return jq::encode_fp8x4_not_nan(v[0] * f.a, v[1] * f.a, v[2] * f.a, v[3] * f.a, fmt);
-  return jq::encode_fp8x4_not_nan(v[0] * f.a * f.b, v[1] * f.a * f.b, v[2] * f.a * f.b, v[3] * f.a * f.b, fmt);
+// The codes of N values (a multiple of 4) of one block with exponent e, four a word (the first
+// in the low byte): NaN codes for a NaN block (e = 255), else v * a * b, which is v * a where
+// b = 1 (every e but 254; x * 1 == x) and is never NaN (finite or infinite values times finite
+// factors). One branch a block: a branch a word cost ~20 instructions a row pass (session 21).
+template <int N>
+__device__ __forceinline__ void mxfp8_codes(const float* v, uint32_t e, jq::Fp8 fmt, uint32_t* q) {
+  const jq::Mxfp8Factors f = jq::mxfp8_factors(e);
+  if (e < 254u) {
+#pragma unroll
+    for (int k = 0; k < N / 4; ++k) {
+      const float* w = v + 4 * k;
+      q[k] = jq::encode_fp8x4_not_nan(w[0] * f.a, w[1] * f.a, w[2] * f.a, w[3] * f.a, fmt);
+    }
+  } else if (e == 254u) {
+#pragma unroll
+    for (int k = 0; k < N / 4; ++k) {
+      const float* w = v + 4 * k;
+      q[k] = jq::encode_fp8x4_not_nan(w[0] * f.a * f.b, w[1] * f.a * f.b, w[2] * f.a * f.b,
+                                      w[3] * f.a * f.b, fmt);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < N / 4; ++k) q[k] = 0x7F7F7F7Fu;
+  }
 }
 
 // kExperts: p.expert_rows > 0 (a separate instance, so the other kernels keep their registers).
@@ -64,8 +81,8 @@ __global__ void __launch_bounds__(kThreads, ProducerMinCtas<P>::value) mxfp8_ker
       const RowDestination to = row_destination(reader, r);
       const auto store_row = [&](int64_t row, const float* w, uint32_t bits) {
         const uint32_t e = jq::e8m0_from_amax(__uint_as_float(bits), inv_fmax);
-        const jq::Mxfp8Factors f = jq::mxfp8_factors(e);
-        const uint32_t q[2] = {mxfp8_codes4(w, f, e, p.fmt), mxfp8_codes4(w + 4, f, e, p.fmt)};
+        uint32_t q[2];
+        mxfp8_codes<8>(w, e, p.fmt, q);
         if constexpr (kRaw) {
           uint32_t raw[4];
           mxfp8_raw_words<2>(q, jq::decode_e8m0(e), p.fmt == jq::Fp8::kE5M2, raw);
@@ -99,20 +116,20 @@ __global__ void __launch_bounds__(kThreads, ProducerMinCtas<P>::value) mxfp8_ker
     const bool active = p.do_col && chunk.c < p.C && chunk.rr < p.R;
     if (!kRaw && !active) continue;  // raw copies: every lane stores (store_raw's shuffle)
     const uint32_t e = jq::e8m0_from_amax(__uint_as_float(m), inv_fmax);
-    const jq::Mxfp8Factors f = jq::mxfp8_factors(e);
-    const auto codes4 = [&](const float* v) { return mxfp8_codes4(v, f, e, p.fmt); };
+    uint32_t q[4];
+    mxfp8_codes<16>(chunk.w, e, p.fmt, q);
     const float s = jq::decode_e8m0(e);
-    const auto raw8 = [&](const uint32_t* q, uint32_t* out) {
-      mxfp8_raw_words<2>(q, s, p.fmt == jq::Fp8::kE5M2, out);
+    const auto raw8 = [&](const uint32_t* codes, uint32_t* out) {
+      mxfp8_raw_words<2>(codes, s, p.fmt == jq::Fp8::kE5M2, out);
     };
     if (active && (chunk.slot.j & 1) == 0) {
       p.col_scale[kExperts ? er.index(chunk.c, p.C, 32) : chunk.c * col_nb + chunk.rr / 32] = uint8_t(e);
     }
     if constexpr (kRaw) {
-      chunk.template store_raw<!kExperts>(reinterpret_cast<uint16_t*>(p.col), p.R, p.vec_col,
-                                          codes4, raw8, active, p.C, er);
+      chunk.template store_raw<!kExperts>(reinterpret_cast<uint16_t*>(p.col), p.R, p.vec_col, q,
+                                          raw8, active, p.C, er);
     } else {
-      chunk.store(p.col, p.R, p.vec_col, codes4, p.C, er);
+      chunk.store_codes(p.col, p.R, p.vec_col, q, p.C, er);
     }
   }
 }

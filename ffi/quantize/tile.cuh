@@ -320,8 +320,15 @@ __host__ __device__ __forceinline__ bool keeps_tile(const Params& p) {
   return has_column_phase(p) || rows_from_tile(p);
 }
 
+// Per-tile work a producer does once, by the whole CTA, before any of the tile's rows is read
+// (every thread calls it; an overload found by argument-dependent lookup may fill shared memory
+// and synchronize): nothing, for a producer that reads rows directly.
+template <typename P>
+__device__ __forceinline__ void prepare_tile(const P&, int64_t) {}
+
 // What reads a tile whose first row is r0: the producer itself, unless an overload for its type
-// (found by argument-dependent lookup) gives a reader that does per-tile work once.
+// (found by argument-dependent lookup) gives a reader of what prepare_tile made. Cheap: the
+// kernels call it again where they place their rowwise rows (`row_destination`).
 template <typename P>
 __device__ __forceinline__ const P& tile_reader(const P& prod, int64_t) {
   return prod;
@@ -359,6 +366,7 @@ struct Fp8TileLoad {
       : tile(shared_tile<In>()), column_phase(has_column_phase(p)), keep_tile(keeps_tile(p)),
         t(tile_index(p.C, G::TR, G::TC)),
         lr(threadIdx.x / G::TPR), lc((threadIdx.x % G::TPR) * 8) {
+    prepare_tile(prod, t.r0);
     const auto& reader = tile_reader(prod, t.r0);
 #pragma unroll
     for (int pp = 0; pp < G::NP; ++pp) reader.load8(row(pp), col(), raw[pp]);
@@ -428,6 +436,12 @@ struct Fp8TileColumn {
     uint32_t q[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) q[k] = code4(w + 4 * k);
+    store_codes(out, R, vec, q, C, er);
+  }
+
+  // The same for the chunk's codes already made, four a word (the first in the low byte).
+  __device__ __forceinline__ void store_codes(uint8_t* out, int64_t R, bool vec, const uint32_t (&q)[4],
+                                              int64_t C = 0, ExpertRow er = {}) const {
     if (er.E > 0) {
       store_bytes16(out + er.index(c, C, 1), q, 16, vec);
     } else {
@@ -435,7 +449,7 @@ struct Fp8TileColumn {
     }
   }
 
-  // The same chunk's 16 values as the bfloat16 raw values of their codes (`raw8(q, v)` turns
+  // The same chunk's codes `q` (four a word) as their bfloat16 raw values (`raw8(q, v)` turns
   // two words of codes into four of bfloat16 pairs) at the same positions of a bfloat16 copy.
   // Every lane calls it; `active`: whether this lane's chunk is in the matrix. kPairs, with
   // `vec` (16-byte aligned, R a multiple of 32): the lanes of a 32-row block (chunks j, j ^ 1,
@@ -444,12 +458,10 @@ struct Fp8TileColumn {
   // 32 bytes and every store instruction writes half sectors. Nsight Compute, H200, session
   // 20: the 64-expert step's dy copies 108 -> 84 us with pairs, its expert weights 448 -> 484 us,
   // so the kernel pairs tokens' copies only.
-  template <bool kPairs, typename Code4, typename Raw8>
-  __device__ __forceinline__ void store_raw(uint16_t* out, int64_t R, bool vec, Code4 code4, Raw8 raw8,
-                                            bool active, int64_t C = 0, ExpertRow er = {}) const {
-    uint32_t q[4], v[8];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) q[k] = code4(w + 4 * k);
+  template <bool kPairs, typename Raw8>
+  __device__ __forceinline__ void store_raw(uint16_t* out, int64_t R, bool vec, const uint32_t (&q)[4],
+                                            Raw8 raw8, bool active, int64_t C = 0, ExpertRow er = {}) const {
+    uint32_t v[8];
     raw8(q, v);          // v[0..3]: rows rr .. rr+7
     raw8(q + 2, v + 4);  // v[4..7]: rows rr+8 .. rr+15
     const bool odd = slot.j & 1;
