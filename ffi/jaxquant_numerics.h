@@ -291,29 +291,10 @@ JQ_HD uint32_t encode_fp8(float v, Fp8 f) {
 }
 
 #if defined(__CUDACC__)
-// Four FP8 codes packed little-endian (v0 in the low byte), device fast path: two hardware
-// conversions plus a SIMD canonicalization of NaN codes (satfinite never yields a NaN code for
-// a non-NaN input: E4M3 NaN is x7F, E5M2 NaNs are x7D..x7F).
-__device__ __forceinline__ uint32_t encode_fp8x4(float v0, float v1, float v2, float v3,
-                                                 Fp8 f) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  const __nv_fp8_interpretation_t kind = f == Fp8::kE4M3 ? __NV_E4M3 : __NV_E5M2;
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v0, v1), __NV_SATFINITE, kind);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v2, v3), __NV_SATFINITE, kind);
-  const uint32_t code = lo | (hi << 16);
-  const uint32_t mag = code & 0x7F7F7F7Fu;
-  const uint32_t limit = f == Fp8::kE4M3 ? 0x7E7E7E7Eu : 0x7C7C7C7Cu;
-  const uint32_t nan_mask = __vcmpgtu4(mag, limit);  // 0xFF in each NaN byte
-  return (code & ~nan_mask) | (0x7F7F7F7Fu & nan_mask);
-#else
-  return encode_fp8(v0, f) | (encode_fp8(v1, f) << 8) | (encode_fp8(v2, f) << 16) |
-         (encode_fp8(v3, f) << 24);
-#endif
-}
-
-// encode_fp8x4 of four values none of which is NaN (the caller knows: MXFP8 scales a finite or
-// infinite block by a finite factor, and writes a NaN block's codes itself), without the NaN
-// canonicalization: satfinite gives the same codes for every other input.
+// Four FP8 codes packed little-endian (v0 in the low byte) of four values none of which is NaN
+// (the caller knows, e.g. MXFP8 scales a finite or infinite block by a finite factor and writes
+// a NaN block's codes itself): two hardware conversions; satfinite gives every non-NaN input
+// its code.
 __device__ __forceinline__ uint32_t encode_fp8x4_not_nan(float v0, float v1, float v2, float v3,
                                                          Fp8 f) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
@@ -322,7 +303,24 @@ __device__ __forceinline__ uint32_t encode_fp8x4_not_nan(float v0, float v1, flo
   const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v2, v3), __NV_SATFINITE, kind);
   return lo | (hi << 16);
 #else
-  return encode_fp8x4(v0, v1, v2, v3, f);
+  return encode_fp8(v0, f) | (encode_fp8(v1, f) << 8) | (encode_fp8(v2, f) << 16) |
+         (encode_fp8(v3, f) << 24);
+#endif
+}
+
+// The same for any four values, device fast path: the conversions plus a SIMD canonicalization
+// of NaN codes (satfinite never yields a NaN code for a non-NaN input: E4M3 NaN is x7F, E5M2
+// NaNs are x7D..x7F).
+__device__ __forceinline__ uint32_t encode_fp8x4(float v0, float v1, float v2, float v3,
+                                                 Fp8 f) {
+  const uint32_t code = encode_fp8x4_not_nan(v0, v1, v2, v3, f);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const uint32_t mag = code & 0x7F7F7F7Fu;
+  const uint32_t limit = f == Fp8::kE4M3 ? 0x7E7E7E7Eu : 0x7C7C7C7Cu;
+  const uint32_t nan_mask = __vcmpgtu4(mag, limit);  // 0xFF in each NaN byte
+  return (code & ~nan_mask) | (0x7F7F7F7Fu & nan_mask);
+#else
+  return code;  // encode_fp8 writes NaN's canonical code itself
 #endif
 }
 #endif
