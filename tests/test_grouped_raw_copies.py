@@ -177,6 +177,18 @@ def _raw_and_codes_steps(rng, recipe, monkeypatch, groups=4, tokens=96, k=64, n=
   return raw, codes, report, text, codes_text, (step, args)
 
 
+def _assert_within_one_ulp(u, v):
+  """The bias gradient, which no quantized copy feeds: GroupedDense sums dy a group in float32
+  with XLA's segment_sum, whose scatter-add on a GPU adds in no fixed order (session 21, H200:
+  the float32 sums differed from the first run's in 300 of 300 runs), so two runs of the same
+  step may round a sum that sits at a bfloat16 boundary to neighbouring values (one element
+  of 1536 in a GPU run of this test). Same sign, at most one bfloat16 ulp apart."""
+  assert u.dtype == BF16, u.dtype  # the step's parameters are bfloat16 (_grouped_step)
+  a, b = u.view(np.uint16).astype(np.int32), v.view(np.uint16).astype(np.int32)
+  assert np.array_equal(a >> 15, b >> 15), "the bias gradients differ in sign"
+  assert np.abs(a - b).max() <= 1, f"the bias gradients differ by {np.abs(a - b).max()} ulps"
+
+
 def check_layer(rng, recipe, monkeypatch, **shape):
   raw, codes, report, text, codes_text, (step, args) = _raw_and_codes_steps(
       rng, recipe, monkeypatch, **shape)
@@ -186,10 +198,14 @@ def check_layer(rng, recipe, monkeypatch, **shape):
   assert all(RAW_NOTE not in d.detail for d in others)
   assert decode_kernel.MXFP8_TARGET not in text and decode_kernel.MXFP8_TARGET in codes_text
   assert "raw = true" in text and "raw = true" not in codes_text
-  for u, v in zip(jax.tree_util.tree_leaves(raw), jax.tree_util.tree_leaves(codes)):
+  raw_leaves, _ = jax.tree_util.tree_flatten_with_path(raw)
+  for (path, u), v in zip(raw_leaves, jax.tree_util.tree_leaves(codes)):
     u, v = np.asarray(u), np.asarray(v)
     assert u.dtype == v.dtype
-    np.testing.assert_array_equal(u.view(np.uint8), v.view(np.uint8))
+    if "bias" in jax.tree_util.keystr(path):
+      _assert_within_one_ulp(u, v)
+    else:
+      np.testing.assert_array_equal(u.view(np.uint8), v.view(np.uint8))
   ref = tgf._on("reference", step, *args)
   for u, v in zip(jax.tree_util.tree_leaves(raw), jax.tree_util.tree_leaves(ref)):
     tgf._assert_close(np.asarray(u, np.float32), np.asarray(v, np.float32), 2.0**-7)
