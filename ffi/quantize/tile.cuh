@@ -456,8 +456,9 @@ struct Fp8TileColumn {
   // neighbours) swap a half (a shuffle) so that each of the pair's two 16-byte stores writes 32
   // contiguous bytes with its partner's, whole L2 sectors; without it each lane stores its own
   // 32 bytes and every store instruction writes half sectors. Nsight Compute, H200, session
-  // 20: the 64-expert step's dy copies 108 -> 84 us with pairs, its expert weights 448 -> 484 us,
-  // so the kernel pairs tokens' copies only.
+  // 20: the 64-expert step's dy copies 108 -> 84 us with pairs, its expert weights 448 -> 484 us
+  // (session 21, with fewer instructions a chunk: 371 -> 401 us), so the kernel pairs tokens'
+  // copies only.
   template <bool kPairs, typename Raw8>
   __device__ __forceinline__ void store_raw(uint16_t* out, int64_t R, bool vec, const uint32_t (&q)[4],
                                             Raw8 raw8, bool active, int64_t C = 0, ExpertRow er = {}) const {
