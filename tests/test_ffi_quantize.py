@@ -233,6 +233,39 @@ def test_quantize_special_values_match_reference(platform, dtype, name, rng, prn
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp8_e5m2"])
+def test_mxfp8_block_exponents_at_their_edges_match_reference(platform, rng, name):
+  """E8M0 exponents where the kernels' one-carry formula and their codes' branches turn
+  (docs/design.md decision 48): 32 x 32 tiles whose diagonal holds each tile's block maximum,
+  so every 32-wide row block and 32-tall column block of the tile has it as its amax, the rest
+  random and smaller. The maxima: fmax x 2^k and one float32 ulp either side (amax / fmax with
+  a zero mantissa or not), a subnormal amax / fmax, zero, the largest float32, infinity (e = 254,
+  the two-factor scale) and NaN (e = 255, all-NaN codes). float32 input, both directions."""
+  q = CONFIGS[name]
+  fmax = float(jnp.finfo(q.dtype).max)
+  maxima = [np.float32(fmax * 2.0**k) * np.float32(1.0 + d) for k in (-20, 0, 10)
+            for d in (-2.0**-23, 0.0, 2.0**-23)]
+  maxima += [1e-39, 0.0, np.finfo(np.float32).max, np.inf, np.nan]
+  tiles = []
+  for top in np.asarray(maxima, np.float32):
+    finite_scale = top if np.isfinite(top) else 1.0
+    tile = (rng.uniform(-1.0, 1.0, (32, 32)) * 0.9 * finite_scale).astype(np.float32)
+    np.fill_diagonal(tile, top * rng.choice([-1.0, 1.0], 32).astype(np.float32))
+    tiles.append(tile)
+  x = np.concatenate(tiles, axis=1)
+  device = _device(platform)
+  with jax.default_device(device):
+    ref, got = _both(jax.device_put(x, device), None, None, None, quantizer=q, rowwise=True,
+                     columnwise=True)
+  assert_bitwise(ref, got, f"{name} block-exponent edges on {platform}")
+  rowwise, columnwise = ref
+  for scales in (np.asarray(rowwise.scale_inv).view(np.uint8).reshape(32, -1),
+                 np.asarray(columnwise.scale_inv).view(np.uint8).reshape(-1, 32).T):
+    assert scales[0, -2] == 254 and scales[0, -1] == 255 and scales[0, -4] == 0  # inf NaN zero
+    assert scales[0, -5] in (0, 1)  # subnormal amax / fmax: 1 in IEEE, 0 where it is flushed
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
 def test_stochastic_rounding_depends_on_key_words(platform, rng, prng_key):
   q = CONFIGS["nvfp4_sr"]
   device = _device(platform)
