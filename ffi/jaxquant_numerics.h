@@ -414,8 +414,9 @@ JQ_HD float fp8_tensor_scale(float s, bool delayed, float fmax, bool pow2_scale,
 // scales.e8m0_from_amax: MXFP8 biased block exponent in [0, 255]. `inv_fmax` = float32(1/fmax).
 // With b = |s|'s bits, b + 0x7FFFFF carries into the exponent field exactly when the mantissa is
 // not 0, so (b + 0x7FFFFF) >> 23 is exponent + (mantissa != 0): 0 for 0, 1 for a subnormal, 255
-// for infinity and for finite s above 2^127 (both capped to 254); NaN is 255. `s == 0` also holds for a
-// subnormal s where the host flushes it (the CPU handlers' inherited DAZ): e = 0 there, as XLA:CPU.
+// for infinity and for finite s above 2^127 (both capped to 254); NaN is 255. `s == 0` also
+// holds for a subnormal s where the host flushes it (the CPU handlers' inherited DAZ): e = 0
+// there, as XLA:CPU.
 JQ_HD uint32_t e8m0_from_amax(float block_amax, float inv_fmax) {
   const float s = block_amax * inv_fmax;
   const uint32_t b = bits_of(s) & 0x7FFFFFFFu;
