@@ -46,6 +46,7 @@ import math
 import os
 import sys
 import time
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -114,10 +115,11 @@ def _wgrad_by_padding(on: bool):
     sm90_configs.WGRAD_BY_PADDING = saved
 
 
-def _raw_copies(on: bool):
-  """MXFP8 copies written raw (decision 47; True: as users run) or decoded from their codes
-  (`JAXQUANT_GROUPED_RAW_COPIES=off`) while a step is traced."""
-  return _env(support.RAW_COPIES_ENV, None if on else "off")
+def _raw_copies(choice: Optional[str]):
+  """`JAXQUANT_GROUPED_RAW_COPIES=choice` while a step is traced (None: as users run, MXFP8
+  copies raw with the experts' forward copy in their own layout, decisions 47 and 49;
+  "transposed": raw, every columnwise copy transposed; "off": codes decoded apart)."""
+  return _env(support.RAW_COPIES_ENV, choice)
 
 
 def step_fn(model):
@@ -160,12 +162,13 @@ def run_case(experts: int, spec, args, card: str, torch_result=None) -> list[dic
       if not name.startswith(RAGGED_DOT):
         models[f"{name} [wgrad tiles as before]"] = model
         unpadded.add(f"{name} [wgrad tiles as before]")
-  coded = set()  # rows traced with MXFP8 copies as codes, decoded apart (--compare-raw-copies)
-  if args.compare_raw_copies:
+  raw_choice = {}  # rows traced with another JAXQUANT_GROUPED_RAW_COPIES (--compare-raw-copies)
+  for flag, choice, label in ((args.compare_raw_copies, "off", "codes decoded"),
+                              (args.compare_along_n, "transposed", "forward copy transposed")):
     for name, model in list(models.items()):
-      if getattr(model, "recipe", None) is not None:
-        models[f"{name} [codes decoded]"] = model
-        coded.add(f"{name} [codes decoded]")
+      if flag and getattr(model, "recipe", None) is not None and "[" not in name:
+        models[f"{name} [{label}]"] = model
+        raw_choice[f"{name} [{label}]"] = choice
   flops = 3 * 2 * t * k * n
   rows, base = [], None
   timing = dict(repeats=args.repeats, calls=args.calls, warmup=args.warmup)
@@ -184,7 +187,7 @@ def run_case(experts: int, spec, args, card: str, torch_result=None) -> list[dic
       variables = {**variables, jq.flax.OVERWRITE_WITH_GRADIENT: state}
     paths = why = qpaths = ""
     backend = _backend("reference" if name.startswith(RAGGED_DOT) else None)
-    with backend, _wgrad_by_padding(name not in unpadded), _raw_copies(name not in coded):
+    with backend, _wgrad_by_padding(name not in unpadded), _raw_copies(raw_choice.get(name)):
       report = jq.explain(step, variables, x, sizes, dy, key)
       gemms = [d for d in report if d.op == "grouped_gemm"]
       paths = ",".join(sorted({d.path + ("-cutlass" if "CUTLASS" in d.detail else "")
@@ -592,6 +595,10 @@ def main(argv=None) -> int:
   parser.add_argument("--compare-raw-copies", action="store_true",
                       help="also time every recipe's step with its MXFP8 copies written as codes "
                       "and decoded apart (JAXQUANT_GROUPED_RAW_COPIES=off), same process")
+  parser.add_argument("--compare-along-n", action="store_true",
+                      help="also time every recipe's step with its experts' raw MXFP8 forward copy "
+                      "transposed, as before design decision 49 "
+                      "(JAXQUANT_GROUPED_RAW_COPIES=transposed), same process")
   parser.add_argument("--no-torch", action="store_true",
                       help="skip the PyTorch torch._grouped_mm bf16 row")
   parser.add_argument("--no-float32-params", action="store_true",

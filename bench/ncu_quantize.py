@@ -76,6 +76,11 @@ def cases(groups: int, tokens: int, k: int, n: int):
          lambda w: jg.quantize_experts(w, jq.MXFP8Quantizer()), (w,))
   yield ("mxfp8 decoded=True: expert weights, both copies",
          lambda w: jg.quantize_experts(w, jq.MXFP8Quantizer(), decoded=True), (w,))
+  # GroupedDense's forward copy in the weights' own layout (design decision 49: whole-row
+  # stores of both copies, mxfp8_x_layout_kernel)
+  yield ("mxfp8 decoded=True, columnwise along N: expert weights, both copies",
+         lambda w: jg.quantize_experts(w, jq.MXFP8Quantizer(), decoded=True,
+                                       columnwise_along_n=True), (w,))
 
 
 def main(argv=None) -> int:

@@ -94,10 +94,31 @@ def check_token_copies(rng, name, tokens, cols, dtype, nan=False):
       assert float(c.amax) == float(r.amax) or (nan and np.isnan(float(r.amax)))
 
 
-def check_expert_copies(rng, name, groups, rows, cols, dtype):
+def _edge_weights(rng, groups, rows, cols, dtype):
+  """Random weights whose 32-blocks (both directions) meet the block exponent's edges: a NaN
+  (e = 255), infinities (e = 254, two factors), all zeros (e = 0), and float32 subnormals."""
+  w = np.array(_tokens(rng, groups * rows, cols, jnp.float32), np.float32)
+  w[3, 5] = np.nan
+  w[40, 9], w[70, 33] = np.inf, -np.inf
+  w[96:128, 0:32] = 0.0
+  if dtype == jnp.float32:
+    w[128:160, 32:40] *= np.float32(2.0**-140)
+  return jnp.asarray(w, dtype)
+
+
+def check_expert_copies(rng, name, groups, rows, cols, dtype, kind="binades"):
   """Expert weights read as they are: both copies from one launch (the columnwise copy
-  `[G, cols, rows]`), either alone."""
-  w = _tokens(rng, groups * rows, cols, dtype)
+  `[G, cols, rows]`), either alone. `kind`: "binades" (rows 2^-20 .. 2^20 apart: most column
+  blocks hold values below their normal FP8 range, mxfp8_x_layout_kernel's general path),
+  "normal" (standard normal weights with 1% zeros, as initialized ones: its rounding path),
+  "edges"."""
+  if kind == "edges":
+    w = _edge_weights(rng, groups, rows, cols, dtype)
+  elif kind == "normal":  # with ~1% exact zeros, as a bfloat16 initializer draws them
+    w = oracle.random_matrix(rng, (groups * rows, cols))
+    w = jnp.asarray(np.where(rng.random(w.shape) < 0.01, 0.0, w), dtype)
+  else:
+    w = _tokens(rng, groups * rows, cols, dtype)
   starts = jnp.arange(groups + 1, dtype=jnp.int32) * rows
   for rowwise, columnwise in ((True, True), (False, True), (True, False)):
     fn = lambda w, raw: single.quantize_gathered(
@@ -107,6 +128,36 @@ def check_expert_copies(rng, name, groups, rows, cols, dtype):
     for c, r in zip(codes, raw):
       if c is not None:
         _assert_raw_is_the_decode(c, r)
+    if columnwise and dtype == jnp.bfloat16:
+      check_expert_copies_in_x_layout(w, starts, name, groups, rows, cols, rowwise, raw)
+    elif columnwise:  # the kernel rounds bfloat16 bits
+      with pytest.raises(ValueError, match="col_in_x_layout: needs raw copies of bfloat16"):
+        single.quantize_gathered(w, starts, starts, groups * rows, PAYLOADS[name],
+                                 rowwise=rowwise, columnwise=True, orig_dtype=np.dtype(w.dtype),
+                                 expert_rows=rows, raw=True, col_in_x_layout=True)
+
+
+def check_expert_copies_in_x_layout(w, starts, name, groups, rows, cols, rowwise, raw):
+  """`col_in_x_layout` (design decision 49): the same raw copies, the columnwise one (data
+  `[G, rows, cols]`, scales `[G, rows / 32, cols]`) each expert's `[cols, rows]` copy
+  transposed, bit for bit; the rowwise copy and the amax unchanged."""
+  fn = lambda w: single.quantize_gathered(
+      w, starts, starts, groups * rows, PAYLOADS[name], rowwise=rowwise, columnwise=True,
+      orig_dtype=np.dtype(w.dtype), expert_rows=rows, raw=True, col_in_x_layout=True)
+  row, col = jax.jit(fn)(w)
+  assert col.data.shape == (groups, rows, cols) and col.data.dtype == BF16
+  assert col.scale_inv.shape == (groups, rows // 32, cols)
+  swap = lambda a: np.swapaxes(np.asarray(a), 1, 2)
+  np.testing.assert_array_equal(np.asarray(col.data).view(np.uint16),
+                                swap(raw[1].data).view(np.uint16))
+  np.testing.assert_array_equal(np.asarray(col.scale_inv).view(np.uint8),
+                                swap(raw[1].scale_inv).view(np.uint8))
+  np.testing.assert_array_equal(np.asarray(col.amax), np.asarray(raw[1].amax))  # NaN == NaN
+  if rowwise:
+    np.testing.assert_array_equal(np.asarray(row.data).view(np.uint16),
+                                  np.asarray(raw[0].data).view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(row.scale_inv).view(np.uint8),
+                                  np.asarray(raw[0].scale_inv).view(np.uint8))
 
 
 # --------------------------------------- the handlers -----------------------------------------
@@ -121,7 +172,15 @@ def test_cpu_raw_token_copies_are_the_decode_of_the_codes(rng, name, cols, dtype
 @needs_target
 @pytest.mark.parametrize("name", sorted(PAYLOADS))
 def test_cpu_raw_expert_copies_are_the_decode_of_the_codes(rng, name):
-  check_expert_copies(rng, name, 3, 64, 40, jnp.float32)
+  for dtype in (jnp.float32, jnp.bfloat16):
+    for kind in ("binades", "normal"):
+      check_expert_copies(rng, name, 3, 64, 40, dtype, kind)
+
+
+@needs_target
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_cpu_raw_expert_copies_at_the_block_exponents_edges(rng, dtype):
+  check_expert_copies(rng, "e4m3", 3, 64, 48, dtype, "edges")
 
 
 @needs_target
@@ -132,7 +191,7 @@ def test_the_handler_names_a_bad_raw_argument(rng):
              jax.ShapeDtypeStruct((64, 1), jnp.float8_e8m0fnu),
              jax.ShapeDtypeStruct((), jnp.float32)]
   common = dict(rowwise=True, columnwise=False, length=np.int64(64), expert_rows=np.int64(0),
-                row_packed=False)
+                row_packed=False, col_in_x_layout=False)
   with pytest.raises(Exception, match="raw_e5m2 is true without raw"):
     jax.jit(lambda x: calls.call(TARGET, results, x, starts, starts, raw=False, raw_e5m2=True,
                                  **common))(x)
@@ -140,6 +199,15 @@ def test_the_handler_names_a_bad_raw_argument(rng):
                                       "float8_e5m2"):
     jax.jit(lambda x: calls.call(TARGET, results, x, starts, starts, raw=False, raw_e5m2=False,
                                  **common))(x)  # bfloat16 data without raw
+  common.update(col_in_x_layout=True)
+  with pytest.raises(Exception, match="col_in_x_layout needs raw copies of bfloat16 expert "
+                                      "weights with a columnwise copy"):
+    jax.jit(lambda x: calls.call(TARGET, results, x, starts, starts, raw=True, raw_e5m2=False,
+                                 **common))(x)  # tokens, rowwise only
+  with pytest.raises(ValueError, match="col_in_x_layout: needs raw copies of bfloat16 expert"):
+    single.quantize_gathered(x, starts, starts, 64, jq.MXFP8Quantizer(), rowwise=True,
+                             columnwise=True, orig_dtype=np.dtype(jnp.bfloat16), raw=True,
+                             col_in_x_layout=True)  # expert_rows = 0: tokens
 
 
 def test_only_mxfp8_copies_are_written_raw(rng):
@@ -160,10 +228,11 @@ RECIPES = {
 }
 
 
-def _raw_and_codes_steps(rng, recipe, monkeypatch, groups=4, tokens=96, k=64, n=64):
+def _raw_and_codes_steps(rng, recipe, monkeypatch, groups=4, tokens=96, k=64, n=64,
+                         use_bias=True):
   """The GroupedDense step with raw copies and with the codes decoded, its explain report and
   its lowered program."""
-  step, args = tgf._grouped_step(RECIPES[recipe](), groups, tokens, k, n, rng)
+  step, args = tgf._grouped_step(RECIPES[recipe](), groups, tokens, k, n, rng, use_bias=use_bias)
   monkeypatch.delenv("JAXQUANT_BACKEND", raising=False)
   monkeypatch.delenv(support.RAW_COPIES_ENV, raising=False)
   report = jq.explain(step, *args)
@@ -189,11 +258,24 @@ def _assert_within_one_ulp(u, v):
   assert np.abs(a - b).max() <= 1, f"the bias gradients differ by {np.abs(a - b).max()} ulps"
 
 
-def check_layer(rng, recipe, monkeypatch, **shape):
+ALONG_N_NOTE = "in the weights' own layout, read along N"
+
+
+def check_layer(rng, recipe, monkeypatch, use_bias=True, **shape):
+  """Raw copies against decoded codes, bit for bit. Without a bias, MXFP8's forward copy of the
+  weights is written in their own layout and read along N (design decision 49): the codes step
+  reads its transposed copy, so the forward GEMMs differ in layout, not in values."""
   raw, codes, report, text, codes_text, (step, args) = _raw_and_codes_steps(
-      rng, recipe, monkeypatch, **shape)
+      rng, recipe, monkeypatch, use_bias=use_bias, **shape)
   mxfp8 = [d for d in report if d.op == "grouped_quantize" and "MXFP8" in d.detail]
   assert mxfp8 and all(RAW_NOTE in d.detail for d in mxfp8), "\n".join(map(str, report))
+  along_n = [d for d in report if ALONG_N_NOTE in d.detail]
+  if recipe == "MXFP8BlockScaling" and not use_bias:
+    assert len(along_n) == 1 and along_n[0].detail.startswith("columnwise"), along_n
+    fprop = [d for d in report if d.op == "grouped_gemm" and "fprop" in str(d)]
+    assert len(fprop) == 1 and "b read along N from its [G, K, N] copy" in fprop[0].detail
+  else:  # a bias needs the K-major instances' float32 output; the hybrid's forward is NVFP4
+    assert not along_n, along_n
   others = [d for d in report if d.op == "grouped_quantize" and "MXFP8" not in d.detail]
   assert all(RAW_NOTE not in d.detail for d in others)
   assert decode_kernel.MXFP8_TARGET not in text and decode_kernel.MXFP8_TARGET in codes_text
@@ -212,10 +294,12 @@ def check_layer(rng, recipe, monkeypatch, **shape):
 
 
 @needs_target
+@pytest.mark.parametrize("use_bias", [True, False])
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_grouped_dense_with_raw_copies_is_bit_for_bit_the_decoded_step(bf16_device, rng,
-                                                                       monkeypatch, recipe):
-  check_layer(rng, recipe, monkeypatch)
+                                                                       monkeypatch, recipe,
+                                                                       use_bias):
+  check_layer(rng, recipe, monkeypatch, use_bias)
 
 
 @needs_target
@@ -228,6 +312,13 @@ def test_raw_copies_need_the_decoded_route_and_say_why_not(bf16_device, rng, mon
   monkeypatch.setenv(decoded.KERNEL_ENV, "mma_sync")
   assert support.raw_copies_reason(leaf) == f"{decoded.KERNEL_ENV}=mma_sync: the GEMMs read codes"
   monkeypatch.delenv(decoded.KERNEL_ENV)
+  shape, bf16 = (4, 64, 64), jnp.bfloat16
+  assert support.experts_along_n(leaf, shape, True, bf16)
+  assert not support.experts_along_n(leaf, shape, False, bf16)  # copies not for decoded GEMMs
+  assert not support.experts_along_n(leaf, shape, True, jnp.float32)  # float32 weights
+  monkeypatch.setenv(support.RAW_COPIES_ENV, "transposed")  # raw, as before decision 49
+  assert support.raw_copies_reason(leaf) is None and not support.experts_along_n(leaf, shape, True,
+                                                                                 bf16)
   monkeypatch.setenv(support.RAW_COPIES_ENV, "bogus")
   with pytest.raises(ValueError, match="JAXQUANT_GROUPED_RAW_COPIES='bogus'"):
     support.raw_copies_reason(leaf)
@@ -251,15 +342,21 @@ def test_raw_copies_need_the_decoded_route_and_say_why_not(bf16_device, rng, mon
 @pytest.mark.parametrize("name", sorted(PAYLOADS))
 def test_gpu_raw_copies_are_the_decode_of_the_codes(on_kernel, rng, name):
   """Token copies (aligned and not: 16-byte stores and element stores, a NaN block) and expert
-  weights of 8 experts of 256 x 1408 (more than one wave of tiles)."""
+  weights of 8 experts of 256 x 1408 (more than one wave of tiles), of wide and of normal
+  ranges, and at the block exponents' edges."""
   for cols, dtype in ((96, jnp.bfloat16), (72, jnp.float32), (44, jnp.float16)):
     check_token_copies(rng, name, 1500, cols, dtype, nan=cols == 72)
-  check_expert_copies(rng, name, 8, 256, 1408, jnp.bfloat16)
-  check_expert_copies(rng, name, 3, 64, 40, jnp.float32)
+  for kind in ("binades", "normal"):
+    check_expert_copies(rng, name, 8, 256, 1408, jnp.bfloat16, kind)
+    for dtype in (jnp.float32, jnp.bfloat16):  # 40 columns: element stores, partial tiles
+      check_expert_copies(rng, name, 3, 64, 40, dtype, kind)
+  for dtype in (jnp.bfloat16, jnp.float32):  # mxfp8_x_layout_kernel's exponent edges
+    check_expert_copies(rng, name, 3, 64, 48, dtype, "edges")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("use_bias", [True, False])
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_gpu_grouped_dense_with_raw_copies_is_bit_for_bit_the_decoded_step(
-    on_kernel, rng, monkeypatch, recipe):
-  check_layer(rng, recipe, monkeypatch, groups=8, tokens=1024, k=256, n=192)
+    on_kernel, rng, monkeypatch, recipe, use_bias):
+  check_layer(rng, recipe, monkeypatch, use_bias, groups=8, tokens=1024, k=256, n=192)

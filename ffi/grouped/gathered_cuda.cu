@@ -10,6 +10,7 @@
 // Group offsets stay on the device (no host sync, no allocation: command-buffer compatible).
 #include <cuda_runtime.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "cuda_handler.h"
@@ -17,6 +18,7 @@
 #include "grouped/grouped_args.h"
 #include "grouped/handlers.h"
 #include "quantize/fp8_tiles.cuh"
+#include "quantize/mxfp8_x_layout.cuh"
 
 namespace jqffi {
 namespace {
@@ -95,6 +97,10 @@ __device__ __forceinline__ RowDestination row_destination(const GatheredTile<In,
   return {reader.source(r), r < reader.T && r >= reader.zero_from};
 }
 
+// Whether a launch writes MXFP8 raw expert weights' columnwise copy in their own layout.
+inline bool in_x_layout(const Mxfp8Params& p) { return p.col_in_x_layout; }
+inline bool in_x_layout(const Fp8BlockParams&) { return false; }
+
 // kRaw: MXFP8 copies written as bfloat16 raw values (`Mxfp8Params::raw`).
 template <bool kRaw, typename Args, typename Params>
 ffi::Error quantize_gathered(const char* target, cudaStream_t stream, const Args& a,
@@ -106,6 +112,12 @@ ffi::Error quantize_gathered(const char* target, cudaStream_t stream, const Args
     const bool vec = aligned(a.x.data, 16) && rows.C % 8 == 0;
     if (p.expert_rows) {  // position r is row r: read x directly, not through the offsets
       const Direct<T> w{static_cast<const T*>(a.x.data), rows.T, rows.C, vec};
+      if constexpr (kRaw && std::is_same_v<Params, Mxfp8Params> && std::is_same_v<T, BF16>) {
+        if (in_x_layout(p)) {  // bfloat16 only (the handler checks)
+          e = launch_tiles(mxfp8_x_layout_kernel<Direct<T>>, num_tiles(p.R, p.C, 128, 128), 0, stream, p, w);
+          return;
+        }
+      }
       e = launch_fp8_tiles<true, kRaw>(stream, p, w);
     } else if (rows.row_packed) {
       const GatheredRows<T, true> x{static_cast<const T*>(a.x.data), rows.T, rows.C, rows.L, vec,
@@ -123,14 +135,20 @@ ffi::Error quantize_gathered(const char* target, cudaStream_t stream, const Args
 ffi::Error GroupedQuantizeMxfp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer starts,
                                     ffi::AnyBuffer pstarts, ffi::RemainingRets rets, bool rowwise,
                                     bool columnwise, int64_t length, int64_t expert_rows,
-                                    bool row_packed, bool raw, bool raw_e5m2) {
+                                    bool row_packed, bool raw, bool raw_e5m2,
+                                    bool col_in_x_layout) {
   const char* t = "jaxquant_grouped_quantize_mxfp8";
   Mxfp8Args a;
   GroupedRows rows;
   JQ_RETURN_IF_ERROR(decode_gathered_mxfp8(x, starts, pstarts, rets, rowwise, columnwise, length,
-                                           expert_rows, row_packed, raw, raw_e5m2, &a, &rows));
+                                           expert_rows, row_packed, raw, raw_e5m2,
+                                           col_in_x_layout, &a, &rows));
   Mxfp8Params p = mxfp8_params(a, a.x.rows, a.x.cols);
   p.expert_rows = rows.expert_rows;
+  if (col_in_x_layout) {  // mxfp8_x_layout_kernel: whole-row stores of the columnwise copy too
+    p.col_in_x_layout = true;
+    p.vec_col = aligned(a.col_data, 16) && aligned(a.col_scale, 8) && a.x.cols % 8 == 0;
+  }
   return raw ? quantize_gathered<true>(t, stream, a, rows, p)
              : quantize_gathered<false>(t, stream, a, rows, p);
 }

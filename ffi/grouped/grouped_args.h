@@ -456,7 +456,11 @@ inline ffi::Error decode_grouped_gemm_bf16(const char* t, ffi::AnyBuffer a, ffi:
 // rowwise copy as for tokens (`[L, C]`, which is `[G, E, C]`), and the columnwise copy with each
 // expert's written on its own, `[G, C, E]` data and scales `[G, C, E / block]` (Float8Block
 // 128x128: `[G, ceil(C / 128), E / 128]`), then the amax. E must be a multiple of the format's
-// block (`e_block`).
+// block (`e_block`). MXFP8 raw copies with `col_in_x_layout`: the columnwise copy in the
+// weights' own layout, `[G, E, C]` data and scales `[G, E / 32, C]`.
+inline bool col_in_x_layout(const Mxfp8Args& a) { return a.col_in_x_layout; }
+inline bool col_in_x_layout(const Fp8BlockArgs&) { return false; }
+
 template <typename Args, typename Scale>
 ffi::Error read_expert_copies(const char* t, ffi::RemainingRets rets, int64_t G, int64_t E,
                               ffi::DataType scale_type, int64_t row_block_rows,
@@ -471,10 +475,12 @@ ffi::Error read_expert_copies(const char* t, ffi::RemainingRets rets, int64_t G,
   }
   if (a->columnwise) {
     void* p;
-    JQ_RETURN_IF_ERROR(r.next("columnwise data", data_types(*a), {G, C, E}, &p, &col_type));
+    const bool x_layout = col_in_x_layout(*a);  // [G, E, C], scales [G, E / block, C]
+    JQ_RETURN_IF_ERROR(r.next("columnwise data", data_types(*a),
+                              {G, x_layout ? E : C, x_layout ? C : E}, &p, &col_type));
     a->col_data = static_cast<uint8_t*>(p);
-    JQ_RETURN_IF_ERROR(
-        r.next("columnwise scale_inv", {scale_type}, {G, col_scale_rows, E / block}, &p));
+    JQ_RETURN_IF_ERROR(r.next("columnwise scale_inv", {scale_type},
+                              {G, x_layout ? E / block : col_scale_rows, x_layout ? C : E / block}, &p));
     *col_scale = static_cast<Scale*>(p);
   }
   JQ_RETURN_IF_ERROR(read_payload_format(t, a, row_type, col_type));
@@ -538,20 +544,31 @@ ffi::Error decode_gathered(const char* t, ffi::AnyBuffer x, ffi::AnyBuffer start
 // `raw`: the data results are bfloat16 raw values (code x block scale, the bits
 // jaxquant_grouped_decode_mxfp8 gives the codes) of payload format E5M2 when `raw_e5m2`, else
 // E4M3; the scales and amax as always. Without `raw`, `raw_e5m2` must be false (the data
-// dtypes give the format).
+// dtypes give the format). `col_in_x_layout` (raw expert weights' columnwise copy only): that
+// copy in the weights' own layout (read_expert_copies), for GEMMs that read it along N.
 inline ffi::Error decode_gathered_mxfp8(ffi::AnyBuffer x, ffi::AnyBuffer starts,
                                         ffi::AnyBuffer pstarts, ffi::RemainingRets rets,
                                         bool rowwise, bool columnwise, int64_t length,
                                         int64_t expert_rows, bool row_packed, bool raw,
-                                        bool raw_e5m2, Mxfp8Args* a, GroupedRows* rows) {
+                                        bool raw_e5m2, bool col_in_x_layout, Mxfp8Args* a,
+                                        GroupedRows* rows) {
   const char* t = "jaxquant_grouped_quantize_mxfp8";
   if (raw_e5m2 && !raw) {
     return invalid(t, "raw_e5m2 is true without raw; the codes' dtype gives their format");
+  }
+  if (col_in_x_layout && (!raw || !columnwise || expert_rows <= 0 ||
+                          x.element_type() != ffi::DataType::BF16)) {
+    return invalid(t, "col_in_x_layout needs raw copies of bfloat16 expert weights with a "
+                      "columnwise copy (raw, columnwise true, expert_rows > 0, x bfloat16); got "
+                      "raw=" + std::to_string(raw) + ", columnwise=" + std::to_string(columnwise) +
+                      ", expert_rows=" + std::to_string(expert_rows) + ", x " +
+                      dtype_name(x.element_type()));
   }
   return decode_gathered(t, x, starts, pstarts, rets, length, expert_rows, row_packed, 32, a,
                          rows,
                          [&](Mxfp8Args* m) {
     m->raw = raw;
+    m->col_in_x_layout = col_in_x_layout;
     if (raw) m->fmt = raw_e5m2 ? jq::Fp8::kE5M2 : jq::Fp8::kE4M3;
     return set_directions(t, rowwise, columnwise, m);
   });
@@ -660,7 +677,7 @@ template <typename Binding>
 auto BindGroupedQuantizeMxfp8(Binding binding) {
   return Attrs<bool>(Attrs<int64_t>(Mxfp8Attrs(Args<3>(std::move(binding)).RemainingRets()),
                                     "length", "expert_rows"),
-                     "row_packed", "raw", "raw_e5m2");
+                     "row_packed", "raw", "raw_e5m2", "col_in_x_layout");
 }
 
 template <typename Binding>

@@ -416,14 +416,25 @@ void mxfp8_raw_matrix(const uint8_t* codes, const uint8_t* scale, int64_t rows, 
   }
 }
 
+// out[b, c, r] = in[b, r, c] for in [B, R, C].
+template <typename T>
+void transpose_batches(const T* in, int64_t B, int64_t R, int64_t C, T* out) {
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t c = 0; c < C; ++c) out[(b * C + c) * R + r] = in[(b * R + r) * C + c];
+    }
+  }
+}
+
 ffi::Error GroupedQuantizeMxfp8Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::AnyBuffer pstarts,
                                    ffi::RemainingRets rets, bool rowwise, bool columnwise,
                                    int64_t length, int64_t expert_rows, bool row_packed, bool raw,
-                                   bool raw_e5m2) {
+                                   bool raw_e5m2, bool col_in_x_layout) {
   Mxfp8Args a;
   GroupedRows rows;
   JQ_RETURN_IF_ERROR(decode_gathered_mxfp8(x, starts, pstarts, rets, rowwise, columnwise, length,
-                                           expert_rows, row_packed, raw, raw_e5m2, &a, &rows));
+                                           expert_rows, row_packed, raw, raw_e5m2,
+                                           col_in_x_layout, &a, &rows));
   if (!raw) {
     quantize_gathered(rows, a, &a.col_scale, rows.C, 32);
     return ffi::Error::Success();
@@ -435,7 +446,7 @@ ffi::Error GroupedQuantizeMxfp8Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi:
   auto* row_out = reinterpret_cast<uint16_t*>(a.row_data);
   auto* col_out = reinterpret_cast<uint16_t*>(a.col_data);
   const uint8_t* row_scale = a.row_scale;
-  const uint8_t* col_scale = a.col_scale;
+  uint8_t* col_scale = a.col_scale;
   std::vector<uint8_t> row_codes(a.rowwise ? size_t(row_rows * C) : 0);
   std::vector<uint8_t> col_codes(a.columnwise ? size_t(C * L) : 0);
   a.row_data = row_codes.data();
@@ -447,8 +458,17 @@ ffi::Error GroupedQuantizeMxfp8Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi:
   }
   if (a.columnwise) {
     const int64_t E = rows.expert_rows, col_rows = E ? (L / E) * C : C, col_cols = E ? E : L;
-    mxfp8_raw_matrix(col_codes.data(), col_scale, col_rows, col_cols, ceil_div(col_cols, 32),
-                     e5m2, col_out);
+    if (!a.col_in_x_layout) {
+      mxfp8_raw_matrix(col_codes.data(), col_scale, col_rows, col_cols, ceil_div(col_cols, 32),
+                       e5m2, col_out);
+      return ffi::Error::Success();
+    }
+    // The weights' own layout: each expert's [C, E] values and [C, E / 32] scales transposed.
+    std::vector<uint16_t> values(size_t(C * L));
+    mxfp8_raw_matrix(col_codes.data(), col_scale, col_rows, col_cols, E / 32, e5m2, values.data());
+    transpose_batches(values.data(), L / E, C, E, col_out);
+    const std::vector<uint8_t> scales(col_scale, col_scale + C * (L / 32));
+    transpose_batches(scales.data(), L / E, C, E / 32, col_scale);
   }
   return ffi::Error::Success();
 }

@@ -19,6 +19,7 @@ struct Mxfp8Params {
   float* amax;
   float* col_sums = nullptr;  // [ceil(R/128), C] per-tile column sums (fused dact's bias gradient)
   int64_t expert_rows = 0;    // > 0: expert weights, the columnwise copy [R / E, C, E] (E % 32 == 0)
+  bool col_in_x_layout = false;  // raw expert weights' columnwise copy [R, C] (mxfp8_x_layout.cuh)
 };
 
 // The kernel's parameters for the decoded call `a` quantizing an R x C matrix (col_sums: the

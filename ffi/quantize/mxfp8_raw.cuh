@@ -15,9 +15,9 @@
 namespace jqffi {
 namespace {
 
-// Codes 2k and 2k + 1 of `word` (k = 0: bits 0-15, the first in the low byte) times the block
-// scale `s` (jq::decode_e8m0), as one bfloat16x2 word (the first in the low half).
-__device__ __forceinline__ uint32_t mxfp8_raw_pair(uint32_t word, int k, float s, bool e5m2) {
+// Codes 2k and 2k + 1 of `word` (k = 0: bits 0-15, the first in the low byte) times their
+// block scales `s0`, `s1` (jq::decode_e8m0), as one bfloat16x2 word (the first in the low half).
+__device__ __forceinline__ uint32_t mxfp8_raw_pair(uint32_t word, int k, float s0, float s1, bool e5m2) {
   const uint32_t pair = (word >> (16 * k)) & 0xFFFFu;
   __half2_raw h;
   if (e5m2) {  // E5M2 is float16's high byte
@@ -27,8 +27,13 @@ __device__ __forceinline__ uint32_t mxfp8_raw_pair(uint32_t word, int k, float s
     h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(pair), __NV_E4M3);
   }
   const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));  // exact
-  const __nv_bfloat162 b = __floats2bfloat162_rn(jq::mxfp8_raw(f.x, s), jq::mxfp8_raw(f.y, s));
+  const __nv_bfloat162 b = __floats2bfloat162_rn(jq::mxfp8_raw(f.x, s0), jq::mxfp8_raw(f.y, s1));
   return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+// The same for two codes of one block (scale `s`).
+__device__ __forceinline__ uint32_t mxfp8_raw_pair(uint32_t word, int k, float s, bool e5m2) {
+  return mxfp8_raw_pair(word, k, s, s, e5m2);
 }
 
 // `n` words of four codes each as 2n bfloat16x2 words (`out[2i]`, `out[2i + 1]` from word i).

@@ -388,6 +388,9 @@ struct Mxfp8Args {
   // The grouped target's `raw`: bfloat16 data results holding the codes' raw values (code x
   // block scale), the payload format then given by `raw_e5m2` rather than the data dtype.
   bool raw = false;
+  // The grouped target's `col_in_x_layout`: raw expert weights' columnwise copy [G, E, C] with
+  // scales [G, E / 32, C] (the weights' own layout) instead of [G, C, E] and [G, C, E / 32].
+  bool col_in_x_layout = false;
   jq::Fp8 fmt = jq::Fp8::kE4M3;
   uint8_t *row_data = nullptr, *row_scale = nullptr, *col_data = nullptr, *col_scale = nullptr;
   float* amax = nullptr;

@@ -135,11 +135,14 @@ class GroupedQuantizedTensor:
 @dataclasses.dataclass(frozen=True)
 class TransposedExperts:
   """Expert matrices `[G, N, K]` held as their transposed copy `stored` `[G, K, N]` (a
-  `ScaledTensor` with a leading expert axis) of a quantizer whose columnwise copy is its
-  rowwise copy transposed (`Format.columnwise_is_transposed_rowwise`): the same storage, read
-  the other way. `jaxquant.grouped_dense` passes its dgrad copy of the weights to the forward
-  GEMM this way when that GEMM runs on operands decoded to bfloat16, whose kernel reads the
-  decoded `[G, K, N]` values along N: one quantized copy and one decode instead of two each.
+  `ScaledTensor` with a leading expert axis; `materialize()` swaps its last two axes, scales
+  included). Two kinds, both read along N by the forward GEMM on operands decoded to bfloat16:
+  - a quantizer whose columnwise copy is its rowwise copy transposed
+    (`Format.columnwise_is_transposed_rowwise`): the same storage, read the other way.
+    `jaxquant.grouped_dense` passes its dgrad copy this way: one quantized copy and one decode
+    instead of two each;
+  - raw values (`Format.stores_raw`: MXFP8 written raw in the weights' own layout, design
+    decision 49), which decode as they are whatever their blocks' direction.
   Any other GEMM path takes `materialize()`, the `[G, N, K]` storage by an XLA transpose."""
 
   stored: ScaledTensor

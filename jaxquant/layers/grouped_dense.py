@@ -114,14 +114,15 @@ def _forward(config: _Config, x, kernel, bias, sizes, key, states, *, need_dgrad
                             keys=key_x, state=states[0], role=q.roles[0], decoded=True)
   read_transposed = need_dgrad and grouped_kernels.experts_read_transposed(
       q.weight, x.dtype, bias is not None)
-  qw, w_fprop = _quantize_weights(kernel, q, need_dgrad, read_transposed, key_w, states[1])
+  qw, w_fprop = _quantize_weights(kernel, q, need_dgrad, read_transposed, key_w, states[1],
+                                  forward_dtype=x.dtype, bias=bias is not None)
   y = grouped_ops.gemm(qx.rowwise, w_fprop, out_dtype=x.dtype, bias=bias,
                        precision=config.precision, role=config.gemm_label("fprop"))
   return grouped_ops.to_tokens(y, qx.rowwise), qx, qw
 
 
 def _quantize_weights(kernel, q: DenseQuantizers, need_dgrad: bool, read_transposed: bool,
-                      keys, state):
+                      keys, state, forward_dtype=None, bias: bool = False):
   """The experts' weights: (a `QuantizedTensor` with the forward's copy `[G, N, K]` as `rowwise`
   and dgrad's `[G, K, N]` as `columnwise`, the forward GEMM's operand).
 
@@ -134,7 +135,10 @@ def _quantize_weights(kernel, q: DenseQuantizers, need_dgrad: bool, read_transpo
   transposed kernel is quantized. With `read_transposed` (`experts_read_transposed`: the dgrad
   copy is also the forward copy transposed and the forward GEMM reads decoded operands along N,
   16x16 NVFP4 on Hopper) only the dgrad copy is made and the forward reads it as
-  `TransposedExperts` (the `rowwise` slot stays empty)."""
+  `TransposedExperts` (the `rowwise` slot stays empty). Where the forward copy of the stored
+  kernel is written raw in the kernel's own layout (`experts_forward_along_n` for a forward GEMM
+  of `forward_dtype` with or without a `bias`; design decision 49) it comes as a
+  `TransposedExperts` too, beside the dgrad copy."""
   groups, k, n = kernel.shape
   swapped = format_of(q.weight).transposed_quantizer(q.weight)
   if swapped is not None and (
@@ -144,8 +148,13 @@ def _quantize_weights(kernel, q: DenseQuantizers, need_dgrad: bool, read_transpo
       kn = grouped_ops.quantize_experts(kernel, swapped, rowwise=True, columnwise=False,
                                         keys=keys, state=state, role=q.roles[1], decoded=True)
       return QuantizedTensor(None, kn.rowwise, q.weight), TransposedExperts(kn.rowwise)
+    along_n = forward_dtype is not None and grouped_kernels.experts_forward_along_n(
+        swapped, (groups, k, n), kernel.dtype, forward_dtype, bias)
     kn = grouped_ops.quantize_experts(kernel, swapped, rowwise=need_dgrad, columnwise=True,
-                                      keys=keys, state=state, role=q.roles[1], decoded=True)
+                                      keys=keys, state=state, role=q.roles[1], decoded=True,
+                                      columnwise_along_n=along_n)
+    if isinstance(kn.columnwise, TransposedExperts):  # written in the kernel's own layout
+      return QuantizedTensor(None, kn.rowwise, q.weight), kn.columnwise
     return QuantizedTensor(kn.columnwise, kn.rowwise, q.weight), kn.columnwise
   qw = grouped_ops.quantize_experts(jnp.swapaxes(kernel, 1, 2), q.weight, rowwise=True,
                                     columnwise=need_dgrad, keys=keys, state=state,

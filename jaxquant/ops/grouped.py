@@ -319,12 +319,18 @@ def _expert(w2d, quantizer: Quantizer, rowwise: bool, columnwise: bool, words, s
 
 def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool = True,
                      columnwise: bool = True, keys: Optional[jax.Array] = None,
-                     state: Any = None, role: Any = None, decoded: bool = False) -> QuantizedTensor:
+                     state: Any = None, role: Any = None, decoded: bool = False,
+                     columnwise_along_n: bool = False) -> QuantizedTensor:
   """Quantize one matrix per expert: `w[G, rows, cols]` (contraction axis last).
 
   Returns a `QuantizedTensor` whose `ScaledTensor`s carry a leading `[G]` axis; expert `g`'s
   slice is bit-for-bit `jaxquant.ops.quantize(w[g], quantizer, key=keys[g], state=state[g])`
   (its own amax, scales, delayed-scaling state and key). `decoded` as for `quantize`.
+
+  `columnwise_along_n`: where the FFI kernel writes raw MXFP8 copies of bfloat16 weights
+  (`experts_along_n`), the columnwise copy comes back as a `TransposedExperts` holding its raw
+  values in w's own `[G, rows, cols]` layout (whole-row stores, no transpose), for a GEMM that
+  reads it along N; elsewhere as always (`explain` says which).
   """
   if not isinstance(quantizer, Quantizer):
     raise TypeError(f"quantizer: expected a jaxquant Quantizer, got {type(quantizer).__name__}")
@@ -341,19 +347,24 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool = True
   if columnwise and format_of(quantizer).uses_rht(quantizer, "columnwise") and w.shape[1] % 16:
     raise ValueError(f"w: NVFP4Quantizer(rht=True) transforms the columnwise copy along the "
                      f"rows in chunks of 16; got {w.shape[1]} rows")
+  kernel_along_n = (columnwise and columnwise_along_n
+                    and kernels.experts_along_n(quantizer, tuple(w.shape), decoded, w.dtype))
   paths = []
   for direction in DIRECTIONS:
     if (rowwise, columnwise)[DIRECTIONS.index(direction)]:
       leaf = quantizer.for_direction(direction)
+      note = _kernel_note(leaf, decoded)
+      if direction == "columnwise" and kernel_along_n:
+        note = lambda n=note: (n()[0] + "; in the weights' own layout, read along N", n()[1])
       paths.append(_record("grouped_quantize", role, f"{direction}: {leaf} [{groups} experts]",
                            leaf, lambda d=direction: kernels.quantize_experts_unsupported(
-                               quantizer, tuple(w.shape), d), _kernel_note(leaf, decoded)))
+                               quantizer, tuple(w.shape), d), note))
   orig_dtype = np.dtype(w.dtype)
   words = _direction_words(keys, quantizer)
   if all(p == "ffi" for p in paths):
     return kernels.quantize_experts(w, quantizer, rowwise=rowwise, columnwise=columnwise,
                                     state=state, orig_dtype=orig_dtype, words=words,
-                                    decoded=decoded)
+                                    decoded=decoded, columnwise_along_n=kernel_along_n)
   return jax.vmap(lambda m, wd, s: _expert(m, quantizer, rowwise, columnwise, wd, s,
                                            orig_dtype))(w, words, state)
 

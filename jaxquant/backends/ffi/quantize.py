@@ -65,6 +65,9 @@ class Request:
   # With `gather`, MXFP8: each copy's data as its raw values in bfloat16 (code x block scale,
   # `jaxquant.formats.mxfp8.stores_raw`), written by the kernel instead of the codes.
   raw: bool = False
+  # With `raw` and `expert_rows`: the columnwise copy in the weights' own layout,
+  # [G, expert_rows, cols] with scales [G, expert_rows / 32, cols] (MXFP8).
+  col_in_x_layout: bool = False
 
   @property
   def shape(self) -> tuple[int, int]:
@@ -136,8 +139,11 @@ def _call(req: Request, target: str, results: list, layout: Layout, gathered=Non
   if req.expert_rows:  # [cols, G E] -> [G, cols, E] (scales: [s, G E / b] -> [G, s, E / b])
     groups = length // req.expert_rows
     first = 2 if req.rowwise else 0  # the columnwise data and scales, when asked for
-    results = [_sds((groups, r.shape[0], r.shape[1] // groups), r.dtype)
-               if req.columnwise and first <= i < first + 2 else r
+    if req.col_in_x_layout:  # [cols, G E] -> [G, E, cols] (scales: [G, E / b, cols])
+      regroup = lambda r: _sds((groups, r.shape[1] // groups, r.shape[0]), r.dtype)
+    else:
+      regroup = lambda r: _sds((groups, r.shape[0], r.shape[1] // groups), r.dtype)
+    results = [regroup(r) if req.columnwise and first <= i < first + 2 else r
                for i, r in enumerate(results)]
   return calls.call(GATHERED_TARGETS[target], results, req.x2d, starts, pstarts,
                     length=np.int64(length), expert_rows=np.int64(req.expert_rows),
@@ -329,7 +335,8 @@ def _mxfp8(req: Request, quantizer: MXFP8Quantizer) -> Pair:
   e5m2 = np.dtype(quantizer.dtype) == np.dtype(jnp.float8_e5m2)  # raw data does not say it
   outs = _call(req, "jaxquant_quantize_mxfp8", results, layout, rowwise=req.rowwise,
                columnwise=req.columnwise,
-               gathered=dict(raw=req.raw, raw_e5m2=req.raw and bool(e5m2)))
+               gathered=dict(raw=req.raw, raw_e5m2=req.raw and bool(e5m2),
+                             col_in_x_layout=req.col_in_x_layout))
   row, row_scale, col, col_scale = _split(req, outs, with_scales=True)
   amax = outs.pop(0)
   return _pair(req, quantizer, row, row_scale, amax, col, col_scale, amax)
@@ -456,7 +463,7 @@ def gathered_kernel(quantizer: Quantizer) -> Optional[str]:
 def quantize_gathered(x2d, starts: jax.Array, pstarts: jax.Array, length: int,
                       quantizer: Quantizer, *, rowwise: bool, columnwise: bool,
                       orig_dtype: Any, expert_rows: int = 0, row_packed: bool = False,
-                      raw: bool = False) -> Pair:
+                      raw: bool = False, col_in_x_layout: bool = False) -> Pair:
   """`quantize_single` of the token layout of `length` positions gathered from `x2d`'s rows
   (position pstarts[g] + i holds row starts[g] + i while inside group g, else zeros), bit for
   bit, with no gathered copy: `gathered_kernel(quantizer)` reads x through the offsets.
@@ -472,9 +479,19 @@ def quantize_gathered(x2d, starts: jax.Array, pstarts: jax.Array, length: int,
 
   `raw` (MXFP8): each copy's data is its raw values in bfloat16 (code x block scale, the bits
   the grouped decode would give; `jaxquant.formats.mxfp8.stores_raw`), its scales and amax as
-  always."""
+  always.
+
+  `col_in_x_layout` (raw bfloat16 expert weights): the columnwise copy in the weights' layout,
+  `[G, expert_rows, cols]` with scales `[G, expert_rows / 32, cols]`: each expert's columnwise
+  storage transposed, for GEMMs that read bfloat16 operands along N (the kernel then writes
+  whole rows of both copies)."""
   if raw and format_of(quantizer).name != "mxfp8":
     raise ValueError(f"raw: only MXFP8 copies are written raw; got {quantizer}")
+  if col_in_x_layout and not (raw and expert_rows and columnwise
+                              and np.dtype(x2d.dtype) == np.dtype(jnp.bfloat16)):
+    raise ValueError(f"col_in_x_layout: needs raw copies of bfloat16 expert weights with a "
+                     f"columnwise copy; got raw={raw}, expert_rows={expert_rows}, "
+                     f"columnwise={columnwise}, {np.dtype(x2d.dtype).name} weights")
   if gathered_kernel(quantizer) is None:
     raise ValueError(f"no gathered quantize kernel for {quantizer}")
   if row_packed and (not rowwise or expert_rows or length < x2d.shape[0]
@@ -489,5 +506,6 @@ def quantize_gathered(x2d, starts: jax.Array, pstarts: jax.Array, length: int,
     raise ValueError(f"FFI quantize cannot serve {quantizer}: {reason}")
   req = Request(x2d, rowwise, columnwise, orig_dtype,
                 gather=(starts.astype(jnp.int32), pstarts.astype(jnp.int32), int(length)),
-                expert_rows=int(expert_rows), row_packed=bool(row_packed), raw=bool(raw))
+                expert_rows=int(expert_rows), row_packed=bool(row_packed), raw=bool(raw),
+                col_in_x_layout=bool(col_in_x_layout))
   return KERNEL_FORMATS[format_of(quantizer).quantize_kernel(quantizer)](req, quantizer)

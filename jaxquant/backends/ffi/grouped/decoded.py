@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant.backends.ffi.grouped import bf16, decode_kernel
+from jaxquant.formats import format_of
 from jaxquant.grouping import decode
 from jaxquant.grouping.layout import per_position
 from jaxquant.grouping.tensors import GroupedScaledTensor, positions, row_scaled
@@ -106,6 +107,10 @@ def n_major_reason(a: GroupedScaledTensor, stored_kn: ScaledTensor, out_dtype,
   write bfloat16 only, and per-(group, feature) factors would need the other layout."""
   if a.token_axis != 0:
     return "not a ragged-rows GEMM"
+  fmt = format_of(stored_kn.quantizer)
+  if not (fmt.stores_raw(stored_kn) or fmt.columnwise_is_transposed_rowwise(stored_kn.quantizer)):
+    return (f"{stored_kn.quantizer}'s blocks run along K in the [G, N, K] copy: decoding the "
+            "[G, K, N] one as stored would read them along N")
   if getattr(stored_kn, "amax", None) is not None and row_scaled(stored_kn.quantizer):
     return "row-scaled experts: their factors run along the [G, N, K] copy's rows"
   kernel_out = _kernel_out(a, stored_kn, out_dtype, bias, b_k_major=False)

@@ -37,7 +37,7 @@ from jaxquant.backends.platform import current_platform
 from jaxquant.formats import format_of
 from jaxquant.formats.base import tensor_amax
 from jaxquant.grouping.layout import TokenLayout
-from jaxquant.grouping.tensors import GroupedScaledTensor
+from jaxquant.grouping.tensors import GroupedScaledTensor, TransposedExperts
 from jaxquant.quantizers import NVFP4Quantizer, Quantizer
 from jaxquant.state import DelayedScalingState, needs_current_amax, quantize_scale
 from jaxquant.tensors import QuantizedTensor, ScaledTensor
@@ -280,7 +280,8 @@ def _packed_rows(x: jax.Array, sizes: jax.Array, leaf: Quantizer, orig_dtype,
 
 
 def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool, columnwise: bool,
-                     state: Any, orig_dtype, words=None, decoded: bool = False) -> QuantizedTensor:
+                     state: Any, orig_dtype, words=None, decoded: bool = False,
+                     columnwise_along_n: bool = False) -> QuantizedTensor:
   """Expert weights `w[G, rows, cols]`, each expert bit-for-bit its own quantize (columnwise
   copies `[G, cols, rows]`): per-tensor FP8 both copies in one grouped call (every expert its
   own amax and scale); NVFP4 (one amax per expert) through the grouped NVFP4 kernel, both copies
@@ -288,7 +289,13 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool, colum
   (`_experts_single`). A Hybrid whose columnwise copy comes from the `rowwise_dequantized`
   source quantizes each expert's decoded rowwise copy. `words`: per direction, the
   stochastic-rounding words of each expert (`[G, 2]`) or None. `decoded`: the copies feed only
-  grouped GEMMs, so MXFP8's from the gathered kernel may be written raw."""
+  grouped GEMMs, so MXFP8's from the gathered kernel may be written raw.
+  `columnwise_along_n` (`experts_along_n` holds): the raw columnwise copy comes back as a
+  `TransposedExperts` holding it in w's own `[G, rows, cols]` layout."""
+  if columnwise_along_n and not (columnwise and support.experts_along_n(
+      quantizer, tuple(w.shape), decoded, w.dtype)):
+    raise ValueError(f"columnwise_along_n: {quantizer}'s columnwise copy of {tuple(w.shape)} is "
+                     "not written in the weights' layout here (experts_along_n)")
   fmt = format_of(quantizer)
   one_quantizer = fmt.halves(quantizer) is None  # one quantizer makes both copies
   if one_quantizer and fmt.grouped_quantize_kernel(quantizer, "rowwise")[0] == "fp8":
@@ -305,7 +312,7 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool, colum
               for d in ("rowwise", "columnwise"))):
     # MXFP8 / Float8Block: both copies from one launch (one read of w).
     copies = _experts_gathered(w, quantizer, True, orig_dtype, jax.vmap(tensor_amax)(w),
-                               _raw(quantizer, decoded))
+                               _raw(quantizer, decoded), columnwise_along_n)
     return QuantizedTensor(copies["rowwise"], copies["columnwise"], quantizer)
   expert_amax = None  # each expert's tensor amax, one pass over w shared by both copies
   copies = {}
@@ -336,7 +343,7 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool, colum
           expert_amax = jax.vmap(tensor_amax)(w)
         amax = expert_amax
       copies[direction] = _experts_single(source, leaf, direction, orig_dtype, amax,
-                                          _raw(leaf, decoded))
+                                          _raw(leaf, decoded), columnwise_along_n)
   return QuantizedTensor(copies.get("rowwise") if rowwise else None, copies.get("columnwise"),
                          quantizer)
 
@@ -375,7 +382,8 @@ def _experts_fp8(w, quantizer, rowwise: bool, columnwise: bool, state, orig_dtyp
 
 
 def _experts_single(w: jax.Array, leaf: Quantizer, direction: str, orig_dtype,
-                    expert_amax: Optional[jax.Array], raw: bool = False) -> ScaledTensor:
+                    expert_amax: Optional[jax.Array], raw: bool = False,
+                    along_n: bool = False) -> ScaledTensor:
   """One copy of block-scaled expert weights from one kernel launch on `[G * rows, cols]`:
   `support.expert_route` checked that no block spans two experts, so every block (and, for
   row-scaled NVFP4, every row amax) is the expert's own. The rowwise copy is a reshape. The
@@ -385,11 +393,11 @@ def _experts_single(w: jax.Array, leaf: Quantizer, direction: str, orig_dtype,
   `expert_amax[G]` is each expert's own tensor amax (`tensor_amax`, as the reference computes
   it), passed in so both copies share one pass. `raw`: the copy written raw by the gathered
   kernel (the rowwise one on the experts' rows as they are, the same codes as the single-tensor
-  kernel's)."""
+  kernel's). `along_n`: the columnwise copy as `_experts_gathered` gives it then."""
   groups, rows, cols = w.shape
   rowwise = direction == "rowwise"
   if not rowwise and gathered_served(leaf):
-    return _experts_gathered(w, leaf, False, orig_dtype, expert_amax, raw)["columnwise"]
+    return _experts_gathered(w, leaf, False, orig_dtype, expert_amax, raw, along_n)["columnwise"]
   if rowwise and raw:  # the gathered kernel reading the experts' rows as they are: the same codes
     starts = jnp.arange(groups + 1, dtype=jnp.int32) * rows
     row, _ = single.quantize_gathered(w.reshape(groups * rows, cols), starts, starts,
@@ -410,17 +418,21 @@ def _experts_single(w: jax.Array, leaf: Quantizer, direction: str, orig_dtype,
 
 
 def _experts_gathered(w: jax.Array, leaf: Quantizer, rowwise: bool, orig_dtype,
-                      expert_amax: jax.Array, raw: bool = False) -> dict:
+                      expert_amax: jax.Array, raw: bool = False, along_n: bool = False) -> dict:
   """MXFP8 / Float8Block expert weights from one launch of the gathered kernel with
   `expert_rows`: the columnwise copy with each expert's `[cols, rows]` written on its own (no
-  regrouping transpose), and with `rowwise` the rowwise copy too (a reshape), one read of `w`."""
+  regrouping transpose), and with `rowwise` the rowwise copy too (a reshape), one read of `w`.
+  `along_n` (raw MXFP8): the columnwise copy written in w's own layout, `[G, rows, cols]` with
+  scales `[G, rows / 32, cols]`, returned as the `TransposedExperts` it is (design decision 49:
+  both copies' stores whole rows; the forward GEMM reads it along N)."""
   groups, rows, cols = w.shape
   starts = jnp.arange(groups + 1, dtype=jnp.int32) * rows
   row, col = single.quantize_gathered(w.reshape(groups * rows, cols), starts, starts,
                                       groups * rows, leaf, rowwise=rowwise, columnwise=True,
-                                      orig_dtype=orig_dtype, expert_rows=rows, raw=raw)
-  out = {"columnwise": ScaledTensor(col.data, col.scale_inv, expert_amax, leaf, orig_dtype,
-                                    col.rht)}
+                                      orig_dtype=orig_dtype, expert_rows=rows, raw=raw,
+                                      col_in_x_layout=along_n)
+  col = ScaledTensor(col.data, col.scale_inv, expert_amax, leaf, orig_dtype, col.rht)
+  out = {"columnwise": TransposedExperts(col) if along_n else col}
   if rowwise:
     regroup = lambda a: a.reshape(groups, a.shape[0] // groups, *a.shape[1:])
     out["rowwise"] = ScaledTensor(regroup(row.data), regroup(row.scale_inv), expert_amax, leaf,

@@ -252,7 +252,10 @@ def quantize_experts_unsupported(quantizer, w_shape=None,
 # ------------------------------------------ raw copies -----------------------------------------
 
 RAW_COPIES_ENV = "JAXQUANT_GROUPED_RAW_COPIES"
-RAW_COPIES_CHOICES = ("auto", "off")
+# auto: raw copies, the experts' forward copy in their own layout where a GEMM reads it along N
+# (decision 49); transposed: raw copies, every columnwise copy transposed (decision 47 alone);
+# off: codes, decoded by the GEMMs' decode pass.
+RAW_COPIES_CHOICES = ("auto", "transposed", "off")
 
 
 def raw_copies_choice() -> str:
@@ -509,6 +512,30 @@ def gemm_kernel_note(a, b, out_dtype=None, bias=None, stored_kn=None) -> tuple[s
 # Formats whose grouped GEMMs run on operands decoded to bfloat16 on Hopper (no FP8 CUTLASS
 # instance takes their block scales, and Hopper has no FP4 tensor cores).
 _DECODED_FAMILIES = ("mxfp8", "nvfp4")
+
+
+def experts_along_n(quantizer, w_shape, decoded_copies: bool, w_dtype) -> bool:
+  """Whether the FFI kernel writes the columnwise copy of expert weights `w_shape` `[G, rows,
+  cols]` of `w_dtype` in the weights' own layout when asked (`quantize_experts(
+  columnwise_along_n=True)`): copies for the GEMMs on decoded operands (`decoded_copies`)
+  written raw (MXFP8, `raw_copies_reason`) by one quantizer (no Hybrid) from bfloat16 weights
+  (the kernel rounds their bits), both directions on the gathered kernel."""
+  return (decoded_copies and format_of(quantizer).halves(quantizer) is None
+          and np.dtype(w_dtype) == np.dtype(jnp.bfloat16)
+          and raw_copies_reason(quantizer) is None and raw_copies_choice() == "auto"
+          and all(expert_route(quantizer, d, tuple(w_shape))[1] is None
+                  for d in ("rowwise", "columnwise")))
+
+
+def experts_forward_along_n(quantizer, w_shape, w_dtype, out_dtype, bias: bool) -> bool:
+  """Whether `jaxquant.grouped_dense` should ask for the forward copy of its expert weights
+  `[G, K, N]` of `w_dtype` (quantized as stored by `quantizer`, whose columnwise copy is the
+  forward's) in
+  the weights' own layout, read along N by the forward GEMM (design decision 49): the kernel
+  writes it so (`experts_along_n`) and the N-major instances serve the GEMM (bfloat16 output,
+  no bias, as `experts_read_transposed`)."""
+  return (experts_along_n(quantizer, w_shape, True, w_dtype) and not bias
+          and np.dtype(out_dtype) == np.dtype(jnp.bfloat16))
 
 
 def experts_read_transposed(quantizer, out_dtype, bias: bool) -> bool:
