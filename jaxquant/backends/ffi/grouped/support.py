@@ -530,10 +530,9 @@ def experts_along_n(quantizer, w_shape, decoded_copies: bool, w_dtype) -> bool:
 def experts_forward_along_n(quantizer, w_shape, w_dtype, out_dtype, bias: bool) -> bool:
   """Whether `jaxquant.grouped_dense` should ask for the forward copy of its expert weights
   `[G, K, N]` of `w_dtype` (quantized as stored by `quantizer`, whose columnwise copy is the
-  forward's) in
-  the weights' own layout, read along N by the forward GEMM (design decision 49): the kernel
-  writes it so (`experts_along_n`) and the N-major instances serve the GEMM (bfloat16 output,
-  no bias, as `experts_read_transposed`)."""
+  forward's) in the weights' own layout, read along N by the forward GEMM (design decision
+  49): the kernel writes it so (`experts_along_n`) and the N-major instances serve the GEMM
+  (bfloat16 output, no bias, as `experts_read_transposed`)."""
   return (experts_along_n(quantizer, w_shape, True, w_dtype) and not bias
           and np.dtype(out_dtype) == np.dtype(jnp.bfloat16))
 
