@@ -81,6 +81,11 @@ def cases(groups: int, tokens: int, k: int, n: int):
   yield ("mxfp8 decoded=True, columnwise along N: expert weights, both copies",
          lambda w: jg.quantize_experts(w, jq.MXFP8Quantizer(), decoded=True,
                                        columnwise_along_n=True), (w,))
+  # float32 weights (Flax's default parameters), decision 47's kernel (session 24: an x-layout
+  # form for float32 ran slower, bench/RESULTS.md)
+  yield ("mxfp8 decoded=True: float32 expert weights, both copies",
+         lambda w: jg.quantize_experts(w, jq.MXFP8Quantizer(), decoded=True),
+         (w.astype(jnp.float32),))
 
 
 def main(argv=None) -> int:
