@@ -145,10 +145,6 @@ ffi::Error GroupedQuantizeMxfp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::
                                            col_in_x_layout, &a, &rows));
   Mxfp8Params p = mxfp8_params(a, a.x.rows, a.x.cols);
   p.expert_rows = rows.expert_rows;
-  if (col_in_x_layout) {  // mxfp8_x_layout_kernel: whole-row stores of the columnwise copy too
-    p.col_in_x_layout = true;
-    p.vec_col = aligned(a.col_data, 16) && aligned(a.col_scale, 8) && a.x.cols % 8 == 0;
-  }
   return raw ? quantize_gathered<true>(t, stream, a, rows, p)
              : quantize_gathered<false>(t, stream, a, rows, p);
 }

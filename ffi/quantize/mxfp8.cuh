@@ -26,10 +26,14 @@ struct Mxfp8Params {
 // fused activation gradient's column sums, or null).
 // Raw copies (`a.raw`) store 8 and 16 bfloat16 values a thread: 16-byte stores when aligned,
 // tokens' columnwise ones by pairs of lanes over whole 32-row blocks (`Fp8TileColumn::store_raw`).
+// A columnwise copy in the weights' own layout (`a.col_in_x_layout`) is stored as the rowwise one
+// is, 8 values and their 8 scale bytes a lane (mxfp8_x_layout_kernel).
 inline Mxfp8Params mxfp8_params(const Mxfp8Args& a, int64_t R, int64_t C, float* col_sums = nullptr) {
-  return {R, C, aligned(a.row_data, a.raw ? 16 : 8) && C % 8 == 0,
-          aligned(a.col_data, 16) && R % (a.raw ? 32 : 16) == 0, a.rowwise, a.columnwise, a.raw,
-          a.fmt, a.row_data, a.row_scale, a.col_data, a.col_scale, a.amax, col_sums};
+  const bool vec_col = a.col_in_x_layout ? aligned(a.col_data, 16) && aligned(a.col_scale, 8) && C % 8 == 0
+                                         : aligned(a.col_data, 16) && R % (a.raw ? 32 : 16) == 0;
+  return {R, C, aligned(a.row_data, a.raw ? 16 : 8) && C % 8 == 0, vec_col, a.rowwise,
+          a.columnwise, a.raw, a.fmt, a.row_data, a.row_scale, a.col_data, a.col_scale, a.amax,
+          col_sums, /*expert_rows=*/0, a.col_in_x_layout};
 }
 
 // The codes of N values (a multiple of 4) of one block with exponent e, four a word (the first
