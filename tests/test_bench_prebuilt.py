@@ -50,6 +50,7 @@ def test_the_digest_follows_every_build_input_and_nothing_else(prebuilt, tmp_pat
   before = prebuilt.sources_digest(root)
   (root / "README.md").write_text("not a build input")
   (root / "jaxquant" / "x.py").write_text("neither")
+  (root / "ffi" / "NOTES.md").write_text("notes beside the sources, not built")
   assert prebuilt.sources_digest(root) == before
   for name in ("ffi/quantize/q.cu", "CMakeLists.txt", "pyproject.toml"):
     (root / name).write_bytes((root / name).read_bytes() + b" ")
