@@ -302,6 +302,46 @@ def test_grouped_dense_with_raw_copies_is_bit_for_bit_the_decoded_step(bf16_devi
   check_layer(rng, recipe, monkeypatch, use_bias)
 
 
+REFUSED_NOTE = "transposed, not in the weights' own layout as asked: "
+
+
+def _weight_quantize_notes(rng, param_dtype):
+  """The explain details of a no-bias MXFP8 GroupedDense step's weight quantizes, and its fprop."""
+  model = jq.flax.GroupedDense(features=64, num_groups=4, recipe=jq.recipes.MXFP8BlockScaling(),
+                               dtype=jnp.bfloat16, param_dtype=param_dtype, use_bias=False)
+  x = jnp.asarray(oracle.random_matrix(rng, (96, 64)), jnp.bfloat16)
+  dy = jnp.asarray(oracle.random_matrix(rng, (96, 64)), jnp.bfloat16)
+  sizes = jnp.asarray(tgf._sizes(rng, 96, 4, (1,), 5))
+  variables = tgf._on("reference", model.init, jax.random.PRNGKey(0), x, sizes)
+
+  def step(variables, x, dy):
+    y, vjp = jax.vjp(lambda v, x: model.apply(v, x, sizes), variables, x)
+    return y, vjp(dy)
+
+  report = jq.explain(step, variables, x, dy)
+  weights = [d.detail for d in report if d.op == "grouped_quantize" and "weight" in str(d)]
+  fprop = [d.detail for d in report if d.op == "grouped_gemm" and "fprop" in str(d)]
+  return weights, fprop
+
+
+@needs_target
+def test_explain_says_why_the_forward_copy_is_transposed(bf16_device, rng, monkeypatch):
+  """Where grouped_dense asks for the forward copy in the weights' own layout and the kernel
+  does not write it (float32 weights, or JAXQUANT_GROUPED_RAW_COPIES=transposed), the weights'
+  columnwise quantize says so and why, and the fprop reads the transposed copy."""
+  monkeypatch.delenv(support.RAW_COPIES_ENV, raising=False)
+  weights, fprop = _weight_quantize_notes(rng, jnp.bfloat16)
+  assert any(ALONG_N_NOTE in w for w in weights) and not any(REFUSED_NOTE in w for w in weights)
+  weights, fprop = _weight_quantize_notes(rng, jnp.float32)
+  refused = [w for w in weights if REFUSED_NOTE in w]
+  assert len(refused) == 1 and refused[0].startswith("columnwise"), weights
+  assert REFUSED_NOTE + "float32 weights: the kernel rounds bfloat16 bits" in refused[0]
+  assert fprop and not any("read along N" in f for f in fprop), fprop
+  monkeypatch.setenv(support.RAW_COPIES_ENV, "transposed")
+  weights, _ = _weight_quantize_notes(rng, jnp.bfloat16)
+  assert any(REFUSED_NOTE + f"{support.RAW_COPIES_ENV}=transposed" in w for w in weights), weights
+
+
 @needs_target
 def test_raw_copies_need_the_decoded_route_and_say_why_not(bf16_device, rng, monkeypatch):
   """With the mma.sync kernel chosen the copies keep their codes (the kernel reads codes), and
@@ -316,9 +356,20 @@ def test_raw_copies_need_the_decoded_route_and_say_why_not(bf16_device, rng, mon
   assert support.experts_along_n(leaf, shape, True, bf16)
   assert not support.experts_along_n(leaf, shape, False, bf16)  # copies not for decoded GEMMs
   assert not support.experts_along_n(leaf, shape, True, jnp.float32)  # float32 weights
+  assert support.along_n_reason(leaf, shape, True, jnp.float32).startswith(
+      "float32 weights: the kernel rounds bfloat16 bits")
+  assert support.along_n_reason(leaf, shape, False, bf16) == (
+      "the copies feed no GEMM on decoded operands")
+  hybrid = jq.HybridQuantizer(leaf, jq.MXFP8Quantizer(jnp.float8_e5m2))
+  assert support.along_n_reason(hybrid, shape, True, bf16) == (
+      "a Hybrid quantizes its two copies apart")
+  assert support.forward_reads_along_n(leaf, bf16, bias=False)
+  assert not support.forward_reads_along_n(leaf, bf16, bias=True)
+  assert not support.forward_reads_along_n(leaf, jnp.float32, bias=False)
   monkeypatch.setenv(support.RAW_COPIES_ENV, "transposed")  # raw, as before decision 49
   assert support.raw_copies_reason(leaf) is None and not support.experts_along_n(leaf, shape, True,
                                                                                  bf16)
+  assert support.along_n_reason(leaf, shape, True, bf16) == f"{support.RAW_COPIES_ENV}=transposed"
   monkeypatch.setenv(support.RAW_COPIES_ENV, "bogus")
   with pytest.raises(ValueError, match="JAXQUANT_GROUPED_RAW_COPIES='bogus'"):
     support.raw_copies_reason(leaf)

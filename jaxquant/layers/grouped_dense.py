@@ -136,8 +136,9 @@ def _quantize_weights(kernel, q: DenseQuantizers, need_dgrad: bool, read_transpo
   copy is also the forward copy transposed and the forward GEMM reads decoded operands along N,
   16x16 NVFP4 on Hopper) only the dgrad copy is made and the forward reads it as
   `TransposedExperts` (the `rowwise` slot stays empty). Where the forward copy of the stored
-  kernel is written raw in the kernel's own layout (`experts_forward_along_n` for a forward GEMM
-  of `forward_dtype` with or without a `bias`; design decision 49) it comes as a
+  kernel is written raw in the kernel's own layout (asked for where the forward GEMM of
+  `forward_dtype`, with or without a `bias`, reads it so: `forward_reads_along_n`; written so
+  where `experts_along_n` holds, else `explain` says why; design decision 49) it comes as a
   `TransposedExperts` too, beside the dgrad copy."""
   groups, k, n = kernel.shape
   swapped = format_of(q.weight).transposed_quantizer(q.weight)
@@ -148,8 +149,8 @@ def _quantize_weights(kernel, q: DenseQuantizers, need_dgrad: bool, read_transpo
       kn = grouped_ops.quantize_experts(kernel, swapped, rowwise=True, columnwise=False,
                                         keys=keys, state=state, role=q.roles[1], decoded=True)
       return QuantizedTensor(None, kn.rowwise, q.weight), TransposedExperts(kn.rowwise)
-    along_n = forward_dtype is not None and grouped_kernels.experts_forward_along_n(
-        swapped, (groups, k, n), kernel.dtype, forward_dtype, bias)
+    along_n = forward_dtype is not None and grouped_kernels.forward_reads_along_n(
+        swapped, forward_dtype, bias)
     kn = grouped_ops.quantize_experts(kernel, swapped, rowwise=need_dgrad, columnwise=True,
                                       keys=keys, state=state, role=q.roles[1], decoded=True,
                                       columnwise_along_n=along_n)

@@ -330,7 +330,7 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool = True
   `columnwise_along_n`: where the FFI kernel writes raw MXFP8 copies of bfloat16 weights
   (`experts_along_n`), the columnwise copy comes back as a `TransposedExperts` holding its raw
   values in w's own `[G, rows, cols]` layout (whole-row stores, no transpose), for a GEMM that
-  reads it along N; elsewhere as always (`explain` says which).
+  reads it along N; elsewhere as always, and `explain` says why (`along_n_reason`).
   """
   if not isinstance(quantizer, Quantizer):
     raise TypeError(f"quantizer: expected a jaxquant Quantizer, got {type(quantizer).__name__}")
@@ -347,8 +347,9 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool = True
   if columnwise and format_of(quantizer).uses_rht(quantizer, "columnwise") and w.shape[1] % 16:
     raise ValueError(f"w: NVFP4Quantizer(rht=True) transforms the columnwise copy along the "
                      f"rows in chunks of 16; got {w.shape[1]} rows")
-  kernel_along_n = (columnwise and columnwise_along_n
-                    and kernels.experts_along_n(quantizer, tuple(w.shape), decoded, w.dtype))
+  along_n_refused = (kernels.along_n_reason(quantizer, tuple(w.shape), decoded, w.dtype)
+                     if columnwise and columnwise_along_n else None)
+  kernel_along_n = columnwise and columnwise_along_n and along_n_refused is None
   paths = []
   for direction in DIRECTIONS:
     if (rowwise, columnwise)[DIRECTIONS.index(direction)]:
@@ -356,6 +357,9 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool = True
       note = _kernel_note(leaf, decoded)
       if direction == "columnwise" and kernel_along_n:
         note = lambda n=note: (n()[0] + "; in the weights' own layout, read along N", n()[1])
+      elif direction == "columnwise" and along_n_refused is not None:
+        note = lambda n=note: (n()[0] + "; transposed, not in the weights' own layout as asked: "
+                               + along_n_refused, n()[1])
       paths.append(_record("grouped_quantize", role, f"{direction}: {leaf} [{groups} experts]",
                            leaf, lambda d=direction: kernels.quantize_experts_unsupported(
                                quantizer, tuple(w.shape), d), note))

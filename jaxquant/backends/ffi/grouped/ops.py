@@ -3,9 +3,10 @@
 from jaxquant.backends.ffi.grouped.gemm import gemm
 from jaxquant.backends.ffi.grouped.quantize import (pair_served, quantize_experts,
                                                     quantize_token_pair, quantize_tokens)
-from jaxquant.backends.ffi.grouped.support import (GEMM_SM90_TARGET, expert_route,
-                                                   experts_along_n, experts_forward_along_n,
+from jaxquant.backends.ffi.grouped.support import (GEMM_SM90_TARGET, along_n_reason,
+                                                   expert_route, experts_along_n,
                                                    experts_read_transposed,
+                                                   forward_reads_along_n,
                                                    fp8_kernel_note, gemm_kernel,
                                                    gemm_kernel_note, gemm_scaling,
                                                    gemm_unsupported, quantize_experts_unsupported,
@@ -14,8 +15,9 @@ from jaxquant.backends.ffi.grouped.support import (GEMM_SM90_TARGET, expert_rout
                                                    sm90_kernel_label, sm90_wgrad_block)
 
 __all__ = ["gemm", "pair_served", "quantize_experts", "quantize_token_pair",
-           "quantize_tokens", "expert_route", "experts_along_n", "experts_forward_along_n",
-           "experts_read_transposed", "fp8_kernel_note",
+           "quantize_tokens", "along_n_reason", "expert_route", "experts_along_n",
+           "experts_read_transposed", "forward_reads_along_n",
+           "fp8_kernel_note",
            "gemm_kernel", "gemm_kernel_note", "gemm_scaling", "gemm_unsupported",
            "sm90_kernel_label", "sm90_wgrad_block", "quantize_experts_unsupported",
            "quantize_route", "quantize_unsupported", "raw_copies_reason", "GEMM_SM90_TARGET"]

@@ -514,27 +514,48 @@ def gemm_kernel_note(a, b, out_dtype=None, bias=None, stored_kn=None) -> tuple[s
 _DECODED_FAMILIES = ("mxfp8", "nvfp4")
 
 
+def along_n_reason(quantizer, w_shape, decoded_copies: bool, w_dtype) -> Optional[str]:
+  """Why the FFI kernel does not write the columnwise copy of expert weights `w_shape` `[G,
+  rows, cols]` of `w_dtype` in the weights' own layout when asked (`quantize_experts(
+  columnwise_along_n=True)`; None: it does). It does for copies that feed the GEMMs on decoded
+  operands (`decoded_copies`), written raw (MXFP8, `raw_copies_reason`) by one quantizer (no
+  Hybrid) from bfloat16 weights (the kernel rounds their bits), both directions on the
+  gathered kernel."""
+  if not decoded_copies:
+    return "the copies feed no GEMM on decoded operands"
+  if format_of(quantizer).halves(quantizer) is not None:
+    return "a Hybrid quantizes its two copies apart"
+  reason = raw_copies_reason(quantizer)
+  if reason is not None:
+    return f"not written raw ({reason})"
+  if raw_copies_choice() != "auto":
+    return f"{RAW_COPIES_ENV}={raw_copies_choice()}"
+  if np.dtype(w_dtype) != np.dtype(jnp.bfloat16):
+    return (f"{np.dtype(w_dtype).name} weights: the kernel rounds bfloat16 bits (its float32 "
+            "form ran slower than the transposed copy, bench/RESULTS.md session 24)")
+  for direction in ("rowwise", "columnwise"):
+    route_reason = expert_route(quantizer, direction, tuple(w_shape))[1]
+    if route_reason is not None:
+      return f"{direction}: {route_reason}"
+  return None
+
+
 def experts_along_n(quantizer, w_shape, decoded_copies: bool, w_dtype) -> bool:
-  """Whether the FFI kernel writes the columnwise copy of expert weights `w_shape` `[G, rows,
-  cols]` of `w_dtype` in the weights' own layout when asked (`quantize_experts(
-  columnwise_along_n=True)`): copies for the GEMMs on decoded operands (`decoded_copies`)
-  written raw (MXFP8, `raw_copies_reason`) by one quantizer (no Hybrid) from bfloat16 weights
-  (the kernel rounds their bits), both directions on the gathered kernel."""
-  return (decoded_copies and format_of(quantizer).halves(quantizer) is None
-          and np.dtype(w_dtype) == np.dtype(jnp.bfloat16)
-          and raw_copies_reason(quantizer) is None and raw_copies_choice() == "auto"
-          and all(expert_route(quantizer, d, tuple(w_shape))[1] is None
-                  for d in ("rowwise", "columnwise")))
+  """Whether the FFI kernel writes the columnwise copy of expert weights `w_shape` of
+  `w_dtype` in the weights' own layout when asked (`along_n_reason` gives why not)."""
+  return along_n_reason(quantizer, w_shape, decoded_copies, w_dtype) is None
 
 
-def experts_forward_along_n(quantizer, w_shape, w_dtype, out_dtype, bias: bool) -> bool:
-  """Whether `jaxquant.grouped_dense` should ask for the forward copy of its expert weights
-  `[G, K, N]` of `w_dtype` (quantized as stored by `quantizer`, whose columnwise copy is the
-  forward's) in the weights' own layout, read along N by the forward GEMM (design decision
-  49): the kernel writes it so (`experts_along_n`) and the N-major instances serve the GEMM
-  (bfloat16 output, no bias, as `experts_read_transposed`)."""
-  return (experts_along_n(quantizer, w_shape, True, w_dtype) and not bias
-          and np.dtype(out_dtype) == np.dtype(jnp.bfloat16))
+def forward_reads_along_n(quantizer, out_dtype, bias: bool) -> bool:
+  """Whether the forward GEMM of `jaxquant.grouped_dense` (output `out_dtype`, with or without
+  a `bias`) can read the forward copy of its expert weights, quantized as stored by
+  `quantizer` (a copy of one quantizer written raw, `raw_copies_reason`), along N from the
+  weights' own `[G, K, N]` layout: the N-major instances write bfloat16 and take no bias (as
+  `experts_read_transposed`). Where this holds `grouped_dense` asks for that layout, and the
+  quantize reports in `explain` when the kernel does not write it (`along_n_reason`)."""
+  return (not bias and np.dtype(out_dtype) == np.dtype(jnp.bfloat16)
+          and format_of(quantizer).halves(quantizer) is None
+          and raw_copies_reason(quantizer) is None)
 
 
 def experts_read_transposed(quantizer, out_dtype, bias: bool) -> bool:
