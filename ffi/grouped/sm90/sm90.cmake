@@ -186,6 +186,9 @@ function(jaxquant_add_grouped_sm90 target)
   target_compile_options(jaxquant_grouped_sm90 PRIVATE
     -gencode=arch=compute_90a,code=sm_90a -std=c++17 --expt-relaxed-constexpr
     -DNDEBUG -Xptxas=-warn-spills)
+  if(JAXQUANT_LINEINFO)
+    target_compile_options(jaxquant_grouped_sm90 PRIVATE -lineinfo)
+  endif()
   target_sources(${target} PRIVATE "${dir}/../grouped_sm90.cu" "${dir}/../grouped_sm90_bf16.cu"
                  $<TARGET_OBJECTS:jaxquant_grouped_sm90>)
   set(configs "")
