@@ -37,14 +37,12 @@ struct XLayoutSlot {
   static constexpr int kRows = 8;  // rows a lane holds
   int64_t r0, c;                   // rows r0 + 4i, columns c .. c+7
   int q;
-  // The tile from the block index by a 32-bit division (tile_index's 64-bit one is a ~70
-  // instruction subroutine: a tenth of this kernel's work a thread).
   __device__ __forceinline__ explicit XLayoutSlot(int64_t C) {
-    const uint32_t tiles_a_row = uint32_t((C + 127) / 128), tile_row = blockIdx.x / tiles_a_row;
+    const TileIndex t = tile_index(C, 128, 128);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     q = lane & 3;
-    r0 = int64_t(tile_row) * 128 + 32 * (warp >> 1) + q;
-    c = int64_t(blockIdx.x - tile_row * tiles_a_row) * 128 + 64 * (warp & 1) + 8 * (lane >> 2);
+    r0 = t.r0 + 32 * (warp >> 1) + q;
+    c = t.c0 + 64 * (warp & 1) + 8 * (lane >> 2);
   }
   __device__ __forceinline__ int64_t row(int i) const { return r0 + 4 * i; }
 };
