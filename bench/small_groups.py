@@ -29,7 +29,7 @@ import numpy as np
 
 import jaxquant as jq
 import jaxquant.grouped as jg
-from jaxquant.backends.ffi.grouped import sm90_configs
+from jaxquant.backends.ffi.grouped import bf16, sm90_configs
 from grouped import no_recipe_gemms  # bench/grouped.py
 from timing import bench, card  # bench/timing.py
 
@@ -62,6 +62,12 @@ def cases(groups: int, rows: int, k: int, n: int, seed: int, grouped_only: bool 
   layouts = {"fprop": "NN", "dgrad": "TN", "wgrad": "NT"}
   for kind, fn, ops in no_recipe_gemms(x, w, dy, sizes):
     yield (f"grouped bf16 {kind} ({layouts[kind]})", jax.jit(fn), ops)
+  # the wgrad of decoded (MXFP8 / NVFP4) copies: the tokens' columnwise copies [K, L] and
+  # [N, L], tokens contiguous (layout TN)
+  xt, dyt = jax.jit(jnp.transpose)(x), jax.jit(jnp.transpose)(dy)
+  yield ("grouped bf16 wgrad (TN)",
+         jax.jit(lambda a, b, s: bf16.gemm(a, b, s, mode=1, out_dtype=jnp.bfloat16)),
+         (xt, dyt, bf16.group_starts(sizes)))
   fp8 = jq.Float8CurrentScalingQuantizer()
   a = jax.jit(lambda x, s: jg.quantize(x, s, fp8, columnwise=True, col_block=16))(x, sizes)
   c = jax.jit(lambda d, s: jg.quantize(d, s, fp8, col_block=16))(dy, sizes)

@@ -254,8 +254,22 @@ def test_bf16_configurations_their_choice_and_errors(monkeypatch):
   assert sel("NT", F32, large).config.name == "bf16_c2x1"
   assert sel("NT", F32, 256.0).config.name == "bf16"
   assert sel("NN", BF16, large).is_default and not sel("NN", BF16, 256.0).is_default
-  # a wgrad whose output the 256 x 128 tiles (cluster 2 x 1) cover with less padding: N = 1408
-  # is 5.5 tiles of 256 (6 under any cluster) and exactly 11 of 128; a tie keeps the choice
+  # a wgrad (mode 1: given its output shape, or `wgrad`) of groups below the large size takes
+  # the k-grouped kernel, whose instances serve wgrads only; large groups keep their choice
+  for layout in ("NT", "TN"):
+    for out in (BF16, F32):
+      assert sel(layout, out, 256.0, wgrad_mn=(2048, 1408)).config.name == "bf16_kgrouped"
+      assert sel(layout, out, large - 1, wgrad=True).config.name == "bf16_kgrouped"
+      assert sel(layout, out, large, wgrad=True).config.name != "bf16_kgrouped"
+  assert sel("NT", BF16, large, wgrad=True).config.name == "bf16_c2x1"
+  assert sel("NN", BF16, 256.0, wgrad=True).config.name != "bf16_kgrouped"  # no NN instance
+  assert bf16.selection(1, (4096, 2048), 8, BF16, a_k_major=False,
+                        b_k_major=False).config.name == "bf16_kgrouped"
+  assert bf16.selection(0, (4096, 2048), 8, BF16).config.name == "bf16_c2x1"
+  monkeypatch.setattr(sm90_configs, "KGROUPED_WGRAD", False)
+  # without it: a wgrad whose output the 256 x 128 tiles (cluster 2 x 1) cover with less
+  # padding: N = 1408 is 5.5 tiles of 256 (6 under any cluster) and exactly 11 of 128; a tie
+  # keeps the choice
   assert sm90_configs.padded_elements((2048, 1408), sm90_configs.CONFIGS["bf16"]) == 2048 * 1536
   assert sel("NT", BF16, 256.0, wgrad_mn=(2048, 1408)).config.name == "bf16_256x128"
   assert sel("NT", F32, 256.0, wgrad_mn=(2048, 1408)).config.name == "bf16_256x128"
@@ -267,6 +281,7 @@ def test_bf16_configurations_their_choice_and_errors(monkeypatch):
   monkeypatch.setattr(sm90_configs, "WGRAD_BY_PADDING", False)
   assert sel("NT", BF16, 256.0, wgrad_mn=(2048, 1408)).config.name == "bf16"
   monkeypatch.setattr(sm90_configs, "WGRAD_BY_PADDING", True)
+  monkeypatch.setattr(sm90_configs, "KGROUPED_WGRAD", True)
   auto, e4m3 = sm90_configs.automatic, sm90_configs.PER_TENSOR_E4M3_BF16
   assert auto(e4m3, True, 1408, 2048).config.name == "c2x1"  # 11 column tiles, no 12th
   assert auto(e4m3, True, 14336, 4096).config.name == "default"  # no padding either way
@@ -274,7 +289,9 @@ def test_bf16_configurations_their_choice_and_errors(monkeypatch):
   assert auto(e4m3, True, 1408).config.name == "default"  # output shape not given
   assert auto("", True, 1408, 2048).config.name == "default"  # E5M2 or float32 out
   assert {c.ident for c in sm90_configs.CONFIGS.values()} == set(range(len(sm90_configs.CONFIGS)))
-  assert bf16.kernel_label(1, (64, 512), 8, BF16, a_k_major=False, b_k_major=False) == KERNEL
+  assert "config bf16_kgrouped" in bf16.kernel_label(1, (64, 512), 8, BF16, a_k_major=False,
+                                                     b_k_major=False)
+  assert bf16.kernel_label(0, (64, 512), 8, BF16) == KERNEL
   assert "config bf16_c2x1" in bf16.kernel_label(0, (2048, 64), 8, BF16)
   monkeypatch.setenv(sm90_configs.ENV, "bf16_c2x1:rn")
   chosen = sel("NN", BF16, 9999.0)
@@ -288,6 +305,15 @@ def test_bf16_configurations_their_choice_and_errors(monkeypatch):
     sel("TN", BF16, 10.0)
   monkeypatch.setenv(sm90_configs.ENV, "bf16")
   assert sel("TN", F32, 10.0).config.name == "bf16"
+  # the k-grouped configuration serves wgrads of layouts NT and TN only
+  monkeypatch.setenv(sm90_configs.ENV, "bf16_kgrouped")
+  for layout in ("NT", "TN"):
+    assert sel(layout, F32, 10.0, wgrad=True).config.name == "bf16_kgrouped"
+    with pytest.raises(ValueError, match="'bf16_kgrouped' serves wgrads \\(mode 1\\) only"):
+      sel(layout, BF16, 10.0)
+  with pytest.raises(ValueError, match="'bf16_kgrouped' has instances for bfloat16 NT -> "
+                                       "bfloat16, .* only, not bfloat16 NN"):
+    sel("NN", BF16, 10.0, wgrad=True)
 
 
 # -------------------------------------- routing -----------------------------------------------
@@ -618,6 +644,22 @@ def test_gpu_no_recipe_grouped_dense_runs_on_the_kernel(on_kernel, rng, groups, 
 @pytest.mark.parametrize("groups,tokens,k,n", [(8, 2048, 256, 512), (64, 4096, 128, 176)])
 def test_gpu_float32_kernel_gradient_is_the_float32_sums(on_kernel, rng, groups, tokens, k, n):
   check_float32_kernel_step(rng, groups, tokens, k, n, "ffi-cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["bf16_kgrouped", "bf16_kgrouped:rn"])
+@pytest.mark.parametrize("out_dtype", [BF16, F32])
+@pytest.mark.parametrize("groups,tokens", [(1, 1500), (8, 1540), (64, 1820), (64, 64 * 256),
+                                           (130, 900)])
+def test_gpu_kgrouped_wgrad_is_within_the_bound(on_kernel, rng, config, out_dtype, groups,
+                                                 tokens):
+  """The k-grouped wgrad (one descriptor per operand): groups that start at any token, end
+  inside a 64-token block (the rows past them zeroed in shared memory), are shorter than one
+  block or empty (zeros written by the kernel), the last one followed by rows of no group; M and
+  N not multiples of the 256 x 128 tile."""
+  empty = tuple(range(2, groups, 5)) if groups > 1 else ()
+  check_kernel(rng, 1, "NT", out_dtype, tokens, 136, 200, groups, empty=empty, spare=7,
+               config=config)
 
 
 @pytest.mark.gpu

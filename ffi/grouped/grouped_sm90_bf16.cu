@@ -83,15 +83,20 @@ Sm90Runner bf16_out(int layout) {
 }
 
 // The instance of (config, layout, output); nullptr when sm90.cmake built none (float32 output:
-// layout TN in the default configuration, layout NT in those the no-recipe wgrad takes).
+// layout TN in the default configuration, layout NT in those the no-recipe wgrad takes, both in
+// the k-grouped wgrad's).
 Sm90Runner runner(int cfg, int layout, int out) {
   if (out == kOutF32) {
     if (layout == sm90::kLayoutTN && cfg == sm90::kCfgBf16) {
       return instance<sm90::kCfgBf16, sm90::kLayoutTN, kOutF32>();
     }
+    if (layout == sm90::kLayoutTN && cfg == sm90::kCfgKGrouped) {
+      return instance<sm90::kCfgKGrouped, sm90::kLayoutTN, kOutF32>();
+    }
     if (layout != sm90::kLayoutNT) return nullptr;
     switch (cfg) {
       case sm90::kCfgBf16: return instance<sm90::kCfgBf16, sm90::kLayoutNT, kOutF32>();
+      case sm90::kCfgKGrouped: return instance<sm90::kCfgKGrouped, sm90::kLayoutNT, kOutF32>();
 #ifndef JAXQUANT_SM90_DEFAULT_CONFIGS_ONLY
       case sm90::kCfgBf16C2x1: return instance<sm90::kCfgBf16C2x1, sm90::kLayoutNT, kOutF32>();
       case sm90::kCfgBf16M256: return instance<sm90::kCfgBf16M256, sm90::kLayoutNT, kOutF32>();
@@ -101,6 +106,10 @@ Sm90Runner runner(int cfg, int layout, int out) {
   }
   switch (cfg) {
     case sm90::kCfgBf16: return bf16_out<sm90::kCfgBf16>(layout);
+    case sm90::kCfgKGrouped:  // wgrads (mode 1) of layouts NT and TN
+      return layout == sm90::kLayoutNT   ? instance<sm90::kCfgKGrouped, sm90::kLayoutNT, kOutBF16>()
+             : layout == sm90::kLayoutTN ? instance<sm90::kCfgKGrouped, sm90::kLayoutTN, kOutBF16>()
+                                         : nullptr;
 #ifndef JAXQUANT_SM90_DEFAULT_CONFIGS_ONLY
     case sm90::kCfgBf16C2x1: return bf16_out<sm90::kCfgBf16C2x1>(layout);
     case sm90::kCfgBf16Pingpong: return bf16_out<sm90::kCfgBf16Pingpong>(layout);
@@ -124,6 +133,11 @@ ffi::Error GroupedGemmBf16Cuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBu
   if (!why.empty()) return invalid(kTarget, why);
   JQ_RETURN_IF_ERROR(check_sm90_workspace(kTarget, *workspace, sm90::workspace_bytes(p.G)));
   const int layout = layout_of(p);
+  if (config == sm90::kCfgKGrouped && p.mode != kModeWgrad) {
+    return invalid(kTarget, "config " + std::to_string(config) +
+                                " (bf16_kgrouped) serves wgrads (mode 1) only; got mode " +
+                                std::to_string(p.mode));
+  }
   const Sm90Runner run = p.row_scale ? row_scaled_runner(config, layout, p.out_kind)
                                      : runner(config, layout, p.out_kind);
   if (run == nullptr) {

@@ -47,6 +47,9 @@ enum : int {
   kCfgBf16C2x1 = 7,      // 128x256x64, cluster 2x1, cooperative
   kCfgBf16Pingpong = 8,  // 64x128x128, cluster 1x1, pingpong (small groups)
   kCfgBf16M256 = 9,      // 256x128x64, cluster 2x1, cooperative (N a multiple of 128, not 256)
+  // The wgrad of layout NT (mode 1) only: kCfgBf16M256's tile on CUTLASS's batched kernel, one
+  // TMA descriptor per operand, the group as the batch coordinate (sm90_kgrouped.cuh).
+  kCfgKGrouped = 10,     // 256x128x64, cluster 2x1, cooperative, k-grouped
 };
 
 // Operand layouts of the bf16 instances (which operand runs contiguously along the contraction

@@ -82,6 +82,9 @@ template <> struct TileConfig<kCfgBf16Pingpong> : Tiles<64, 128, 128, 1, 1, true
 // (5.5 x 256 rounds to 6); cluster 2 x 1 (B multicast) pairs the row tiles of an M that is a
 // multiple of 512, where a 1 x 2 cluster would pad 11 column tiles to 12.
 template <> struct TileConfig<kCfgBf16M256> : Tiles<256, 128, 64, 2, 1> {};
+// The k-grouped wgrad (sm90_kgrouped.cuh) on the same tile: its types come from this Instance,
+// its kernel is CUTLASS's batched one, not the pointer-array kernel below.
+template <> struct TileConfig<kCfgKGrouped> : Tiles<256, 128, 64, 2, 1> {};
 
 // kEpiRowScale's epilogue tree: D = convert((alpha[g] * acc) * row_scale[m]), float32 products
 // rounded once to ElementD (XLA's order when it scaled a float32 output). alpha: one float32

@@ -50,10 +50,22 @@ struct DenseOperands {
   }
 };
 
+// The k-grouped wgrad's launcher (sm90_kgrouped.cuh, included by its instances' translation
+// units only, so the other instances do not depend on it).
+template <class K>
+std::string launch_kgrouped(const Problem& p, cudaStream_t stream);
+
 template <int A, int B, int OUT, int CFG, int LAYOUT, int EPI>
 std::string run_instance(const Problem& p, cudaStream_t stream) {
   if (p.layout != LAYOUT) return "operand layout does not match the instance";
-  return launch<Instance<DenseOperands<A, B, LAYOUT>, OUT, CFG, EPI>>(p, stream);
+  using K = Instance<DenseOperands<A, B, LAYOUT>, OUT, CFG, EPI>;
+  if constexpr (CFG == kCfgKGrouped) {
+    static_assert(A == kBF16 && LAYOUT != kLayoutNN && EPI == kEpiAlpha,
+                  "the k-grouped wgrad takes bfloat16 operands of layout TN or NT");
+    return launch_kgrouped<K>(p, stream);
+  } else {
+    return launch<K>(p, stream);
+  }
 }
 
 }  // namespace sm90

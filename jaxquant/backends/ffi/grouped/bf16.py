@@ -132,7 +132,7 @@ def selection(mode: int, a_shape, groups: int, out_dtype, *, a_k_major: bool = T
   if mode == 1 and b_shape is not None:
     wgrad_mn = (a_shape[0] if a_k_major else a_shape[1], b_shape[0] if b_k_major else b_shape[1])
   return sm90_configs.bf16_selection(layout, out_dtype, tokens / max(groups, 1),
-                                     row_scaled=row_scaled, wgrad_mn=wgrad_mn)
+                                     row_scaled=row_scaled, wgrad_mn=wgrad_mn, wgrad=mode == 1)
 
 
 def kernel_label(mode: int, a_shape, groups: int, out_dtype, *, a_k_major: bool = True,

@@ -65,6 +65,7 @@ class Sm90Config:
   schedule: str
   accumulation: str
   instances: tuple[str, ...]
+  wgrad_only: bool = False  # its instances serve wgrads (mode 1) only
 
   def describe(self) -> str:
     return (f"{'x'.join(map(str, self.tile))} tiles, cluster {self.cluster[0]}x{self.cluster[1]}, "
@@ -93,6 +94,12 @@ CONFIGS = {c.name: c for c in (
                _BF16_LAYOUTS),
     Sm90Config("bf16_256x128", 9, (256, 128, 64), (2, 1), "cooperative", "float32",
                _BF16_LAYOUTS + (BF16_NT_F32,)),
+    # Wgrads (layouts NT and TN, mode 1) on CUTLASS's batched kernel with one TMA descriptor
+    # per operand and the group as the batch coordinate (ffi/grouped/sm90/sm90_kgrouped.cuh):
+    # no per-group pointer arrays, setup kernel or descriptor rewrites.
+    Sm90Config("bf16_kgrouped", 10, (256, 128, 64), (2, 1), "cooperative, k-grouped",
+               "float32", (BF16_NT_BF16, BF16_NT_F32, BF16_TN_BF16, BF16_TN_F32),
+               wgrad_only=True),
 )}
 DEFAULT = CONFIGS["default"]
 BF16_DEFAULT = CONFIGS["bf16"]
@@ -118,6 +125,16 @@ BF16_PAIRED_ROW_TILE_TOKENS = 192
 # "bf16_256x128" for bfloat16 below the large group size), and keeps its configuration on a
 # tie (`padded_elements`).
 WGRAD_BY_PADDING = True
+
+
+# A bfloat16 wgrad (layouts NT and TN: the no-recipe one and the one of decoded copies) of groups
+# below BF16_LARGE_GROUP_TOKENS runs the k-grouped kernel ("bf16_kgrouped", design decision 50).
+# Measured on an H200 (session 25, bench/small_groups.py, one process; ms): 64 groups x 256
+# tokens NT 0.232-0.238 against "bf16_256x128"'s 0.274, TN 0.228-0.238 against 0.271; 128 x 128
+# NT 0.330-0.350 against "bf16"'s 0.420, TN 0.341-0.352 against 0.412. At 8 x 2048 (K 4096,
+# N 14336) it was no faster (NT 2.73-2.92 against "bf16_c2x1"'s 2.81, TN 2.97-2.99 against
+# 2.89), so large groups keep their configuration.
+KGROUPED_WGRAD = True
 
 
 def padded_elements(mn: tuple[int, int], config: "Sm90Config") -> int:
@@ -233,13 +250,18 @@ def bf16_kind(layout: str, out_dtype, row_scaled: bool = False) -> str:
 
 
 def automatic_bf16(kind: str, tokens_per_group: float,
-                   wgrad_mn: Optional[tuple[int, int]] = None) -> Selection:
-  """The configuration a bfloat16 GEMM takes without `JAXQUANT_SM90_CONFIG`, by layout and the
-  groups' average token count (the measured rules at `BF16_LARGE_GROUP_TOKENS` and
-  `BF16_PAIRED_ROW_TILE_TOKENS`) and, for a wgrad (`wgrad_mn`: its per-group output shape),
-  the padding rule (`WGRAD_BY_PADDING`); an instance kind the chosen configuration does not
-  have (float32 output) keeps "bf16"."""
+                   wgrad_mn: Optional[tuple[int, int]] = None,
+                   wgrad: bool = False) -> Selection:
+  """The configuration a bfloat16 GEMM takes without `JAXQUANT_SM90_CONFIG`: a wgrad
+  (`wgrad`) of groups below the large group size "bf16_kgrouped" while `KGROUPED_WGRAD`
+  holds; else by layout and the groups' average token count (the measured rules at
+  `BF16_LARGE_GROUP_TOKENS` and `BF16_PAIRED_ROW_TILE_TOKENS`) and, for a wgrad (`wgrad_mn`:
+  its per-group output shape), the padding rule (`WGRAD_BY_PADDING`); an instance kind the
+  chosen configuration does not have (float32 output) keeps "bf16"."""
   large = tokens_per_group >= BF16_LARGE_GROUP_TOKENS
+  kgrouped = CONFIGS["bf16_kgrouped"]
+  if wgrad and not large and KGROUPED_WGRAD and kind in kgrouped.instances:
+    return Selection(kgrouped)
   one_row_tile = tokens_per_group < BF16_PAIRED_ROW_TILE_TOKENS
   if kind.startswith("bfloat16 NN"):
     name = "bf16" if large or one_row_tile else "bf16_c2x1"
@@ -257,15 +279,21 @@ def automatic_bf16(kind: str, tokens_per_group: float,
 
 def bf16_selection(layout: str, out_dtype, tokens_per_group: float,
                    row_scaled: bool = False,
-                   wgrad_mn: Optional[tuple[int, int]] = None) -> Selection:
+                   wgrad_mn: Optional[tuple[int, int]] = None,
+                   wgrad: bool = False) -> Selection:
   """The configuration a bfloat16 GEMM is traced with: the one `JAXQUANT_SM90_CONFIG` forces
-  (ValueError when it has no instance for this layout and output), else `automatic_bf16`.
-  `row_scaled`: with per-row factors in the epilogue (their own instances); `wgrad_mn`: a
-  wgrad's per-group output shape."""
+  (ValueError when it has no instance for this layout and output, or serves wgrads only and
+  this is not one), else `automatic_bf16`. `row_scaled`: with per-row factors in the epilogue
+  (their own instances); `wgrad_mn`: a wgrad's per-group output shape; `wgrad`: a wgrad (mode
+  1), given or not its output shape."""
   kind = bf16_kind(layout, out_dtype, row_scaled)
+  wgrad = wgrad or wgrad_mn is not None
   selection = selected()
   if selection is None:
-    return automatic_bf16(kind, tokens_per_group, wgrad_mn)
+    return automatic_bf16(kind, tokens_per_group, wgrad_mn, wgrad)
+  if selection.config.wgrad_only and not wgrad:
+    raise ValueError(f"{ENV}={selection.label}: configuration {selection.config.name!r} serves "
+                     "wgrads (mode 1) only, not this ragged-rows GEMM (mode 0)")
   if kind not in selection.config.instances:
     raise ValueError(f"{ENV}={selection.label}: configuration {selection.config.name!r} has "
                      f"instances for {', '.join(selection.config.instances)} only, not {kind}")

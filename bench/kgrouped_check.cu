@@ -1,0 +1,126 @@
+// The k-grouped wgrad (ffi/grouped/sm90/sm90_kgrouped.cuh) outside JAX: ragged groups in both
+// layouts (NT, TN) against a float64 host reference (groups ending inside a 64-token block,
+// shorter than one, empty, rows of no group; every output element must be written), then its
+// time on 64 equal groups of 256 tokens and 8 of 2048. Exit status 1 when an element is off.
+//
+//   nvcc -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
+//        -Iffi -I<CUTLASS include> bench/kgrouped_check.cu -o kgrouped_check
+#include <cuda_runtime.h>
+#include <cstdio>
+#include <cmath>
+#include <vector>
+#include <random>
+#include "grouped/sm90/sm90_kernel.cuh"
+#include "grouped/sm90/sm90_kgrouped.cuh"
+
+using namespace jqffi::sm90;
+using Bf = cutlass::bfloat16_t;
+template <int LAYOUT> using Inst = Instance<DenseOperands<kBF16, kBF16, LAYOUT>, jqffi::kOutF32, kCfgKGrouped>;
+
+
+
+template <int LAYOUT>
+int check(int G, int M, int N, std::vector<int> sizes, unsigned seed) {
+  int L = 0; for (int s : sizes) L += s;
+  L += 37;  // rows of no group after the last
+  L = (L + 7) / 8 * 8;  // K-major rows of 16 bytes
+  std::vector<int32_t> starts(G + 1, 0);
+  for (int g = 0; g < G; ++g) starts[g + 1] = starts[g] + sizes[g];
+  std::mt19937 rng(seed); std::normal_distribution<float> nd;
+  std::vector<Bf> a(size_t(L) * M), b(size_t(L) * N);
+  for (auto& v : a) v = Bf(nd(rng));
+  for (auto& v : b) v = Bf(nd(rng));
+  Bf *da, *db; float* dout; int32_t* dstarts; void* ws;
+  cudaMalloc(&da, a.size() * 2); cudaMalloc(&db, b.size() * 2);
+  cudaMalloc(&dout, size_t(G) * M * N * 4); cudaMalloc(&dstarts, (G + 1) * 4); cudaMalloc(&ws, 1 << 20);
+  if (LAYOUT == kLayoutTN) {  // a [M, L], b [N, L]
+    std::vector<Bf> at(a.size()), bt(b.size());
+    for (int t = 0; t < L; ++t) {
+      for (int m = 0; m < M; ++m) at[size_t(m) * L + t] = a[size_t(t) * M + m];
+      for (int n = 0; n < N; ++n) bt[size_t(n) * L + t] = b[size_t(t) * N + n];
+    }
+    cudaMemcpy(da, at.data(), a.size() * 2, cudaMemcpyHostToDevice);
+    cudaMemcpy(db, bt.data(), b.size() * 2, cudaMemcpyHostToDevice);
+  } else {
+    cudaMemcpy(da, a.data(), a.size() * 2, cudaMemcpyHostToDevice);
+    cudaMemcpy(db, b.data(), b.size() * 2, cudaMemcpyHostToDevice);
+  }
+  cudaMemcpy(dstarts, starts.data(), (G + 1) * 4, cudaMemcpyHostToDevice);
+  cudaMemset(dout, 0xFF, size_t(G) * M * N * 4);  // NaN: every element must be written
+  Problem p; p.mode = 1; p.G = G; p.L = L; p.M = M; p.N = N; p.K = 0; p.pstarts = dstarts;
+  p.a = (const uint8_t*)da; p.b = (const uint8_t*)db; p.layout = LAYOUT; p.out = dout;
+  p.a_elem = kBF16; p.b_elem = kBF16; p.out_kind = jqffi::kOutF32; p.workspace = ws; p.workspace_bytes = 1 << 20;
+  std::string err = launch_kgrouped<Inst<LAYOUT>>(p, 0);
+  cudaError_t e = cudaDeviceSynchronize();
+  if (!err.empty() || e != cudaSuccess) { printf("launch: %s / %s\n", err.c_str(), cudaGetErrorString(e)); return 1; }
+  std::vector<float> out(size_t(G) * M * N);
+  cudaMemcpy(out.data(), dout, out.size() * 4, cudaMemcpyDeviceToHost);
+  double worst = 0; long bad = 0;
+  for (int g = 0; g < G; ++g)
+    for (int m = 0; m < M; ++m)
+      for (int n = 0; n < N; ++n) {
+        double ref = 0, mag = 0;
+        for (int t = starts[g]; t < starts[g + 1]; ++t) {
+          double x = double(float(a[size_t(t) * M + m])) * double(float(b[size_t(t) * N + n]));
+          ref += x; mag += std::fabs(x);
+        }
+        double got = out[(size_t(g) * M + m) * N + n];
+        double err = std::fabs(got - ref), tol = 1e-5 * mag + 1e-30;
+        if (!(err <= tol)) { if (bad < 5) printf("  g %d m %d n %d: got %g ref %g\n", g, m, n, got, ref); ++bad; }
+        worst = std::max(worst, mag > 0 ? err / mag : err);
+      }
+  printf("%s check G %d M %d N %d L %d sizes[0..]=%d,%d,..: %ld bad, worst rel %.3g\n", LAYOUT == kLayoutTN ? "TN" : "NT", G, M, N, L,
+         sizes[0], sizes.size() > 1 ? sizes[1] : -1, bad, worst);
+  cudaFree(da); cudaFree(db); cudaFree(dout); cudaFree(dstarts); cudaFree(ws);
+  return bad != 0;
+}
+
+template <class I>
+void timing(const char* name, int G, int T, int M, int N) {
+  int L = G * T;
+  std::vector<int32_t> starts(G + 1);
+  for (int g = 0; g <= G; ++g) starts[g] = g * T;
+  Bf *da, *db; void *dout; int32_t* dstarts; void* ws;
+  cudaMalloc(&da, size_t(L) * M * 2); cudaMalloc(&db, size_t(L) * N * 2);
+  cudaMalloc(&dout, size_t(G) * M * N * 4); cudaMalloc(&dstarts, (G + 1) * 4); cudaMalloc(&ws, 1 << 20);
+  cudaMemset(da, 0x3c, size_t(L) * M * 2); cudaMemset(db, 0x3c, size_t(L) * N * 2);
+  cudaMemcpy(dstarts, starts.data(), (G + 1) * 4, cudaMemcpyHostToDevice);
+  Problem p; p.mode = 1; p.G = G; p.L = L; p.M = M; p.N = N; p.pstarts = dstarts;
+  p.a = (const uint8_t*)da; p.b = (const uint8_t*)db; p.layout = I::kLayout; p.out = dout;
+  p.a_elem = kBF16; p.b_elem = kBF16; p.out_kind = I::kOut; p.workspace = ws; p.workspace_bytes = 1 << 20;
+  for (int i = 0; i < 5; ++i) launch_kgrouped<typename I::K>(p, 0);
+  cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
+  cudaEventRecord(e0);
+  for (int i = 0; i < 50; ++i) launch_kgrouped<typename I::K>(p, 0);
+  cudaEventRecord(e1); cudaEventSynchronize(e1);
+  float ms; cudaEventElapsedTime(&ms, e0, e1);
+  printf("%-40s G %d x %d tokens, M %d N %d: %.1f us (%s)\n", name, G, T, M, N, 1000 * ms / 50,
+         cudaGetErrorString(cudaGetLastError()));
+  cudaFree(da); cudaFree(db); cudaFree(dout); cudaFree(dstarts); cudaFree(ws);
+}
+
+template <int OUT, int CFG, int LAYOUT = kLayoutNT> struct T {
+  static constexpr int kLayout = LAYOUT;
+  using K = Instance<DenseOperands<kBF16, kBF16, LAYOUT>, OUT, CFG>;
+  static constexpr int kOut = OUT;
+};
+
+int main() {
+  int bad = 0;
+  for (int layout = 0; layout < 2; ++layout) {
+    auto run = [&](int G, int M, int N, std::vector<int> sizes, unsigned seed) {
+      bad += layout == 0 ? check<kLayoutNT>(G, M, N, sizes, seed) : check<kLayoutTN>(G, M, N, sizes, seed);
+    };
+    run(5, 256, 128, {100, 0, 64, 1, 300}, 1);
+    run(4, 512, 256, {129, 63, 0, 0}, 2);
+    run(3, 256, 384, {0, 0, 0}, 3);
+    run(7, 768, 128, {65, 127, 128, 191, 5, 64, 250}, 4);
+    run(6, 136, 200, {33, 7, 64, 70, 0, 100}, 5);
+  }
+  timing<T<jqffi::kOutBF16, kCfgKGrouped>>("kgrouped NT -> bf16", 64, 256, 2048, 1408);
+  timing<T<jqffi::kOutBF16, kCfgKGrouped, kLayoutTN>>("kgrouped TN -> bf16", 64, 256, 2048, 1408);
+  timing<T<jqffi::kOutF32, kCfgKGrouped, kLayoutTN>>("kgrouped TN -> f32", 64, 256, 2048, 1408);
+  timing<T<jqffi::kOutBF16, kCfgKGrouped, kLayoutTN>>("kgrouped TN -> bf16", 8, 2048, 4096, 14336);
+  printf(bad ? "FAILED\n" : "ALL OK\n");
+  return bad != 0;
+}
