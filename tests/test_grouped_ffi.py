@@ -1016,6 +1016,7 @@ def test_gpu_sm90_block_all_groups_empty_gives_zeros(on_sm90, rng):
 # for these K <= 2048), plus one bfloat16 rounding (2^-8).
 
 SM90_FP8_CONFIGS = ["c1x1", "n176", "fast", "pingpong_fast", "c2x1", "default:rn"]
+SM90_FP8_WGRAD_CONFIGS = SM90_FP8_CONFIGS + ["kgrouped", "kgrouped:rn"]  # wgrads only
 SM90_BLOCK_CONFIGS = ["c1x1", "c2x1", "default:rn"]
 
 
@@ -1043,7 +1044,7 @@ def test_gpu_sm90_config_ragged_gemm_matches_the_reference(on_sm90, rng, monkeyp
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", SM90_FP8_CONFIGS)
+@pytest.mark.parametrize("config", SM90_FP8_WGRAD_CONFIGS)
 @pytest.mark.parametrize("groups", [1, 8, 64])
 def test_gpu_sm90_config_wgrad_gemm_matches_the_reference(on_sm90, rng, monkeypatch, config,
                                                           groups):
@@ -1131,6 +1132,29 @@ def test_sm90_config_selection_and_its_errors(monkeypatch, rng):
   assert kernels.sm90_kernel_label(block.columnwise, block.columnwise, jnp.float32) == ""
   assert kernels.sm90_kernel_label(block.rowwise, block_w1, jnp.bfloat16) == ""
   assert kernels.gemm_kernel(fp8, fp8_w176, jnp.bfloat16) == sm90
+  # a per-tensor FP8 wgrad of small groups takes the k-grouped kernel, E5M2 dy and float32 out
+  # included; a Float8Block one does not, nor large groups
+  dy = jnp.asarray(oracle.random_matrix(rng, (192, 64)), jnp.bfloat16)
+  cols = lambda v, q: _abstract(  # noqa: E731
+      lambda v: jg.quantize(v, sizes, q, rowwise=False, columnwise=True, col_block=16).columnwise,
+      v)
+  x_t, dy_t = cols(x, FP8), cols(dy, FP8)
+  dy_t5 = cols(dy, GEMM_QUANTIZERS["fp8-e5m2"])
+  for b_t, out in ((dy_t, jnp.bfloat16), (dy_t5, jnp.bfloat16), (dy_t5, jnp.float32)):
+    assert "config kgrouped" in kernels.sm90_kernel_label(x_t, b_t, out)
+  assert "kgrouped" not in kernels.sm90_kernel_label(block.columnwise, block.columnwise,
+                                                     jnp.bfloat16)
+  assert sm90_configs.automatic(sm90_configs.PER_TENSOR_E4M3_BF16, True, 1408, 2048,
+                                tokens_per_group=2048.0, kgrouped=True).config.name == "c2x1"
+  assert sm90_configs.kgrouped_reason(fp8, fp8_w, False) == "not a wgrad (mode 1)"
+
+  monkeypatch.setenv(sm90_configs.ENV, "kgrouped")
+  assert kernels.gemm_kernel(x_t, dy_t5, jnp.float32) == sm90
+  with pytest.raises(ValueError, match="'kgrouped' serves per-tensor FP8 wgrads .* not not a "
+                                       "wgrad"):
+    kernels.gemm_kernel(fp8, fp8_w, jnp.bfloat16)
+  with pytest.raises(ValueError, match="not Float8Block operands"):
+    kernels.gemm_kernel(block.columnwise, block.columnwise, jnp.bfloat16)
 
   monkeypatch.setenv(sm90_configs.ENV, "fast")
   assert kernels.gemm_kernel(fp8, fp8_w, jnp.bfloat16) == sm90

@@ -72,6 +72,15 @@ Sm90Runner runner(int a, int b, int out, int cfg) {
   using sm90::run_instance;
   constexpr int F32 = kOutF32, BF16 = kOutBF16;
   const bool f32 = out == F32;
+  if (cfg == sm90::kCfgKGroupedFp8) {  // wgrads (mode 1) of E4M3 x E4M3 / E5M2
+    if (a != kE4M3) return nullptr;
+    if (b == kE4M3) {
+      return f32 ? run_instance<kE4M3, kE4M3, F32, sm90::kCfgKGroupedFp8>
+                 : run_instance<kE4M3, kE4M3, BF16, sm90::kCfgKGroupedFp8>;
+    }
+    return f32 ? run_instance<kE4M3, kE5M2, F32, sm90::kCfgKGroupedFp8>
+               : run_instance<kE4M3, kE5M2, BF16, sm90::kCfgKGroupedFp8>;
+  }
   if (cfg != sm90::kCfgDefault) {
     if (a != kE4M3 || b != kE4M3 || out != BF16) return nullptr;
 #ifndef JAXQUANT_SM90_DEFAULT_CONFIGS_ONLY  // sm90.cmake's JAXQUANT_SM90_ALL_CONFIGS
@@ -140,6 +149,10 @@ ffi::Error GroupedGemmSm90Cuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBu
       sm90::block_scale_floats(p.mode, block, p.G, p.L, p.M, p.N, p.K, b_rows);
   JQ_RETURN_IF_ERROR(
       check_sm90_workspace(kTarget, *workspace, sm90::workspace_bytes(p.G, scale_floats)));
+  if (config == sm90::kCfgKGroupedFp8 && (p.mode != kModeWgrad || block)) {
+    return invalid(kTarget, "config " + std::to_string(config) +
+                                " (kgrouped) serves per-tensor FP8 wgrads (mode 1) only");
+  }
   const Sm90Runner run = block ? block_runner(b_rows, p.out_kind, config)
                            : runner(sm90_elem(p.a.elem), sm90_elem(p.b.elem), p.out_kind, config);
   if (run == nullptr) {

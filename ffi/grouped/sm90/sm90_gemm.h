@@ -50,6 +50,8 @@ enum : int {
   // The wgrad of layout NT (mode 1) only: kCfgBf16M256's tile on CUTLASS's batched kernel, one
   // TMA descriptor per operand, the group as the batch coordinate (sm90_kgrouped.cuh).
   kCfgKGrouped = 10,     // 256x128x64, cluster 2x1, cooperative, k-grouped
+  // The same for per-tensor FP8 wgrads (layout TN, float32 promotion): kCfgC2x1's tile.
+  kCfgKGroupedFp8 = 11,  // 128x128x128, cluster 2x1, cooperative, k-grouped
 };
 
 // Operand layouts of the bf16 instances (which operand runs contiguously along the contraction

@@ -85,6 +85,9 @@ template <> struct TileConfig<kCfgBf16M256> : Tiles<256, 128, 64, 2, 1> {};
 // The k-grouped wgrad (sm90_kgrouped.cuh) on the same tile: its types come from this Instance,
 // its kernel is CUTLASS's batched one, not the pointer-array kernel below.
 template <> struct TileConfig<kCfgKGrouped> : Tiles<256, 128, 64, 2, 1> {};
+// Its per-tensor FP8 form on kCfgC2x1's tile (the promotion's second accumulator set rules out
+// 256 rows a CTA).
+template <> struct TileConfig<kCfgKGroupedFp8> : Tiles<128, 128, 128, 2, 1> {};
 
 // kEpiRowScale's epilogue tree: D = convert((alpha[g] * acc) * row_scale[m]), float32 products
 // rounded once to ElementD (XLA's order when it scaled a float32 output). alpha: one float32

@@ -157,14 +157,20 @@ struct KGroupedMainloop : Base {
   static constexpr int kBlkN = cute::size<1>(TileShape{});
   static constexpr int kBlkK = cute::size<2>(TileShape{});
   static constexpr int kMmaThreads = cute::size(TiledMma{});
-  // Under any GMMA swizzle, 8 consecutive 16-bit values along an operand's contiguous axis are
-  // one 16-byte chunk of shared memory: a token row of an M/N-major operand (layout NT) is
-  // zeroed in whole chunks, the tokens past a group in a K-major one (layout TN) in whole
-  // chunks after at most one partial chunk a row.
+  // Under any GMMA swizzle, 16 consecutive bytes along an operand's contiguous axis (8 bfloat16
+  // or 16 FP8 values) are one 16-byte chunk of shared memory: a token row of an M/N-major
+  // operand (bfloat16 layout NT) is zeroed in whole chunks, the tokens past a group in a K-major
+  // one (layout TN) in whole chunks after at most one partial chunk a row.
   static constexpr bool kAMnMajor = cutlass::gemm::detail::is_major<0, StrideA>();
   static constexpr bool kBMnMajor = cutlass::gemm::detail::is_major<0, StrideB>();
-  static_assert(sizeof(typename TiledMma::ValTypeA) == 2 && sizeof(typename TiledMma::ValTypeB) == 2,
-                "16-bit operands");
+  // FP8 operands: CUTLASS's two-level accumulation (the tensor cores' partial sums added to the
+  // float32 accumulators every `mma_promotion_interval` MMAs), as its FP8 mainloop does.
+  // wgmma instructions a block (BLK_K over the atom's K), what CUTLASS counts promotions in.
+  static constexpr int kMmasPerBlock =
+      kBlkK / cute::size<2>(typename TiledMma::AtomShape_MNK{});
+  static constexpr bool kPromote = sizeof(typename TiledMma::ValTypeA) == 1 &&
+                                   !cute::is_same_v<typename DispatchPolicy::Schedule,
+                                       cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum>;
   // The named barrier the consumers meet at after zeroing (user ids follow CUTLASS's reserved).
   static constexpr uint32_t kZeroBarrier = 0;
 
@@ -252,22 +258,25 @@ struct KGroupedMainloop : Base {
   template <bool MnMajor, int MN_TILE, class SmemTensor>
   CUTLASS_DEVICE static void zero_tokens(SmemTensor& s, int stage, int rows, int thread_idx) {
     using namespace cute;
+    using Element = cute::remove_cvref_t<decltype(s(0, 0, 0))>;
+    constexpr int per_chunk = 16 / sizeof(Element);  // values of a 16-byte chunk
     const uint4 zero = make_uint4(0, 0, 0, 0);
     auto chunk = [&](int mn, int k) -> uint4& {
       return *reinterpret_cast<uint4*>(raw_pointer_cast(&s(mn, k, stage)));
     };
-    if constexpr (MnMajor) {  // a token is MN_TILE / 8 whole chunks
-      constexpr int chunks = MN_TILE / 8;
+    if constexpr (MnMajor) {  // a token is MN_TILE / per_chunk whole chunks
+      constexpr int chunks = MN_TILE / per_chunk;
       for (int i = thread_idx; i < (kBlkK - rows) * chunks; i += kMmaThreads) {
-        chunk((i % chunks) * 8, rows + i / chunks) = zero;
+        chunk((i % chunks) * per_chunk, rows + i / chunks) = zero;
       }
-    } else {  // a row's tokens run along chunks of 8
-      const int whole_from = (rows + 7) / 8;
-      for (int i = thread_idx; i < MN_TILE * (kBlkK / 8 - whole_from); i += kMmaThreads) {
-        chunk(i % MN_TILE, 8 * (whole_from + i / MN_TILE)) = zero;
+    } else {  // a row's tokens run along chunks of per_chunk
+      const int whole_from = (rows + per_chunk - 1) / per_chunk;
+      for (int i = thread_idx; i < MN_TILE * (kBlkK / per_chunk - whole_from);
+           i += kMmaThreads) {
+        chunk(i % MN_TILE, per_chunk * (whole_from + i / MN_TILE)) = zero;
       }
-      for (int i = thread_idx; i < MN_TILE * (8 * whole_from - rows); i += kMmaThreads) {
-        s(i % MN_TILE, rows + i / MN_TILE, stage) = cute::remove_cvref_t<decltype(s(0, 0, 0))>(0);
+      for (int i = thread_idx; i < MN_TILE * (per_chunk * whole_from - rows); i += kMmaThreads) {
+        s(i % MN_TILE, rows + i / MN_TILE, stage) = Element(0);
       }
     }
   }
@@ -287,11 +296,34 @@ struct KGroupedMainloop : Base {
 
   // Consumers: one wgmma batch a block, at most one in flight while the next block is waited
   // for (CUTLASS's K_PIPE_MMAS = 1); the previous block's stage is released once its batch is
-  // done.
+  // done. FP8: the batches accumulate into CUTLASS's promotion buffer, added to `accum` every
+  // `mma_promotion_interval` MMAs and at the end.
   template <class FrgTensorC>
   CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read,
                           FrgTensorC& accum, KTiles k, int thread_idx,
-                          TensorStorage& shared_tensors, Params const&) {
+                          TensorStorage& shared_tensors, Params const& params) {
+    if constexpr (kPromote) {
+      using namespace cute;
+      cutlass::gemm::collective::GmmaFP8Accumulation promoted(
+          accum, params.mma_promotion_interval, kMmasPerBlock);
+      mma_blocks(pipeline, smem_pipe_read, promoted(), k, thread_idx, shared_tensors,
+                 [&] { return promoted.prepare_if_needed(); },
+                 [&] { promoted.promote_if_needed(); });
+      promoted.promote_residue_if_needed();
+      warpgroup_fence_operand(promoted());
+    } else {
+      mma_blocks(pipeline, smem_pipe_read, accum, k, thread_idx, shared_tensors,
+                 [] { return false; }, [] {});
+    }
+  }
+
+  // The k-loop of `mma` on accumulators `accum` (the wgmma's own: FP8's promotion buffer).
+  // `reset()`: whether the next batch starts them from zero (after a promotion); `promote()`
+  // after each batch is issued (and, past the first, waited for).
+  template <class FrgTensorC, class Reset, class Promote>
+  CUTLASS_DEVICE void mma_blocks(MainloopPipeline pipeline, PipelineState smem_pipe_read,
+                                 FrgTensorC& accum, KTiles k, int thread_idx,
+                                 TensorStorage& shared_tensors, Reset reset, Promote promote) {
     using namespace cute;
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
     Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
@@ -302,6 +334,7 @@ struct KGroupedMainloop : Base {
     auto thread_mma = tiled_mma.get_slice(warp_group_layout(warp_group));
     Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA, M, K, PIPE)
     Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));
+    static_assert(decltype(size<2>(tCrA))::value == kMmasPerBlock, "one wgmma a k-block");
 
     warpgroup_fence_operand(accum);
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
@@ -314,6 +347,7 @@ struct KGroupedMainloop : Base {
       if (j == k.count - 1 && k.last_rows < kBlkK) {
         zero_rows(shared_tensors, stage, k.last_rows, thread_idx);
       }
+      if (reset()) tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
       warpgroup_fence_operand(accum);
       warpgroup_arrive();
       CUTLASS_PRAGMA_UNROLL
@@ -325,6 +359,9 @@ struct KGroupedMainloop : Base {
       if (j > 0) {
         warpgroup_wait<1>();
         warpgroup_fence_operand(accum);
+      }
+      promote();
+      if (j > 0) {
         pipeline.consumer_release(smem_pipe_release);
         ++smem_pipe_release;
       }

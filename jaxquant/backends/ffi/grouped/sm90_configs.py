@@ -42,6 +42,9 @@ FLOAT8BLOCK_1x128_BF16 = "Float8Block 1x128 x 1x128 -> bfloat16"
 # bfloat16 x bfloat16 (jaxquant_grouped_gemm_bf16) by operand layout (which operands run along
 # the contraction: TN both, NN only a (the no-recipe forward's experts [G, K, N] are N-major),
 # NT neither (the no-recipe wgrad contracts the token-major x and dy)) and output.
+# The k-grouped FP8 wgrad ("kgrouped"): per-tensor E4M3 x E4M3 or E4M3 x E5M2 (HYBRID's dy)
+# wgrads, either output (`kgrouped_reason`).
+KGROUPED_FP8 = "per-tensor FP8 wgrads E4M3 x E4M3 / E5M2 -> bfloat16 / float32"
 BF16_TN_BF16 = "bfloat16 TN -> bfloat16"
 BF16_TN_F32 = "bfloat16 TN -> float32"
 BF16_NN_BF16 = "bfloat16 NN -> bfloat16"
@@ -97,6 +100,10 @@ CONFIGS = {c.name: c for c in (
     # Wgrads (layouts NT and TN, mode 1) on CUTLASS's batched kernel with one TMA descriptor
     # per operand and the group as the batch coordinate (ffi/grouped/sm90/sm90_kgrouped.cuh):
     # no per-group pointer arrays, setup kernel or descriptor rewrites.
+    # Per-tensor FP8 wgrads the same way, on "c2x1"'s tile (the float32 promotion's second
+    # accumulator set rules out 256 rows a CTA).
+    Sm90Config("kgrouped", 11, (128, 128, 128), (2, 1), "cooperative, k-grouped", "split",
+               (KGROUPED_FP8,), wgrad_only=True),
     Sm90Config("bf16_kgrouped", 10, (256, 128, 64), (2, 1), "cooperative, k-grouped",
                "float32", (BF16_NT_BF16, BF16_NT_F32, BF16_TN_BF16, BF16_TN_F32),
                wgrad_only=True),
@@ -127,8 +134,9 @@ BF16_PAIRED_ROW_TILE_TOKENS = 192
 WGRAD_BY_PADDING = True
 
 
-# A bfloat16 wgrad (layouts NT and TN: the no-recipe one and the one of decoded copies) of groups
-# below BF16_LARGE_GROUP_TOKENS runs the k-grouped kernel ("bf16_kgrouped", design decision 50).
+# A wgrad of groups below BF16_LARGE_GROUP_TOKENS runs the k-grouped kernel (design decision
+# 50): "bf16_kgrouped" for bfloat16 ones (layouts NT and TN: the no-recipe wgrad and the one of
+# decoded copies), "kgrouped" for per-tensor FP8 ones (`automatic`).
 # Measured on an H200 (session 25, bench/small_groups.py, one process; ms): 64 groups x 256
 # tokens NT 0.232-0.238 against "bf16_256x128"'s 0.274, TN 0.228-0.238 against 0.271; 128 x 128
 # NT 0.330-0.350 against "bf16"'s 0.420, TN 0.341-0.352 against 0.412. At 8 x 2048 (K 4096,
@@ -191,10 +199,16 @@ def selected() -> Optional[Selection]:
   return parse(value) if value else None
 
 
-def automatic(kind: str, wgrad: bool, n: int, m: Optional[int] = None) -> Selection:
+def automatic(kind: str, wgrad: bool, n: int, m: Optional[int] = None,
+              tokens_per_group: Optional[float] = None, kgrouped: bool = False) -> Selection:
   """The configuration a GEMM takes without `JAXQUANT_SM90_CONFIG`: an alternative only where
   it measured faster than "default" at both of `bench/grouped.py`'s shapes on an H100
-  (bench/RESULTS.md, session 4; 8 experts N 14336, 64 experts N 1408):
+  (bench/RESULTS.md, session 4; 8 experts N 14336, 64 experts N 1408), or, where noted, on an
+  H200:
+    - a wgrad the k-grouped kernel serves (`kgrouped`: `kgrouped_reason` is None) of groups
+      below the large group size (`tokens_per_group`): "kgrouped" while `KGROUPED_WGRAD` holds
+      (session 25, bench/kgrouped_check.cu: 64 groups x 256 tokens 0.238 ms against "c2x1"'s
+      0.258 and the default's 0.266; 8 x 2048 1.72 against 1.58, so large groups keep theirs);
     - per-tensor E4M3 x E4M3 -> bf16 ragged GEMM (fprop / dgrad) with N a multiple of 176 or
       at least 8192: "n176" (1199 vs 1163 and 539 vs 517 TFLOP/s for fprop; a 2048- or
       4096-wide N measured no better or worse);
@@ -203,6 +217,9 @@ def automatic(kind: str, wgrad: bool, n: int, m: Optional[int] = None) -> Select
       elements (`WGRAD_BY_PADDING`; measured on an H200, session 19: 0.307 -> 0.293 ms at 64
       groups x 256 tokens, 0.484 -> 0.467 at 128 x 128).
   Fast-accumulation configurations are never chosen automatically."""
+  if (wgrad and kgrouped and KGROUPED_WGRAD and tokens_per_group is not None
+      and tokens_per_group < BF16_LARGE_GROUP_TOKENS):
+    return Selection(CONFIGS["kgrouped"])
   if kind == PER_TENSOR_E4M3_BF16 and wgrad and m is not None:
     return Selection(_less_padded((m, n), DEFAULT, CONFIGS["c2x1"]))
   if kind == PER_TENSOR_E4M3_BF16 and not wgrad and (n % 176 == 0 or n >= 8192):
@@ -227,9 +244,30 @@ def instance_kind(a, b, out_dtype, block: bool) -> str:
   return ""
 
 
+def kgrouped_reason(a, b, block: bool) -> Optional[str]:
+  """Why the k-grouped FP8 wgrad ("kgrouped") cannot serve the GEMM of `a` and `b` (None: it
+  can): per-tensor E4M3 x E4M3 or E4M3 x E5M2 wgrads only."""
+  e4m3, e5m2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
+  if a.token_axis != 1:
+    return "not a wgrad (mode 1)"
+  if block:
+    return "Float8Block operands"
+  if np.dtype(a.data.dtype) != e4m3 or np.dtype(b.data.dtype) not in (e4m3, e5m2):
+    return f"{np.dtype(a.data.dtype).name} x {np.dtype(b.data.dtype).name} operands"
+  return None
+
+
 def unserved(selection: Selection, a, b, out_dtype, block: bool) -> Optional[str]:
   """Why `selection` has no instance for a GEMM the default instances serve (None: it has)."""
   config = selection.config
+  if KGROUPED_FP8 in config.instances:
+    reason = kgrouped_reason(a, b, block)
+    return None if reason is None else (
+        f"{ENV}={selection.label}: configuration {config.name!r} serves {KGROUPED_FP8} only, "
+        f"not {reason}")
+  if config.wgrad_only:  # a bfloat16 configuration
+    return (f"{ENV}={selection.label}: configuration {config.name!r} has instances for "
+            f"{', '.join(config.instances)} only, not FP8 operands")
   if (PER_TENSOR_ANY if not block else FLOAT8BLOCK_ANY) in config.instances:
     return None
   kind = instance_kind(a, b, out_dtype, block)
