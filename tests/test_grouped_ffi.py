@@ -808,18 +808,24 @@ def test_gpu_sm90_ragged_gemm_matches_the_reference(on_sm90, rng, groups, pair, 
 @pytest.mark.parametrize("block", [16, 128])
 def test_gpu_sm90_wgrad_gemm_matches_the_reference(on_sm90, rng, groups, pair, block):
   """Per-group wgrad on the CUTLASS kernel: empty groups give zeros, token layouts whose group
-  starts are 16-aligned (the block), groups shorter than one k-tile."""
-  check_wgrad(rng, pair, 1500 + 5 * groups, 136, 200, groups,
+  starts are 16-aligned (the block), groups shorter than one k-tile. Groups below the large
+  group size take the k-grouped kernel (E4M3 x E4M3 and E4M3 x E5M2), larger ones the
+  pointer-array default."""
+  tokens = 1500 + 5 * groups
+  small = tokens / groups < sm90_configs.BF16_LARGE_GROUP_TOKENS
+  label = sm90_configs.kernel_label(sm90_configs.Selection(sm90_configs.CONFIGS["kgrouped"]))
+  check_wgrad(rng, pair, tokens, 136, 200, groups,
               empty=tuple(range(2, groups, 5)) if groups > 1 else (), spare=7, rel=2.0**-10,
-              block=block, kernel=SM90)
+              block=block, kernel=SM90 + (label if small else ""))
 
 
 @pytest.mark.gpu
 def test_gpu_sm90_all_groups_empty_gives_zeros(on_sm90, rng):
   check_ragged(rng, ("fp8", "fp8"), 64, 64, 32, 3, empty=(0, 1, 2), spare=0, rel=0.0,
                bias=False, kernel=SM90)
+  kgrouped = sm90_configs.kernel_label(sm90_configs.Selection(sm90_configs.CONFIGS["kgrouped"]))
   check_wgrad(rng, ("fp8", "fp8"), 64, 32, 24, 3, empty=(0, 1, 2), spare=0, rel=0.0, block=16,
-              kernel=SM90)
+              kernel=SM90 + kgrouped)  # small groups: the k-grouped kernel writes the zeros
 
 
 @pytest.mark.gpu
