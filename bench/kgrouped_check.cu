@@ -19,6 +19,36 @@ template <int LAYOUT> using Inst = Instance<DenseOperands<kBF16, kBF16, LAYOUT>,
 
 
 
+// Counts the elements of out [G, M, N] outside `rel` x the float64 sum of |products| of the
+// exact group sums alpha[g] * sum_t a(m, t) b(n, t); prints the first few and the worst.
+template <class A, class B>
+long compare(const char* label, int G, int M, int N, const std::vector<int32_t>& starts,
+             const std::vector<float>& out, A a, B b, const std::vector<float>& alpha, double rel) {
+  long bad = 0;
+  double worst = 0;
+  for (int g = 0; g < G; ++g)
+    for (int m = 0; m < M; ++m)
+      for (int n = 0; n < N; ++n) {
+        double ref = 0, mag = 0;
+        for (int t = starts[g]; t < starts[g + 1]; ++t) {
+          const double x = a(m, t) * b(n, t);
+          ref += x;
+          mag += std::fabs(x);
+        }
+        ref *= alpha[g];
+        mag *= alpha[g];
+        const double got = out[(size_t(g) * M + m) * N + n];
+        const double err = std::fabs(got - ref);
+        if (!(err <= rel * mag + 1e-30)) {
+          if (bad < 5) printf("  g %d m %d n %d: got %g ref %g\n", g, m, n, got, ref);
+          ++bad;
+        }
+        worst = std::max(worst, mag > 0 ? err / mag : err);
+      }
+  printf("%s check G %d M %d N %d: %ld bad, worst rel %.3g\n", label, G, M, N, bad, worst);
+  return bad;
+}
+
 template <int LAYOUT>
 int check(int G, int M, int N, std::vector<int> sizes, unsigned seed) {
   // K-major operands (TN): every group starts on a 16-byte boundary, as the library's token
@@ -58,22 +88,10 @@ int check(int G, int M, int N, std::vector<int> sizes, unsigned seed) {
   if (!err.empty() || e != cudaSuccess) { printf("launch: %s / %s\n", err.c_str(), cudaGetErrorString(e)); return 1; }
   std::vector<float> out(size_t(G) * M * N);
   cudaMemcpy(out.data(), dout, out.size() * 4, cudaMemcpyDeviceToHost);
-  double worst = 0; long bad = 0;
-  for (int g = 0; g < G; ++g)
-    for (int m = 0; m < M; ++m)
-      for (int n = 0; n < N; ++n) {
-        double ref = 0, mag = 0;
-        for (int t = starts[g]; t < starts[g + 1]; ++t) {
-          double x = double(float(a[size_t(t) * M + m])) * double(float(b[size_t(t) * N + n]));
-          ref += x; mag += std::fabs(x);
-        }
-        double got = out[(size_t(g) * M + m) * N + n];
-        double err = std::fabs(got - ref), tol = 1e-5 * mag + 1e-30;
-        if (!(err <= tol)) { if (bad < 5) printf("  g %d m %d n %d: got %g ref %g\n", g, m, n, got, ref); ++bad; }
-        worst = std::max(worst, mag > 0 ? err / mag : err);
-      }
-  printf("%s check G %d M %d N %d L %d sizes[0..]=%d,%d,..: %ld bad, worst rel %.3g\n", LAYOUT == kLayoutTN ? "TN" : "NT", G, M, N, L,
-         sizes[0], sizes.size() > 1 ? sizes[1] : -1, bad, worst);
+  const long bad = compare(LAYOUT == kLayoutTN ? "bf16 TN" : "bf16 NT", G, M, N, starts, out,
+      [&](int m, int t) { return double(float(a[size_t(t) * M + m])); },
+      [&](int n, int t) { return double(float(b[size_t(t) * N + n])); },
+      std::vector<float>(G, 1.0f), 1e-5);
   cudaFree(da); cudaFree(db); cudaFree(dout); cudaFree(dstarts); cudaFree(ws);
   return bad != 0;
 }
@@ -112,23 +130,10 @@ int check_fp8(int G, int M, int N, std::vector<int> sizes, unsigned seed) {
   if (!err.empty() || e != cudaSuccess) { printf("fp8 launch: %s / %s\n", err.c_str(), cudaGetErrorString(e)); return 1; }
   std::vector<float> out(size_t(G) * M * N);
   cudaMemcpy(out.data(), dout, out.size() * 4, cudaMemcpyDeviceToHost);
-  long bad = 0; double worst = 0;
-  for (int g = 0; g < G; ++g)
-    for (int m = 0; m < M; ++m)
-      for (int n = 0; n < N; ++n) {
-        double ref = 0, mag = 0;
-        for (int t = starts[g]; t < starts[g + 1]; ++t) {
-          double x = double(float(a[size_t(m) * L + t])) * double(float(b[size_t(n) * L + t]));
-          ref += x; mag += std::fabs(x);
-        }
-        ref *= alpha[g]; mag *= alpha[g];
-        double got = out[(size_t(g) * M + m) * N + n];
-        double er = std::fabs(got - ref), tol = 0x1p-10 * mag + 1e-30;  // FP8 wgmma sums (the library tests' bound)
-        if (!(er <= tol)) { if (bad < 5) printf("  fp8 g %d m %d n %d: got %g ref %g\n", g, m, n, got, ref); ++bad; }
-        worst = std::max(worst, mag > 0 ? er / mag : er);
-      }
-  printf("FP8 %s check G %d M %d N %d L %d: %ld bad, worst rel %.3g\n", kB == kE5M2 ? "e4m3 x e5m2" : "e4m3 x e4m3",
-         G, M, N, L, bad, worst);
+  // FP8 wgmma sums: the library tests' bound (2^-10)
+  const long bad = compare(kB == kE5M2 ? "FP8 e4m3 x e5m2" : "FP8 e4m3 x e4m3", G, M, N, starts,
+      out, [&](int m, int t) { return double(float(a[size_t(m) * L + t])); },
+      [&](int n, int t) { return double(float(b[size_t(n) * L + t])); }, alpha, 0x1p-10);
   cudaFree(da); cudaFree(db); cudaFree(dout); cudaFree(dalpha); cudaFree(dstarts); cudaFree(ws);
   return bad != 0;
 }

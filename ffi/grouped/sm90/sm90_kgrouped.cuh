@@ -451,11 +451,7 @@ std::string launch_kgrouped(const Problem& p, cudaStream_t stream) {
   args.problem_shape = {int(p.M), int(p.N), L, int(p.G)};
   args.mainloop = {reinterpret_cast<const typename KG::ElementA*>(p.a), da,
                    reinterpret_cast<const typename KG::ElementB*>(p.b), db};
-  auto& fusion = args.epilogue.thread;
-  fusion.alpha = 1.0f;
-  fusion.beta = 0.0f;
-  fusion.alpha_ptr = p.alpha;  // alpha[g] per group (stride 1 along groups) or the literal 1
-  fusion.dAlpha = {cute::_0{}, cute::_0{}, p.alpha ? 1 : 0};
+  set_group_alpha(args.epilogue.thread, p.alpha);
   args.epilogue.ptr_C = nullptr;
   args.epilogue.dC = dd;
   args.epilogue.ptr_D = static_cast<typename KG::ElementD*>(p.out);
@@ -468,21 +464,7 @@ std::string launch_kgrouped(const Problem& p, cudaStream_t stream) {
   args.scheduler.tokens = L;
 
   if (Gemm::get_workspace_size(args) > p.workspace_bytes) return "workspace too small";
-  Gemm gemm;
-  cutlass::Status st = gemm.can_implement(args);
-  if (st != cutlass::Status::kSuccess) {
-    return std::string("CUTLASS can_implement: ") + cutlassGetStatusString(st);
-  }
-  st = gemm.initialize(args, p.workspace, stream);
-  if (st != cutlass::Status::kSuccess) {
-    return std::string("CUTLASS initialize: ") + cutlassGetStatusString(st);
-  }
-  st = gemm.run(stream);
-  if (st != cutlass::Status::kSuccess) {
-    return std::string("CUTLASS run: ") + cutlassGetStatusString(st);
-  }
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cudaGetErrorString(e);
-  return "";
+  return run_gemm<Gemm>(args, p.workspace, stream);
 }
 
 }  // namespace sm90

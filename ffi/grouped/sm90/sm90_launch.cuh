@@ -188,6 +188,36 @@ __global__ void setup_kernel(const Problem p, GroupArrays<K> s) {
   }
 }
 
+// D = alpha[g] * acc in CUTLASS's LinearCombination arguments `fusion`: alpha[g] read per group
+// (stride 1 along groups), or the literal 1 when `alpha` is null.
+template <class Fusion>
+void set_group_alpha(Fusion& fusion, const float* alpha) {
+  fusion.alpha = 1.0f;
+  fusion.beta = 0.0f;
+  fusion.alpha_ptr = alpha;
+  fusion.dAlpha = {cute::_0{}, cute::_0{}, alpha ? 1 : 0};
+}
+
+// CUTLASS's can_implement / initialize / run of `args` on `stream`: "" or what went wrong.
+template <class Gemm>
+std::string run_gemm(const typename Gemm::Arguments& args, void* workspace, cudaStream_t stream) {
+  Gemm gemm;
+  cutlass::Status st = gemm.can_implement(args);
+  if (st != cutlass::Status::kSuccess) {
+    return std::string("CUTLASS can_implement: ") + cutlassGetStatusString(st);
+  }
+  st = gemm.initialize(args, workspace, stream);
+  if (st != cutlass::Status::kSuccess) {
+    return std::string("CUTLASS initialize: ") + cutlassGetStatusString(st);
+  }
+  st = gemm.run(stream);
+  if (st != cutlass::Status::kSuccess) {
+    return std::string("CUTLASS run: ") + cutlassGetStatusString(st);
+  }
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cudaGetErrorString(e);
+  return "";
+}
+
 // Runs instance K on `p` (the caller checked that K is the instance `p` asks for). Returns ""
 // or what went wrong.
 template <class K>
@@ -221,11 +251,7 @@ std::string launch(const Problem& p, cudaStream_t stream) {
     alpha.dScalar[0] = {cute::_0{}, cute::_0{}, p.alpha ? 1 : 0};
     outer.op_1.ptr_col = arrays.ptr_row;
   } else {
-    auto& fusion = args.epilogue.thread;
-    fusion.alpha = 1.0f;
-    fusion.beta = 0.0f;
-    fusion.alpha_ptr = p.alpha;  // alpha[g] per group (stride 1 along groups) or the literal 1
-    fusion.dAlpha = {cute::_0{}, cute::_0{}, p.alpha ? 1 : 0};
+    set_group_alpha(args.epilogue.thread, p.alpha);
   }
   args.epilogue.ptr_C = nullptr;
   args.epilogue.dC = nullptr;
@@ -245,21 +271,7 @@ std::string launch(const Problem& p, cudaStream_t stream) {
   setup_kernel<K><<<setup_blocks(args.hw_info.sm_count), 256, 0, stream>>>(p, arrays);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cudaGetErrorString(e);
 
-  Gemm gemm;
-  cutlass::Status st = gemm.can_implement(args);
-  if (st != cutlass::Status::kSuccess) {
-    return std::string("CUTLASS can_implement: ") + cutlassGetStatusString(st);
-  }
-  st = gemm.initialize(args, static_cast<char*>(p.workspace) + arrays.bytes, stream);
-  if (st != cutlass::Status::kSuccess) {
-    return std::string("CUTLASS initialize: ") + cutlassGetStatusString(st);
-  }
-  st = gemm.run(stream);
-  if (st != cutlass::Status::kSuccess) {
-    return std::string("CUTLASS run: ") + cutlassGetStatusString(st);
-  }
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cudaGetErrorString(e);
-  return "";
+  return run_gemm<Gemm>(args, static_cast<char*>(p.workspace) + arrays.bytes, stream);
 }
 
 }  // namespace sm90
