@@ -1,17 +1,21 @@
-// The k-grouped wgrad (mode 1, bfloat16 operands of layout NT or TN): out[g] = the product of
-// a's and b's columns of g's tokens, on CUTLASS's batched (not pointer-array) Hopper kernel, the group being the
-// batch coordinate. Every group's operands are token ranges of the same two matrices and every
-// output a slice of one [G, M, N] tensor, so one TMA descriptor per operand serves all groups:
-// no per-group pointer arrays, no setup kernel, no descriptor rewrites when a CTA moves to
-// another group (what the pointer-array kernel pays at nearly every tile of 64 small groups).
+// The k-grouped wgrad (mode 1; bfloat16 operands of layout NT or TN, per-tensor FP8 of layout
+// TN): out[g] = the product of a's and b's columns of g's tokens, on CUTLASS's batched (not
+// pointer-array) Hopper kernel, the group being the batch coordinate (design decision 50). Every
+// group's operands are token ranges of the same two matrices and every output a slice of one
+// [G, M, N] tensor, so one TMA descriptor per operand serves all groups: no per-group pointer
+// arrays, no setup kernel, no descriptor rewrites when a CTA moves to another group (what the
+// pointer-array kernel pays at nearly every tile of 64 small groups).
+//
+// Contract: a K-major operand's groups start on 16-byte boundaries (the wgrad copies' token
+// layouts: block 8 for bfloat16, 16 for FP8); M/N-major ones (NT) start anywhere.
 //
 // Three pieces on top of CUTLASS's own cooperative kernel (GemmUniversal, unmodified):
 //   * KGroupedScheduler: the persistent scheduler's tiles over (M, N, G), each carrying its
 //     group's contraction range (`KTiles`: first token, 64-token blocks, rows of the last block)
 //     read from the device-side group starts; the kernel passes that range to the mainloop as
 //     its k-tile count.
-//   * KGroupedMainloop: CUTLASS's TMA + wgmma mainloop, loading each group's blocks from its
-//     first token (any token: TMA boxes start anywhere) and, for a last block that runs past the
+//   * KGroupedMainloop: CUTLASS's TMA + wgmma mainloop (for FP8 with its float32 promotion),
+//     loading each group's blocks from its first token and, for a last block that runs past the
 //     group, zeroing the rows beyond it in shared memory before the MMAs read them (the rows of
 //     the next group, or TMA's zero fill past the last token). An empty group takes one block
 //     with every row zeroed, so its MMAs write the zeros it stores.
