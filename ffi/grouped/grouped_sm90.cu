@@ -65,7 +65,8 @@ std::string unserved(const GemmParams& p) {
 
 
 // The instance of types (a, b, out) in configuration `cfg`; nullptr when sm90.cmake built none
-// (the alternative configurations exist for E4M3 x E4M3 -> bfloat16 only).
+// (the alternative configurations exist for E4M3 x E4M3 -> bfloat16 only; the k-grouped wgrad
+// for E4M3 x E4M3 / E5M2, both outputs).
 Sm90Runner runner(int a, int b, int out, int cfg) {
   using sm90::kE4M3;
   using sm90::kE5M2;

@@ -39,12 +39,12 @@ PER_TENSOR_ANY = "per-tensor FP8, every type"
 FLOAT8BLOCK_ANY = "Float8Block, every type"
 PER_TENSOR_E4M3_BF16 = "per-tensor FP8 E4M3 x E4M3 -> bfloat16"
 FLOAT8BLOCK_1x128_BF16 = "Float8Block 1x128 x 1x128 -> bfloat16"
-# bfloat16 x bfloat16 (jaxquant_grouped_gemm_bf16) by operand layout (which operands run along
-# the contraction: TN both, NN only a (the no-recipe forward's experts [G, K, N] are N-major),
-# NT neither (the no-recipe wgrad contracts the token-major x and dy)) and output.
 # The k-grouped FP8 wgrad ("kgrouped"): per-tensor E4M3 x E4M3 or E4M3 x E5M2 (HYBRID's dy)
 # wgrads, either output (`kgrouped_reason`).
 KGROUPED_FP8 = "per-tensor FP8 wgrads E4M3 x E4M3 / E5M2 -> bfloat16 / float32"
+# bfloat16 x bfloat16 (jaxquant_grouped_gemm_bf16) by operand layout (which operands run along
+# the contraction: TN both, NN only a (the no-recipe forward's experts [G, K, N] are N-major),
+# NT neither (the no-recipe wgrad contracts the token-major x and dy)) and output.
 BF16_TN_BF16 = "bfloat16 TN -> bfloat16"
 BF16_TN_F32 = "bfloat16 TN -> float32"
 BF16_NN_BF16 = "bfloat16 NN -> bfloat16"
@@ -100,13 +100,13 @@ CONFIGS = {c.name: c for c in (
     # Wgrads (layouts NT and TN, mode 1) on CUTLASS's batched kernel with one TMA descriptor
     # per operand and the group as the batch coordinate (ffi/grouped/sm90/sm90_kgrouped.cuh):
     # no per-group pointer arrays, setup kernel or descriptor rewrites.
+    Sm90Config("bf16_kgrouped", 10, (256, 128, 64), (2, 1), "cooperative, k-grouped",
+               "float32", (BF16_NT_BF16, BF16_NT_F32, BF16_TN_BF16, BF16_TN_F32),
+               wgrad_only=True),
     # Per-tensor FP8 wgrads the same way, on "c2x1"'s tile (the float32 promotion's second
     # accumulator set rules out 256 rows a CTA).
     Sm90Config("kgrouped", 11, (128, 128, 128), (2, 1), "cooperative, k-grouped", "split",
                (KGROUPED_FP8,), wgrad_only=True),
-    Sm90Config("bf16_kgrouped", 10, (256, 128, 64), (2, 1), "cooperative, k-grouped",
-               "float32", (BF16_NT_BF16, BF16_NT_F32, BF16_TN_BF16, BF16_TN_F32),
-               wgrad_only=True),
 )}
 DEFAULT = CONFIGS["default"]
 BF16_DEFAULT = CONFIGS["bf16"]
