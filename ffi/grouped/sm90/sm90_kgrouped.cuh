@@ -53,11 +53,10 @@ class KGroupedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSc
  public:
   struct Arguments : Base::Arguments {
     const int32_t* pstarts = nullptr;  // [G + 1] group starts along the tokens (device)
-    int tokens = 0;                    // L: starts are clamped to [0, L]
   };
   struct Params : Base::Params {
     const int32_t* pstarts = nullptr;
-    int tokens = 0;
+    int tokens = 0;  // L, the problem's K: starts are clamped to [0, L] (clamp_start)
   };
   struct WorkTileInfo : Base::WorkTileInfo {
     KTiles k;
@@ -75,7 +74,7 @@ class KGroupedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSc
         problem_shape_mnkl, tile_shape, cluster_shape, hw_info, args, workspace, epilogue_subtile,
         ktile_start_alignment_count);
     params.pstarts = args.pstarts;
-    params.tokens = args.tokens;
+    params.tokens = cute::get<2>(problem_shape_mnkl);
     return params;
   }
 
@@ -102,16 +101,12 @@ class KGroupedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSc
   CUTLASS_HOST_DEVICE static uint32_t get_work_k_tile_start(WorkTileInfo const&) { return 0u; }
 
  private:
-  CUTLASS_DEVICE int start_of(int g) const {
-    const int v = pstarts_[g];
-    return v < 0 ? 0 : v > tokens_ ? tokens_ : v;
-  }
   CUTLASS_DEVICE WorkTileInfo with_k(Base::WorkTileInfo base) const {
     WorkTileInfo work;
     static_cast<Base::WorkTileInfo&>(work) = base;
-    if (base.is_valid()) {
-      const int lo = start_of(base.L_idx);
-      const int hi = cute::max(lo, start_of(base.L_idx + 1));
+    if (base.is_valid()) {  // the setup kernel's clamp (L < 2^31: launch_kgrouped checks)
+      const int lo = int(clamp_start(pstarts_, base.L_idx, tokens_));
+      const int hi = cute::max(lo, int(clamp_start(pstarts_, base.L_idx + 1, tokens_)));
       // An empty group still takes one block, all of whose rows are zeroed: its MMAs write
       // the zeros it stores (no other instruction may write the accumulators, or ptxas
       // serializes every wgmma).
@@ -140,8 +135,8 @@ namespace jqffi {
 namespace sm90 {
 
 // CUTLASS's TMA warp-specialized mainloop (`Base`, from its builder) reading each tile's group
-// by KTiles: loads from the group's first token, zeroes the rows past the group in its last
-// block, and stores zeros for an empty group.
+// by KTiles: loads from the group's first token and zeroes the rows past the group in its last
+// block (all of them for an empty group's one block).
 template <class Base>
 struct KGroupedMainloop : Base {
   using typename Base::MainloopPipeline;
@@ -430,7 +425,6 @@ std::string launch_kgrouped(const Problem& p, cudaStream_t stream) {
   }
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return cudaGetErrorString(e);
-  const int L = int(p.L);
   // (row, token, batch) strides: the token's (K-major: 1) and the row's, one batch.
   typename Kernel::StrideA da{};
   typename Kernel::StrideB db{};
@@ -452,7 +446,7 @@ std::string launch_kgrouped(const Problem& p, cudaStream_t stream) {
 
   typename Gemm::Arguments args;
   args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
-  args.problem_shape = {int(p.M), int(p.N), L, int(p.G)};
+  args.problem_shape = {int(p.M), int(p.N), int(p.L), int(p.G)};
   args.mainloop = {reinterpret_cast<const typename KG::ElementA*>(p.a), da,
                    reinterpret_cast<const typename KG::ElementB*>(p.b), db};
   set_group_alpha(args.epilogue.thread, p.alpha);
@@ -465,7 +459,6 @@ std::string launch_kgrouped(const Problem& p, cudaStream_t stream) {
   using Raster = decltype(args.scheduler.raster_order);
   args.scheduler.raster_order = p.raster_along_n ? Raster::AlongN : Raster::AlongM;
   args.scheduler.pstarts = p.pstarts;
-  args.scheduler.tokens = L;
 
   if (Gemm::get_workspace_size(args) > p.workspace_bytes) return "workspace too small";
   return run_gemm<Gemm>(args, p.workspace, stream);

@@ -265,9 +265,6 @@ def unserved(selection: Selection, a, b, out_dtype, block: bool) -> Optional[str
     return None if reason is None else (
         f"{ENV}={selection.label}: configuration {config.name!r} serves {KGROUPED_FP8} only, "
         f"not {reason}")
-  if config.wgrad_only:  # a bfloat16 configuration
-    return (f"{ENV}={selection.label}: configuration {config.name!r} has instances for "
-            f"{', '.join(config.instances)} only, not FP8 operands")
   if (PER_TENSOR_ANY if not block else FLOAT8BLOCK_ANY) in config.instances:
     return None
   kind = instance_kind(a, b, out_dtype, block)
