@@ -66,7 +66,7 @@ std::string unserved(const GemmParams& p) {
 
 // The instance of types (a, b, out) in configuration `cfg`; nullptr when sm90.cmake built none
 // (the alternative configurations exist for E4M3 x E4M3 -> bfloat16 only; the k-grouped wgrad
-// for E4M3 x E4M3 / E5M2, the ragged-rows GEMM for E4M3 / E5M2 x E4M3, both outputs).
+// for E4M3 x E4M3 / E5M2, both outputs).
 Sm90Runner runner(int a, int b, int out, int cfg) {
   using sm90::kE4M3;
   using sm90::kE5M2;
@@ -81,15 +81,6 @@ Sm90Runner runner(int a, int b, int out, int cfg) {
     }
     return f32 ? run_instance<kE4M3, kE5M2, F32, sm90::kCfgKGroupedFp8>
                : run_instance<kE4M3, kE5M2, BF16, sm90::kCfgKGroupedFp8>;
-  }
-  if (cfg == sm90::kCfgRaggedFp8) {  // fprop / dgrad (mode 0) of E4M3 / E5M2 x E4M3
-    if (b != kE4M3) return nullptr;
-    if (a == kE4M3) {
-      return f32 ? run_instance<kE4M3, kE4M3, F32, sm90::kCfgRaggedFp8>
-                 : run_instance<kE4M3, kE4M3, BF16, sm90::kCfgRaggedFp8>;
-    }
-    return f32 ? run_instance<kE5M2, kE4M3, F32, sm90::kCfgRaggedFp8>
-               : run_instance<kE5M2, kE4M3, BF16, sm90::kCfgRaggedFp8>;
   }
   if (cfg != sm90::kCfgDefault) {
     if (a != kE4M3 || b != kE4M3 || out != BF16) return nullptr;
@@ -162,10 +153,6 @@ ffi::Error GroupedGemmSm90Cuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBu
   if (config == sm90::kCfgKGroupedFp8 && (p.mode != kModeWgrad || block)) {
     return invalid(kTarget, "config " + std::to_string(config) +
                                 " (kgrouped) serves per-tensor FP8 wgrads (mode 1) only");
-  }
-  if (config == sm90::kCfgRaggedFp8 && (p.mode != kModeRagged || block)) {
-    return invalid(kTarget, "config " + std::to_string(config) +
-                                " (ragged) serves per-tensor FP8 fprop / dgrad (mode 0) only");
   }
   const Sm90Runner run = block ? block_runner(b_rows, p.out_kind, config)
                            : runner(sm90_elem(p.a.elem), sm90_elem(p.b.elem), p.out_kind, config);

@@ -61,15 +61,10 @@ Sm90Runner row_scaled_runner(int cfg, int layout, int out) {
   if (layout != sm90::kLayoutTN) return nullptr;
   constexpr int kTN = sm90::kLayoutTN, kRow = sm90::kEpiRowScale;
   if (out == kOutF32) {
-    switch (cfg) {
-      case sm90::kCfgBf16: return instance<sm90::kCfgBf16, kTN, kOutF32, kRow>();
-      case sm90::kCfgRagged: return instance<sm90::kCfgRagged, kTN, kOutF32, kRow>();
-      default: return nullptr;
-    }
+    return cfg == sm90::kCfgBf16 ? instance<sm90::kCfgBf16, kTN, kOutF32, kRow>() : nullptr;
   }
   switch (cfg) {
     case sm90::kCfgBf16: return instance<sm90::kCfgBf16, kTN, kOutBF16, kRow>();
-    case sm90::kCfgRagged: return instance<sm90::kCfgRagged, kTN, kOutBF16, kRow>();
 #ifndef JAXQUANT_SM90_DEFAULT_CONFIGS_ONLY  // sm90.cmake's JAXQUANT_SM90_ALL_CONFIGS
     case sm90::kCfgBf16C2x1: return instance<sm90::kCfgBf16C2x1, kTN, kOutBF16, kRow>();
 #endif
@@ -89,7 +84,7 @@ Sm90Runner bf16_out(int layout) {
 
 // The instance of (config, layout, output); nullptr when sm90.cmake built none (float32 output:
 // layout TN in the default configuration, layout NT in those the no-recipe wgrad takes, both in
-// the k-grouped wgrad's, TN and NN in the ragged-rows GEMM's).
+// the k-grouped wgrad's).
 Sm90Runner runner(int cfg, int layout, int out) {
   if (out == kOutF32) {
     if (layout == sm90::kLayoutTN && cfg == sm90::kCfgBf16) {
@@ -97,11 +92,6 @@ Sm90Runner runner(int cfg, int layout, int out) {
     }
     if (layout == sm90::kLayoutTN && cfg == sm90::kCfgKGrouped) {
       return instance<sm90::kCfgKGrouped, sm90::kLayoutTN, kOutF32>();
-    }
-    if (cfg == sm90::kCfgRagged) {  // mode 0: layouts TN and NN
-      return layout == sm90::kLayoutTN   ? instance<sm90::kCfgRagged, sm90::kLayoutTN, kOutF32>()
-             : layout == sm90::kLayoutNN ? instance<sm90::kCfgRagged, sm90::kLayoutNN, kOutF32>()
-                                         : nullptr;
     }
     if (layout != sm90::kLayoutNT) return nullptr;
     switch (cfg) {
@@ -119,10 +109,6 @@ Sm90Runner runner(int cfg, int layout, int out) {
     case sm90::kCfgKGrouped:  // wgrads (mode 1) of layouts NT and TN
       return layout == sm90::kLayoutNT   ? instance<sm90::kCfgKGrouped, sm90::kLayoutNT, kOutBF16>()
              : layout == sm90::kLayoutTN ? instance<sm90::kCfgKGrouped, sm90::kLayoutTN, kOutBF16>()
-                                         : nullptr;
-    case sm90::kCfgRagged:  // fprop / dgrad (mode 0) of layouts TN and NN
-      return layout == sm90::kLayoutTN   ? instance<sm90::kCfgRagged, sm90::kLayoutTN, kOutBF16>()
-             : layout == sm90::kLayoutNN ? instance<sm90::kCfgRagged, sm90::kLayoutNN, kOutBF16>()
                                          : nullptr;
 #ifndef JAXQUANT_SM90_DEFAULT_CONFIGS_ONLY
     case sm90::kCfgBf16C2x1: return bf16_out<sm90::kCfgBf16C2x1>(layout);
@@ -150,11 +136,6 @@ ffi::Error GroupedGemmBf16Cuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBu
   if (config == sm90::kCfgKGrouped && p.mode != kModeWgrad) {
     return invalid(kTarget, "config " + std::to_string(config) +
                                 " (bf16_kgrouped) serves wgrads (mode 1) only; got mode " +
-                                std::to_string(p.mode));
-  }
-  if (config == sm90::kCfgRagged && p.mode != kModeRagged) {
-    return invalid(kTarget, "config " + std::to_string(config) +
-                                " (bf16_ragged) serves fprop / dgrad (mode 0) only; got mode " +
                                 std::to_string(p.mode));
   }
   const Sm90Runner run = p.row_scale ? row_scaled_runner(config, layout, p.out_kind)

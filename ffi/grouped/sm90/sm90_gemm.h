@@ -52,12 +52,6 @@ enum : int {
   kCfgKGrouped = 10,     // 256x128x64, cluster 2x1, cooperative, k-grouped
   // The same for per-tensor FP8 wgrads (layout TN, float32 promotion): kCfgC2x1's tile.
   kCfgKGroupedFp8 = 11,  // 128x128x128, cluster 2x1, cooperative, k-grouped
-  // The ragged-rows GEMM (mode 0: fprop and dgrad) only: CUTLASS's batched kernel with one TMA
-  // descriptor per operand, a as one [L, K] tensor, b's group the batch coordinate, rows stored
-  // from registers masked to the tile's group (sm90_ragged.cuh). bfloat16 layouts TN and NN:
-  kCfgRagged = 12,       // 128x256x64, cluster 2x1, cooperative, ragged rows
-  // ... and per-tensor FP8 (layout TN, float32 promotion).
-  kCfgRaggedFp8 = 13,    // 128x128x128, cluster 2x1, cooperative, ragged rows
 };
 
 // Operand layouts of the bf16 instances (which operand runs contiguously along the contraction

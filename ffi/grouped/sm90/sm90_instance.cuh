@@ -88,10 +88,6 @@ template <> struct TileConfig<kCfgKGrouped> : Tiles<256, 128, 64, 2, 1> {};
 // Its per-tensor FP8 form on kCfgC2x1's tile (the promotion's second accumulator set rules out
 // 256 rows a CTA).
 template <> struct TileConfig<kCfgKGroupedFp8> : Tiles<128, 128, 128, 2, 1> {};
-// The ragged-rows GEMM (sm90_ragged.cuh; mode 0) on kCfgBf16C2x1's and kCfgC2x1's tiles: the two
-// CTAs of a 2 x 1 cluster take two row tiles of one group (b's tile shared).
-template <> struct TileConfig<kCfgRagged> : Tiles<128, 256, 64, 2, 1> {};
-template <> struct TileConfig<kCfgRaggedFp8> : Tiles<128, 128, 128, 2, 1> {};
 
 // kEpiRowScale's epilogue tree: D = convert((alpha[g] * acc) * row_scale[m]), float32 products
 // rounded once to ElementD (XLA's order when it scaled a float32 output). alpha: one float32

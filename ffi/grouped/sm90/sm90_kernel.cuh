@@ -54,9 +54,6 @@ struct DenseOperands {
 // units only, so the other instances do not depend on it).
 template <class K>
 std::string launch_kgrouped(const Problem& p, cudaStream_t stream);
-// The ragged-rows GEMM's (sm90_ragged.cuh, the same way).
-template <class K>
-std::string launch_ragged(const Problem& p, cudaStream_t stream);
 
 template <int A, int B, int OUT, int CFG, int LAYOUT, int EPI>
 std::string run_instance(const Problem& p, cudaStream_t stream) {
@@ -68,11 +65,6 @@ std::string run_instance(const Problem& p, cudaStream_t stream) {
                   "the k-grouped wgrad takes bfloat16 operands of layout TN or NT (kCfgKGrouped) "
                   "or per-tensor FP8 ones of layout TN (kCfgKGroupedFp8)");
     return launch_kgrouped<K>(p, stream);
-  } else if constexpr (CFG == kCfgRagged || CFG == kCfgRaggedFp8) {
-    static_assert((CFG == kCfgRagged) == (A == kBF16) && LAYOUT != kLayoutNT,
-                  "the ragged-rows GEMM takes bfloat16 operands of layout TN or NN (kCfgRagged) "
-                  "or per-tensor FP8 ones of layout TN (kCfgRaggedFp8)");
-    return launch_ragged<K>(p, stream);
   } else {
     return launch<K>(p, stream);
   }

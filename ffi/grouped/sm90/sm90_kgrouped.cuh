@@ -30,7 +30,6 @@
 #include "cutlass/gemm/kernel/sm90_tile_scheduler.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
 #include "grouped/sm90/sm90_launch.cuh"
-#include "grouped/sm90/sm90_multicast.cuh"
 
 namespace jqffi {
 namespace sm90 {
@@ -230,15 +229,25 @@ struct KGroupedMainloop : Base {
     Tensor tBgB = block_tma_b.partition_S(gB);
     Tensor tBsB = block_tma_b.partition_D(sB);
 
-    const MulticastMasks mcast =
-        multicast_masks<ClusterShape, GmemTiledCopyA, GmemTiledCopyB>(in_cluster);
+    uint16_t mcast_a = 0, mcast_b = 0;
+    auto block_layout = Layout<ClusterShape>{};  // (m, n) -> block id
+    if constexpr (cute::is_same_v<GmemTiledCopyA, SM90_TMA_LOAD_MULTICAST>) {
+      for (int n = 0; n < size<1>(block_layout); ++n) {
+        mcast_a |= uint16_t(1) << block_layout(in_cluster.x, n, Int<0>{});
+      }
+    }
+    if constexpr (cute::is_same_v<GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST>) {
+      for (int m = 0; m < size<0>(block_layout); ++m) {
+        mcast_b |= uint16_t(1) << block_layout(m, in_cluster.y, Int<0>{});
+      }
+    }
     CUTLASS_PRAGMA_NO_UNROLL
     for (int j = 0; j < k.count; ++j) {
       pipeline.producer_acquire(smem_pipe_write);
       auto* bar = pipeline.producer_get_barrier(smem_pipe_write);
       const int stage = smem_pipe_write.index();
-      copy(params.tma_load_a.with(*bar, mcast.a), tAgA(_, _, _, j), tAsA(_, _, _, stage));
-      copy(params.tma_load_b.with(*bar, mcast.b), tBgB(_, _, _, j), tBsB(_, _, _, stage));
+      copy(params.tma_load_a.with(*bar, mcast_a), tAgA(_, _, _, j), tAsA(_, _, _, stage));
+      copy(params.tma_load_b.with(*bar, mcast_b), tBgB(_, _, _, j), tBsB(_, _, _, stage));
       ++smem_pipe_write;
     }
   }

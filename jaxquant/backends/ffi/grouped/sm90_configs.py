@@ -42,16 +42,12 @@ FLOAT8BLOCK_1x128_BF16 = "Float8Block 1x128 x 1x128 -> bfloat16"
 # The k-grouped FP8 wgrad ("kgrouped"): per-tensor E4M3 x E4M3 or E4M3 x E5M2 (HYBRID's dy)
 # wgrads, either output (`kgrouped_reason`).
 KGROUPED_FP8 = "per-tensor FP8 wgrads E4M3 x E4M3 / E5M2 -> bfloat16 / float32"
-# The ragged-rows FP8 GEMM ("ragged"): per-tensor E4M3 x E4M3 (fprop, dgrad) or E5M2 x E4M3
-# (HYBRID's dgrad) fprop / dgrad, either output (`ragged_reason`).
-RAGGED_FP8 = "per-tensor FP8 fprop / dgrad E4M3 / E5M2 x E4M3 -> bfloat16 / float32"
 # bfloat16 x bfloat16 (jaxquant_grouped_gemm_bf16) by operand layout (which operands run along
 # the contraction: TN both, NN only a (the no-recipe forward's experts [G, K, N] are N-major),
 # NT neither (the no-recipe wgrad contracts the token-major x and dy)) and output.
 BF16_TN_BF16 = "bfloat16 TN -> bfloat16"
 BF16_TN_F32 = "bfloat16 TN -> float32"
 BF16_NN_BF16 = "bfloat16 NN -> bfloat16"
-BF16_NN_F32 = "bfloat16 NN -> float32"
 BF16_NT_BF16 = "bfloat16 NT -> bfloat16"
 BF16_NT_F32 = "bfloat16 NT -> float32"  # the no-recipe wgrad of float32 experts
 # ... with per-row factors in the epilogue (row-scaled NVFP4 tokens: kEpiRowScale).
@@ -73,7 +69,6 @@ class Sm90Config:
   accumulation: str
   instances: tuple[str, ...]
   wgrad_only: bool = False  # its instances serve wgrads (mode 1) only
-  ragged_only: bool = False  # its instances serve fprop / dgrad (mode 0) only
 
   def describe(self) -> str:
     return (f"{'x'.join(map(str, self.tile))} tiles, cluster {self.cluster[0]}x{self.cluster[1]}, "
@@ -112,17 +107,6 @@ CONFIGS = {c.name: c for c in (
     # accumulator set rules out 256 rows a CTA).
     Sm90Config("kgrouped", 11, (128, 128, 128), (2, 1), "cooperative, k-grouped", "split",
                (KGROUPED_FP8,), wgrad_only=True),
-    # Fprop and dgrad (mode 0) on CUTLASS's batched kernel with one TMA descriptor per operand
-    # (a as one [L, K] tensor, b's group the batch coordinate) and an epilogue that stores only
-    # a tile's rows of its own group (ffi/grouped/sm90/sm90_ragged.cuh): no per-group pointer
-    # arrays, setup kernel or descriptor rewrites. "bf16_c2x1"'s tile and cluster, whose two
-    # CTAs take two row tiles of one group.
-    Sm90Config("bf16_ragged", 12, (128, 256, 64), (2, 1), "cooperative, ragged rows",
-               "float32", (BF16_TN_BF16, BF16_TN_F32, BF16_NN_BF16, BF16_NN_F32,
-                           BF16_TN_BF16_ROWS, BF16_TN_F32_ROWS), ragged_only=True),
-    # Per-tensor FP8 the same way, on "c2x1"'s tile.
-    Sm90Config("ragged", 13, (128, 128, 128), (2, 1), "cooperative, ragged rows", "split",
-               (RAGGED_FP8,), ragged_only=True),
 )}
 DEFAULT = CONFIGS["default"]
 BF16_DEFAULT = CONFIGS["bf16"]
@@ -159,13 +143,6 @@ WGRAD_BY_PADDING = True
 # N 14336) it was no faster (NT 2.73-2.92 against "bf16_c2x1"'s 2.81, TN 2.97-2.99 against
 # 2.89), so large groups keep their configuration.
 KGROUPED_WGRAD = True
-
-# Whether fprops and dgrads (mode 0) of groups below BF16_LARGE_GROUP_TOKENS take the
-# ragged-rows kernel automatically: off, it measured slower than the pointer-array instances of
-# the same tiles (H200, session 26, bench/ragged_check.cu, 64 groups x 256 rows, random data:
-# NN 174-187 us against 158-166, TN 178-192 against 167, FP8 128-131 against n176's 116), so
-# its configurations run only where JAXQUANT_SM90_CONFIG names them.
-RAGGED_ROWS = False
 
 
 def padded_elements(mn: tuple[int, int], config: "Sm90Config") -> int:
@@ -223,8 +200,7 @@ def selected() -> Optional[Selection]:
 
 
 def automatic(kind: str, wgrad: bool, n: int, m: Optional[int] = None,
-              tokens_per_group: Optional[float] = None, kgrouped: bool = False,
-              ragged: bool = False) -> Selection:
+              tokens_per_group: Optional[float] = None, kgrouped: bool = False) -> Selection:
   """The configuration a GEMM takes without `JAXQUANT_SM90_CONFIG`: an alternative only where
   it measured faster than "default" at both of `bench/grouped.py`'s shapes on an H100
   (bench/RESULTS.md, session 4; 8 experts N 14336, 64 experts N 1408), or, where noted, on an
@@ -240,14 +216,10 @@ def automatic(kind: str, wgrad: bool, n: int, m: Optional[int] = None,
     - per-tensor E4M3 x E4M3 -> bf16 wgrad whose [m, n] output "c2x1" covers with fewer padded
       elements (`WGRAD_BY_PADDING`; measured on an H200, session 19: 0.307 -> 0.293 ms at 64
       groups x 256 tokens, 0.484 -> 0.467 at 128 x 128).
-    - a fprop or dgrad the ragged-rows kernel serves (`ragged`: `ragged_reason` is None) of
-      groups below the large group size: "ragged" while `RAGGED_ROWS` holds;
   Fast-accumulation configurations are never chosen automatically."""
-  small = tokens_per_group is not None and tokens_per_group < BF16_LARGE_GROUP_TOKENS
-  if wgrad and kgrouped and KGROUPED_WGRAD and small:
+  if (wgrad and kgrouped and KGROUPED_WGRAD and tokens_per_group is not None
+      and tokens_per_group < BF16_LARGE_GROUP_TOKENS):
     return Selection(CONFIGS["kgrouped"])
-  if not wgrad and ragged and RAGGED_ROWS and small:
-    return Selection(CONFIGS["ragged"])
   if kind == PER_TENSOR_E4M3_BF16 and wgrad and m is not None:
     return Selection(_less_padded((m, n), DEFAULT, CONFIGS["c2x1"]))
   if kind == PER_TENSOR_E4M3_BF16 and not wgrad and (n % 176 == 0 or n >= 8192):
@@ -285,28 +257,14 @@ def kgrouped_reason(a, b, block: bool) -> Optional[str]:
   return None
 
 
-def ragged_reason(a, b, block: bool) -> Optional[str]:
-  """Why the ragged-rows FP8 GEMM ("ragged") cannot serve the GEMM of `a` and `b` (None: it
-  can): per-tensor E4M3 / E5M2 x E4M3 fprops and dgrads only."""
-  e4m3, e5m2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
-  if a.token_axis != 0:
-    return "not a fprop or dgrad (mode 0)"
-  if block:
-    return "Float8Block operands"
-  if np.dtype(a.data.dtype) not in (e4m3, e5m2) or np.dtype(b.data.dtype) != e4m3:
-    return f"{np.dtype(a.data.dtype).name} x {np.dtype(b.data.dtype).name} operands"
-  return None
-
-
 def unserved(selection: Selection, a, b, out_dtype, block: bool) -> Optional[str]:
   """Why `selection` has no instance for a GEMM the default instances serve (None: it has)."""
   config = selection.config
-  for kind, reason_of in ((KGROUPED_FP8, kgrouped_reason), (RAGGED_FP8, ragged_reason)):
-    if kind in config.instances:
-      reason = reason_of(a, b, block)
-      return None if reason is None else (
-          f"{ENV}={selection.label}: configuration {config.name!r} serves {kind} only, "
-          f"not {reason}")
+  if KGROUPED_FP8 in config.instances:
+    reason = kgrouped_reason(a, b, block)
+    return None if reason is None else (
+        f"{ENV}={selection.label}: configuration {config.name!r} serves {KGROUPED_FP8} only, "
+        f"not {reason}")
   if (PER_TENSOR_ANY if not block else FLOAT8BLOCK_ANY) in config.instances:
     return None
   kind = instance_kind(a, b, out_dtype, block)
@@ -331,8 +289,7 @@ def automatic_bf16(kind: str, tokens_per_group: float,
                    wgrad: bool = False) -> Selection:
   """The configuration a bfloat16 GEMM takes without `JAXQUANT_SM90_CONFIG`: a wgrad
   (`wgrad`) of groups below the large group size "bf16_kgrouped" while `KGROUPED_WGRAD`
-  holds, a fprop or dgrad of such groups "bf16_ragged" while `RAGGED_ROWS` holds; else by
-  layout and the groups' average token count (the measured rules at
+  holds; else by layout and the groups' average token count (the measured rules at
   `BF16_LARGE_GROUP_TOKENS` and `BF16_PAIRED_ROW_TILE_TOKENS`) and, for a wgrad (`wgrad_mn`:
   its per-group output shape), the padding rule (`WGRAD_BY_PADDING`); an instance kind the
   chosen configuration does not have (float32 output) keeps "bf16"."""
@@ -340,9 +297,6 @@ def automatic_bf16(kind: str, tokens_per_group: float,
   kgrouped = CONFIGS["bf16_kgrouped"]
   if wgrad and not large and KGROUPED_WGRAD and kind in kgrouped.instances:
     return Selection(kgrouped)
-  ragged = CONFIGS["bf16_ragged"]
-  if not wgrad and not large and RAGGED_ROWS and kind in ragged.instances:
-    return Selection(ragged)
   one_row_tile = tokens_per_group < BF16_PAIRED_ROW_TILE_TOKENS
   if kind.startswith("bfloat16 NN"):
     name = "bf16" if large or one_row_tile else "bf16_c2x1"
@@ -375,9 +329,6 @@ def bf16_selection(layout: str, out_dtype, tokens_per_group: float,
   if selection.config.wgrad_only and not wgrad:
     raise ValueError(f"{ENV}={selection.label}: configuration {selection.config.name!r} serves "
                      "wgrads (mode 1) only, not this ragged-rows GEMM (mode 0)")
-  if selection.config.ragged_only and wgrad:
-    raise ValueError(f"{ENV}={selection.label}: configuration {selection.config.name!r} serves "
-                     "fprops and dgrads (mode 0) only, not this wgrad (mode 1)")
   if kind not in selection.config.instances:
     raise ValueError(f"{ENV}={selection.label}: configuration {selection.config.name!r} has "
                      f"instances for {', '.join(selection.config.instances)} only, not {kind}")

@@ -582,12 +582,10 @@ def sm90_selection(a, b, out_dtype=None) -> sm90_configs.Selection:
   if selection is None:
     kind = sm90_configs.instance_kind(a, b, out_dtype, block)
     wgrad = a.token_axis == 1
-    tokens = a.shape[-1] if wgrad else a.shape[-2]
     return sm90_configs.automatic(
         kind, wgrad, int(b.shape[-2]), int(a.shape[-2]) if wgrad else None,
-        tokens_per_group=tokens / max(a.groups, 1),
-        kgrouped=sm90_configs.kgrouped_reason(a, b, block) is None,
-        ragged=sm90_configs.ragged_reason(a, b, block) is None)
+        tokens_per_group=a.shape[-1] / max(a.groups, 1) if wgrad else None,
+        kgrouped=sm90_configs.kgrouped_reason(a, b, block) is None)
   reason = sm90_configs.unserved(selection, a, b, out_dtype, block)
   if reason is not None:
     raise ValueError(reason)
