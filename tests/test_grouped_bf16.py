@@ -26,6 +26,7 @@ the CPU handler serves what the CUDA kernel would); `-m gpu` runs the CUTLASS ke
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -231,29 +232,27 @@ def test_the_kernel_is_cuda_only_and_says_so():
 # ------------------------------------ configurations ------------------------------------------
 
 def test_bf16_configurations_their_choice_and_errors(monkeypatch):
-  """The bfloat16 configurations: automatic by layout and group size (the rule measured on an
-  H100: forward NN "bf16" for large groups else "bf16_c2x1", wgrad NT the reverse, TN "bf16_c2x1";
-  groups of about one row tile "bf16" (an H200 measurement);
-  float32 output only "bf16"), a forced one without an instance for the GEMM is an error naming
-  the instances (FP8 configurations have none for bfloat16 and the reverse), explain labels."""
+  """The bfloat16 configurations: automatic by direction and group size (a ragged-rows GEMM,
+  forward NN or dgrad TN, "bf16" at every size: an H200 measurement on drawn group sizes; a
+  wgrad of large groups "bf16_c2x1", an H100 one; float32 output only "bf16"), a forced one
+  without an instance for the GEMM is an error naming the instances (FP8 configurations have
+  none for bfloat16 and the reverse), explain labels."""
   monkeypatch.delenv(sm90_configs.ENV, raising=False)
   sel = sm90_configs.bf16_selection
   large = float(sm90_configs.BF16_LARGE_GROUP_TOKENS)
-  assert sel("NN", BF16, large).config.name == "bf16"
-  assert sel("NN", BF16, large - 1).config.name == "bf16_c2x1"
+  # ragged rows (mode 0): no 2x1 cluster, which rounds a group's odd row-tile count up
+  for tokens in (100.0, 256.0, large - 1, large, 8192.0):
+    assert sel("NN", BF16, tokens).config.name == sel("TN", BF16, tokens).config.name == "bf16"
+    assert sel("TN", BF16, tokens, row_scaled=True).config.name == "bf16"
+    assert sel("TN", F32, tokens).config.name == "bf16"  # the only float32 TN instance
+  # wgrads (layout NT is one whatever the caller says) of large groups: cluster 2x1
   assert sel("NT", BF16, large).config.name == "bf16_c2x1"
-  assert sel("NT", BF16, 256.0).config.name == "bf16"
-  assert sel("TN", BF16, 256.0).config.name == "bf16_c2x1"
-  # groups of about one 128-row tile: no 2x1 cluster (it would pair each tile with an empty one)
-  small = float(sm90_configs.BF16_PAIRED_ROW_TILE_TOKENS)
-  assert sel("NN", BF16, small).config.name == sel("TN", BF16, small).config.name == "bf16_c2x1"
-  assert sel("NN", BF16, small - 1).config.name == sel("TN", BF16, small - 1).config.name == "bf16"
-  assert sel("NT", BF16, small - 1).config.name == "bf16"
-  assert sel("TN", F32, 100.0).config.name == "bf16"  # the only float32 TN instance
+  assert sel("NT", BF16, 256.0).config.name == "bf16_kgrouped"
+  assert sel("TN", BF16, large, wgrad=True).config.name == "bf16_c2x1"
   # the float32 wgrad of float32 experts takes the bfloat16 wgrad's configuration
   assert sel("NT", F32, large).config.name == "bf16_c2x1"
-  assert sel("NT", F32, 256.0).config.name == "bf16"
-  assert sel("NN", BF16, large).is_default and not sel("NN", BF16, 256.0).is_default
+  assert sel("NT", F32, 256.0).config.name == "bf16_kgrouped"
+  assert sel("NN", BF16, 256.0).is_default and not sel("NT", BF16, large).is_default
   # a wgrad (mode 1: given its output shape, or `wgrad`) of groups below the large size takes
   # the k-grouped kernel, whose instances serve wgrads only; large groups keep their choice
   for layout in ("NT", "TN"):
@@ -265,7 +264,7 @@ def test_bf16_configurations_their_choice_and_errors(monkeypatch):
   assert sel("NN", BF16, 256.0, wgrad=True).config.name != "bf16_kgrouped"  # no NN instance
   assert bf16.selection(1, (4096, 2048), 8, BF16, a_k_major=False,
                         b_k_major=False).config.name == "bf16_kgrouped"
-  assert bf16.selection(0, (4096, 2048), 8, BF16).config.name == "bf16_c2x1"
+  assert bf16.selection(0, (4096, 2048), 8, BF16).config.name == "bf16"
   monkeypatch.setattr(sm90_configs, "KGROUPED_WGRAD", False)
   # without it: a wgrad whose output the 256 x 128 tiles (cluster 2 x 1) cover with less
   # padding: N = 1408 is 5.5 tiles of 256 (6 under any cluster) and exactly 11 of 128; a tie
@@ -292,7 +291,9 @@ def test_bf16_configurations_their_choice_and_errors(monkeypatch):
   assert "config bf16_kgrouped" in bf16.kernel_label(1, (64, 512), 8, BF16, a_k_major=False,
                                                      b_k_major=False)
   assert bf16.kernel_label(0, (64, 512), 8, BF16) == KERNEL
-  assert "config bf16_c2x1" in bf16.kernel_label(0, (2048, 64), 8, BF16)
+  assert bf16.kernel_label(0, (2048, 64), 8, BF16) == KERNEL
+  assert "config bf16_c2x1" in bf16.kernel_label(1, (8192, 64), 8, BF16, a_k_major=False,
+                                                 b_k_major=False)
   monkeypatch.setenv(sm90_configs.ENV, "bf16_c2x1:rn")
   chosen = sel("NN", BF16, 9999.0)
   assert chosen.attributes() == {"config": 7, "raster_along_n": True}
@@ -359,16 +360,25 @@ def test_decoded_wgrad_gemm_matches_the_reference(bf16_device, rng, pair):
 ROWS_IN_EPILOGUE = KERNEL + " with per-row factors in the epilogue"
 
 
-def check_rows_in_epilogue(rng, groups, tokens, k, n, out_dtype, kernel_config=""):
+def check_rows_in_epilogue(rng, groups, tokens, k, n, out_dtype, kernel_config="",
+                           forced: Optional[str] = None):
   """Row-scaled NVFP4 tokens x NVFP4 experts: the kernel applies the per-token factors in its
   epilogue (explain says so), bit for bit the float32 output XLA scaled before (same float32
-  products, one rounding), and within the stated bound of the reference."""
+  products, one rounding), and within the stated bound of the reference. `forced`: the
+  configuration the row-scaled GEMM is traced under (JAXQUANT_SM90_CONFIG), the float32 GEMM
+  it is compared with taking the automatic one."""
   a, e = _tokens_and_experts(rng, jq.NVFP4Quantizer(row_scaled=True), jq.NVFP4Quantizer(),
                              tokens=tokens, k=k, n=n, groups=groups)
   fn = lambda a, e: jg.gemm(a, e, out_dtype=out_dtype)
-  assert tgf._gemm_kernels(fn, a, e) == {
-      ROWS_IN_EPILOGUE + kernel_config + " on operands decoded to bfloat16"}
-  ours = tgf._on("ffi", fn, a, e)
+  if forced is not None:
+    os.environ[sm90_configs.ENV] = forced
+  try:
+    assert tgf._gemm_kernels(fn, a, e) == {
+        ROWS_IN_EPILOGUE + kernel_config + " on operands decoded to bfloat16"}
+    ours = tgf._on("ffi", fn, a, e)
+  finally:
+    if forced is not None:
+      del os.environ[sm90_configs.ENV]
 
   def xla_scaled(a, e):  # the kernel's float32 output, scaled by XLA as before
     da, db = decode.tokens(a), decode.experts(e)
@@ -616,8 +626,8 @@ def test_gpu_bf16_gemm_is_within_the_bound(on_kernel, rng, groups, mode, layout,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config",
-                         ["bf16", "bf16_c2x1", "bf16_pingpong", "bf16_256x128", "bf16:rn"])
+@pytest.mark.parametrize("config", ["bf16", "bf16_c2x1", "bf16_pingpong", "bf16_256x128",
+                                    "bf16_128x128", "bf16:rn"])
 @pytest.mark.parametrize("groups", [1, 8, 64])
 @pytest.mark.parametrize("mode,layout", [(0, "TN"), (0, "NN"), (1, "TN"), (1, "NT")])
 def test_gpu_bf16_configurations_are_within_the_bound(on_kernel, rng, config, groups, mode,
@@ -693,15 +703,18 @@ def test_gpu_decoded_wgrad_gemm_matches_the_reference(on_kernel, bf16_device, rn
 @pytest.mark.gpu
 @pytest.mark.parametrize("groups", [8, 64])
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
-def test_gpu_row_scaled_tokens_take_the_epilogue_bit_for_bit(on_kernel, rng, groups, out_dtype):
-  """The row-scaled instances (automatic configuration: bf16_c2x1 for bfloat16 out unless the
-  groups average under 1.5 row tiles (192 tokens), the default for float32) against XLA's
-  scaling of the float32 output, bit for bit."""
-  tokens = 1500 + 7 * groups  # 8 groups: ~195 a group (bf16_c2x1); 64: ~30 (the default)
-  paired = tokens / groups >= sm90_configs.BF16_PAIRED_ROW_TILE_TOKENS
-  config = " [config bf16_c2x1: 128x256x64 tiles, cluster 2x1, cooperative, float32 " \
-           "accumulation]" if out_dtype == jnp.bfloat16 and paired else ""
-  check_rows_in_epilogue(rng, groups, tokens, 320, 200, out_dtype, config)
+def test_gpu_row_scaled_tokens_take_the_epilogue_bit_for_bit(on_kernel, rng, monkeypatch, groups,
+                                                             out_dtype):
+  """The row-scaled instances (automatic configuration: the default) against XLA's scaling of
+  the float32 output, bit for bit; and forced to bf16_c2x1, the other configuration with a
+  row-scaled instance (bfloat16 out)."""
+  tokens = 1500 + 7 * groups
+  monkeypatch.delenv(sm90_configs.ENV, raising=False)
+  check_rows_in_epilogue(rng, groups, tokens, 320, 200, out_dtype)
+  if out_dtype == jnp.bfloat16:
+    config = " [config bf16_c2x1: 128x256x64 tiles, cluster 2x1, cooperative, float32 " \
+             "accumulation]"
+    check_rows_in_epilogue(rng, groups, tokens, 320, 200, out_dtype, config, "bf16_c2x1")
 
 
 @pytest.mark.gpu

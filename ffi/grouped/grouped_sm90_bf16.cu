@@ -114,6 +114,7 @@ Sm90Runner runner(int cfg, int layout, int out) {
     case sm90::kCfgBf16C2x1: return bf16_out<sm90::kCfgBf16C2x1>(layout);
     case sm90::kCfgBf16Pingpong: return bf16_out<sm90::kCfgBf16Pingpong>(layout);
     case sm90::kCfgBf16M256: return bf16_out<sm90::kCfgBf16M256>(layout);
+    case sm90::kCfgBf16N128: return bf16_out<sm90::kCfgBf16N128>(layout);
 #endif
     default: return nullptr;
   }

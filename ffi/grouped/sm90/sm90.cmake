@@ -124,7 +124,7 @@ function(jaxquant_add_grouped_sm90 target)
   # configuration's `instances`).
   set(fp8_alternatives kCfgC1x1 kCfgN176 kCfgFast kCfgPingpongFast kCfgC2x1)
   set(block_alternatives kCfgC1x1 kCfgC2x1)
-  set(bf16_configs kCfgBf16 kCfgBf16C2x1 kCfgBf16Pingpong kCfgBf16M256)
+  set(bf16_configs kCfgBf16 kCfgBf16C2x1 kCfgBf16Pingpong kCfgBf16M256 kCfgBf16N128)
   if(NOT JAXQUANT_SM90_ALL_CONFIGS)
     set(fp8_alternatives "")
     set(block_alternatives "")

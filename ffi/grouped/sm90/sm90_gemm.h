@@ -52,6 +52,7 @@ enum : int {
   kCfgKGrouped = 10,     // 256x128x64, cluster 2x1, cooperative, k-grouped
   // The same for per-tensor FP8 wgrads (layout TN, float32 promotion): kCfgC2x1's tile.
   kCfgKGroupedFp8 = 11,  // 128x128x128, cluster 2x1, cooperative, k-grouped
+  kCfgBf16N128 = 12,     // 128x128x64, cluster 1x1, cooperative (no column or cluster padding)
 };
 
 // Operand layouts of the bf16 instances (which operand runs contiguously along the contraction

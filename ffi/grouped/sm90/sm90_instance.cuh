@@ -88,6 +88,9 @@ template <> struct TileConfig<kCfgKGrouped> : Tiles<256, 128, 64, 2, 1> {};
 // Its per-tensor FP8 form on kCfgC2x1's tile (the promotion's second accumulator set rules out
 // 256 rows a CTA).
 template <> struct TileConfig<kCfgKGroupedFp8> : Tiles<128, 128, 128, 2, 1> {};
+// 128 x 128 bfloat16 tiles without a cluster: a ragged GEMM computes each group's row tiles
+// and an N of 1408 (11 x 128) exactly, where 256-wide tiles compute 6 columns of them.
+template <> struct TileConfig<kCfgBf16N128> : Tiles<128, 128, 64, 1, 1> {};
 
 // kEpiRowScale's epilogue tree: D = convert((alpha[g] * acc) * row_scale[m]), float32 products
 // rounded once to ElementD (XLA's order when it scaled a float32 output). alpha: one float32

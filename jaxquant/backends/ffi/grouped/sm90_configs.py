@@ -107,24 +107,31 @@ CONFIGS = {c.name: c for c in (
     # accumulator set rules out 256 rows a CTA).
     Sm90Config("kgrouped", 11, (128, 128, 128), (2, 1), "cooperative, k-grouped", "split",
                (KGROUPED_FP8,), wgrad_only=True),
+    # 128 x 128 tiles without a cluster: a ragged GEMM's N of 1408 is 11 whole tiles (256-wide
+    # ones compute 6 x 256), and no group's row tiles are rounded up to a cluster. Measured
+    # slower than "bf16" (H200, session 26, drawn sizes: 64 x 256 forward 0.279 against 0.218
+    # ms, dgrad 0.249 against 0.212; more operand bytes a FLOP), so taken only by name.
+    Sm90Config("bf16_128x128", 12, (128, 128, 64), (1, 1), "cooperative", "float32",
+               _BF16_LAYOUTS),
 )}
 DEFAULT = CONFIGS["default"]
 BF16_DEFAULT = CONFIGS["bf16"]
-# Average tokens per group from which the bfloat16 forward (NN) keeps "bf16" (cluster 1x2, A
-# multicast) and the wgrad (NT) takes "bf16_c2x1"; below it the other way round. Measured on an
-# H100 (bench/grouped.py --gemms, session 6): 8 experts x 2048 tokens fprop 2.77 vs 2.95 ms,
-# wgrad 2.97 vs 3.18; 64 experts x 256 tokens fprop 0.253 (c2x1) vs 0.267, wgrad 0.304 (bf16)
-# vs 0.320. Layout TN (dgrad, decoded operands) takes "bf16_c2x1" at both (2.88 vs 3.32 ms,
-# 0.250 vs 0.254). "bf16_pingpong" (64x128 tiles) was never faster (dgrad 64 experts 0.605 ms)
-# and is only taken when JAXQUANT_SM90_CONFIG names it.
+# Average tokens per group from which a bfloat16 wgrad (NT, and TN when not k-grouped) takes
+# "bf16_c2x1" (cluster 2x1, B multicast), below it "bf16". Measured on an H100
+# (bench/grouped.py --gemms, session 6): 8 experts x 2048 tokens wgrad 2.97 vs 3.18 ms; 64
+# experts x 256 tokens 0.304 (bf16) vs 0.320. "bf16_pingpong" (64x128 tiles) was never faster
+# (dgrad 64 experts 0.605 ms) and is only taken when JAXQUANT_SM90_CONFIG names it.
 BF16_LARGE_GROUP_TOKENS = 1024
-# Below this average, groups are mostly one 128-row tile, and a 2x1 cluster (which pairs two row
-# tiles of one group) pairs each with an empty one: "bf16_c2x1" is never taken there. Measured
-# on an H200 (bench/small_groups.py, session 18, three runs): 128 groups x 128 tokens, K 2048,
-# N 1408, forward NN 0.316-0.332 ms under "bf16_c2x1" against 0.238-0.257 under "bf16", dgrad
-# TN 0.316-0.323 against 0.239-0.264; at 256 tokens a group (2-3 row tiles) "bf16_c2x1" stays
-# ahead (0.179-0.184 against 0.195).
-BF16_PAIRED_ROW_TILE_TOKENS = 192
+# A ragged-rows GEMM (mode 0: the forward NN, the dgrad and decoded forward TN) takes "bf16"
+# (cluster 1x2: the tokens' tile shared along N) at every group size (design decision 51).
+# Routed tokens make groups of uneven sizes, and CUTLASS rounds each group's row tiles up to
+# its cluster: under a 2x1 cluster a group of 257-383 rows computes 4 row tiles, not 3. On
+# bench/grouped.py's drawn sizes (64 x 210-299 rows) "bf16_c2x1" computes 1.47 x the rows
+# and "bf16" 1.23 x. Measured on an H200 (bench/small_groups.py --multinomial, session 26,
+# ms): 64 groups x 256, K 2048, N 1408, forward 0.219 under "bf16" against 0.236-0.238 under
+# "bf16_c2x1", dgrad 0.218 against 0.232-0.241; 8 x 2048 (K 4096, N 14336) dgrad 2.818 against
+# 2.899-2.999, forward 2.823-2.862 (already "bf16"); 128 x 128 forward 0.282 against 0.306.
+# (Session 6's and 18's equal groups, whose row tiles pair exactly, had favoured "bf16_c2x1".)
 # A wgrad's [M, N] output is cut into whole tiles, and the tile grid into whole clusters: an N
 # of 1408 (11 x 128) is 12 columns of 128-wide tiles under a 1 x 2 cluster and 6 of 256-wide
 # ones, 9% of the tiles computing nothing. With this rule on, a wgrad takes the alternative
@@ -289,21 +296,16 @@ def automatic_bf16(kind: str, tokens_per_group: float,
                    wgrad: bool = False) -> Selection:
   """The configuration a bfloat16 GEMM takes without `JAXQUANT_SM90_CONFIG`: a wgrad
   (`wgrad`) of groups below the large group size "bf16_kgrouped" while `KGROUPED_WGRAD`
-  holds; else by layout and the groups' average token count (the measured rules at
-  `BF16_LARGE_GROUP_TOKENS` and `BF16_PAIRED_ROW_TILE_TOKENS`) and, for a wgrad (`wgrad_mn`:
+  holds; else "bf16" for a ragged-rows GEMM (mode 0), and for a wgrad by the groups' average
+  token count (the measured rule at `BF16_LARGE_GROUP_TOKENS`) and (`wgrad_mn`:
   its per-group output shape), the padding rule (`WGRAD_BY_PADDING`); an instance kind the
   chosen configuration does not have (float32 output) keeps "bf16"."""
   large = tokens_per_group >= BF16_LARGE_GROUP_TOKENS
+  wgrad = wgrad or kind.startswith("bfloat16 NT")  # layout NT is the no-recipe wgrad's only
   kgrouped = CONFIGS["bf16_kgrouped"]
   if wgrad and not large and KGROUPED_WGRAD and kind in kgrouped.instances:
     return Selection(kgrouped)
-  one_row_tile = tokens_per_group < BF16_PAIRED_ROW_TILE_TOKENS
-  if kind.startswith("bfloat16 NN"):
-    name = "bf16" if large or one_row_tile else "bf16_c2x1"
-  elif kind.startswith("bfloat16 NT"):
-    name = "bf16_c2x1" if large else "bf16"
-  else:
-    name = "bf16" if one_row_tile else "bf16_c2x1"
+  name = "bf16_c2x1" if wgrad and large else "bf16"
   config = CONFIGS[name]
   config = config if kind in config.instances else BF16_DEFAULT
   alternative = CONFIGS["bf16_256x128"]
