@@ -79,11 +79,10 @@ def cases(groups: int, rows: int, k: int, n: int, seed: int, grouped_only: bool 
   # and [N, L], tokens contiguous (layout TN), every group starting on a multiple of 8 tokens
   # (16 bytes: the kernels' contract for K-major operands, which the library's token layouts
   # keep; drawn sizes are padded with zero tokens to it)
-  padded = -(-np.asarray(sizes) // bf16.ALIGN) * bf16.ALIGN
-  rows_of = np.concatenate([np.arange(s) + o for s, o in
-                            zip(np.asarray(sizes), np.cumsum(np.asarray(sizes)) - sizes)])
-  slots = np.concatenate([np.arange(s) + o for s, o in
-                          zip(np.asarray(sizes), np.cumsum(padded) - padded)])
+  counts = np.asarray(sizes)
+  padded = -(-counts // bf16.ALIGN) * bf16.ALIGN
+  rows_of = np.concatenate([np.arange(c) + o for c, o in zip(counts, np.cumsum(counts) - counts)])
+  slots = np.concatenate([np.arange(c) + o for c, o in zip(counts, np.cumsum(padded) - padded)])
   lay = jax.jit(lambda v: jnp.zeros((int(padded.sum()), v.shape[1]), v.dtype)
                 .at[slots].set(v[rows_of]).T)
   yield ("grouped bf16 wgrad (TN)",
