@@ -1,5 +1,5 @@
-// The k-grouped wgrad (ffi/grouped/sm90/sm90_kgrouped.cuh) outside JAX: ragged groups in both
-// layouts (NT, TN) against a float64 host reference (groups ending inside a 64-token block,
+// The k-grouped wgrad (ffi/grouped/sm90/sm90_kgrouped.cuh; cooperative and pingpong) outside
+// JAX: ragged groups in both layouts (NT, TN) against a float64 host reference (groups ending inside a 64-token block,
 // shorter than one, empty, rows of no group; every output element must be written), then its
 // time on 64 equal groups of 256 tokens and 8 of 2048. Exit status 1 when an element is off.
 //
@@ -10,12 +10,13 @@
 #include <cmath>
 #include <vector>
 #include <random>
+#include <algorithm>
 #include "grouped/sm90/sm90_kernel.cuh"
 #include "grouped/sm90/sm90_kgrouped.cuh"
 
 using namespace jqffi::sm90;
 using Bf = cutlass::bfloat16_t;
-template <int LAYOUT> using Inst = Instance<DenseOperands<kBF16, kBF16, LAYOUT>, jqffi::kOutF32, kCfgKGrouped>;
+template <int LAYOUT, int CFG> using Inst = Instance<DenseOperands<kBF16, kBF16, LAYOUT>, jqffi::kOutF32, CFG>;
 
 
 
@@ -49,7 +50,7 @@ long compare(const char* label, int G, int M, int N, const std::vector<int32_t>&
   return bad;
 }
 
-template <int LAYOUT>
+template <int LAYOUT, int CFG>
 int check(int G, int M, int N, std::vector<int> sizes, unsigned seed) {
   // K-major operands (TN): every group starts on a 16-byte boundary, as the library's token
   // layouts (block 8) guarantee: sizes rounded up to 8 tokens.
@@ -83,12 +84,14 @@ int check(int G, int M, int N, std::vector<int> sizes, unsigned seed) {
   Problem p; p.mode = 1; p.G = G; p.L = L; p.M = M; p.N = N; p.K = 0; p.pstarts = dstarts;
   p.a = (const uint8_t*)da; p.b = (const uint8_t*)db; p.layout = LAYOUT; p.out = dout;
   p.a_elem = kBF16; p.b_elem = kBF16; p.out_kind = jqffi::kOutF32; p.workspace = ws; p.workspace_bytes = 1 << 20;
-  std::string err = launch_kgrouped<Inst<LAYOUT>>(p, 0);
+  std::string err = launch_kgrouped<Inst<LAYOUT, CFG>>(p, 0);
   cudaError_t e = cudaDeviceSynchronize();
   if (!err.empty() || e != cudaSuccess) { printf("launch: %s / %s\n", err.c_str(), cudaGetErrorString(e)); return 1; }
   std::vector<float> out(size_t(G) * M * N);
   cudaMemcpy(out.data(), dout, out.size() * 4, cudaMemcpyDeviceToHost);
-  const long bad = compare(LAYOUT == kLayoutTN ? "bf16 TN" : "bf16 NT", G, M, N, starts, out,
+  const char* label = CFG == kCfgKGroupedPingpong ? (LAYOUT == kLayoutTN ? "pingpong bf16 TN" : "pingpong bf16 NT")
+                                                 : (LAYOUT == kLayoutTN ? "bf16 TN" : "bf16 NT");
+  const long bad = compare(label, G, M, N, starts, out,
       [&](int m, int t) { return double(float(a[size_t(t) * M + m])); },
       [&](int n, int t) { return double(float(b[size_t(t) * N + n])); },
       std::vector<float>(G, 1.0f), 1e-5);
@@ -138,6 +141,20 @@ int check_fp8(int G, int M, int N, std::vector<int> sizes, unsigned seed) {
   return bad != 0;
 }
 
+// Normal random bfloat16 values (a 1 Mi-value block drawn on the host, repeated): timing on
+// constants would understate the tensor cores' power draw.
+void fill_random(Bf* d, size_t n) {
+  static std::vector<Bf> block;
+  if (block.empty()) {
+    std::mt19937 rng(7); std::normal_distribution<float> nd;
+    block.resize(size_t(1) << 20);
+    for (auto& v : block) v = Bf(nd(rng));
+  }
+  for (size_t i = 0; i < n; i += block.size()) {
+    cudaMemcpy(d + i, block.data(), std::min(block.size(), n - i) * 2, cudaMemcpyHostToDevice);
+  }
+}
+
 template <class I>
 void timing(const char* name, int G, int T, int M, int N) {
   int L = G * T;
@@ -146,7 +163,7 @@ void timing(const char* name, int G, int T, int M, int N) {
   Bf *da, *db; void *dout; int32_t* dstarts; void* ws;
   cudaMalloc(&da, size_t(L) * M * 2); cudaMalloc(&db, size_t(L) * N * 2);
   cudaMalloc(&dout, size_t(G) * M * N * 4); cudaMalloc(&dstarts, (G + 1) * 4); cudaMalloc(&ws, 4 << 20);
-  cudaMemset(da, 0x3c, size_t(L) * M * 2); cudaMemset(db, 0x3c, size_t(L) * N * 2);
+  fill_random(da, size_t(L) * M); fill_random(db, size_t(L) * N);
   cudaMemcpy(dstarts, starts.data(), (G + 1) * 4, cudaMemcpyHostToDevice);
   Problem p; p.mode = 1; p.G = G; p.L = L; p.M = M; p.N = N; p.pstarts = dstarts;
   p.a = (const uint8_t*)da; p.b = (const uint8_t*)db; p.layout = I::kLayout; p.out = dout;
@@ -184,7 +201,10 @@ int main() {
   int bad = 0;
   for (int layout = 0; layout < 2; ++layout) {
     auto run = [&](int G, int M, int N, std::vector<int> sizes, unsigned seed) {
-      bad += layout == 0 ? check<kLayoutNT>(G, M, N, sizes, seed) : check<kLayoutTN>(G, M, N, sizes, seed);
+      bad += layout == 0 ? check<kLayoutNT, kCfgKGrouped>(G, M, N, sizes, seed)
+                         : check<kLayoutTN, kCfgKGrouped>(G, M, N, sizes, seed);
+      bad += layout == 0 ? check<kLayoutNT, kCfgKGroupedPingpong>(G, M, N, sizes, seed)
+                         : check<kLayoutTN, kCfgKGroupedPingpong>(G, M, N, sizes, seed);
     };
     run(5, 256, 128, {100, 0, 64, 1, 300}, 1);
     run(4, 512, 256, {129, 63, 0, 0}, 2);
@@ -195,10 +215,18 @@ int main() {
   bad += check_fp8<cutlass::float_e4m3_t>(5, 256, 128, {100, 0, 64, 1, 300}, 11);
   bad += check_fp8<cutlass::float_e5m2_t>(7, 384, 256, {65, 127, 128, 191, 5, 64, 250}, 12);
   bad += check_fp8<cutlass::float_e5m2_t>(3, 136, 200, {0, 17, 0}, 13);
-  timing<T<jqffi::kOutBF16, kCfgKGrouped>>("kgrouped NT -> bf16", 64, 256, 2048, 1408);
-  timing<T<jqffi::kOutBF16, kCfgKGrouped, kLayoutTN>>("kgrouped TN -> bf16", 64, 256, 2048, 1408);
-  timing<T<jqffi::kOutF32, kCfgKGrouped, kLayoutTN>>("kgrouped TN -> f32", 64, 256, 2048, 1408);
-  timing<T<jqffi::kOutBF16, kCfgKGrouped, kLayoutTN>>("kgrouped TN -> bf16", 8, 2048, 4096, 14336);
+  for (int round = 0; round < 2; ++round) {
+    timing<T<jqffi::kOutBF16, kCfgKGrouped>>("kgrouped NT -> bf16", 64, 256, 2048, 1408);
+    timing<T<jqffi::kOutBF16, kCfgKGroupedPingpong>>("pingpong NT -> bf16", 64, 256, 2048, 1408);
+    timing<T<jqffi::kOutBF16, kCfgKGrouped, kLayoutTN>>("kgrouped TN -> bf16", 64, 256, 2048, 1408);
+    timing<T<jqffi::kOutBF16, kCfgKGroupedPingpong, kLayoutTN>>("pingpong TN -> bf16", 64, 256, 2048, 1408);
+    timing<T<jqffi::kOutF32, kCfgKGrouped>>("kgrouped NT -> f32", 64, 256, 2048, 1408);
+    timing<T<jqffi::kOutF32, kCfgKGroupedPingpong>>("pingpong NT -> f32", 64, 256, 2048, 1408);
+    timing<T<jqffi::kOutBF16, kCfgKGrouped>>("kgrouped NT -> bf16", 128, 128, 2048, 1408);
+    timing<T<jqffi::kOutBF16, kCfgKGroupedPingpong>>("pingpong NT -> bf16", 128, 128, 2048, 1408);
+    timing<T<jqffi::kOutBF16, kCfgKGrouped>>("kgrouped NT -> bf16", 8, 2048, 4096, 14336);
+    timing<T<jqffi::kOutBF16, kCfgKGroupedPingpong>>("pingpong NT -> bf16", 8, 2048, 4096, 14336);
+  }
   timing<F<kCfgKGroupedFp8>>("kgrouped FP8 TN -> bf16", 64, 256, 2048, 1408);
   timing<F<kCfgC2x1>>("pointer-array c2x1 FP8 TN -> bf16", 64, 256, 2048, 1408);
   timing<F<kCfgDefault>>("pointer-array default FP8 TN -> bf16", 64, 256, 2048, 1408);

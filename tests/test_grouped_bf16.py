@@ -247,24 +247,29 @@ def test_bf16_configurations_their_choice_and_errors(monkeypatch):
     assert sel("TN", F32, tokens).config.name == "bf16"  # the only float32 TN instance
   # wgrads (layout NT is one whatever the caller says) of large groups: cluster 2x1
   assert sel("NT", BF16, large).config.name == "bf16_c2x1"
-  assert sel("NT", BF16, 256.0).config.name == "bf16_kgrouped"
+  assert sel("NT", BF16, 256.0).config.name == "bf16_kgrouped_pingpong"
   assert sel("TN", BF16, large, wgrad=True).config.name == "bf16_c2x1"
   # the float32 wgrad of float32 experts takes the bfloat16 wgrad's configuration
   assert sel("NT", F32, large).config.name == "bf16_c2x1"
-  assert sel("NT", F32, 256.0).config.name == "bf16_kgrouped"
+  assert sel("NT", F32, 256.0).config.name == "bf16_kgrouped"  # pingpong: bfloat16 out only
   assert sel("NN", BF16, 256.0).is_default and not sel("NT", BF16, large).is_default
   # a wgrad (mode 1: given its output shape, or `wgrad`) of groups below the large size takes
-  # the k-grouped kernel, whose instances serve wgrads only; large groups keep their choice
+  # the k-grouped kernel, whose instances serve wgrads only (its pingpong form when writing
+  # bfloat16); large groups keep their choice
   for layout in ("NT", "TN"):
-    for out in (BF16, F32):
-      assert sel(layout, out, 256.0, wgrad_mn=(2048, 1408)).config.name == "bf16_kgrouped"
-      assert sel(layout, out, large - 1, wgrad=True).config.name == "bf16_kgrouped"
-      assert sel(layout, out, large, wgrad=True).config.name != "bf16_kgrouped"
+    for out, name in ((BF16, "bf16_kgrouped_pingpong"), (F32, "bf16_kgrouped")):
+      assert sel(layout, out, 256.0, wgrad_mn=(2048, 1408)).config.name == name
+      assert sel(layout, out, large - 1, wgrad=True).config.name == name
+      assert "kgrouped" not in sel(layout, out, large, wgrad=True).config.name
   assert sel("NT", BF16, large, wgrad=True).config.name == "bf16_c2x1"
-  assert sel("NN", BF16, 256.0, wgrad=True).config.name != "bf16_kgrouped"  # no NN instance
+  assert "kgrouped" not in sel("NN", BF16, 256.0, wgrad=True).config.name  # no NN instance
   assert bf16.selection(1, (4096, 2048), 8, BF16, a_k_major=False,
-                        b_k_major=False).config.name == "bf16_kgrouped"
+                        b_k_major=False).config.name == "bf16_kgrouped_pingpong"
   assert bf16.selection(0, (4096, 2048), 8, BF16).config.name == "bf16"
+  monkeypatch.setattr(sm90_configs, "KGROUPED_PINGPONG", False)
+  assert sel("NT", BF16, 256.0).config.name == "bf16_kgrouped"
+  assert sel("TN", BF16, 256.0, wgrad=True).config.name == "bf16_kgrouped"
+  monkeypatch.setattr(sm90_configs, "KGROUPED_PINGPONG", True)
   monkeypatch.setattr(sm90_configs, "KGROUPED_WGRAD", False)
   # without it: a wgrad whose output the 256 x 128 tiles (cluster 2 x 1) cover with less
   # padding: N = 1408 is 5.5 tiles of 256 (6 under any cluster) and exactly 11 of 128; a tie
@@ -288,8 +293,8 @@ def test_bf16_configurations_their_choice_and_errors(monkeypatch):
   assert auto(e4m3, True, 1408).config.name == "default"  # output shape not given
   assert auto("", True, 1408, 2048).config.name == "default"  # E5M2 or float32 out
   assert {c.ident for c in sm90_configs.CONFIGS.values()} == set(range(len(sm90_configs.CONFIGS)))
-  assert "config bf16_kgrouped" in bf16.kernel_label(1, (64, 512), 8, BF16, a_k_major=False,
-                                                     b_k_major=False)
+  assert "config bf16_kgrouped_pingpong" in bf16.kernel_label(1, (64, 512), 8, BF16,
+                                                              a_k_major=False, b_k_major=False)
   assert bf16.kernel_label(0, (64, 512), 8, BF16) == KERNEL
   assert bf16.kernel_label(0, (2048, 64), 8, BF16) == KERNEL
   assert "config bf16_c2x1" in bf16.kernel_label(1, (8192, 64), 8, BF16, a_k_major=False,
@@ -315,6 +320,17 @@ def test_bf16_configurations_their_choice_and_errors(monkeypatch):
   with pytest.raises(ValueError, match="'bf16_kgrouped' has instances for bfloat16 NT -> "
                                        "bfloat16, .* only, not bfloat16 NN"):
     sel("NN", BF16, 10.0, wgrad=True)
+  # its pingpong form: layouts NT and TN writing bfloat16, wgrads only
+  monkeypatch.setenv(sm90_configs.ENV, "bf16_kgrouped_pingpong")
+  for layout in ("NT", "TN"):
+    assert sel(layout, BF16, 10.0, wgrad=True).config.name == "bf16_kgrouped_pingpong"
+    with pytest.raises(ValueError, match="'bf16_kgrouped_pingpong' has instances for bfloat16 "
+                                         "NT -> bfloat16, bfloat16 TN -> bfloat16 only, not "
+                                         f"bfloat16 {layout} -> float32"):
+      sel(layout, F32, 10.0, wgrad=True)
+  with pytest.raises(ValueError, match="'bf16_kgrouped_pingpong' serves wgrads \\(mode 1\\) "
+                                       "only"):
+    sel("TN", BF16, 10.0)
 
 
 # -------------------------------------- routing -----------------------------------------------
@@ -627,7 +643,7 @@ def test_gpu_bf16_gemm_is_within_the_bound(on_kernel, rng, groups, mode, layout,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", ["bf16", "bf16_c2x1", "bf16_pingpong", "bf16_256x128",
-                                    "bf16_128x128", "bf16:rn"])
+                                    "bf16_128x128", "bf16_128x176", "bf16:rn"])
 @pytest.mark.parametrize("groups", [1, 8, 64])
 @pytest.mark.parametrize("mode,layout", [(0, "TN"), (0, "NN"), (1, "TN"), (1, "NT")])
 def test_gpu_bf16_configurations_are_within_the_bound(on_kernel, rng, config, groups, mode,
@@ -657,16 +673,19 @@ def test_gpu_float32_kernel_gradient_is_the_float32_sums(on_kernel, rng, groups,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["bf16_kgrouped", "bf16_kgrouped:rn"])
-@pytest.mark.parametrize("out_dtype", [BF16, F32])
+@pytest.mark.parametrize("config,out_dtype", [
+    ("bf16_kgrouped", BF16), ("bf16_kgrouped", F32), ("bf16_kgrouped:rn", BF16),
+    ("bf16_kgrouped:rn", F32), ("bf16_kgrouped_pingpong", BF16),
+    ("bf16_kgrouped_pingpong:rn", BF16)])
 @pytest.mark.parametrize("groups,tokens", [(1, 1500), (8, 1540), (64, 1820), (64, 64 * 256),
                                            (130, 900)])
 def test_gpu_kgrouped_wgrad_is_within_the_bound(on_kernel, rng, config, out_dtype, groups,
                                                  tokens):
-  """The k-grouped wgrad (one descriptor per operand): groups that start at any token, end
-  inside a 64-token block (the rows past them zeroed in shared memory), are shorter than one
-  block or empty (zeros written by the kernel), the last one followed by rows of no group; M and
-  N not multiples of the 256 x 128 tile."""
+  """The k-grouped wgrad (one descriptor per operand), cooperative and pingpong: groups that
+  start at any token, end inside a 64-token block (the rows past them zeroed in shared memory),
+  are shorter than one block or empty (zeros written by the kernel), the last one followed by
+  rows of no group; M and N not multiples of the tile. Pingpong: a CTA's tiles alternate
+  between its two warpgroups with different groups' block counts."""
   empty = tuple(range(2, groups, 5)) if groups > 1 else ()
   check_kernel(rng, 1, "NT", out_dtype, tokens, 136, 200, groups, empty=empty, spare=7,
                config=config)

@@ -110,11 +110,17 @@ Sm90Runner runner(int cfg, int layout, int out) {
       return layout == sm90::kLayoutNT   ? instance<sm90::kCfgKGrouped, sm90::kLayoutNT, kOutBF16>()
              : layout == sm90::kLayoutTN ? instance<sm90::kCfgKGrouped, sm90::kLayoutTN, kOutBF16>()
                                          : nullptr;
+    case sm90::kCfgKGroupedPingpong:  // the same, pingpong (bfloat16 out only)
+      return layout == sm90::kLayoutNT ? instance<sm90::kCfgKGroupedPingpong, sm90::kLayoutNT, kOutBF16>()
+             : layout == sm90::kLayoutTN
+                 ? instance<sm90::kCfgKGroupedPingpong, sm90::kLayoutTN, kOutBF16>()
+                 : nullptr;
 #ifndef JAXQUANT_SM90_DEFAULT_CONFIGS_ONLY
     case sm90::kCfgBf16C2x1: return bf16_out<sm90::kCfgBf16C2x1>(layout);
     case sm90::kCfgBf16Pingpong: return bf16_out<sm90::kCfgBf16Pingpong>(layout);
     case sm90::kCfgBf16M256: return bf16_out<sm90::kCfgBf16M256>(layout);
     case sm90::kCfgBf16N128: return bf16_out<sm90::kCfgBf16N128>(layout);
+    case sm90::kCfgBf16N176: return bf16_out<sm90::kCfgBf16N176>(layout);
 #endif
     default: return nullptr;
   }
@@ -134,10 +140,12 @@ ffi::Error GroupedGemmBf16Cuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBu
   if (!why.empty()) return invalid(kTarget, why);
   JQ_RETURN_IF_ERROR(check_sm90_workspace(kTarget, *workspace, sm90::workspace_bytes(p.G)));
   const int layout = layout_of(p);
-  if (config == sm90::kCfgKGrouped && p.mode != kModeWgrad) {
+  if ((config == sm90::kCfgKGrouped || config == sm90::kCfgKGroupedPingpong) &&
+      p.mode != kModeWgrad) {
     return invalid(kTarget, "config " + std::to_string(config) +
-                                " (bf16_kgrouped) serves wgrads (mode 1) only; got mode " +
-                                std::to_string(p.mode));
+                                (config == sm90::kCfgKGrouped ? " (bf16_kgrouped)"
+                                                              : " (bf16_kgrouped_pingpong)") +
+                                " serves wgrads (mode 1) only; got mode " + std::to_string(p.mode));
   }
   const Sm90Runner run = p.row_scale ? row_scaled_runner(config, layout, p.out_kind)
                                      : runner(config, layout, p.out_kind);

@@ -53,6 +53,11 @@ enum : int {
   // The same for per-tensor FP8 wgrads (layout TN, float32 promotion): kCfgC2x1's tile.
   kCfgKGroupedFp8 = 11,  // 128x128x128, cluster 2x1, cooperative, k-grouped
   kCfgBf16N128 = 12,     // 128x128x64, cluster 1x1, cooperative (no column or cluster padding)
+  // The bfloat16 k-grouped wgrad (layouts NT and TN) on the pingpong schedule: each consumer
+  // warpgroup its own 128x128 tiles, one's epilogue under the other's k-loop
+  // (sm90_kgrouped_pingpong.cuh).
+  kCfgKGroupedPingpong = 13,  // 128x128x64, cluster 2x1, pingpong, k-grouped
+  kCfgBf16N176 = 14,     // 128x176x64, cluster 1x2, cooperative (N = 1408: 8 whole tiles)
 };
 
 // Operand layouts of the bf16 instances (which operand runs contiguously along the contraction

@@ -91,6 +91,13 @@ template <> struct TileConfig<kCfgKGroupedFp8> : Tiles<128, 128, 128, 2, 1> {};
 // 128 x 128 bfloat16 tiles without a cluster: a ragged GEMM computes each group's row tiles
 // and an N of 1408 (11 x 128) exactly, where 256-wide tiles compute 6 columns of them.
 template <> struct TileConfig<kCfgBf16N128> : Tiles<128, 128, 64, 1, 1> {};
+// The bfloat16 k-grouped wgrad on the pingpong schedule: a warpgroup's whole 128 x 128 tile is
+// 128 accumulator registers; cluster 2 x 1 (B multicast), as the batched peer measured best.
+template <> struct TileConfig<kCfgKGroupedPingpong> : Tiles<128, 128, 64, 2, 1, true> {};
+// 176-wide bfloat16 tiles: a forward's N of 1408 is 8 whole tiles (256-wide ones compute 6 x
+// 256, 9% padding), an even count for the 1 x 2 cluster. Needs CUTLASS's extended wgmma shapes
+// (defined by the generated translation unit, as for kCfgN176).
+template <> struct TileConfig<kCfgBf16N176> : Tiles<128, 176, 64, 1, 2> {};
 
 // kEpiRowScale's epilogue tree: D = convert((alpha[g] * acc) * row_scale[m]), float32 products
 // rounded once to ElementD (XLA's order when it scaled a float32 output). alpha: one float32

@@ -29,6 +29,7 @@
 #include "cutlass/arch/barrier.h"
 #include "cutlass/gemm/kernel/sm90_tile_scheduler.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
+#include "grouped/sm90/sm90_kgrouped_pingpong.cuh"
 #include "grouped/sm90/sm90_launch.cuh"
 
 namespace jqffi {
@@ -378,21 +379,28 @@ struct KGroupedMainloop : Base {
   }
 };
 
-// The kernel types of the k-grouped wgrad for Instance K's tile, cluster and output (cooperative
-// schedule only: pingpong's warpgroups skip each other's tiles by a fixed block count).
+// The kernel types of the k-grouped wgrad for Instance K's tile, cluster and output: CUTLASS's
+// cooperative kernel (both consumer warpgroups on one tile), or for a pingpong configuration
+// KGroupedPingpongKernel (each warpgroup its own tiles; bfloat16 only: FP8's promotion buffer
+// would double a warpgroup's accumulators).
 template <class K>
 struct KGroupedInstance {
-  static_assert(!K::Config::kPingpong, "the k-grouped wgrad runs the cooperative schedule");
+  static constexpr bool kPingpong = K::Config::kPingpong;
   using ElementA = typename K::ElementA;
   using ElementB = typename K::ElementB;
+  static_assert(!kPingpong || sizeof(ElementA) == 2, "the pingpong k-grouped wgrad is bfloat16 only");
   using ElementD = typename K::ElementD;
   using LayoutD = cutlass::layout::RowMajor;
   using TileShape = typename K::TileShape;
   using ClusterShape = typename K::ClusterShape;
+  using EpilogueSchedule = cute::conditional_t<kPingpong, cutlass::epilogue::TmaWarpSpecialized,
+                                               cutlass::epilogue::TmaWarpSpecializedCooperative>;
+  using MainloopSchedule = cute::conditional_t<kPingpong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+                                               cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, K::kAlignD,
-      ElementD, LayoutD, K::kAlignD, cutlass::epilogue::TmaWarpSpecializedCooperative,
+      ElementD, LayoutD, K::kAlignD, EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
   // The operand layouts of the pointer-array instance: TN (A [M, L], B [N, L], tokens
   // contiguous) or NT (A [L, M], B [L, N]).
@@ -404,11 +412,12 @@ struct KGroupedInstance {
       K::kAlignA, ElementB, LayoutB, K::kAlignB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+      MainloopSchedule>::CollectiveOp;
   using Mainloop = KGroupedMainloop<BaseMainloop>;
-  using GemmKernel =
-      cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
-                                           KGroupedSchedulerTag>;
+  using ProblemShape = cute::Shape<int, int, int, int>;  // (M, N, tokens, G)
+  using GemmKernel = cute::conditional_t<
+      kPingpong, KGroupedPingpongKernel<ProblemShape, Mainloop, Epilogue, KGroupedSchedulerTag>,
+      cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue, KGroupedSchedulerTag>>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 };
 

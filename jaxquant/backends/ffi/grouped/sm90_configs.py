@@ -113,6 +113,17 @@ CONFIGS = {c.name: c for c in (
     # ms, dgrad 0.249 against 0.212; more operand bytes a FLOP), so taken only by name.
     Sm90Config("bf16_128x128", 12, (128, 128, 64), (1, 1), "cooperative", "float32",
                _BF16_LAYOUTS),
+    # The bfloat16 k-grouped wgrad on the pingpong schedule (design decision 52): each consumer
+    # warpgroup computes its own 128 x 128 tiles, one's epilogue under the other's k-loop
+    # (ffi/grouped/sm90/sm90_kgrouped_pingpong.cuh). bfloat16 outputs only: with a float32
+    # output it measured slower than "bf16_kgrouped".
+    Sm90Config("bf16_kgrouped_pingpong", 13, (128, 128, 64), (2, 1), "pingpong, k-grouped",
+               "float32", (BF16_NT_BF16, BF16_TN_BF16), wgrad_only=True),
+    # 176-wide tiles: a ragged GEMM's N of 1408 is 8 whole tiles, where 256-wide ones compute
+    # 6 x 256 (9% padding). Measured much slower than "bf16" (H200, session 27, drawn sizes: 64
+    # x 256 forward 0.316 against 0.232 ms), so taken only by name.
+    Sm90Config("bf16_128x176", 14, (128, 176, 64), (1, 2), "cooperative", "float32",
+               _BF16_LAYOUTS),
 )}
 DEFAULT = CONFIGS["default"]
 BF16_DEFAULT = CONFIGS["bf16"]
@@ -150,6 +161,15 @@ WGRAD_BY_PADDING = True
 # N 14336) it was no faster (NT 2.73-2.92 against "bf16_c2x1"'s 2.81, TN 2.97-2.99 against
 # 2.89), so large groups keep their configuration.
 KGROUPED_WGRAD = True
+# ... and a bfloat16 one writing bfloat16 takes the kernel's pingpong form,
+# "bf16_kgrouped_pingpong" (design decision 52). Measured on an H200 (session 27,
+# bench/kgrouped_check.cu, equal groups, random data, µs): 64 groups x 256 tokens (M 2048, N
+# 1408) NT 192-194 against "bf16_kgrouped"'s 206-241, TN 193-194 against 206-213; 128 x 128 NT
+# 265-266 against 304-310. On drawn sizes (bench/small_groups.py --multinomial, ms): 64 x 256 NT
+# 0.235-0.245 against 0.263, TN 0.272-0.277 against 0.282. A float32 output keeps
+# "bf16_kgrouped" (NT 257-259 µs against the pingpong form's 264-268), and large groups keep
+# "bf16_c2x1" (8 x 2048, K 4096, N 14336: NT 3.02 against 2.87-2.95 ms, TN 3.41 against 3.14).
+KGROUPED_PINGPONG = True
 
 
 def padded_elements(mn: tuple[int, int], config: "Sm90Config") -> int:
@@ -295,16 +315,18 @@ def automatic_bf16(kind: str, tokens_per_group: float,
                    wgrad_mn: Optional[tuple[int, int]] = None,
                    wgrad: bool = False) -> Selection:
   """The configuration a bfloat16 GEMM takes without `JAXQUANT_SM90_CONFIG`: a wgrad
-  (`wgrad`) of groups below the large group size "bf16_kgrouped" while `KGROUPED_WGRAD`
-  holds; else "bf16" for a ragged-rows GEMM (mode 0), and for a wgrad by the groups' average
+  (`wgrad`) of groups below the large group size the k-grouped kernel while `KGROUPED_WGRAD`
+  holds ("bf16_kgrouped_pingpong" writing bfloat16 while `KGROUPED_PINGPONG` holds, else
+  "bf16_kgrouped"); else "bf16" for a ragged-rows GEMM (mode 0), and for a wgrad by the groups' average
   token count (the measured rule at `BF16_LARGE_GROUP_TOKENS`) and (`wgrad_mn`:
   its per-group output shape), the padding rule (`WGRAD_BY_PADDING`); an instance kind the
   chosen configuration does not have (float32 output) keeps "bf16"."""
   large = tokens_per_group >= BF16_LARGE_GROUP_TOKENS
   wgrad = wgrad or kind.startswith("bfloat16 NT")  # layout NT is the no-recipe wgrad's only
-  kgrouped = CONFIGS["bf16_kgrouped"]
-  if wgrad and not large and KGROUPED_WGRAD and kind in kgrouped.instances:
-    return Selection(kgrouped)
+  if wgrad and not large and KGROUPED_WGRAD:
+    for name in ("bf16_kgrouped_pingpong",) * KGROUPED_PINGPONG + ("bf16_kgrouped",):
+      if kind in CONFIGS[name].instances:
+        return Selection(CONFIGS[name])
   name = "bf16_c2x1" if wgrad and large else "bf16"
   config = CONFIGS[name]
   config = config if kind in config.instances else BF16_DEFAULT
