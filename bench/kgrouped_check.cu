@@ -100,7 +100,7 @@ int check(int G, int M, int N, std::vector<int> sizes, unsigned seed) {
 }
 
 // Per-tensor FP8 (TN: a [M, L] E4M3, b [N, L] E4M3 or E5M2) with a per-group alpha, float32 out.
-template <class EB, int CFG = kCfgKGroupedFp8>
+template <class EB>
 int check_fp8(int G, int M, int N, std::vector<int> sizes, unsigned seed) {
   using EA = cutlass::float_e4m3_t;
   for (int& s : sizes) s = (s + 15) / 16 * 16;  // FP8 group starts on 16 bytes (token block 16)
@@ -128,16 +128,13 @@ int check_fp8(int G, int M, int N, std::vector<int> sizes, unsigned seed) {
   constexpr int kB = std::is_same_v<EB, cutlass::float_e5m2_t> ? kE5M2 : kE4M3;
   p.a_elem = kE4M3; p.b_elem = kB;
   std::string err = launch_kgrouped<Instance<DenseOperands<kE4M3, kB, kLayoutTN>, jqffi::kOutF32,
-                                             CFG>>(p, 0);
+                                             kCfgKGroupedFp8>>(p, 0);
   cudaError_t e = cudaDeviceSynchronize();
   if (!err.empty() || e != cudaSuccess) { printf("fp8 launch: %s / %s\n", err.c_str(), cudaGetErrorString(e)); return 1; }
   std::vector<float> out(size_t(G) * M * N);
   cudaMemcpy(out.data(), dout, out.size() * 4, cudaMemcpyDeviceToHost);
   // FP8 wgmma sums: the library tests' bound (2^-10)
-  const char* label = CFG == kCfgKGroupedFp8Pingpong
-                          ? (kB == kE5M2 ? "pingpong FP8 e4m3 x e5m2" : "pingpong FP8 e4m3 x e4m3")
-                          : (kB == kE5M2 ? "FP8 e4m3 x e5m2" : "FP8 e4m3 x e4m3");
-  const long bad = compare(label, G, M, N, starts,
+  const long bad = compare(kB == kE5M2 ? "FP8 e4m3 x e5m2" : "FP8 e4m3 x e4m3", G, M, N, starts,
       out, [&](int m, int t) { return double(float(a[size_t(m) * L + t])); },
       [&](int n, int t) { return double(float(b[size_t(n) * L + t])); }, alpha, 0x1p-10);
   cudaFree(da); cudaFree(db); cudaFree(dout); cudaFree(dalpha); cudaFree(dstarts); cudaFree(ws);
@@ -218,19 +215,23 @@ int main() {
   bad += check_fp8<cutlass::float_e4m3_t>(5, 256, 128, {100, 0, 64, 1, 300}, 11);
   bad += check_fp8<cutlass::float_e5m2_t>(7, 384, 256, {65, 127, 128, 191, 5, 64, 250}, 12);
   bad += check_fp8<cutlass::float_e5m2_t>(3, 136, 200, {0, 17, 0}, 13);
-  bad += check_fp8<cutlass::float_e4m3_t, kCfgKGroupedFp8Pingpong>(5, 256, 128, {100, 0, 64, 1, 300}, 11);
-  bad += check_fp8<cutlass::float_e5m2_t, kCfgKGroupedFp8Pingpong>(7, 384, 256, {65, 127, 128, 191, 5, 64, 250}, 12);
-  bad += check_fp8<cutlass::float_e5m2_t, kCfgKGroupedFp8Pingpong>(3, 136, 200, {0, 17, 0}, 13);
   for (int round = 0; round < 2; ++round) {
+    timing<T<jqffi::kOutBF16, kCfgKGrouped>>("kgrouped NT -> bf16", 64, 256, 2048, 1408);
     timing<T<jqffi::kOutBF16, kCfgKGroupedPingpong>>("pingpong NT -> bf16", 64, 256, 2048, 1408);
-    timing<F<kCfgKGroupedFp8>>("kgrouped FP8 TN -> bf16", 64, 256, 2048, 1408);
-    timing<F<kCfgKGroupedFp8Pingpong>>("pingpong FP8 TN -> bf16", 64, 256, 2048, 1408);
-    timing<F<kCfgKGroupedFp8>>("kgrouped FP8 TN -> bf16", 128, 128, 2048, 1408);
-    timing<F<kCfgKGroupedFp8Pingpong>>("pingpong FP8 TN -> bf16", 128, 128, 2048, 1408);
-    timing<F<kCfgKGroupedFp8>>("kgrouped FP8 TN -> bf16", 8, 2048, 4096, 14336);
-    timing<F<kCfgKGroupedFp8Pingpong>>("pingpong FP8 TN -> bf16", 8, 2048, 4096, 14336);
-    timing<F<kCfgC2x1>>("pointer-array c2x1 FP8 TN -> bf16", 8, 2048, 4096, 14336);
+    timing<T<jqffi::kOutBF16, kCfgKGrouped, kLayoutTN>>("kgrouped TN -> bf16", 64, 256, 2048, 1408);
+    timing<T<jqffi::kOutBF16, kCfgKGroupedPingpong, kLayoutTN>>("pingpong TN -> bf16", 64, 256, 2048, 1408);
+    timing<T<jqffi::kOutF32, kCfgKGrouped>>("kgrouped NT -> f32", 64, 256, 2048, 1408);
+    timing<T<jqffi::kOutF32, kCfgKGroupedPingpong>>("pingpong NT -> f32", 64, 256, 2048, 1408);
+    timing<T<jqffi::kOutBF16, kCfgKGrouped>>("kgrouped NT -> bf16", 128, 128, 2048, 1408);
+    timing<T<jqffi::kOutBF16, kCfgKGroupedPingpong>>("pingpong NT -> bf16", 128, 128, 2048, 1408);
+    timing<T<jqffi::kOutBF16, kCfgKGrouped>>("kgrouped NT -> bf16", 8, 2048, 4096, 14336);
+    timing<T<jqffi::kOutBF16, kCfgKGroupedPingpong>>("pingpong NT -> bf16", 8, 2048, 4096, 14336);
   }
+  timing<F<kCfgKGroupedFp8>>("kgrouped FP8 TN -> bf16", 64, 256, 2048, 1408);
+  timing<F<kCfgC2x1>>("pointer-array c2x1 FP8 TN -> bf16", 64, 256, 2048, 1408);
+  timing<F<kCfgDefault>>("pointer-array default FP8 TN -> bf16", 64, 256, 2048, 1408);
+  timing<F<kCfgKGroupedFp8>>("kgrouped FP8 TN -> bf16", 8, 2048, 4096, 14336);
+  timing<F<kCfgC2x1>>("pointer-array c2x1 FP8 TN -> bf16", 8, 2048, 4096, 14336);
   printf(bad ? "FAILED\n" : "ALL OK\n");
   return bad != 0;
 }

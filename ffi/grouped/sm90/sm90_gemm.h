@@ -58,9 +58,6 @@ enum : int {
   // (sm90_kgrouped_pingpong.cuh).
   kCfgKGroupedPingpong = 13,  // 128x128x64, cluster 2x1, pingpong, k-grouped
   kCfgBf16N176 = 14,     // 128x176x64, cluster 1x2, cooperative (N = 1408: 8 whole tiles)
-  // The per-tensor FP8 k-grouped wgrad on the pingpong schedule: 64-row tiles, so a
-  // warpgroup's accumulators and FP8's promotion buffer fit its registers.
-  kCfgKGroupedFp8Pingpong = 15,  // 64x128x128, cluster 2x1, pingpong, k-grouped
 };
 
 // Operand layouts of the bf16 instances (which operand runs contiguously along the contraction

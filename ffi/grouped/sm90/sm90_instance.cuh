@@ -98,9 +98,6 @@ template <> struct TileConfig<kCfgKGroupedPingpong> : Tiles<128, 128, 64, 2, 1, 
 // 256, 9% padding), an even count for the 1 x 2 cluster. Needs CUTLASS's extended wgmma shapes
 // (defined by the generated translation unit, as for kCfgN176).
 template <> struct TileConfig<kCfgBf16N176> : Tiles<128, 176, 64, 1, 2> {};
-// The per-tensor FP8 k-grouped wgrad on the pingpong schedule: a warpgroup's 64 x 128 tile is
-// 64 accumulator registers and 64 more for the promotion buffer (a 128 x 128 one would need 256).
-template <> struct TileConfig<kCfgKGroupedFp8Pingpong> : Tiles<64, 128, 128, 2, 1, true> {};
 
 // kEpiRowScale's epilogue tree: D = convert((alpha[g] * acc) * row_scale[m]), float32 products
 // rounded once to ElementD (XLA's order when it scaled a float32 output). alpha: one float32

@@ -59,14 +59,11 @@ template <int A, int B, int OUT, int CFG, int LAYOUT, int EPI>
 std::string run_instance(const Problem& p, cudaStream_t stream) {
   if (p.layout != LAYOUT) return "operand layout does not match the instance";
   using K = Instance<DenseOperands<A, B, LAYOUT>, OUT, CFG, EPI>;
-  if constexpr (CFG == kCfgKGrouped || CFG == kCfgKGroupedFp8 || CFG == kCfgKGroupedPingpong ||
-                CFG == kCfgKGroupedFp8Pingpong) {
-    constexpr bool fp8 = CFG == kCfgKGroupedFp8 || CFG == kCfgKGroupedFp8Pingpong;
-    static_assert(!fp8 == (A == kBF16) && LAYOUT != kLayoutNN &&
+  if constexpr (CFG == kCfgKGrouped || CFG == kCfgKGroupedFp8 || CFG == kCfgKGroupedPingpong) {
+    static_assert((CFG != kCfgKGroupedFp8) == (A == kBF16) && LAYOUT != kLayoutNN &&
                       EPI == kEpiAlpha,
                   "the k-grouped wgrad takes bfloat16 operands of layout TN or NT (kCfgKGrouped, "
-                  "kCfgKGroupedPingpong) or per-tensor FP8 ones of layout TN (kCfgKGroupedFp8, "
-                  "kCfgKGroupedFp8Pingpong)");
+                  "kCfgKGroupedPingpong) or per-tensor FP8 ones of layout TN (kCfgKGroupedFp8)");
     return launch_kgrouped<K>(p, stream);
   } else {
     return launch<K>(p, stream);

@@ -381,15 +381,14 @@ struct KGroupedMainloop : Base {
 
 // The kernel types of the k-grouped wgrad for Instance K's tile, cluster and output: CUTLASS's
 // cooperative kernel (both consumer warpgroups on one tile), or for a pingpong configuration
-// KGroupedPingpongKernel (each warpgroup its own tiles; FP8's promotion buffer doubles a
-// warpgroup's accumulators, so FP8 takes 64-row tiles).
+// KGroupedPingpongKernel (each warpgroup its own tiles; bfloat16 only: FP8's promotion buffer
+// would double a warpgroup's accumulators).
 template <class K>
 struct KGroupedInstance {
   static constexpr bool kPingpong = K::Config::kPingpong;
   using ElementA = typename K::ElementA;
   using ElementB = typename K::ElementB;
-  static_assert(!kPingpong || sizeof(ElementA) == 2 || cute::size<0>(typename K::TileShape{}) == 64,
-                "the FP8 pingpong k-grouped wgrad takes 64-row tiles (accumulators + promotion)");
+  static_assert(!kPingpong || sizeof(ElementA) == 2, "the pingpong k-grouped wgrad is bfloat16 only");
   using ElementD = typename K::ElementD;
   using LayoutD = cutlass::layout::RowMajor;
   using TileShape = typename K::TileShape;
