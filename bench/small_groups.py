@@ -6,8 +6,9 @@ GEMM (`einsum` over [G, m, K]: cuBLAS or XLA's own GEMM emitter, whichever XLA p
 that does exactly the same FLOPs without a grouped kernel's per-group work (CUTLASS's pointer-
 array kernel rewrites its TMA descriptors whenever a CTA moves to another group). The dense
 GEMM of the same FLOPs is the roofline peer. Rows: the no-recipe bfloat16 GEMMs as
-`GroupedDense` runs them (NN forward, TN dgrad, NT wgrad) and the per-tensor FP8 GEMMs of a
-Float8CurrentScaling step (TN, wgrad on the 16-token layout).
+`GroupedDense` runs them (NN forward, TN dgrad, NT wgrad), the decoded copies' TN forward and
+wgrad, and the per-tensor FP8 GEMMs of a Float8CurrentScaling step (TN, wgrad on the 16-token
+layout).
 
     python bench/small_groups.py                        # 64 experts x 256 rows, K 2048, N 1408
     python bench/small_groups.py --groups 128 --rows 128
@@ -75,6 +76,11 @@ def cases(groups: int, rows: int, k: int, n: int, seed: int, grouped_only: bool 
   layouts = {"fprop": "NN", "dgrad": "TN", "wgrad": "NT"}
   for kind, fn, ops in no_recipe_gemms(x, w, dy, sizes):
     yield (f"grouped bf16 {kind} ({layouts[kind]})", jax.jit(fn), ops)
+  # the forward of decoded (MXFP8 / NVFP4) copies: the experts' [G, N, K] copy K-major (TN)
+  starts = bf16.group_starts(sizes)
+  yield ("grouped bf16 fprop (TN)",
+         jax.jit(lambda a, b, s: bf16.gemm(a, b, s, mode=0, out_dtype=jnp.bfloat16)),
+         (x, w, starts))
   # the wgrad of decoded (MXFP8 / NVFP4) copies: the tokens' columnwise copies [K, L]
   # and [N, L], tokens contiguous (layout TN), every group starting on a multiple of 8 tokens
   # (16 bytes: the kernels' contract for K-major operands, which the library's token layouts
