@@ -317,10 +317,10 @@ def automatic_bf16(kind: str, tokens_per_group: float,
   """The configuration a bfloat16 GEMM takes without `JAXQUANT_SM90_CONFIG`: a wgrad
   (`wgrad`) of groups below the large group size the k-grouped kernel while `KGROUPED_WGRAD`
   holds ("bf16_kgrouped_pingpong" writing bfloat16 while `KGROUPED_PINGPONG` holds, else
-  "bf16_kgrouped"); else "bf16" for a ragged-rows GEMM (mode 0), and for a wgrad by the groups' average
-  token count (the measured rule at `BF16_LARGE_GROUP_TOKENS`) and (`wgrad_mn`:
-  its per-group output shape), the padding rule (`WGRAD_BY_PADDING`); an instance kind the
-  chosen configuration does not have (float32 output) keeps "bf16"."""
+  "bf16_kgrouped"); else "bf16" for a ragged-rows GEMM (mode 0), and for a wgrad by the
+  groups' average token count (the measured rule at `BF16_LARGE_GROUP_TOKENS`) and
+  (`wgrad_mn`: its per-group output shape), the padding rule (`WGRAD_BY_PADDING`); an instance
+  kind the chosen configuration does not have (float32 output) keeps "bf16"."""
   large = tokens_per_group >= BF16_LARGE_GROUP_TOKENS
   wgrad = wgrad or kind.startswith("bfloat16 NT")  # layout NT is the no-recipe wgrad's only
   if wgrad and not large and KGROUPED_WGRAD:
