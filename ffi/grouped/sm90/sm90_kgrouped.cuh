@@ -9,7 +9,9 @@
 // Contract: a K-major operand's groups start on 16-byte boundaries (the wgrad copies' token
 // layouts: block 8 for bfloat16, 16 for FP8); M/N-major ones (NT) start anywhere.
 //
-// Three pieces on top of CUTLASS's own cooperative kernel (GemmUniversal, unmodified):
+// Three pieces on top of CUTLASS's own cooperative kernel (GemmUniversal, unmodified), or on
+// top of its pingpong kernel with the one change sm90_kgrouped_pingpong.cuh makes (each consumer
+// warpgroup skipping its partner's tile by that tile's block count; design decision 52):
 //   * KGroupedScheduler: the persistent scheduler's tiles over (M, N, G), each carrying its
 //     group's contraction range (`KTiles`: first token, 64-token blocks, rows of the last block)
 //     read from the device-side group starts; the kernel passes that range to the mainloop as
@@ -382,21 +384,23 @@ struct KGroupedMainloop : Base {
 // The kernel types of the k-grouped wgrad for Instance K's tile, cluster and output: CUTLASS's
 // cooperative kernel (both consumer warpgroups on one tile), or for a pingpong configuration
 // KGroupedPingpongKernel (each warpgroup its own tiles; bfloat16 only: FP8's promotion buffer
-// would double a warpgroup's accumulators).
+// would double a warpgroup's accumulators, and its 64-row form measured no better, NOTES.md).
 template <class K>
 struct KGroupedInstance {
   static constexpr bool kPingpong = K::Config::kPingpong;
   using ElementA = typename K::ElementA;
   using ElementB = typename K::ElementB;
-  static_assert(!kPingpong || sizeof(ElementA) == 2, "the pingpong k-grouped wgrad is bfloat16 only");
+  static_assert(!kPingpong || sizeof(ElementA) == 2,
+                "the pingpong k-grouped wgrad is bfloat16 only");
   using ElementD = typename K::ElementD;
   using LayoutD = cutlass::layout::RowMajor;
   using TileShape = typename K::TileShape;
   using ClusterShape = typename K::ClusterShape;
   using EpilogueSchedule = cute::conditional_t<kPingpong, cutlass::epilogue::TmaWarpSpecialized,
                                                cutlass::epilogue::TmaWarpSpecializedCooperative>;
-  using MainloopSchedule = cute::conditional_t<kPingpong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
-                                               cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
+  using MainloopSchedule =
+      cute::conditional_t<kPingpong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+                          cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, K::kAlignD,
