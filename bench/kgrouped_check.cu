@@ -1,7 +1,8 @@
 // The k-grouped wgrad (ffi/grouped/sm90/sm90_kgrouped.cuh; cooperative and pingpong) outside
-// JAX: ragged groups in both layouts (NT, TN) against a float64 host reference (groups ending inside a 64-token block,
-// shorter than one, empty, rows of no group; every output element must be written), then its
-// time on 64 equal groups of 256 tokens and 8 of 2048. Exit status 1 when an element is off.
+// JAX: ragged groups in both layouts (NT, TN) against a float64 host reference (groups ending
+// inside a 64-token block, shorter than one, empty, rows of no group; every output element must
+// be written), then its time on random data: 64 equal groups of 256 tokens, 128 of 128 and 8 of
+// 2048. Exit status 1 when an element is off.
 //
 //   nvcc -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
 //        -Iffi -I<CUTLASS include> bench/kgrouped_check.cu -o kgrouped_check

@@ -324,7 +324,8 @@ def automatic_bf16(kind: str, tokens_per_group: float,
   large = tokens_per_group >= BF16_LARGE_GROUP_TOKENS
   wgrad = wgrad or kind.startswith("bfloat16 NT")  # layout NT is the no-recipe wgrad's only
   if wgrad and not large and KGROUPED_WGRAD:
-    for name in ("bf16_kgrouped_pingpong",) * KGROUPED_PINGPONG + ("bf16_kgrouped",):
+    forms = ["bf16_kgrouped_pingpong"] if KGROUPED_PINGPONG else []
+    for name in forms + ["bf16_kgrouped"]:  # the first with an instance for this kind
       if kind in CONFIGS[name].instances:
         return Selection(CONFIGS[name])
   name = "bf16_c2x1" if wgrad and large else "bf16"
