@@ -305,3 +305,16 @@ def test_gpu_delayed_grouped_quantize_records_the_reference_amax(on_gpu, rng, gr
 @pytest.mark.parametrize("groups", [1, 8, 64])
 def test_gpu_grouped_amax_gated_is_zero_or_the_exact_amax(on_gpu, rng, groups, dtype):
   _check_gated(rng, 1200 + 3 * groups, 264, groups, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("tokens,features,groups", [(4000, 1408, 64), (600, 36000, 8),
+                                                    (3001, 1412, 16), (5000, 8, 3)])
+def test_gpu_grouped_amax_spans_inside_and_across_groups(on_gpu, rng, tokens, features, groups,
+                                                         dtype):
+  """The span kernel (features a multiple of 8): ~64 KB spans of whole rows read flat inside
+  one group and a row a warp across a group start (groups of ~60 rows; 8-feature rows whose
+  4096-row spans hold whole groups), rows longer than a span; 1412 features take the warp-a-row
+  kernel. Plain and gated amaxes are numpy's, bit for bit (NaN, inf, rows of no group)."""
+  _check_gated(rng, tokens, features, groups, dtype)

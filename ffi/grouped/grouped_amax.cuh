@@ -1,11 +1,14 @@
 // The grouped amax kernels and the loads they share with the grouped quantize kernels (CUDA):
 //   grouped_amax_kernel      per-group max |x| over each group's rows of x (one warp a row)
+//   grouped_amax_span_kernel the same over spans of ~64 KB of whole rows (one CTA a span): a span
+//                            inside one group is read as one flat run of 16-byte loads
 //   grouped_rht_amax_kernel  per-group max |RHT(chunk)| over the 16-position chunks of a token
 //                            layout (NVFP4 rht: the amax of the Hadamard-transformed columnwise
 //                            copy), one CTA a chunk
 // All reduce |x| as float32 bit patterns with atomicMax (NaN above inf: NaN-propagating, as
 // the reference's segment max), into an amax[G] the handler cleared.
-// grouped_amax_kernel with `p.gate` (jaxquant_grouped_amax_gated) returns at once, leaving the
+// `launch_grouped_amax` picks between the two (the span kernel where rows are 16-byte aligned).
+// Either kernel with `p.gate` (jaxquant_grouped_amax_gated) returns at once, leaving the
 // zeros, when every gate[g] (a delayed-scaling group's scale) is nonzero: the just-in-time first
 // scale reads the amax only where the scale is 0.
 #pragma once
@@ -93,16 +96,21 @@ __device__ __forceinline__ int upper_group(const int32_t* starts, int G, int64_t
   return lo;
 }
 
+// Whether the CTA's group amaxes are wanted: with `p.gate` (jaxquant_grouped_amax_gated) only
+// while some group's scale is still 0. The same answer in every CTA, so the grid exits together.
+__device__ __forceinline__ bool amax_wanted(const QuantizeParams& p) {
+  if (p.gate == nullptr) return true;
+  bool open = false;
+  for (int64_t g = threadIdx.x; g < p.G; g += blockDim.x) open |= __ldg(p.gate + g) == 0.0f;
+  return __syncthreads_or(open);
+}
+
 // One warp a row of x at a time; a lane keeps kLoads 16-byte loads of its row in flight (one
 // at a time would leave too few bytes in flight per SM to cover the memory latency).
 template <int TYPE>
 __global__ void __launch_bounds__(256) grouped_amax_kernel(const QuantizeParams p) {
   constexpr int kLoads = 4;
-  if (p.gate != nullptr) {  // the same answer in every CTA: the grid exits together
-    bool open = false;
-    for (int64_t g = threadIdx.x; g < p.G; g += 256) open |= __ldg(p.gate + g) == 0.0f;
-    if (!__syncthreads_or(open)) return;
-  }
+  if (!amax_wanted(p)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t valid_rows = min(int64_t(__ldg(p.starts + p.G)), p.T);
   const bool vec = (TYPE == 2 ? p.C % 4 == 0 : p.C % 8 == 0) &&
@@ -135,6 +143,77 @@ __global__ void __launch_bounds__(256) grouped_amax_kernel(const QuantizeParams 
       const int g = upper_group(p.starts, int(p.G), r);
       if (g < p.G) atomicMax(amax + g, m);
     }
+  }
+}
+
+// Elements (16-bit inputs; half as many float32 ones) of the span a grouped_amax_span_kernel
+// CTA reads: whole rows, ~64 KB.
+constexpr int64_t kAmaxSpanElems = 32768;
+
+// Rows of a span: at least one, about kAmaxSpanElems elements (kAmaxSpanElems / 2 for float32).
+inline int64_t amax_span_rows(int64_t C, int type) {
+  return std::max<int64_t>(1, (type == 2 ? kAmaxSpanElems / 2 : kAmaxSpanElems) / std::max<int64_t>(C, 1));
+}
+
+// One CTA a span of `span_rows` whole rows of x (rows past starts[G] belong to no group and are
+// not read). Session 28 (H200): one warp a row of 1408 bf16 values (the 64-expert weights) read
+// at 2.3 TB/s, its row's last loads one at a time; a span inside one group (nearly all of
+// them) is one flat run of 8-value loads, kLoads in flight a thread, one atomicMax a CTA. A
+// span crossing a group start is read a row a warp, each row's max to its own group.
+// Needs C % 8 == 0 and x 16-byte aligned (launch_grouped_amax checks): every 8-value load lies
+// in one row.
+template <int TYPE>
+__global__ void __launch_bounds__(256) grouped_amax_span_kernel(const QuantizeParams p, int64_t span_rows) {
+  constexpr int kLoads = TYPE == 2 ? 4 : 8;  // 8-value loads in flight a thread: 64 or 128 bytes
+  __shared__ uint32_t red[8];
+  if (!amax_wanted(p)) return;
+  const int64_t valid_rows = min(int64_t(__ldg(p.starts + p.G)), p.T);
+  const int64_t r0 = int64_t(blockIdx.x) * span_rows;
+  if (r0 >= valid_rows) return;
+  const int64_t r1 = min(r0 + span_rows, valid_rows);
+  const int G = int(p.G);
+  const int g0 = upper_group(p.starts, G, r0);  // < G: r0 is below starts[G]
+  uint32_t* amax = reinterpret_cast<uint32_t*>(p.amax);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (int64_t(__ldg(p.starts + g0 + 1)) >= r1) {  // the whole span in group g0
+    const int64_t end = r1 * p.C;
+    uint32_t m = 0;
+    int64_t base = r0 * p.C + int64_t(threadIdx.x) * 8;
+    for (; base + (kLoads - 1) * 2048 < end; base += kLoads * 2048) {  // kLoads loads, all in range
+      Raw8<TYPE> raw[kLoads];
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) raw[k] = load_raw8<TYPE>(p.x, base + k * 2048, 8, true);
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) m = max(m, jq::abs_bits(value_of<TYPE>(raw[k], i)));
+      }
+    }
+    for (; base < end; base += 2048) {  // the span's last loads (2048 values a CTA pass)
+      const Raw8<TYPE> raw = load_raw8<TYPE>(p.x, base, 8, true);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) m = max(m, jq::abs_bits(value_of<TYPE>(raw, i)));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+    if (lane == 0) red[warp] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int w = 1; w < 8; ++w) m = max(m, red[w]);
+      atomicMax(amax + g0, m);
+    }
+    return;
+  }
+  for (int64_t r = r0 + warp; r < r1; r += 8) {  // across a group start: a row a warp
+    uint32_t m = 0;
+    for (int64_t c = int64_t(lane) * 8; c < p.C; c += 256) {
+      const Raw8<TYPE> raw = load_raw8<TYPE>(p.x, r * p.C + c, 8, true);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) m = max(m, jq::abs_bits(value_of<TYPE>(raw, i)));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+    if (lane == 0) atomicMax(amax + upper_group(p.starts, G, r), m);
   }
 }
 
@@ -220,6 +299,20 @@ void by_type(int type, F&& f) {
 
 unsigned amax_grid(int64_t T) {
   return unsigned(std::max<int64_t>(1, std::min<int64_t>((T + 7) / 8, 132 * 16)));
+}
+
+// The amax pass into p.amax (cleared by the caller): the span kernel where every row starts
+// 16-byte aligned (C % 8 == 0, x aligned), else a warp a row.
+template <int TYPE>
+void launch_grouped_amax(const QuantizeParams& p, cudaStream_t stream) {
+  if (p.C % 8 == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0 && p.C > 0) {
+    const int64_t rows = amax_span_rows(p.C, TYPE);
+    // x's rows are int32 (as the offsets), so there are fewer spans than the grid's 2^31 - 1.
+    const int64_t spans = std::max<int64_t>(1, (p.T + rows - 1) / rows);
+    grouped_amax_span_kernel<TYPE><<<unsigned(spans), 256, 0, stream>>>(p, rows);
+  } else {
+    grouped_amax_kernel<TYPE><<<amax_grid(p.T), 256, 0, stream>>>(p);
+  }
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 // CUDA handlers of the grouped FP8 quantize and the grouped amax (sm_90), one launch sequence
 // for all groups whatever G:
 //   jaxquant_grouped_quantize_fp8:
-//   1. amax (current scaling only): grouped_amax_kernel (grouped_amax.cuh), an atomicMax of |x|
+//   1. amax (current scaling only): launch_grouped_amax (grouped_amax.cuh), an atomicMax of |x|
 //      bits into amax[group] (NaN above inf, as the reference's segment max);
 //   2. quantize: a CTA owns 128 token positions x 128 features of the output layout; each position
 //      finds its group and source row (or is padding / no group: code 0), scales by its group's
@@ -244,7 +244,7 @@ ffi::Error GroupedQuantizeFp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
   }
   by_type(p.in_type, [&](auto tag) {
     constexpr int TYPE = decltype(tag)::value;
-    if (!p.delayed) grouped_amax_kernel<TYPE><<<amax_grid(p.T), 256, 0, stream>>>(p);
+    if (!p.delayed) launch_grouped_amax<TYPE>(p, stream);
     grouped_quantize_kernel<TYPE><<<unsigned(tiles), 256, 0, stream>>>(p);
   });
   return launch_status(t);
@@ -256,7 +256,7 @@ ffi::Error amax_pass(const char* t, const QuantizeParams& p, cudaStream_t stream
     return launch_status(t, e);
   }
   by_type(p.in_type, [&](auto tag) {
-    grouped_amax_kernel<decltype(tag)::value><<<amax_grid(p.T), 256, 0, stream>>>(p);
+    launch_grouped_amax<decltype(tag)::value>(p, stream);
   });
   return launch_status(t);
 }

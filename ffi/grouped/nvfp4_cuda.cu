@@ -1,6 +1,6 @@
 // CUDA handler of jaxquant_grouped_quantize_nvfp4: NVFP4 tokens (or expert weights) with one
 // second-level scale per group, in at most three launches for all groups, whatever G:
-//   1. amax: `grouped_amax_kernel` (the rowwise copy's, and the columnwise copy's without RHT),
+//   1. amax: `launch_grouped_amax` (the rowwise copy's, and the columnwise copy's without RHT),
 //      `grouped_rht_amax_kernel` (the columnwise copy's after the RHT);
 //   2. quantize: the single-tensor NVFP4 tile kernel (quantize/nvfp4.cuh) instantiated for a
 //      token layout (`nvfp4_kernel<In, true>`): each tile row is a layout position that reads its
@@ -37,7 +37,7 @@ cudaError_t group_amaxes(const Nvfp4QuantizeParams& n, cudaStream_t stream) {
     constexpr int TYPE = decltype(tag)::value;
     if (n.rowwise || plain_col) {
       p.amax = n.rowwise ? n.row_amax : n.col_amax;
-      grouped_amax_kernel<TYPE><<<amax_grid(n.T), 256, 0, stream>>>(p);
+      launch_grouped_amax<TYPE>(p, stream);
     }
     if (n.columnwise && n.rht) {
       p.amax = n.col_amax;
