@@ -1,6 +1,8 @@
 """MXFP8 copies written raw (design decision 47): where the grouped GEMMs read MXFP8 decoded to
 bfloat16, `jaxquant_grouped_quantize_mxfp8` writes the copies `grouped_dense` makes for them as
 their raw values (bfloat16 code x block scale) instead of the codes, so no decode pass runs.
+NVFP4 likewise for its rowwise copies (design decision 53: `jaxquant_grouped_quantize_nvfp4`
+with `raw`; the columnwise copies keep their codes).
 
 The contract: a raw copy's data is bit for bit the decode of the codes the same call writes
 without `raw` (scales and amax unchanged), and a GroupedDense step with raw copies is bit for
@@ -23,7 +25,9 @@ import test_grouped_ffi as tgf
 from jaxquant.backends.ffi import calls, registry
 from jaxquant.backends.ffi import quantize as single
 from jaxquant.backends.ffi.grouped import decode_kernel, decoded, support
+from jaxquant.backends.ffi.grouped import quantize as grouped_quantize
 from jaxquant.formats import format_of
+from jaxquant.tensors import ScaledTensor
 
 bf16_device = tgb.bf16_device
 on_kernel = tgb.on_kernel
@@ -234,7 +238,8 @@ def _raw_and_codes_steps(rng, recipe, monkeypatch, groups=4, tokens=96, k=64, n=
                          use_bias=True):
   """The GroupedDense step with raw copies and with the codes decoded, its explain report and
   its lowered program."""
-  step, args = tgf._grouped_step(RECIPES[recipe](), groups, tokens, k, n, rng, use_bias=use_bias)
+  factory = {**RECIPES, **NVFP4_RECIPES}[recipe]
+  step, args = tgf._grouped_step(factory(), groups, tokens, k, n, rng, use_bias=use_bias)
   monkeypatch.delenv("JAXQUANT_BACKEND", raising=False)
   monkeypatch.delenv(support.RAW_COPIES_ENV, raising=False)
   report = jq.explain(step, *args)
@@ -389,6 +394,122 @@ def test_raw_copies_need_the_decoded_route_and_say_why_not(bf16_device, rng, mon
                                 np.asarray(tgf._on("reference", fn, a, e)))
 
 
+# ------------------------------------ NVFP4 rowwise copies ------------------------------------
+
+NVFP4 = {"1x16": jq.NVFP4Quantizer(), "1x16-sr": jq.NVFP4Quantizer(stochastic_rounding=True),
+         "16x16": jq.NVFP4Quantizer(block_2d=True)}
+NVFP4_TARGET = support.QUANTIZE_NVFP4_TARGET
+
+
+def _nvfp4_rowwise(rng, x, sizes, quantizer, expert_rows=0):
+  """The rowwise copy of x from `jaxquant_grouped_quantize_nvfp4` (packed layout: tokens, or
+  experts of `expert_rows` rows) as codes and raw, one set of stochastic-rounding words."""
+  starts = _offsets(sizes)
+  groups = len(sizes)
+  words = (jnp.asarray(rng.integers(0, 2**32, (groups, 2), dtype=np.uint64), jnp.uint32)
+           if quantizer.stochastic_rounding else None)
+  out = []
+  for raw in (False, True):
+    fn = lambda x, raw=raw: grouped_quantize._nvfp4_call(
+        x, starts, starts, quantizer, groups, x.shape[0], True, False, row_words=words,
+        expert_rows=expert_rows, raw=raw)["rowwise"]
+    data, scale_inv, amax = jax.jit(fn)(x)
+    out.append((ScaledTensor(data, scale_inv, None, quantizer, np.dtype(x.dtype), False), amax))
+  return out
+
+
+def check_nvfp4_rowwise(rng, name, tokens, cols, dtype, groups=5, nan=False):
+  """Tokens in ragged groups (1x16 blocks, with and without stochastic rounding) or experts of
+  32 rows (16x16 blocks): the raw copy is bit for bit the decode of the codes, the block scales
+  and the group amaxes the same."""
+  q = NVFP4[name]
+  x = _tokens(rng, tokens, cols, dtype, nan)
+  if q.block_2d:
+    sizes = np.full(tokens // 32, 32, np.int32)
+    rows = 32
+  else:
+    sizes, rows = tgf._sizes(rng, tokens, groups, (2,), 0), 0
+  (codes, amax_codes), (raw, amax_raw) = _nvfp4_rowwise(rng, x, sizes, q, rows)
+  _assert_raw_is_the_decode(codes, raw)
+  np.testing.assert_array_equal(np.asarray(amax_codes).view(np.uint32),
+                                np.asarray(amax_raw).view(np.uint32))
+
+
+@needs_target
+@pytest.mark.parametrize("name", sorted(NVFP4))
+@pytest.mark.parametrize("cols,dtype", [(96, jnp.bfloat16), (72, jnp.float32), (36, jnp.float16)])
+def test_cpu_raw_nvfp4_rowwise_copies_are_the_decode_of_the_codes(rng, name, cols, dtype):
+  check_nvfp4_rowwise(rng, name, 192, cols, dtype, nan=cols == 72)
+
+
+@needs_target
+def test_the_nvfp4_handler_names_a_bad_raw_argument(rng):
+  """raw writes the rowwise copy only, as bfloat16."""
+  x = jnp.ones((64, 32), jnp.bfloat16)
+  starts = jnp.asarray([0, 64], jnp.int32)
+  key = jnp.zeros((1, 2), jnp.uint32)
+  flags = dict(block_2d=False, rht=False, stochastic=False, length=np.int64(64),
+               expert_rows=np.int64(0), raw=True)
+  col = [jax.ShapeDtypeStruct((32, 64), jnp.float4_e2m1fn),
+         jax.ShapeDtypeStruct((32, 4), jnp.float8_e4m3fn),
+         jax.ShapeDtypeStruct((1,), jnp.float32)]
+  with pytest.raises(Exception, match="raw writes the rowwise copy's raw values; rowwise is "
+                                      "false"):
+    jax.block_until_ready(jax.jit(lambda x: calls.call(
+        NVFP4_TARGET, col, x, starts, starts, key, key, rowwise=False, columnwise=True,
+        **flags))(x))
+  row = [jax.ShapeDtypeStruct((64, 32), jnp.float4_e2m1fn),
+         jax.ShapeDtypeStruct((64, 2), jnp.float8_e4m3fn),
+         jax.ShapeDtypeStruct((1,), jnp.float32)]
+  with pytest.raises(Exception, match="rowwise raw values is float4_e2m1fn.*; expected bfloat16"):
+    jax.block_until_ready(jax.jit(lambda x: calls.call(
+        NVFP4_TARGET, row, x, starts, starts, key, key, rowwise=True, columnwise=False,
+        **flags))(x))
+
+
+def test_which_nvfp4_copies_are_written_raw(bf16_device, monkeypatch):
+  """Rowwise copies of the grouped NVFP4 kernel for the decoded GEMMs; not row-scaled tokens
+  (the single-tensor kernel), not with the codes asked for."""
+  assert support.nvfp4_raw_reason(jq.NVFP4Quantizer(block_2d=True)) is None
+  assert "not written by the grouped NVFP4 kernel" in support.nvfp4_raw_reason(
+      jq.NVFP4Quantizer(row_scaled=True))
+  assert support.nvfp4_raw_reason(jq.MXFP8Quantizer()) == "mxfp8 is not NVFP4"
+  monkeypatch.setenv(support.RAW_COPIES_ENV, "off")
+  assert support.nvfp4_raw_reason(jq.NVFP4Quantizer()) == f"{support.RAW_COPIES_ENV}=off"
+
+
+NVFP4_RECIPES = {"NVFP4BlockScaling": jq.recipes.NVFP4BlockScaling}
+
+
+def check_nvfp4_layer(rng, monkeypatch, **shape):
+  """The NVFP4 GroupedDense step with its rowwise copies raw (x, the experts' 16x16 copy, dy)
+  is bit for bit the step that decodes their codes; the columnwise (RHT'd wgrad) copies are
+  decoded in both."""
+  raw, codes, report, text, codes_text, (step, args) = _raw_and_codes_steps(
+      rng, "NVFP4BlockScaling", monkeypatch, use_bias=False, **shape)
+  quantize = [d for d in report if d.op == "grouped_quantize"]
+  rowwise = [d for d in quantize if d.detail.startswith("rowwise")]
+  assert len(rowwise) == 3 and all(RAW_NOTE in d.detail for d in rowwise), "\n".join(
+      map(str, report))
+  assert all(RAW_NOTE not in d.detail for d in quantize if d not in rowwise)
+  assert "raw = true" in text and "raw = true" not in codes_text
+  assert decode_kernel.NVFP4_TARGET in text  # the columnwise copies
+  assert text.count(decode_kernel.NVFP4_TARGET) < codes_text.count(decode_kernel.NVFP4_TARGET)
+  for u, v in zip(jax.tree_util.tree_leaves(raw), jax.tree_util.tree_leaves(codes)):
+    u, v = np.asarray(u), np.asarray(v)
+    assert u.dtype == v.dtype
+    np.testing.assert_array_equal(u.view(np.uint8), v.view(np.uint8))
+  ref = tgf._on("reference", step, *args)
+  for u, v in zip(jax.tree_util.tree_leaves(raw), jax.tree_util.tree_leaves(ref)):
+    tgf._assert_close(np.asarray(u, np.float32), np.asarray(v, np.float32), 2.0**-7)
+
+
+@needs_target
+def test_nvfp4_grouped_dense_with_raw_rowwise_copies_is_bit_for_bit_the_decoded_step(
+    bf16_device, rng, monkeypatch):
+  check_nvfp4_layer(rng, monkeypatch)
+
+
 # -------------------------------------------- GPU ---------------------------------------------
 
 @pytest.mark.gpu
@@ -413,3 +534,19 @@ def test_gpu_raw_copies_are_the_decode_of_the_codes(on_kernel, rng, name):
 def test_gpu_grouped_dense_with_raw_copies_is_bit_for_bit_the_decoded_step(
     on_kernel, rng, monkeypatch, recipe, use_bias):
   check_layer(rng, recipe, monkeypatch, use_bias, groups=8, tokens=1024, k=256, n=192)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(NVFP4))
+def test_gpu_raw_nvfp4_rowwise_copies_are_the_decode_of_the_codes(on_kernel, rng, name):
+  """16-byte stores (96, 1408 columns; 72 = 4 x 16 + 8, a half block at each row's end) and
+  element stores (36: rows not 16-byte aligned), a NaN block, more than one wave of tiles."""
+  for cols, dtype in ((96, jnp.bfloat16), (72, jnp.float32), (36, jnp.float16),
+                      (1408, jnp.bfloat16)):
+    check_nvfp4_rowwise(rng, name, 2048, cols, dtype, groups=9, nan=cols == 72)
+
+
+@pytest.mark.gpu
+def test_gpu_nvfp4_grouped_dense_with_raw_rowwise_copies_is_bit_for_bit_the_decoded_step(
+    on_kernel, rng, monkeypatch):
+  check_nvfp4_layer(rng, monkeypatch, groups=8, tokens=1024, k=256, n=192)

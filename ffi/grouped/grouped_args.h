@@ -144,8 +144,8 @@ inline ffi::Error decode_grouped_amax_gated(const char* t, ffi::AnyBuffer x, ffi
 }
 
 // jaxquant_grouped_quantize_nvfp4(x[T, C], starts[G+1], pstarts[G+1], row_key, col_key)
-//   -> [row f4 [L, C], row_scale e4m3], [col f4 [C, L] or [G, C, E], col_scale e4m3],
-//      [row_amax f32[G]], [col_amax f32[G]]
+//   -> [row f4 [L, C] (bf16 raw values with `raw`), row_scale e4m3],
+//      [col f4 [C, L] or [G, C, E], col_scale e4m3], [row_amax f32[G]], [col_amax f32[G]]
 // A key is u32[G, 2] when `stochastic` and its direction is requested, else a u32[1, 2]
 // placeholder. Contract the device data must keep (not checked on the host, it never reads
 // the offsets): with `columnwise` or `block_2d`, every pstarts[g] is a multiple of 16; with
@@ -156,8 +156,12 @@ inline ffi::Error decode_grouped_quantize_nvfp4(const char* t, ffi::AnyBuffer x,
                                                 ffi::RemainingRets rets, bool rowwise,
                                                 bool columnwise, bool block_2d, bool rht,
                                                 bool stochastic, int64_t length,
-                                                int64_t expert_rows, Nvfp4QuantizeParams* p) {
+                                                int64_t expert_rows, bool raw,
+                                                Nvfp4QuantizeParams* p) {
   JQ_RETURN_IF_ERROR(need_direction(t, rowwise, columnwise));
+  if (raw && !rowwise) {
+    return invalid(t, "raw writes the rowwise copy's raw values; rowwise is false");
+  }
   if (rht && block_2d) return invalid(t, "rht and block_2d cannot be combined");
   if (rht && !columnwise) {
     return invalid(t, "rht transforms the columnwise copy; columnwise is false");
@@ -191,6 +195,7 @@ inline ffi::Error decode_grouped_quantize_nvfp4(const char* t, ffi::AnyBuffer x,
   p->block_2d = block_2d;
   p->rht = rht;
   p->stochastic = stochastic;
+  p->raw_row = raw;
   p->row_key = static_cast<const uint32_t*>(row_key.untyped_data());
   p->col_key = static_cast<const uint32_t*>(col_key.untyped_data());
   const auto f4 = {ffi::DataType::F4E2M1FN};
@@ -199,7 +204,11 @@ inline ffi::Error decode_grouped_quantize_nvfp4(const char* t, ffi::AnyBuffer x,
   RetReader r(t, rets);
   void* q;
   if (rowwise) {
-    JQ_RETURN_IF_ERROR(r.next("rowwise data", f4, {length, C}, &q));
+    if (raw) {
+      JQ_RETURN_IF_ERROR(r.next("rowwise raw values", {ffi::DataType::BF16}, {length, C}, &q));
+    } else {
+      JQ_RETURN_IF_ERROR(r.next("rowwise data", f4, {length, C}, &q));
+    }
     p->row = static_cast<uint8_t*>(q);
     JQ_RETURN_IF_ERROR(r.next("rowwise scale_inv", e4m3,
                               {ceil_div(length, br), ceil_div(C, 16)}, &q));
@@ -691,7 +700,7 @@ template <typename Binding>
 auto BindGroupedQuantizeNvfp4(Binding binding) {
   auto flags = Attrs<bool>(Args<5>(std::move(binding)).RemainingRets(), "rowwise", "columnwise",
                            "block_2d", "rht", "stochastic");
-  return Attrs<int64_t>(std::move(flags), "length", "expert_rows");
+  return Attrs<int64_t>(std::move(flags), "length", "expert_rows").template Attr<bool>("raw");
 }
 
 // jaxquant_grouped_amax: x, starts -> per-group amax.

@@ -150,10 +150,18 @@ void nvfp4_group_copy(const Nvfp4QuantizeParams& p, int64_t g, bool columnwise) 
   uint8_t* out = columnwise ? p.col + (expert ? g * C * p.expert_rows / 2 : 0) : p.row;
   const int64_t out_nbc = ceil_div(out_cols, 16);
   uint8_t* out_scale = columnwise ? p.col_scale + (expert ? g * nbr * out_nbc : 0) : p.row_scale;
+  const bool raw = !columnwise && p.raw_row;  // code x block scale in bfloat16 (the decode's bits)
   for (int64_t r = 0; r < m.rows; ++r) {
     for (int64_t c = 0; c < m.cols; ++c) {
       const int64_t i = r * m.cols + c;
-      put_nibble(out, (row0 + r) * out_cols + col0 + c, (data[i >> 1] >> (4 * (i & 1))) & 0xFu);
+      const uint32_t code = (data[i >> 1] >> (4 * (i & 1))) & 0xFu;
+      const int64_t at = (row0 + r) * out_cols + col0 + c;
+      if (raw) {
+        const float value = jq::nvfp4_raw(code, jq::decode_e4m3(scale[(r / br) * nbc + c / 16]));
+        reinterpret_cast<uint16_t*>(out)[at] = static_cast<uint16_t>(jq::bf16_bits_rne(value));
+      } else {
+        put_nibble(out, at, code);
+      }
     }
   }
   for (int64_t r = 0; r < nbr; ++r) {
@@ -164,15 +172,15 @@ void nvfp4_group_copy(const Nvfp4QuantizeParams& p, int64_t g, bool columnwise) 
 ffi::Error GroupedQuantizeNvfp4Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::AnyBuffer pstarts,
                                    ffi::AnyBuffer row_key, ffi::AnyBuffer col_key, ffi::RemainingRets rets,
                                    bool rowwise, bool columnwise, bool block_2d, bool rht, bool stochastic,
-                                   int64_t length, int64_t expert_rows) {
+                                   int64_t length, int64_t expert_rows, bool raw) {
   Nvfp4QuantizeParams p;
   JQ_RETURN_IF_ERROR(decode_grouped_quantize_nvfp4("jaxquant_grouped_quantize_nvfp4", x, starts,
                                                    pstarts, row_key, col_key, rets, rowwise,
                                                    columnwise, block_2d, rht, stochastic, length,
-                                                   expert_rows, &p));
+                                                   expert_rows, raw, &p));
   const int64_t br = block_2d ? 16 : 1, nbc = ceil_div(p.C, 16);
   if (rowwise) {
-    std::memset(p.row, 0, static_cast<size_t>(p.L * p.C / 2));
+    std::memset(p.row, 0, static_cast<size_t>(raw ? p.L * p.C * 2 : p.L * p.C / 2));
     std::memset(p.row_scale, 0, static_cast<size_t>(ceil_div(p.L, br) * nbc));
   }
   if (columnwise) {

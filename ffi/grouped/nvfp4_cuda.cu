@@ -53,15 +53,16 @@ cudaError_t group_amaxes(const Nvfp4QuantizeParams& n, cudaStream_t stream) {
 ffi::Error GroupedQuantizeNvfp4Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer starts,
                                     ffi::AnyBuffer pstarts, ffi::AnyBuffer row_key, ffi::AnyBuffer col_key,
                                     ffi::RemainingRets rets, bool rowwise, bool columnwise, bool block_2d,
-                                    bool rht, bool stochastic, int64_t length, int64_t expert_rows) {
+                                    bool rht, bool stochastic, int64_t length, int64_t expert_rows,
+                                    bool raw) {
   Nvfp4QuantizeParams n;
   JQ_RETURN_IF_ERROR(decode_grouped_quantize_nvfp4(kTarget, x, starts, pstarts, row_key, col_key,
                                                    rets, rowwise, columnwise, block_2d, rht,
-                                                   stochastic, length, expert_rows, &n));
+                                                   stochastic, length, expert_rows, raw, &n));
   if (cudaError_t e = group_amaxes(n, stream); e != cudaSuccess) return launch_status(kTarget, e);
   Nvfp4Params p{n.x, n.L, n.C,
                 aligned(n.x, 16) && n.C % 8 == 0,
-                rowwise && aligned(n.row, 4) && n.C % 8 == 0,
+                rowwise && aligned(n.row, raw ? 16 : 4) && n.C % 8 == 0,
                 columnwise && aligned(n.col, 8) && (expert_rows > 0 ? expert_rows : n.L) % 16 == 0,
                 rowwise, columnwise, /*row_scaled=*/false, block_2d, rht, stochastic,
                 n.row_amax, n.col_amax, n.row_key, n.col_key, n.row, n.row_scale, n.col, n.col_scale};
@@ -69,6 +70,7 @@ ffi::Error GroupedQuantizeNvfp4Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::
   // row `pos` while it looks the groups up; any other layout looks up first.
   const bool speculate = expert_rows > 0 || (!columnwise && !block_2d && n.L == n.T);
   p.groups = {n.starts, n.pstarts, n.G, n.T, n.expert_rows, speculate};
+  p.raw_row = raw;
   cudaError_t e = cudaSuccess;
   by_type(n.in_type, [&](auto tag) {  // 0 bf16, 1 f16, 2 f32 (In)
     constexpr int TYPE = decltype(tag)::value;

@@ -1,6 +1,7 @@
 // NVFP4 quantize kernels (tiled, and the odd-row-length generic path).
 #pragma once
 
+#include "quantize/nvfp4_raw.cuh"
 #include "quantize/tile.cuh"
 
 namespace jqffi {
@@ -37,6 +38,9 @@ struct Nvfp4Params {
   const uint32_t *row_key, *col_key;
   uint8_t *row, *row_scale, *col, *col_scale;
   Nvfp4Groups groups = {};
+  // The rowwise copy as bfloat16 raw values (code x block scale, `row` a bfloat16 [R, C]) instead
+  // of codes, for grouped GEMMs that read decoded operands; its block scales are still written.
+  bool raw_row = false;
 };
 
 // Per tile row of a grouped quantize: source row of x (-1: zeros), group (G: none), index in
@@ -127,6 +131,16 @@ struct Nvfp4Block {
 __device__ __forceinline__ Nvfp4Block nvfp4_block(uint32_t amax_bits, float s_enc) {
   const uint32_t code = jq::nvfp4_block_decode_code(__uint_as_float(amax_bits), s_enc);
   return {code, jq::nvfp4_block_encode_scale(jq::decode_e4m3(code), s_enc)};
+}
+
+// Eight bfloat16 values (four words, the first value in the low half of words[0]) to `dst`:
+// one 16-byte store where `vec` (dst 16-byte aligned), else the first `n` one at a time.
+__device__ __forceinline__ void store_raw8(uint16_t* dst, const uint32_t* words, int n, bool vec) {
+  if (vec && n == 8) {
+    *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
+    return;
+  }
+  for (int i = 0; i < n; ++i) dst[i] = uint16_t(words[i / 2] >> (16 * (i % 2)));
 }
 
 // Eight E2M1 codes of v * s, packed low nibble first; SR draws at (row hash, col0 + i).
@@ -274,7 +288,15 @@ __global__ void __launch_bounds__(kThreads, GROUPED ? 4 : 3) nvfp4_kernel(const 
       for (int i = 0; i < 8; ++i) v[i] = to_float(raw[pp][i]);
       const uint32_t row_hash = p.sr ? jq::sr_row_hash(sr_k0, sr_row) : 0u;
       const uint32_t packed = e2m1x8(v, b.s_enc_b, p.sr, row_hash, sr_k1, uint32_t(c));
-      store_bytes4(p.row + (r * p.C + c) / 2, packed, int(min64(8, p.C - c)) / 2, p.vec_row);
+      if (p.raw_row) {  // the eight codes decoded (raw4: the decode kernel's bits)
+        uint32_t words[4];
+        const __nv_bfloat162 s = __float2bfloat162_rn(jq::decode_e4m3(b.code));
+        raw4(packed, s, words);
+        raw4(packed >> 16, s, words + 2);
+        store_raw8(reinterpret_cast<uint16_t*>(p.row) + r * p.C + c, words, int(min64(8, p.C - c)), p.vec_row);
+      } else {
+        store_bytes4(p.row + (r * p.C + c) / 2, packed, int(min64(8, p.C - c)) / 2, p.vec_row);
+      }
       if ((tid & 1) == 0) {
         if (!p.block_2d) {
           p.row_scale[r * row_nb + c / 16] = uint8_t(b.code);

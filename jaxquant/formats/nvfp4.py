@@ -71,7 +71,16 @@ def encode_blocks(x: jax.Array, quantizer: NVFP4Quantizer, s_enc: jax.Array,
   return to_storage(code, E2M1), scale_inv
 
 
+def stores_raw(t: ScaledTensor) -> bool:
+  """Whether `t.data` holds the raw values (E2M1 code x E4M3 block scale, exact in bfloat16)
+  rather than the codes: bfloat16 data, a rowwise copy the grouped FFI kernel wrote for the
+  GEMMs that read decoded operands. The second level stays apart (`gemm_factor`)."""
+  return np.dtype(t.data.dtype) == np.dtype(jnp.bfloat16)
+
+
 def dequantize_raw(t: ScaledTensor) -> jax.Array:
+  if stores_raw(t):
+    return t.data.astype(jnp.float32)
   rows, cols = t.shape
   block_rows, block_cols = block_shape(t.quantizer)
   scale = expand_blocks(decode(t.scale_inv), block_rows, block_cols)[:rows, :cols]
@@ -131,6 +140,9 @@ class NVFP4Format(Format):
 
   def dequantize_raw(self, t):
     return dequantize_raw(t)
+
+  def stores_raw(self, t) -> bool:
+    return stores_raw(t)
 
   def gemm_factor(self, t):
     return gemm_factor(t)

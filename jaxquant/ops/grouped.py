@@ -158,13 +158,14 @@ def _record(op: str, role, detail: str, quantizer: Optional[Quantizer], reason_f
 
 # ------------------------------------------- quantize -----------------------------------------
 
-def _kernel_note(leaf: Quantizer, decoded: bool = False):
+def _kernel_note(leaf: Quantizer, decoded: bool = False, direction: str = "rowwise"):
   """The `_record` note of an FFI quantize: for per-tensor FP8 (the grouped FP8 kernel) the
   launches that run (delayed scaling has no amax pass); for copies written raw for the decoded
-  GEMMs (`decoded`, MXFP8 on CUDA) that they are; else None."""
+  GEMMs (`decoded` on CUDA: MXFP8, NVFP4's rowwise copy) that they are; else None."""
   if kernels.quantize_route(leaf, "rowwise")[0] == "fp8":
     return lambda: (kernels.fp8_kernel_note(leaf), "")
-  if decoded and kernels.raw_copies_reason(leaf) is None:
+  if decoded and (kernels.raw_copies_reason(leaf) is None or (
+      direction == "rowwise" and kernels.nvfp4_raw_reason(leaf) is None)):
     return lambda: ("written as raw bfloat16 values for the GEMMs on decoded operands (no "
                     "decode pass)", "")
   return None
@@ -176,7 +177,7 @@ def _tokens(x, sizes, leaf: Quantizer, direction: str, layout: TokenLayout, word
             f"{'packed' if not layout.padded else f'token block {layout.block}'}]")
   path = _record("grouped_quantize", role, detail, leaf,
                  lambda: kernels.quantize_unsupported(leaf, direction, tuple(x.shape)),
-                 _kernel_note(leaf, decoded))
+                 _kernel_note(leaf, decoded, direction))
   if path == "ffi":
     return kernels.quantize_tokens(x, sizes, leaf, direction, layout, words, state, orig_dtype,
                                    decoded)
@@ -354,7 +355,7 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool = True
   for direction in DIRECTIONS:
     if (rowwise, columnwise)[DIRECTIONS.index(direction)]:
       leaf = quantizer.for_direction(direction)
-      note = _kernel_note(leaf, decoded)
+      note = _kernel_note(leaf, decoded, direction)
       if direction == "columnwise" and kernel_along_n:
         note = lambda n=note: (n()[0] + "; in the weights' own layout, read along N", n()[1])
       elif direction == "columnwise" and along_n_refused is not None:

@@ -9,7 +9,8 @@ from jaxquant.backends.ffi.grouped.support import (GEMM_SM90_TARGET, along_n_rea
                                                    forward_reads_along_n,
                                                    fp8_kernel_note, gemm_kernel,
                                                    gemm_kernel_note, gemm_scaling,
-                                                   gemm_unsupported, quantize_experts_unsupported,
+                                                   gemm_unsupported, nvfp4_raw_reason,
+                                                   quantize_experts_unsupported,
                                                    quantize_route, quantize_unsupported,
                                                    raw_copies_reason,
                                                    sm90_kernel_label, sm90_wgrad_block)
@@ -19,5 +20,6 @@ __all__ = ["gemm", "pair_served", "quantize_experts", "quantize_token_pair",
            "experts_read_transposed", "forward_reads_along_n",
            "fp8_kernel_note",
            "gemm_kernel", "gemm_kernel_note", "gemm_scaling", "gemm_unsupported",
+           "nvfp4_raw_reason",
            "sm90_kernel_label", "sm90_wgrad_block", "quantize_experts_unsupported",
            "quantize_route", "quantize_unsupported", "raw_copies_reason", "GEMM_SM90_TARGET"]

@@ -115,15 +115,17 @@ def _nvfp4_key(words: Optional[jax.Array], on: bool) -> jax.Array:
 
 def _nvfp4_call(x2d, starts, pstarts, quantizer: NVFP4Quantizer, groups: int, length: int,
                 rowwise: bool, columnwise: bool, row_words=None, col_words=None,
-                expert_rows: int = 0):
-  """{direction: (data, scale_inv, amax [G])} from `jaxquant_grouped_quantize_nvfp4`."""
+                expert_rows: int = 0, raw: bool = False):
+  """{direction: (data, scale_inv, amax [G])} from `jaxquant_grouped_quantize_nvfp4`; `raw`:
+  the rowwise data as bfloat16 raw values (`support.nvfp4_raw_reason`)."""
   cols = x2d.shape[1]
   br = 16 if quantizer.block_2d else 1
   e4m3, f4 = jnp.float8_e4m3fn, jnp.float4_e2m1fn
   sr = quantizer.stochastic_rounding
   results = []
   if rowwise:
-    results += [_sds((length, cols), f4), _sds((-(-length // br), -(-cols // 16)), e4m3)]
+    results += [_sds((length, cols), jnp.bfloat16 if raw else f4),
+                _sds((-(-length // br), -(-cols // 16)), e4m3)]
   if columnwise:
     if expert_rows:
       results += [_sds((groups, cols, expert_rows), f4),
@@ -135,8 +137,8 @@ def _nvfp4_call(x2d, starts, pstarts, quantizer: NVFP4Quantizer, groups: int, le
                     _nvfp4_key(row_words, sr and rowwise), _nvfp4_key(col_words, sr and columnwise),
                     rowwise=rowwise, columnwise=columnwise, block_2d=quantizer.block_2d,
                     rht=format_of(quantizer).uses_rht(quantizer, "columnwise") and columnwise,
-                    stochastic=sr,
-                    length=np.int64(length), expert_rows=np.int64(expert_rows))
+                    stochastic=sr, length=np.int64(length), expert_rows=np.int64(expert_rows),
+                    raw=raw)
   directions = [d for d, on in (("rowwise", rowwise), ("columnwise", columnwise)) if on]
   data = {d: (outs.pop(0), outs.pop(0)) for d in directions}  # (data, scale_inv) per copy,
   return {d: data[d] + (outs.pop(0),) for d in directions}   # then the amaxes in that order
@@ -155,6 +157,11 @@ def _make(data, scale_inv, amax, sizes, leaf, orig_dtype, direction, layout, rht
 def _raw(leaf: Quantizer, decoded: bool) -> bool:
   """Whether copies of `leaf` for GEMMs that read decoded operands (`decoded`) are written raw."""
   return decoded and support.raw_copies_reason(leaf) is None
+
+
+def _raw_rowwise_nvfp4(leaf: Quantizer, decoded: bool) -> bool:
+  """Whether NVFP4's rowwise copy for GEMMs that read decoded operands is written raw."""
+  return decoded and support.nvfp4_raw_reason(leaf) is None
 
 
 def quantize_token_pair(x: jax.Array, sizes: jax.Array, leaf: Quantizer, row_layout: TokenLayout,
@@ -213,7 +220,8 @@ def quantize_tokens(x: jax.Array, sizes: jax.Array, leaf: Quantizer, direction: 
     (data, scale_inv, amax), = _nvfp4_call(
         x, _offsets(sizes), _offsets(layout.extents(sizes)), leaf, layout.groups, layout.length,
         rowwise, not rowwise, row_words=words if rowwise else None,
-        col_words=None if rowwise else words).values()
+        col_words=None if rowwise else words,
+        raw=rowwise and _raw_rowwise_nvfp4(leaf, decoded)).values()
     return _make(data, scale_inv, amax, sizes, leaf, orig_dtype, direction, layout,
                  format_of(leaf).uses_rht(leaf, direction))
   if route == "fp8":
@@ -303,7 +311,7 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool, colum
   words = words or {}
   if (one_quantizer and rowwise and columnwise
       and support.expert_route(quantizer, "rowwise", tuple(w.shape))[0] == "nvfp4"):
-    pair = _experts_nvfp4(w, quantizer, True, True, orig_dtype, words)
+    pair = _experts_nvfp4(w, quantizer, True, True, orig_dtype, words, decoded)
     return QuantizedTensor(pair["rowwise"], pair["columnwise"], quantizer)
   states = fmt.split_state(quantizer, state)
   from_rowwise = columnwise and fmt.columnwise_from_rowwise(quantizer)
@@ -334,7 +342,7 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool, colum
     elif route == "nvfp4":
       copies[direction] = _experts_nvfp4(source, leaf, direction == "rowwise",
                                          direction == "columnwise", orig_dtype,
-                                         words)[direction]
+                                         words, decoded)[direction]
     else:
       if source is not w:
         amax = jax.vmap(tensor_amax)(source)
@@ -349,14 +357,16 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool, colum
 
 
 def _experts_nvfp4(w, leaf: NVFP4Quantizer, rowwise: bool, columnwise: bool, orig_dtype,
-                   words) -> dict:
+                   words, decoded: bool = False) -> dict:
   """NVFP4 expert weights (one amax per expert) from one `jaxquant_grouped_quantize_nvfp4`
-  call: every expert a group of `rows` rows; the columnwise copy written as `[G, cols, rows]`."""
+  call: every expert a group of `rows` rows; the columnwise copy written as `[G, cols, rows]`;
+  the rowwise copy raw where it feeds only GEMMs on decoded operands (`decoded`)."""
   groups, rows, cols = w.shape
   starts = jnp.arange(groups + 1, dtype=jnp.int32) * rows
   copies = _nvfp4_call(w.reshape(groups * rows, cols), starts, starts, leaf, groups,
                        groups * rows, rowwise, columnwise, words.get("rowwise"),
-                       words.get("columnwise"), expert_rows=rows)
+                       words.get("columnwise"), expert_rows=rows,
+                       raw=rowwise and _raw_rowwise_nvfp4(leaf, decoded))
   out = {}
   if rowwise:
     data, scale_inv, amax = copies["rowwise"]
