@@ -283,8 +283,11 @@ def check_layer(rng, recipe, monkeypatch, use_bias=True, **shape):
     assert len(fprop) == 1 and "b read along N from its [G, K, N] copy" in fprop[0].detail
   else:  # a bias needs the K-major instances' float32 output; the hybrid's forward is NVFP4
     assert not along_n, along_n
+  # The hybrid's NVFP4 copies: the experts' (grouped NVFP4 kernel) raw, the row-scaled tokens'
+  # (the single-tensor kernel) codes.
   others = [d for d in report if d.op == "grouped_quantize" and "MXFP8" not in d.detail]
-  assert all(RAW_NOTE not in d.detail for d in others)
+  for d in others:
+    assert (RAW_NOTE in d.detail) == ("row_scaled=True" not in d.detail), str(d)
   assert decode_kernel.MXFP8_TARGET not in text and decode_kernel.MXFP8_TARGET in codes_text
   assert "raw = true" in text and "raw = true" not in codes_text
   raw_leaves, _ = jax.tree_util.tree_flatten_with_path(raw)
@@ -394,85 +397,91 @@ def test_raw_copies_need_the_decoded_route_and_say_why_not(bf16_device, rng, mon
                                 np.asarray(tgf._on("reference", fn, a, e)))
 
 
-# ------------------------------------ NVFP4 rowwise copies ------------------------------------
+# ---------------------------------------- NVFP4 copies ----------------------------------------
 
 NVFP4 = {"1x16": jq.NVFP4Quantizer(), "1x16-sr": jq.NVFP4Quantizer(stochastic_rounding=True),
+         "rht-sr": jq.NVFP4Quantizer(rht=True, stochastic_rounding=True),
          "16x16": jq.NVFP4Quantizer(block_2d=True)}
 NVFP4_TARGET = support.QUANTIZE_NVFP4_TARGET
 
 
-def _nvfp4_rowwise(rng, x, sizes, quantizer, expert_rows=0):
-  """The rowwise copy of x from `jaxquant_grouped_quantize_nvfp4` (packed layout: tokens, or
-  experts of `expert_rows` rows) as codes and raw, one set of stochastic-rounding words."""
-  starts = _offsets(sizes)
+def _nvfp4_copies(rng, x, sizes, quantizer, expert_rows=0):
+  """Both copies of x from `jaxquant_grouped_quantize_nvfp4`, as codes and raw (one set of
+  stochastic-rounding words): tokens in a layout of 16-position blocks with a spare block of
+  no group, or experts of `expert_rows` rows."""
   groups = len(sizes)
-  words = (jnp.asarray(rng.integers(0, 2**32, (groups, 2), dtype=np.uint64), jnp.uint32)
-           if quantizer.stochastic_rounding else None)
+  starts = _offsets(sizes)
+  if expert_rows:
+    pstarts, length = starts, x.shape[0]
+  else:
+    pstarts = _offsets(-(-np.asarray(sizes) // 16) * 16)
+    length = int(pstarts[-1]) + 16
+  sr = quantizer.stochastic_rounding
+  words = {d: jnp.asarray(rng.integers(0, 2**32, (groups, 2), dtype=np.uint64), jnp.uint32)
+           if sr else None for d in ("rowwise", "columnwise")}
   out = []
   for raw in (False, True):
     fn = lambda x, raw=raw: grouped_quantize._nvfp4_call(
-        x, starts, starts, quantizer, groups, x.shape[0], True, False, row_words=words,
-        expert_rows=expert_rows, raw=raw)["rowwise"]
-    data, scale_inv, amax = jax.jit(fn)(x)
-    out.append((ScaledTensor(data, scale_inv, None, quantizer, np.dtype(x.dtype), False), amax))
+        x, starts, pstarts, quantizer, groups, length, True, True, words["rowwise"],
+        words["columnwise"], expert_rows=expert_rows, raw=raw)
+    copies = jax.jit(fn)(x)
+    out.append({d: (ScaledTensor(data, scale_inv, None, quantizer, np.dtype(x.dtype), False),
+                    amax) for d, (data, scale_inv, amax) in copies.items()})
   return out
 
 
-def check_nvfp4_rowwise(rng, name, tokens, cols, dtype, groups=5, nan=False):
-  """Tokens in ragged groups (1x16 blocks, with and without stochastic rounding) or experts of
-  32 rows (16x16 blocks): the raw copy is bit for bit the decode of the codes, the block scales
-  and the group amaxes the same."""
+def check_nvfp4_copies(rng, name, tokens, cols, dtype, groups=5, nan=False):
+  """Tokens in ragged groups (1x16 blocks; stochastic rounding; RHT'd columnwise copy) or
+  experts of 32 rows (16x16 blocks): each raw copy is bit for bit the decode of its codes, the
+  block scales and the group amaxes the same."""
   q = NVFP4[name]
   x = _tokens(rng, tokens, cols, dtype, nan)
   if q.block_2d:
-    sizes = np.full(tokens // 32, 32, np.int32)
-    rows = 32
+    sizes, rows = np.full(tokens // 32, 32, np.int32), 32
   else:
-    sizes, rows = tgf._sizes(rng, tokens, groups, (2,), 0), 0
-  (codes, amax_codes), (raw, amax_raw) = _nvfp4_rowwise(rng, x, sizes, q, rows)
-  _assert_raw_is_the_decode(codes, raw)
-  np.testing.assert_array_equal(np.asarray(amax_codes).view(np.uint32),
-                                np.asarray(amax_raw).view(np.uint32))
+    sizes, rows = tgf._sizes(rng, tokens, groups, (2,), 7), 0
+  codes, raw = _nvfp4_copies(rng, x, sizes, q, rows)
+  for direction in ("rowwise", "columnwise"):
+    _assert_raw_is_the_decode(codes[direction][0], raw[direction][0])
+    np.testing.assert_array_equal(np.asarray(codes[direction][1]).view(np.uint32),
+                                  np.asarray(raw[direction][1]).view(np.uint32))
 
 
 @needs_target
 @pytest.mark.parametrize("name", sorted(NVFP4))
 @pytest.mark.parametrize("cols,dtype", [(96, jnp.bfloat16), (72, jnp.float32), (36, jnp.float16)])
-def test_cpu_raw_nvfp4_rowwise_copies_are_the_decode_of_the_codes(rng, name, cols, dtype):
-  check_nvfp4_rowwise(rng, name, 192, cols, dtype, nan=cols == 72)
+def test_cpu_raw_nvfp4_copies_are_the_decode_of_the_codes(rng, name, cols, dtype):
+  check_nvfp4_copies(rng, name, 192, cols, dtype, nan=cols == 72)
 
 
 @needs_target
-def test_the_nvfp4_handler_names_a_bad_raw_argument(rng):
-  """raw writes the rowwise copy only, as bfloat16."""
+def test_the_nvfp4_handler_names_a_bad_raw_output(rng):
+  """raw copies are bfloat16 data of the codes' shapes."""
   x = jnp.ones((64, 32), jnp.bfloat16)
   starts = jnp.asarray([0, 64], jnp.int32)
   key = jnp.zeros((1, 2), jnp.uint32)
   flags = dict(block_2d=False, rht=False, stochastic=False, length=np.int64(64),
                expert_rows=np.int64(0), raw=True)
-  col = [jax.ShapeDtypeStruct((32, 64), jnp.float4_e2m1fn),
-         jax.ShapeDtypeStruct((32, 4), jnp.float8_e4m3fn),
-         jax.ShapeDtypeStruct((1,), jnp.float32)]
-  with pytest.raises(Exception, match="raw writes the rowwise copy's raw values; rowwise is "
-                                      "false"):
-    jax.block_until_ready(jax.jit(lambda x: calls.call(
-        NVFP4_TARGET, col, x, starts, starts, key, key, rowwise=False, columnwise=True,
-        **flags))(x))
-  row = [jax.ShapeDtypeStruct((64, 32), jnp.float4_e2m1fn),
-         jax.ShapeDtypeStruct((64, 2), jnp.float8_e4m3fn),
-         jax.ShapeDtypeStruct((1,), jnp.float32)]
-  with pytest.raises(Exception, match="rowwise raw values is float4_e2m1fn.*; expected bfloat16"):
-    jax.block_until_ready(jax.jit(lambda x: calls.call(
-        NVFP4_TARGET, row, x, starts, starts, key, key, rowwise=True, columnwise=False,
-        **flags))(x))
+  scale_row = jax.ShapeDtypeStruct((64, 2), jnp.float8_e4m3fn)
+  scale_col = jax.ShapeDtypeStruct((32, 4), jnp.float8_e4m3fn)
+  amax = jax.ShapeDtypeStruct((1,), jnp.float32)
+  for direction, data, scale in (("rowwise", (64, 32), scale_row),
+                                 ("columnwise", (32, 64), scale_col)):
+    results = [jax.ShapeDtypeStruct(data, jnp.float4_e2m1fn), scale, amax]
+    with pytest.raises(Exception, match=f"{direction} raw values is float4_e2m1fn.*; expected "
+                                        "bfloat16"):
+      jax.block_until_ready(jax.jit(lambda x: calls.call(
+          NVFP4_TARGET, results, x, starts, starts, key, key, rowwise=direction == "rowwise",
+          columnwise=direction == "columnwise", **flags))(x))
 
 
 def test_which_nvfp4_copies_are_written_raw(bf16_device, monkeypatch):
-  """Rowwise copies of the grouped NVFP4 kernel for the decoded GEMMs; not row-scaled tokens
-  (the single-tensor kernel), not with the codes asked for."""
-  assert support.nvfp4_raw_reason(jq.NVFP4Quantizer(block_2d=True)) is None
+  """Copies of the grouped NVFP4 kernel for the decoded GEMMs; not row-scaled tokens' rowwise
+  copy (the single-tensor kernel), not with the codes asked for."""
+  for direction in ("rowwise", "columnwise"):
+    assert support.nvfp4_raw_reason(jq.NVFP4Quantizer(block_2d=True), direction) is None
   assert "not written by the grouped NVFP4 kernel" in support.nvfp4_raw_reason(
-      jq.NVFP4Quantizer(row_scaled=True))
+      jq.NVFP4Quantizer(row_scaled=True), "rowwise")
   assert support.nvfp4_raw_reason(jq.MXFP8Quantizer()) == "mxfp8 is not NVFP4"
   monkeypatch.setenv(support.RAW_COPIES_ENV, "off")
   assert support.nvfp4_raw_reason(jq.NVFP4Quantizer()) == f"{support.RAW_COPIES_ENV}=off"
@@ -482,19 +491,15 @@ NVFP4_RECIPES = {"NVFP4BlockScaling": jq.recipes.NVFP4BlockScaling}
 
 
 def check_nvfp4_layer(rng, monkeypatch, **shape):
-  """The NVFP4 GroupedDense step with its rowwise copies raw (x, the experts' 16x16 copy, dy)
-  is bit for bit the step that decodes their codes; the columnwise (RHT'd wgrad) copies are
-  decoded in both."""
+  """The NVFP4 GroupedDense step with its copies raw (x, dy, both RHT'd wgrad copies, the
+  experts' 16x16 copy) is bit for bit the step that decodes their codes, and runs no decode."""
   raw, codes, report, text, codes_text, (step, args) = _raw_and_codes_steps(
       rng, "NVFP4BlockScaling", monkeypatch, use_bias=False, **shape)
   quantize = [d for d in report if d.op == "grouped_quantize"]
-  rowwise = [d for d in quantize if d.detail.startswith("rowwise")]
-  assert len(rowwise) == 3 and all(RAW_NOTE in d.detail for d in rowwise), "\n".join(
+  assert len(quantize) == 5 and all(RAW_NOTE in d.detail for d in quantize), "\n".join(
       map(str, report))
-  assert all(RAW_NOTE not in d.detail for d in quantize if d not in rowwise)
   assert "raw = true" in text and "raw = true" not in codes_text
-  assert decode_kernel.NVFP4_TARGET in text  # the columnwise copies
-  assert text.count(decode_kernel.NVFP4_TARGET) < codes_text.count(decode_kernel.NVFP4_TARGET)
+  assert decode_kernel.NVFP4_TARGET not in text and decode_kernel.NVFP4_TARGET in codes_text
   for u, v in zip(jax.tree_util.tree_leaves(raw), jax.tree_util.tree_leaves(codes)):
     u, v = np.asarray(u), np.asarray(v)
     assert u.dtype == v.dtype
@@ -505,7 +510,7 @@ def check_nvfp4_layer(rng, monkeypatch, **shape):
 
 
 @needs_target
-def test_nvfp4_grouped_dense_with_raw_rowwise_copies_is_bit_for_bit_the_decoded_step(
+def test_nvfp4_grouped_dense_with_raw_copies_is_bit_for_bit_the_decoded_step(
     bf16_device, rng, monkeypatch):
   check_nvfp4_layer(rng, monkeypatch)
 
@@ -538,15 +543,16 @@ def test_gpu_grouped_dense_with_raw_copies_is_bit_for_bit_the_decoded_step(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(NVFP4))
-def test_gpu_raw_nvfp4_rowwise_copies_are_the_decode_of_the_codes(on_kernel, rng, name):
-  """16-byte stores (96, 1408 columns; 72 = 4 x 16 + 8, a half block at each row's end) and
-  element stores (36: rows not 16-byte aligned), a NaN block, more than one wave of tiles."""
+def test_gpu_raw_nvfp4_copies_are_the_decode_of_the_codes(on_kernel, rng, name):
+  """Rowwise 16-byte stores (96, 1408 columns; 72 = 4 x 16 + 8, a half block at each row's
+  end) and element stores (36: rows not 16-byte aligned), columnwise 32-byte chunks, a NaN
+  block, more than one wave of tiles."""
   for cols, dtype in ((96, jnp.bfloat16), (72, jnp.float32), (36, jnp.float16),
                       (1408, jnp.bfloat16)):
-    check_nvfp4_rowwise(rng, name, 2048, cols, dtype, groups=9, nan=cols == 72)
+    check_nvfp4_copies(rng, name, 2048, cols, dtype, groups=9, nan=cols == 72)
 
 
 @pytest.mark.gpu
-def test_gpu_nvfp4_grouped_dense_with_raw_rowwise_copies_is_bit_for_bit_the_decoded_step(
+def test_gpu_nvfp4_grouped_dense_with_raw_copies_is_bit_for_bit_the_decoded_step(
     on_kernel, rng, monkeypatch):
   check_nvfp4_layer(rng, monkeypatch, groups=8, tokens=1024, k=256, n=192)

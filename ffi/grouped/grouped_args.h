@@ -144,8 +144,9 @@ inline ffi::Error decode_grouped_amax_gated(const char* t, ffi::AnyBuffer x, ffi
 }
 
 // jaxquant_grouped_quantize_nvfp4(x[T, C], starts[G+1], pstarts[G+1], row_key, col_key)
-//   -> [row f4 [L, C] (bf16 raw values with `raw`), row_scale e4m3],
-//      [col f4 [C, L] or [G, C, E], col_scale e4m3], [row_amax f32[G]], [col_amax f32[G]]
+//   -> [row f4 [L, C], row_scale e4m3], [col f4 [C, L] or [G, C, E], col_scale e4m3],
+//      [row_amax f32[G]], [col_amax f32[G]]; with `raw` both data outputs are bfloat16 raw
+//      values (code x block scale) of the same shapes.
 // A key is u32[G, 2] when `stochastic` and its direction is requested, else a u32[1, 2]
 // placeholder. Contract the device data must keep (not checked on the host, it never reads
 // the offsets): with `columnwise` or `block_2d`, every pstarts[g] is a multiple of 16; with
@@ -159,9 +160,6 @@ inline ffi::Error decode_grouped_quantize_nvfp4(const char* t, ffi::AnyBuffer x,
                                                 int64_t expert_rows, bool raw,
                                                 Nvfp4QuantizeParams* p) {
   JQ_RETURN_IF_ERROR(need_direction(t, rowwise, columnwise));
-  if (raw && !rowwise) {
-    return invalid(t, "raw writes the rowwise copy's raw values; rowwise is false");
-  }
   if (rht && block_2d) return invalid(t, "rht and block_2d cannot be combined");
   if (rht && !columnwise) {
     return invalid(t, "rht transforms the columnwise copy; columnwise is false");
@@ -195,20 +193,18 @@ inline ffi::Error decode_grouped_quantize_nvfp4(const char* t, ffi::AnyBuffer x,
   p->block_2d = block_2d;
   p->rht = rht;
   p->stochastic = stochastic;
-  p->raw_row = raw;
+  p->raw = raw;
   p->row_key = static_cast<const uint32_t*>(row_key.untyped_data());
   p->col_key = static_cast<const uint32_t*>(col_key.untyped_data());
   const auto f4 = {ffi::DataType::F4E2M1FN};
+  const auto bf16 = {ffi::DataType::BF16};
+  const std::initializer_list<ffi::DataType>& data_type = raw ? bf16 : f4;  // both named above
   const auto e4m3 = {ffi::DataType::F8E4M3FN};
   const int64_t br = block_2d ? 16 : 1;
   RetReader r(t, rets);
   void* q;
   if (rowwise) {
-    if (raw) {
-      JQ_RETURN_IF_ERROR(r.next("rowwise raw values", {ffi::DataType::BF16}, {length, C}, &q));
-    } else {
-      JQ_RETURN_IF_ERROR(r.next("rowwise data", f4, {length, C}, &q));
-    }
+    JQ_RETURN_IF_ERROR(r.next(raw ? "rowwise raw values" : "rowwise data", data_type, {length, C}, &q));
     p->row = static_cast<uint8_t*>(q);
     JQ_RETURN_IF_ERROR(r.next("rowwise scale_inv", e4m3,
                               {ceil_div(length, br), ceil_div(C, 16)}, &q));
@@ -217,11 +213,11 @@ inline ffi::Error decode_grouped_quantize_nvfp4(const char* t, ffi::AnyBuffer x,
   if (columnwise) {
     const int64_t srows = ceil_div(C, br);
     if (expert_rows > 0) {
-      JQ_RETURN_IF_ERROR(r.next("columnwise data", f4, {G, C, expert_rows}, &q));
+      JQ_RETURN_IF_ERROR(r.next(raw ? "columnwise raw values" : "columnwise data", data_type, {G, C, expert_rows}, &q));
       p->col = static_cast<uint8_t*>(q);
       JQ_RETURN_IF_ERROR(r.next("columnwise scale_inv", e4m3, {G, srows, expert_rows / 16}, &q));
     } else {
-      JQ_RETURN_IF_ERROR(r.next("columnwise data", f4, {C, length}, &q));
+      JQ_RETURN_IF_ERROR(r.next(raw ? "columnwise raw values" : "columnwise data", data_type, {C, length}, &q));
       p->col = static_cast<uint8_t*>(q);
       JQ_RETURN_IF_ERROR(r.next("columnwise scale_inv", e4m3, {srows, length / 16}, &q));
     }

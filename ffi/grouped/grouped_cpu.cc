@@ -147,16 +147,16 @@ void nvfp4_group_copy(const Nvfp4QuantizeParams& p, int64_t g, bool columnwise) 
   const int64_t out_cols = columnwise ? (expert ? p.expert_rows : p.L) : C;
   const int64_t col0 = columnwise && !expert ? ps : 0;
   const int64_t row0 = columnwise ? 0 : ps;
-  uint8_t* out = columnwise ? p.col + (expert ? g * C * p.expert_rows / 2 : 0) : p.row;
+  const int64_t out_base = columnwise && expert ? g * C * p.expert_rows : 0;  // elements
+  uint8_t* out = columnwise ? p.col : p.row;
   const int64_t out_nbc = ceil_div(out_cols, 16);
   uint8_t* out_scale = columnwise ? p.col_scale + (expert ? g * nbr * out_nbc : 0) : p.row_scale;
-  const bool raw = !columnwise && p.raw_row;  // code x block scale in bfloat16 (the decode's bits)
   for (int64_t r = 0; r < m.rows; ++r) {
     for (int64_t c = 0; c < m.cols; ++c) {
       const int64_t i = r * m.cols + c;
       const uint32_t code = (data[i >> 1] >> (4 * (i & 1))) & 0xFu;
-      const int64_t at = (row0 + r) * out_cols + col0 + c;
-      if (raw) {
+      const int64_t at = out_base + (row0 + r) * out_cols + col0 + c;
+      if (p.raw) {  // code x block scale in bfloat16 (the CPU decode's bits)
         const float value = jq::nvfp4_raw(code, jq::decode_e4m3(scale[(r / br) * nbc + c / 16]));
         reinterpret_cast<uint16_t*>(out)[at] = static_cast<uint16_t>(jq::bf16_bits_rne(value));
       } else {
@@ -184,7 +184,7 @@ ffi::Error GroupedQuantizeNvfp4Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi:
     std::memset(p.row_scale, 0, static_cast<size_t>(ceil_div(p.L, br) * nbc));
   }
   if (columnwise) {
-    std::memset(p.col, 0, static_cast<size_t>(p.C * p.L / 2));
+    std::memset(p.col, 0, static_cast<size_t>(raw ? p.C * p.L * 2 : p.C * p.L / 2));
     std::memset(p.col_scale, 0, static_cast<size_t>(ceil_div(p.C, br) * (p.L / 16)));
   }
   for (int64_t g = 0; g < p.G; ++g) {

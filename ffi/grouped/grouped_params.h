@@ -41,7 +41,7 @@ struct QuantizeParams : GroupedRows {
 // RHT (columnwise) and stochastic rounding with each group's words at the index within the group.
 struct Nvfp4QuantizeParams : GroupedRows {
   bool rowwise = false, columnwise = false, block_2d = false, rht = false, stochastic = false;
-  bool raw_row = false;  // the rowwise copy as bfloat16 raw values (code x block scale) [L, C]
+  bool raw = false;  // both copies as bfloat16 raw values (code x block scale), not codes
   const uint32_t* row_key = nullptr;  // [G, 2] stochastic-rounding words per group
   const uint32_t* col_key = nullptr;
   uint8_t* row = nullptr;        // f4 [L, C]

@@ -63,14 +63,14 @@ ffi::Error GroupedQuantizeNvfp4Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::
   Nvfp4Params p{n.x, n.L, n.C,
                 aligned(n.x, 16) && n.C % 8 == 0,
                 rowwise && aligned(n.row, raw ? 16 : 4) && n.C % 8 == 0,
-                columnwise && aligned(n.col, 8) && (expert_rows > 0 ? expert_rows : n.L) % 16 == 0,
+                columnwise && aligned(n.col, raw ? 16 : 8) && (expert_rows > 0 ? expert_rows : n.L) % 16 == 0,
                 rowwise, columnwise, /*row_scaled=*/false, block_2d, rht, stochastic,
                 n.row_amax, n.col_amax, n.row_key, n.col_key, n.row, n.row_scale, n.col, n.col_scale};
   // A packed layout (expert weights; tokens of a 1x16 copy whose layout is as long as x) reads
   // row `pos` while it looks the groups up; any other layout looks up first.
   const bool speculate = expert_rows > 0 || (!columnwise && !block_2d && n.L == n.T);
   p.groups = {n.starts, n.pstarts, n.G, n.T, n.expert_rows, speculate};
-  p.raw_row = raw;
+  p.raw = raw;
   cudaError_t e = cudaSuccess;
   by_type(n.in_type, [&](auto tag) {  // 0 bf16, 1 f16, 2 f32 (In)
     constexpr int TYPE = decltype(tag)::value;

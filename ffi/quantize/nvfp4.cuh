@@ -38,9 +38,10 @@ struct Nvfp4Params {
   const uint32_t *row_key, *col_key;
   uint8_t *row, *row_scale, *col, *col_scale;
   Nvfp4Groups groups = {};
-  // The rowwise copy as bfloat16 raw values (code x block scale, `row` a bfloat16 [R, C]) instead
-  // of codes, for grouped GEMMs that read decoded operands; its block scales are still written.
-  bool raw_row = false;
+  // Both copies as bfloat16 raw values (code x block scale: `row` a bfloat16 [R, C], `col` a
+  // bfloat16 [C, R] or [G, C, E]) instead of codes, for grouped GEMMs that read decoded
+  // operands; the block scales are still written.
+  bool raw = false;
 };
 
 // Per tile row of a grouped quantize: source row of x (-1: zeros), group (G: none), index in
@@ -140,7 +141,10 @@ __device__ __forceinline__ void store_raw8(uint16_t* dst, const uint32_t* words,
     *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
     return;
   }
-  for (int i = 0; i < n; ++i) dst[i] = uint16_t(words[i / 2] >> (16 * (i % 2)));
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {  // unrolled: `words` stays in registers
+    if (i < n) dst[i] = uint16_t(words[i / 2] >> (16 * (i % 2)));
+  }
 }
 
 // Eight E2M1 codes of v * s, packed low nibble first; SR draws at (row hash, col0 + i).
@@ -288,7 +292,7 @@ __global__ void __launch_bounds__(kThreads, GROUPED ? 4 : 3) nvfp4_kernel(const 
       for (int i = 0; i < 8; ++i) v[i] = to_float(raw[pp][i]);
       const uint32_t row_hash = p.sr ? jq::sr_row_hash(sr_k0, sr_row) : 0u;
       const uint32_t packed = e2m1x8(v, b.s_enc_b, p.sr, row_hash, sr_k1, uint32_t(c));
-      if (p.raw_row) {  // the eight codes decoded (raw4: the decode kernel's bits)
+      if (p.raw) {  // the eight codes decoded (raw4: the decode kernel's bits)
         uint32_t words[4];
         const __nv_bfloat162 s = __float2bfloat162_rn(jq::decode_e4m3(b.code));
         raw4(packed, s, words);
@@ -347,9 +351,22 @@ __global__ void __launch_bounds__(kThreads, GROUPED ? 4 : 3) nvfp4_kernel(const 
         base = rows.group[16 * slot.j];
       }
     }
-    uint8_t* col = p.col + (base * p.C * out_len) / 2;
     uint8_t* col_scale = p.col_scale + base * scale_rows * scale_len;
-    store_bytes8(col + (c * out_len + out_pos) / 2, lo, hi, int(min64(16, out_len - out_pos)) / 2, p.vec_col);
+    if (p.raw) {  // the sixteen codes decoded, 32 bytes of output row c
+      uint32_t words[8];
+      const __nv_bfloat162 s = __float2bfloat162_rn(jq::decode_e4m3(b.code));
+      raw4(lo, s, words);
+      raw4(lo >> 16, s, words + 2);
+      raw4(hi, s, words + 4);
+      raw4(hi >> 16, s, words + 6);
+      uint16_t* col = reinterpret_cast<uint16_t*>(p.col) + (base * p.C + c) * out_len + out_pos;
+      const int n = int(min64(16, out_len - out_pos));
+      store_raw8(col, words, min(n, 8), p.vec_col);
+      if (n > 8) store_raw8(col + 8, words + 4, n - 8, p.vec_col);
+    } else {
+      uint8_t* col = p.col + (base * p.C * out_len) / 2;
+      store_bytes8(col + (c * out_len + out_pos) / 2, lo, hi, int(min64(16, out_len - out_pos)) / 2, p.vec_col);
+    }
     if (!p.block_2d) {
       col_scale[c * scale_len + out_pos / 16] = uint8_t(b.code);
     } else if (slot.cl % 16 == 0) {

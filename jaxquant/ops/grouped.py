@@ -161,11 +161,11 @@ def _record(op: str, role, detail: str, quantizer: Optional[Quantizer], reason_f
 def _kernel_note(leaf: Quantizer, decoded: bool = False, direction: str = "rowwise"):
   """The `_record` note of an FFI quantize: for per-tensor FP8 (the grouped FP8 kernel) the
   launches that run (delayed scaling has no amax pass); for copies written raw for the decoded
-  GEMMs (`decoded` on CUDA: MXFP8, NVFP4's rowwise copy) that they are; else None."""
+  GEMMs (`decoded` on CUDA: MXFP8, NVFP4 on its grouped kernel) that they are; else None."""
   if kernels.quantize_route(leaf, "rowwise")[0] == "fp8":
     return lambda: (kernels.fp8_kernel_note(leaf), "")
-  if decoded and (kernels.raw_copies_reason(leaf) is None or (
-      direction == "rowwise" and kernels.nvfp4_raw_reason(leaf) is None)):
+  if decoded and (kernels.raw_copies_reason(leaf) is None
+                  or kernels.nvfp4_raw_reason(leaf, direction) is None):
     return lambda: ("written as raw bfloat16 values for the GEMMs on decoded operands (no "
                     "decode pass)", "")
   return None

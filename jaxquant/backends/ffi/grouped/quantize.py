@@ -117,7 +117,7 @@ def _nvfp4_call(x2d, starts, pstarts, quantizer: NVFP4Quantizer, groups: int, le
                 rowwise: bool, columnwise: bool, row_words=None, col_words=None,
                 expert_rows: int = 0, raw: bool = False):
   """{direction: (data, scale_inv, amax [G])} from `jaxquant_grouped_quantize_nvfp4`; `raw`:
-  the rowwise data as bfloat16 raw values (`support.nvfp4_raw_reason`)."""
+  the data of every copy as bfloat16 raw values (`support.nvfp4_raw_reason`)."""
   cols = x2d.shape[1]
   br = 16 if quantizer.block_2d else 1
   e4m3, f4 = jnp.float8_e4m3fn, jnp.float4_e2m1fn
@@ -127,11 +127,12 @@ def _nvfp4_call(x2d, starts, pstarts, quantizer: NVFP4Quantizer, groups: int, le
     results += [_sds((length, cols), jnp.bfloat16 if raw else f4),
                 _sds((-(-length // br), -(-cols // 16)), e4m3)]
   if columnwise:
+    data = jnp.bfloat16 if raw else f4
     if expert_rows:
-      results += [_sds((groups, cols, expert_rows), f4),
+      results += [_sds((groups, cols, expert_rows), data),
                   _sds((groups, -(-cols // br), expert_rows // 16), e4m3)]
     else:
-      results += [_sds((cols, length), f4), _sds((-(-cols // br), length // 16), e4m3)]
+      results += [_sds((cols, length), data), _sds((-(-cols // br), length // 16), e4m3)]
   results += [_sds((groups,), np.float32)] * (int(rowwise) + int(columnwise))
   outs = calls.call(support.QUANTIZE_NVFP4_TARGET, results, x2d, starts, pstarts,
                     _nvfp4_key(row_words, sr and rowwise), _nvfp4_key(col_words, sr and columnwise),
@@ -159,9 +160,9 @@ def _raw(leaf: Quantizer, decoded: bool) -> bool:
   return decoded and support.raw_copies_reason(leaf) is None
 
 
-def _raw_rowwise_nvfp4(leaf: Quantizer, decoded: bool) -> bool:
-  """Whether NVFP4's rowwise copy for GEMMs that read decoded operands is written raw."""
-  return decoded and support.nvfp4_raw_reason(leaf) is None
+def _raw_nvfp4(leaf: Quantizer, decoded: bool, directions) -> bool:
+  """Whether NVFP4 copies in `directions` for GEMMs that read decoded operands are written raw."""
+  return decoded and all(support.nvfp4_raw_reason(leaf, d) is None for d in directions)
 
 
 def quantize_token_pair(x: jax.Array, sizes: jax.Array, leaf: Quantizer, row_layout: TokenLayout,
@@ -221,7 +222,7 @@ def quantize_tokens(x: jax.Array, sizes: jax.Array, leaf: Quantizer, direction: 
         x, _offsets(sizes), _offsets(layout.extents(sizes)), leaf, layout.groups, layout.length,
         rowwise, not rowwise, row_words=words if rowwise else None,
         col_words=None if rowwise else words,
-        raw=rowwise and _raw_rowwise_nvfp4(leaf, decoded)).values()
+        raw=_raw_nvfp4(leaf, decoded, (direction,))).values()
     return _make(data, scale_inv, amax, sizes, leaf, orig_dtype, direction, layout,
                  format_of(leaf).uses_rht(leaf, direction))
   if route == "fp8":
@@ -360,13 +361,15 @@ def _experts_nvfp4(w, leaf: NVFP4Quantizer, rowwise: bool, columnwise: bool, ori
                    words, decoded: bool = False) -> dict:
   """NVFP4 expert weights (one amax per expert) from one `jaxquant_grouped_quantize_nvfp4`
   call: every expert a group of `rows` rows; the columnwise copy written as `[G, cols, rows]`;
-  the rowwise copy raw where it feeds only GEMMs on decoded operands (`decoded`)."""
+  the copies raw where they feed only GEMMs on decoded operands (`decoded`)."""
   groups, rows, cols = w.shape
   starts = jnp.arange(groups + 1, dtype=jnp.int32) * rows
   copies = _nvfp4_call(w.reshape(groups * rows, cols), starts, starts, leaf, groups,
                        groups * rows, rowwise, columnwise, words.get("rowwise"),
                        words.get("columnwise"), expert_rows=rows,
-                       raw=rowwise and _raw_rowwise_nvfp4(leaf, decoded))
+                       raw=_raw_nvfp4(leaf, decoded, [d for d, on in (("rowwise", rowwise),
+                                                                       ("columnwise", columnwise))
+                                                      if on]))
   out = {}
   if rowwise:
     data, scale_inv, amax = copies["rowwise"]

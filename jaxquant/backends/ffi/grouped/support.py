@@ -267,7 +267,8 @@ def raw_copies_reason(leaf) -> Optional[str]:
   """Why copies of `leaf` that feed only grouped GEMMs are not written raw (bfloat16 code x
   block scale) by their quantize kernel, both directions (None: they are). Only MXFP8 is, where
   its GEMMs decode it for the bfloat16 CUTLASS kernel: there the raw copy is what the decode
-  would give, one pass sooner. NVFP4 writes its rowwise copies raw only (`nvfp4_raw_reason`)."""
+  would give, one pass sooner. NVFP4's grouped kernel has its own rule (`nvfp4_raw_reason`): its
+copies are raw as MXFP8's, but it has no kernel for the experts' copy along N."""
   if format_of(leaf).name != "mxfp8":
     return f"{format_of(leaf).name} keeps its codes"
   if raw_copies_choice() == "off":
@@ -280,18 +281,17 @@ def raw_copies_reason(leaf) -> Optional[str]:
   return _missing(single_quantize.gathered_kernel(leaf))
 
 
-def nvfp4_raw_reason(leaf) -> Optional[str]:
-  """Why the grouped NVFP4 kernel does not write `leaf`'s rowwise copies raw (bfloat16 code x
-  block scale, the decode pass's bits; the second-level scale stays the GEMM's per-group
-  factor) where they feed only grouped GEMMs on decoded operands (None: it does). Its
-  columnwise copies keep their codes: they are written transposed (RHT'd for the wgrad), and
-  their decode is what the GEMMs read. Session 28: the decode of the 64-expert weights cost
-  ~0.12 ms a step."""
+def nvfp4_raw_reason(leaf, direction: str = "rowwise") -> Optional[str]:
+  """Why the grouped NVFP4 kernel does not write `leaf`'s `direction` copies raw (bfloat16 code
+  x block scale, the decode pass's bits) where they feed only grouped GEMMs on decoded operands
+  (None: it does). The second-level scale stays the GEMM's per-group factor and an RHT'd copy
+  stays transformed (both operands of its GEMM are). Session 28: the decode of the 64-expert
+  weights cost ~0.12 ms a step."""
   fmt = format_of(leaf)
   if fmt.name != "nvfp4":
     return f"{fmt.name} is not NVFP4"
-  if fmt.grouped_quantize_kernel(leaf, "rowwise")[0] != "nvfp4":
-    return f"{leaf}'s rowwise copy is not written by the grouped NVFP4 kernel"
+  if fmt.grouped_quantize_kernel(leaf, direction)[0] != "nvfp4":
+    return f"{leaf}'s {direction} copy is not written by the grouped NVFP4 kernel"
   if raw_copies_choice() == "off":
     return f"{RAW_COPIES_ENV}=off"
   if decoded.kernel_choice() != "auto":
