@@ -6,6 +6,7 @@
 //      token layout (`nvfp4_kernel<In, true>`): each tile row is a layout position that reads its
 //      source row of x (or zeros), takes its group's second-level scale and stochastic-rounding
 //      words, and rounds at its index within the group; the math is the single-tensor kernel's.
+//      With `raw` (design decision 53) every copy is written as bfloat16 code x block scale.
 // Group offsets stay on the device (no host sync, no allocation: command-buffer compatible).
 #include <cuda_runtime.h>
 

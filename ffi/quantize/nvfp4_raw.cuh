@@ -1,7 +1,7 @@
 // NVFP4 raw values in bfloat16 on the device: E2M1 code x E4M3 block scale (jq::nvfp4_raw,
 // exact in bfloat16). The grouped decode kernel (ffi/grouped/decode_cuda.cu) and the NVFP4
-// quantize kernel's raw rowwise output (quantize/nvfp4.cuh) share it, so a copy written raw by
-// the quantize kernel is bit for bit its codes decoded.
+// quantize kernel's raw output (quantize/nvfp4.cuh, both copies) share it, so a copy written
+// raw by the quantize kernel is bit for bit its codes decoded.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -120,14 +120,12 @@ def _nvfp4_call(x2d, starts, pstarts, quantizer: NVFP4Quantizer, groups: int, le
   the data of every copy as bfloat16 raw values (`support.nvfp4_raw_reason`)."""
   cols = x2d.shape[1]
   br = 16 if quantizer.block_2d else 1
-  e4m3, f4 = jnp.float8_e4m3fn, jnp.float4_e2m1fn
+  e4m3, data = jnp.float8_e4m3fn, (jnp.bfloat16 if raw else jnp.float4_e2m1fn)
   sr = quantizer.stochastic_rounding
   results = []
   if rowwise:
-    results += [_sds((length, cols), jnp.bfloat16 if raw else f4),
-                _sds((-(-length // br), -(-cols // 16)), e4m3)]
+    results += [_sds((length, cols), data), _sds((-(-length // br), -(-cols // 16)), e4m3)]
   if columnwise:
-    data = jnp.bfloat16 if raw else f4
     if expert_rows:
       results += [_sds((groups, cols, expert_rows), data),
                   _sds((groups, -(-cols // br), expert_rows // 16), e4m3)]
