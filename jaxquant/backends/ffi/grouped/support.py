@@ -263,22 +263,25 @@ def raw_copies_choice() -> str:
   return env_choice(RAW_COPIES_ENV, RAW_COPIES_CHOICES, "auto")
 
 
-def raw_copies_reason(leaf) -> Optional[str]:
-  """Why copies of `leaf` that feed only grouped GEMMs are not written raw (bfloat16 code x
-  block scale) by their quantize kernel, both directions (None: they are). Only MXFP8 is, where
-  its GEMMs decode it for the bfloat16 CUTLASS kernel: there the raw copy is what the decode
-  would give, one pass sooner. NVFP4's grouped kernel has its own rule (`nvfp4_raw_reason`): its
-copies are raw as MXFP8's, but it has no kernel for the experts' copy along N."""
-  if format_of(leaf).name != "mxfp8":
-    return f"{format_of(leaf).name} keeps its codes"
+def _raw_route_reason() -> Optional[str]:
+  """Why no copy is written raw in this process (None: raw copies may be): the codes asked for,
+  the GEMMs reading codes, or no bfloat16 kernel to read the raw values."""
   if raw_copies_choice() == "off":
     return f"{RAW_COPIES_ENV}=off"
   if decoded.kernel_choice() != "auto":
     return f"{decoded.KERNEL_ENV}={decoded.kernel_choice()}: the GEMMs read codes"
-  reason = bf16.device_reason()
-  if reason is not None:
-    return reason
-  return _missing(single_quantize.gathered_kernel(leaf))
+  return bf16.device_reason()
+
+
+def raw_copies_reason(leaf) -> Optional[str]:
+  """Why copies of `leaf` that feed only grouped GEMMs are not written raw (bfloat16 code x
+  block scale) by their quantize kernel, both directions (None: they are). Only MXFP8 is, where
+  its GEMMs decode it for the bfloat16 CUTLASS kernel: there the raw copy is what the decode
+  would give, one pass sooner. NVFP4's grouped kernel has its own rule (`nvfp4_raw_reason`):
+  its copies are raw as MXFP8's, but it has no kernel for the experts' copy along N."""
+  if format_of(leaf).name != "mxfp8":
+    return f"{format_of(leaf).name} keeps its codes"
+  return _raw_route_reason() or _missing(single_quantize.gathered_kernel(leaf))
 
 
 def nvfp4_raw_reason(leaf, direction: str = "rowwise") -> Optional[str]:
@@ -292,14 +295,7 @@ def nvfp4_raw_reason(leaf, direction: str = "rowwise") -> Optional[str]:
     return f"{fmt.name} is not NVFP4"
   if fmt.grouped_quantize_kernel(leaf, direction)[0] != "nvfp4":
     return f"{leaf}'s {direction} copy is not written by the grouped NVFP4 kernel"
-  if raw_copies_choice() == "off":
-    return f"{RAW_COPIES_ENV}=off"
-  if decoded.kernel_choice() != "auto":
-    return f"{decoded.KERNEL_ENV}={decoded.kernel_choice()}: the GEMMs read codes"
-  reason = bf16.device_reason()
-  if reason is not None:
-    return reason
-  return _missing(QUANTIZE_NVFP4_TARGET)
+  return _raw_route_reason() or _missing(QUANTIZE_NVFP4_TARGET)
 
 
 def _stores_raw(operand) -> bool:
