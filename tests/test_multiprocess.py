@@ -17,8 +17,12 @@ train with SGD (`--optimizer sgd`), whose update is linear in the gradient, so l
 inherit differences as small as the gradients' (Adam would turn a reduction-order difference in
 a near-zero gradient element into a full-size step of either sign: 5e-4 by step 4 in one run
 here), plus the odd element a quantizer rounds into the neighbouring FP8/FP4 code: relative
-1e-5 over these four steps, far below what a wrong batch row or a missing gradient reduction
-does (percents). Most runs here came out equal bit for bit.
+1e-5 over these four steps for FP8. NVFP4 gradients (the hybrid's backward) have codes a
+third apart at the top of a block, so one such flip moves a gradient element by up to a third
+of itself: relative 2.3e-4 and 5.6e-4 at steps 3 and 4 in one run here (session 28, replay
+with JAXQUANT_TEST_SEED=1773181253), so that recipe's later steps are held to 2e-3. Both stay
+far below what a wrong batch row or a missing gradient reduction does (percents). Most runs
+here came out equal bit for bit.
 
 Every test here starts processes (`-m "not multiprocess"` deselects them); each is bounded by a
 timeout and kills what it started.
@@ -54,7 +58,8 @@ TINY_LM = ["--d-model", "128", "--layers", "1", "--heads", "4", "--seq", "32", "
 # weight between the processes.
 MESH_RECIPES = {"dp=2,tp=4": "mxfp8_fwd_nvfp4_bwd", "fsdp=8": "fp8_current"}
 RUN_TIMEOUT = 420  # seconds: a hang ends here, killed (a run takes ~1 min on 2 free cores)
-FIRST_STEP_RTOL, LATER_STEPS_RTOL = 1e-6, 1e-5
+FIRST_STEP_RTOL = 1e-6
+LATER_STEPS_RTOL = {"mxfp8_fwd_nvfp4_bwd": 2e-3, "fp8_current": 1e-5}  # per recipe (above)
 
 
 def _host_devices(count: int) -> dict[str, str]:
@@ -111,7 +116,7 @@ def test_two_processes_train_like_one_process_with_all_devices(tmp_path, seed, m
     assert len(got[recipe]) == len(want[recipe]) == 4
     w, g = np.array(want[recipe]), np.array(got[recipe])
     rel = np.abs(g - w) / np.abs(w)
-    assert rel[0] <= FIRST_STEP_RTOL and rel.max() <= LATER_STEPS_RTOL, (
+    assert rel[0] <= FIRST_STEP_RTOL and rel.max() <= LATER_STEPS_RTOL[recipe], (
         f"{recipe} on {mesh}: 2 processes {g.tolist()} vs 1 process {w.tolist()} "
         f"(relative {rel.tolist()})")
   # Process 0 alone logged and wrote files; process 1 only said where it connected.
@@ -181,7 +186,7 @@ def test_two_processes_of_one_gpu_train_like_one_process_with_two(tmp_path, seed
   want = np.array(_step_losses(tmp_path / "one")["fp8_current"])
   got = np.array(_step_losses(tmp_path / "two")["fp8_current"])
   rel = np.abs(got - want) / np.abs(want)
-  assert rel[0] <= FIRST_STEP_RTOL and rel.max() <= LATER_STEPS_RTOL, (
+  assert rel[0] <= FIRST_STEP_RTOL and rel.max() <= LATER_STEPS_RTOL["fp8_current"], (
       f"2 processes {got.tolist()} vs 1 process {want.tolist()} (relative {rel.tolist()})")
 
 
