@@ -58,9 +58,6 @@ enum : int {
   // (sm90_kgrouped_pingpong.cuh).
   kCfgKGroupedPingpong = 13,  // 128x128x64, cluster 2x1, pingpong, k-grouped
   kCfgBf16N176 = 14,     // 128x176x64, cluster 1x2, cooperative (N = 1408: 8 whole tiles)
-  // kCfgBf16 with half row tiles: a tile holding at most 64 of its group's rows runs its MMAs
-  // in one consumer warpgroup (sm90_halftile.cuh).
-  kCfgBf16HalfTile = 15,  // 128x256x64, cluster 1x2, cooperative, half row tiles
 };
 
 // Operand layouts of the bf16 instances (which operand runs contiguously along the contraction

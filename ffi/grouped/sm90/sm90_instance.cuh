@@ -23,7 +23,6 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "grouped/sm90/sm90_gemm.h"
-#include "grouped/sm90/sm90_halftile.cuh"
 
 namespace jqffi {
 namespace sm90 {
@@ -37,14 +36,12 @@ template <int O> struct OutputOf { using type = cutlass::bfloat16_t; };
 template <> struct OutputOf<kOutF32> { using type = float; };
 
 // A configuration: tile (M x N x K), cluster (M x N), schedule and accumulation.
-template <int TM, int TN, int TK, int CM, int CN, bool Pingpong = false, bool Fast = false,
-          bool HalfTile = false>
+template <int TM, int TN, int TK, int CM, int CN, bool Pingpong = false, bool Fast = false>
 struct Tiles {
   using TileShape = cute::Shape<cute::Int<TM>, cute::Int<TN>, cute::Int<TK>>;
   using ClusterShape = cute::Shape<cute::Int<CM>, cute::Int<CN>, cute::_1>;
   static constexpr bool kPingpong = Pingpong;  // each consumer warpgroup its own tile, else one
   static constexpr bool kFast = Fast;          // FP8 fast accumulation (no float32 promotion)
-  static constexpr bool kHalfTile = HalfTile;  // sm90_halftile.cuh: half row tiles in one warpgroup
 };
 
 // The configurations (kCfg* in sm90_gemm.h).
@@ -101,9 +98,6 @@ template <> struct TileConfig<kCfgKGroupedPingpong> : Tiles<128, 128, 64, 2, 1, 
 // 256, 9% padding), an even count for the 1 x 2 cluster. Needs CUTLASS's extended wgmma shapes
 // (defined by the generated translation unit, as for kCfgN176).
 template <> struct TileConfig<kCfgBf16N176> : Tiles<128, 176, 64, 1, 2> {};
-// kCfgBf16 with half row tiles (sm90_halftile.cuh): a ragged GEMM's tile holding at most 64 of
-// its group's rows computes them in one consumer warpgroup.
-template <> struct TileConfig<kCfgBf16HalfTile> : Tiles<128, 256, 64, 1, 2, false, false, true> {};
 
 // kEpiRowScale's epilogue tree: D = convert((alpha[g] * acc) * row_scale[m]), float32 products
 // rounded once to ElementD (XLA's order when it scaled a float32 output). alpha: one float32
@@ -161,14 +155,8 @@ struct Instance {
           static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
 
-  // Half row tiles: CUTLASS's mainloop and grouped scheduler with sm90_halftile.cuh's changes.
-  static_assert(!Config::kHalfTile || (!Config::kPingpong && cute::size<0>(TileShape{}) == 128),
-                "half row tiles take the cooperative 128-row tile");
-  using GroupShape = cute::conditional_t<Config::kHalfTile, HalfTileProblemShape, ProblemShape>;
-  using Mainloop = cute::conditional_t<Config::kHalfTile, HalfTileMainloop<CollectiveMainloop>,
-                                       CollectiveMainloop>;
-  using GemmKernel =
-      cutlass::gemm::kernel::GemmUniversal<GroupShape, Mainloop, CollectiveEpilogue>;
+  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
+                                                          CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
   using StrideA = typename GemmKernel::InternalStrideA;
   using StrideB = typename GemmKernel::InternalStrideB;

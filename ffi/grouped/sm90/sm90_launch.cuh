@@ -229,9 +229,7 @@ std::string launch(const Problem& p, cudaStream_t stream) {
 
   typename Gemm::Arguments args;
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape.num_groups = int(p.G);
-  args.problem_shape.problem_shapes = arrays.shapes;  // shapes live on the device only
-  args.problem_shape.host_problem_shapes = nullptr;
+  args.problem_shape = {int(p.G), arrays.shapes, nullptr};  // shapes live on the device only
   args.mainloop = [&]() -> typename K::GemmKernel::MainloopArguments {
     if constexpr (K::Ops::kBlockScaled) {
       const auto& sc = arrays.scales;
