@@ -4,7 +4,8 @@
 //                            inside one group is read as one flat run of 16-byte loads
 //   grouped_rht_amax_kernel  per-group max |RHT(chunk)| over the 16-position chunks of a token
 //                            layout (NVFP4 rht: the amax of the Hadamard-transformed columnwise
-//                            copy), one CTA a chunk
+//                            copy), one CTA a chunk; with PLAIN also the plain max |x| of the
+//                            same values (the rowwise copy's, from the same read)
 // All reduce |x| as float32 bit patterns with atomicMax (NaN above inf: NaN-propagating, as
 // the reference's segment max), into an amax[G] the handler cleared.
 // `launch_grouped_amax` picks between the two (the span kernel where rows are 16-byte aligned).
@@ -221,11 +222,13 @@ __global__ void __launch_bounds__(256) grouped_amax_span_kernel(const QuantizePa
 // whose group starts are `pstarts` (multiples of 16): chunk k holds positions 16k .. 16k+15, the
 // rows starts[g] + (16k - pstarts[g]) .. of x while inside group g, zeros after. One CTA a chunk;
 // a thread holds W features x 16 rows as raw inputs (one 16-byte load a row, as amax.cuh's
-// amax_kernel) and transforms one feature at a time.
-template <int TYPE>
-__global__ void __launch_bounds__(256) grouped_rht_amax_kernel(const QuantizeParams p) {
+// amax_kernel) and transforms one feature at a time. PLAIN: also max |x| into `plain` (every
+// row of every group is in exactly one chunk, so this is `grouped_amax_kernel`'s result).
+template <int TYPE, bool PLAIN = false>
+__global__ void __launch_bounds__(256, 2) grouped_rht_amax_kernel(const QuantizeParams p,
+                                                               float* plain = nullptr) {
   constexpr int W = TYPE == 2 ? 4 : 8;  // features per thread: 16 bytes of a row
-  __shared__ uint32_t red[8];
+  __shared__ uint32_t red[8], red_plain[8];
   const int64_t pos0 = int64_t(blockIdx.x) * 16;
   const int G = int(p.G);
   const int g = upper_group(p.pstarts, G, pos0);
@@ -235,7 +238,7 @@ __global__ void __launch_bounds__(256) grouped_rht_amax_kernel(const QuantizePar
   if (n <= 0) return;  // padding only: zeros change no amax
   const int64_t src0 = __ldg(p.starts + g) + local;
   const bool vec = p.C % W == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0;
-  uint32_t m = 0;
+  uint32_t m = 0, mp = 0;
   for (int64_t c = int64_t(threadIdx.x) * W; c < p.C; c += 256 * W) {
     uint4 raw[16];
 #pragma unroll
@@ -272,19 +275,33 @@ __global__ void __launch_bounds__(256) grouped_rht_amax_kernel(const QuantizePar
           w[i] = TYPE == 0 ? __uint_as_float(uint32_t(h) << 16) : __half2float(__ushort_as_half(h));
         }
       }
+      if constexpr (PLAIN) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) mp = max(mp, jq::abs_bits(w[i]));
+      }
       jq::rht16(w);
 #pragma unroll
       for (int i = 0; i < 16; ++i) m = max(m, jq::abs_bits(w[i]));
     }
   }
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+  for (int o = 16; o > 0; o >>= 1) {
+    m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+    if constexpr (PLAIN) mp = max(mp, __shfl_xor_sync(0xFFFFFFFFu, mp, o));
+  }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (lane == 0) red[warp] = m;
+  if (lane == 0) {
+    red[warp] = m;
+    red_plain[warp] = mp;
+  }
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int w = 1; w < 8; ++w) m = max(m, red[w]);
+    for (int w = 1; w < 8; ++w) {
+      m = max(m, red[w]);
+      mp = max(mp, red_plain[w]);
+    }
     atomicMax(reinterpret_cast<uint32_t*>(p.amax) + g, m);
+    if constexpr (PLAIN) atomicMax(reinterpret_cast<uint32_t*>(plain) + g, mp);
   }
 }
 

@@ -146,7 +146,9 @@ inline ffi::Error decode_grouped_amax_gated(const char* t, ffi::AnyBuffer x, ffi
 // jaxquant_grouped_quantize_nvfp4(x[T, C], starts[G+1], pstarts[G+1], row_key, col_key)
 //   -> [row f4 [L, C], row_scale e4m3], [col f4 [C, L] or [G, C, E], col_scale e4m3],
 //      [row_amax f32[G]], [col_amax f32[G]]; with `raw` both data outputs are bfloat16 raw
-//      values (code x block scale) of the same shapes.
+//      values (code x block scale) of the same shapes. `row_packed` (tokens, 1x16 rows): the
+//      rowwise copy and its scales are [T, ...] in the packed layout (row r of x at row r, the
+//      rows from starts[G] on zero) while the columnwise copy takes the layout of `length`.
 // A key is u32[G, 2] when `stochastic` and its direction is requested, else a u32[1, 2]
 // placeholder. Contract the device data must keep (not checked on the host, it never reads
 // the offsets): with `columnwise` or `block_2d`, every pstarts[g] is a multiple of 16; with
@@ -157,7 +159,7 @@ inline ffi::Error decode_grouped_quantize_nvfp4(const char* t, ffi::AnyBuffer x,
                                                 ffi::RemainingRets rets, bool rowwise,
                                                 bool columnwise, bool block_2d, bool rht,
                                                 bool stochastic, int64_t length,
-                                                int64_t expert_rows, bool raw,
+                                                int64_t expert_rows, bool raw, bool row_packed,
                                                 Nvfp4QuantizeParams* p) {
   JQ_RETURN_IF_ERROR(need_direction(t, rowwise, columnwise));
   if (rht && block_2d) return invalid(t, "rht and block_2d cannot be combined");
@@ -182,6 +184,11 @@ inline ffi::Error decode_grouped_quantize_nvfp4(const char* t, ffi::AnyBuffer x,
     return invalid(t, "the rowwise copy needs an even row length (rows own whole bytes); got " +
                           std::to_string(C) + " columns");
   }
+  if (row_packed && (!rowwise || expert_rows > 0 || block_2d || length < p->T)) {
+    return invalid(t, "row_packed needs a rowwise copy of tokens (expert_rows = 0) in 1x16 "
+                      "blocks (block_2d false) and a layout at least as long as x (length " +
+                          std::to_string(length) + ", x has " + std::to_string(p->T) + " rows)");
+  }
   for (auto [key, on, what] : {std::tuple{&row_key, rowwise, "row_key"},
                                std::tuple{&col_key, columnwise, "col_key"}}) {
     JQ_RETURN_IF_ERROR(expect(t, what, *key, {ffi::DataType::U32},
@@ -194,6 +201,7 @@ inline ffi::Error decode_grouped_quantize_nvfp4(const char* t, ffi::AnyBuffer x,
   p->rht = rht;
   p->stochastic = stochastic;
   p->raw = raw;
+  p->row_packed = row_packed;
   p->row_key = static_cast<const uint32_t*>(row_key.untyped_data());
   p->col_key = static_cast<const uint32_t*>(col_key.untyped_data());
   const auto f4 = {ffi::DataType::F4E2M1FN};
@@ -204,10 +212,11 @@ inline ffi::Error decode_grouped_quantize_nvfp4(const char* t, ffi::AnyBuffer x,
   RetReader r(t, rets);
   void* q;
   if (rowwise) {
-    JQ_RETURN_IF_ERROR(r.next(raw ? "rowwise raw values" : "rowwise data", data_type, {length, C}, &q));
+    const int64_t rows = row_packed ? p->T : length;
+    JQ_RETURN_IF_ERROR(r.next(raw ? "rowwise raw values" : "rowwise data", data_type, {rows, C}, &q));
     p->row = static_cast<uint8_t*>(q);
     JQ_RETURN_IF_ERROR(r.next("rowwise scale_inv", e4m3,
-                              {ceil_div(length, br), ceil_div(C, 16)}, &q));
+                              {ceil_div(rows, br), ceil_div(C, 16)}, &q));
     p->row_scale = static_cast<uint8_t*>(q);
   }
   if (columnwise) {
@@ -696,7 +705,8 @@ template <typename Binding>
 auto BindGroupedQuantizeNvfp4(Binding binding) {
   auto flags = Attrs<bool>(Args<5>(std::move(binding)).RemainingRets(), "rowwise", "columnwise",
                            "block_2d", "rht", "stochastic");
-  return Attrs<int64_t>(std::move(flags), "length", "expert_rows").template Attr<bool>("raw");
+  return Attrs<bool>(Attrs<int64_t>(std::move(flags), "length", "expert_rows"), "raw",
+                     "row_packed");
 }
 
 // jaxquant_grouped_amax: x, starts -> per-group amax.

@@ -118,6 +118,8 @@ ffi::Error GroupedAmaxGatedCpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::Any
 // Grouped NVFP4: each group's extent of the layout is quantized as its own matrix (its rows of
 // x, zero-padded to the extent; transposed and RHT'd for the columnwise copy) with the
 // single-tensor host code, then placed at the group's positions; positions of no group stay 0.
+// A packed rowwise copy (row_packed) takes the group's own rows at its rows of x (1x16 blocks:
+// each row quantizes alone, so the padding rows change none of them).
 void nvfp4_group_copy(const Nvfp4QuantizeParams& p, int64_t g, bool columnwise) {
   const int64_t ps = p.pstarts[g], extent = p.pstarts[g + 1] - ps, C = p.C;
   const int64_t n = std::min<int64_t>(p.starts[g + 1] - p.starts[g], extent), s0 = p.starts[g];
@@ -144,14 +146,16 @@ void nvfp4_group_copy(const Nvfp4QuantizeParams& p, int64_t g, bool columnwise) 
   // Where the group's matrix goes: rows of the rowwise copy from position ps; columns ps.. of
   // the columnwise copy [C, L] (or expert g's own [C, E] matrix).
   const bool expert = p.expert_rows > 0;
+  const bool packed = !columnwise && p.row_packed;
   const int64_t out_cols = columnwise ? (expert ? p.expert_rows : p.L) : C;
   const int64_t col0 = columnwise && !expert ? ps : 0;
-  const int64_t row0 = columnwise ? 0 : ps;
+  const int64_t row0 = columnwise ? 0 : packed ? s0 : ps;
+  const int64_t out_rows = packed ? n : m.rows;  // rows of the group's matrix placed
   const int64_t out_base = columnwise && expert ? g * C * p.expert_rows : 0;  // elements
   uint8_t* out = columnwise ? p.col : p.row;
   const int64_t out_nbc = ceil_div(out_cols, 16);
   uint8_t* out_scale = columnwise ? p.col_scale + (expert ? g * nbr * out_nbc : 0) : p.row_scale;
-  for (int64_t r = 0; r < m.rows; ++r) {
+  for (int64_t r = 0; r < out_rows; ++r) {
     for (int64_t c = 0; c < m.cols; ++c) {
       const int64_t i = r * m.cols + c;
       const uint32_t code = (data[i >> 1] >> (4 * (i & 1))) & 0xFu;
@@ -164,7 +168,7 @@ void nvfp4_group_copy(const Nvfp4QuantizeParams& p, int64_t g, bool columnwise) 
       }
     }
   }
-  for (int64_t r = 0; r < nbr; ++r) {
+  for (int64_t r = 0; r < (packed ? n : nbr); ++r) {
     for (int64_t c = 0; c < nbc; ++c) out_scale[(row0 / br + r) * out_nbc + col0 / 16 + c] = scale[r * nbc + c];
   }
 }
@@ -172,16 +176,18 @@ void nvfp4_group_copy(const Nvfp4QuantizeParams& p, int64_t g, bool columnwise) 
 ffi::Error GroupedQuantizeNvfp4Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::AnyBuffer pstarts,
                                    ffi::AnyBuffer row_key, ffi::AnyBuffer col_key, ffi::RemainingRets rets,
                                    bool rowwise, bool columnwise, bool block_2d, bool rht, bool stochastic,
-                                   int64_t length, int64_t expert_rows, bool raw) {
+                                   int64_t length, int64_t expert_rows, bool raw,
+                                   bool row_packed) {
   Nvfp4QuantizeParams p;
   JQ_RETURN_IF_ERROR(decode_grouped_quantize_nvfp4("jaxquant_grouped_quantize_nvfp4", x, starts,
                                                    pstarts, row_key, col_key, rets, rowwise,
                                                    columnwise, block_2d, rht, stochastic, length,
-                                                   expert_rows, raw, &p));
+                                                   expert_rows, raw, row_packed, &p));
   const int64_t br = block_2d ? 16 : 1, nbc = ceil_div(p.C, 16);
-  if (rowwise) {
-    std::memset(p.row, 0, static_cast<size_t>(raw ? p.L * p.C * 2 : p.L * p.C / 2));
-    std::memset(p.row_scale, 0, static_cast<size_t>(ceil_div(p.L, br) * nbc));
+  if (rowwise) {  // every row a zero row's codes and scales until a group's are placed
+    const int64_t rows = row_packed ? p.T : p.L;
+    std::memset(p.row, 0, static_cast<size_t>(raw ? rows * p.C * 2 : rows * p.C / 2));
+    std::memset(p.row_scale, 0, static_cast<size_t>(ceil_div(rows, br) * nbc));
   }
   if (columnwise) {
     std::memset(p.col, 0, static_cast<size_t>(raw ? p.C * p.L * 2 : p.C * p.L / 2));

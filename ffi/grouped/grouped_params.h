@@ -42,10 +42,13 @@ struct QuantizeParams : GroupedRows {
 struct Nvfp4QuantizeParams : GroupedRows {
   bool rowwise = false, columnwise = false, block_2d = false, rht = false, stochastic = false;
   bool raw = false;  // both copies as bfloat16 raw values (code x block scale), not codes
+  // The rowwise copy [T, C] in the packed layout (row r of x at row r, rows of no group zero)
+  // beside a columnwise copy in the padded layout: both from one launch (design decision 55).
+  bool row_packed = false;
   const uint32_t* row_key = nullptr;  // [G, 2] stochastic-rounding words per group
   const uint32_t* col_key = nullptr;
-  uint8_t* row = nullptr;        // f4 [L, C]
-  uint8_t* row_scale = nullptr;  // e4m3 [L, ceil(C/16)] or [L/16, ceil(C/16)] (2-D)
+  uint8_t* row = nullptr;        // f4 [L, C], or [T, C] (row_packed)
+  uint8_t* row_scale = nullptr;  // e4m3 [L or T, ceil(C/16)] or [L/16, ceil(C/16)] (2-D)
   uint8_t* col = nullptr;        // f4 [C, L] or [G, C, E]
   uint8_t* col_scale = nullptr;  // e4m3 [C or ceil(C/16), L/16], or [G, ..., E/16]
   float* row_amax = nullptr;     // [G]

@@ -1,7 +1,8 @@
 // CUDA handler of jaxquant_grouped_quantize_nvfp4: NVFP4 tokens (or expert weights) with one
 // second-level scale per group, in at most three launches for all groups, whatever G:
 //   1. amax: `launch_grouped_amax` (the rowwise copy's, and the columnwise copy's without RHT),
-//      `grouped_rht_amax_kernel` (the columnwise copy's after the RHT);
+//      `grouped_rht_amax_kernel` (the columnwise copy's after the RHT; with a rowwise copy too,
+//      both amaxes from its one read of x);
 //   2. quantize: the single-tensor NVFP4 tile kernel (quantize/nvfp4.cuh) instantiated for a
 //      token layout (`nvfp4_kernel<In, true>`): each tile row is a layout position that reads its
 //      source row of x (or zeros), takes its group's second-level scale and stochastic-rounding
@@ -25,7 +26,7 @@ namespace {
 constexpr const char* kTarget = "jaxquant_grouped_quantize_nvfp4";
 
 // The per-group amaxes: plain for the rowwise copy (and a columnwise one without RHT, copied),
-// after the RHT for an rht columnwise copy.
+// after the RHT for an rht columnwise copy; both copies with RHT: one launch for the two.
 cudaError_t group_amaxes(const Nvfp4QuantizeParams& n, cudaStream_t stream) {
   QuantizeParams p;
   static_cast<GroupedRows&>(p) = n;
@@ -36,6 +37,11 @@ cudaError_t group_amaxes(const Nvfp4QuantizeParams& n, cudaStream_t stream) {
   const bool plain_col = n.columnwise && !n.rht;
   by_type(n.in_type, [&](auto tag) {
     constexpr int TYPE = decltype(tag)::value;
+    if (n.columnwise && n.rht && n.rowwise) {
+      p.amax = n.col_amax;
+      grouped_rht_amax_kernel<TYPE, true><<<unsigned(n.L / 16), 256, 0, stream>>>(p, n.row_amax);
+      return;
+    }
     if (n.rowwise || plain_col) {
       p.amax = n.rowwise ? n.row_amax : n.col_amax;
       launch_grouped_amax<TYPE>(p, stream);
@@ -55,11 +61,12 @@ ffi::Error GroupedQuantizeNvfp4Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::
                                     ffi::AnyBuffer pstarts, ffi::AnyBuffer row_key, ffi::AnyBuffer col_key,
                                     ffi::RemainingRets rets, bool rowwise, bool columnwise, bool block_2d,
                                     bool rht, bool stochastic, int64_t length, int64_t expert_rows,
-                                    bool raw) {
+                                    bool raw, bool row_packed) {
   Nvfp4QuantizeParams n;
   JQ_RETURN_IF_ERROR(decode_grouped_quantize_nvfp4(kTarget, x, starts, pstarts, row_key, col_key,
                                                    rets, rowwise, columnwise, block_2d, rht,
-                                                   stochastic, length, expert_rows, raw, &n));
+                                                   stochastic, length, expert_rows, raw,
+                                                   row_packed, &n));
   if (cudaError_t e = group_amaxes(n, stream); e != cudaSuccess) return launch_status(kTarget, e);
   Nvfp4Params p{n.x, n.L, n.C,
                 aligned(n.x, 16) && n.C % 8 == 0,
@@ -70,7 +77,7 @@ ffi::Error GroupedQuantizeNvfp4Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::
   // A packed layout (expert weights; tokens of a 1x16 copy whose layout is as long as x) reads
   // row `pos` while it looks the groups up; any other layout looks up first.
   const bool speculate = expert_rows > 0 || (!columnwise && !block_2d && n.L == n.T);
-  p.groups = {n.starts, n.pstarts, n.G, n.T, n.expert_rows, speculate};
+  p.groups = {n.starts, n.pstarts, n.G, n.T, n.expert_rows, speculate, row_packed};
   p.raw = raw;
   cudaError_t e = cudaSuccess;
   by_type(n.in_type, [&](auto tag) {  // 0 bf16, 1 f16, 2 f32 (In)

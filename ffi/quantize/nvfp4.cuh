@@ -26,6 +26,10 @@ struct Nvfp4Groups {
                                      // columnwise copy is [G, C, E]
   bool speculate = false;            // load row `pos` of x before the group lookup (a packed
                                      // layout: the source row is the position or none)
+  bool row_packed = false;           // the rowwise copy is [T, C], packed: position pos's row
+                                     // goes to its source row of x (none for padding), and
+                                     // rows starts[G] .. T - 1 are zero rows, each written by
+                                     // the position of the same index (R >= T)
 };
 
 // Single tensor: row_amax / col_amax are the tensor amax (or per row / column when row_scaled)
@@ -172,6 +176,30 @@ __device__ __forceinline__ uint32_t e2m1x8(const float* v, float s, bool sr, uin
   return jq::is_nan(s) ? 0x77777777u : packed;
 }
 
+// Eight E2M1 codes `packed` of row `r` from column c (block scale `b`) into the rowwise copy:
+// raw (the codes decoded, raw4: the decode kernel's bits) or as codes; the even thread of the
+// block's pair writes its scale.
+__device__ __forceinline__ void store_row8(const Nvfp4Params& p, int64_t r, int64_t c,
+                                           int64_t row_nb, const Nvfp4Block& b, uint32_t packed,
+                                           int tid, int lr) {
+  if (p.raw) {
+    uint32_t words[4];
+    const __nv_bfloat162 s = __float2bfloat162_rn(jq::decode_e4m3(b.code));
+    raw4(packed, s, words);
+    raw4(packed >> 16, s, words + 2);
+    store_raw8(reinterpret_cast<uint16_t*>(p.row) + r * p.C + c, words, int(min64(8, p.C - c)), p.vec_row);
+  } else {
+    store_bytes4(p.row + (r * p.C + c) / 2, packed, int(min64(8, p.C - c)) / 2, p.vec_row);
+  }
+  if ((tid & 1) == 0) {
+    if (!p.block_2d) {
+      p.row_scale[r * row_nb + c / 16] = uint8_t(b.code);
+    } else if (lr == 0) {
+      p.row_scale[(r / 16) * row_nb + c / 16] = uint8_t(b.code);
+    }
+  }
+}
+
 template <typename In>
 using NVFP4Tile = Geometry<In, 64, 128>;
 
@@ -292,22 +320,19 @@ __global__ void __launch_bounds__(kThreads, GROUPED ? 4 : 3) nvfp4_kernel(const 
       for (int i = 0; i < 8; ++i) v[i] = to_float(raw[pp][i]);
       const uint32_t row_hash = p.sr ? jq::sr_row_hash(sr_k0, sr_row) : 0u;
       const uint32_t packed = e2m1x8(v, b.s_enc_b, p.sr, row_hash, sr_k1, uint32_t(c));
-      if (p.raw) {  // the eight codes decoded (raw4: the decode kernel's bits)
-        uint32_t words[4];
-        const __nv_bfloat162 s = __float2bfloat162_rn(jq::decode_e4m3(b.code));
-        raw4(packed, s, words);
-        raw4(packed >> 16, s, words + 2);
-        store_raw8(reinterpret_cast<uint16_t*>(p.row) + r * p.C + c, words, int(min64(8, p.C - c)), p.vec_row);
-      } else {
-        store_bytes4(p.row + (r * p.C + c) / 2, packed, int(min64(8, p.C - c)) / 2, p.vec_row);
-      }
-      if ((tid & 1) == 0) {
-        if (!p.block_2d) {
-          p.row_scale[r * row_nb + c / 16] = uint8_t(b.code);
-        } else if (lr == 0) {
-          p.row_scale[(r / 16) * row_nb + c / 16] = uint8_t(b.code);
+      // Where the row goes: position r, or (row_packed) its source row of x, none for padding;
+      // a packed row of no group is a zero row's codes and scale (a position of no group's:
+      // what the packed layout's own launch writes there), stored by the position r.
+      int64_t to = r;
+      bool zero_row = false;
+      if constexpr (GROUPED) {
+        if (p.groups.row_packed) {
+          to = rows.src[pp * G::RPP + lr];
+          zero_row = r < p.groups.T && r >= __ldg(p.groups.starts + p.groups.G);
         }
       }
+      if (to >= 0) store_row8(p, to, c, row_nb, b, packed, tid, lr);
+      if (zero_row) store_row8(p, r, c, row_nb, nvfp4_block(0u, 1.0f), 0u, tid, lr);
     }
   }
   if (!p.do_col) return;

@@ -258,8 +258,9 @@ def quantize(x: jax.Array, group_sizes: jax.Array, quantizer: Quantizer, *,
   if halves is None:  # one quantizer makes both copies
     layouts = {d: TokenLayout(tokens, groups, _layout_block(quantizer, d, requested[d]))
                for d in DIRECTIONS}
-    if rowwise and columnwise and kernels.pair_served(quantizer, *layouts.values()):
-      return _token_pair(x, sizes, quantizer, layouts, state, orig_dtype, role, decoded)
+    if rowwise and columnwise and kernels.pair_served(quantizer, *layouts.values(),
+                                                      tuple(x.shape)):
+      return _token_pair(x, sizes, quantizer, layouts, words, state, orig_dtype, role, decoded)
     row = copy(x, quantizer, "rowwise", state) if rowwise else None
     col = copy(x, quantizer, "columnwise", state) if columnwise else None
     return GroupedQuantizedTensor(row, col, quantizer)
@@ -274,11 +275,12 @@ def quantize(x: jax.Array, group_sizes: jax.Array, quantizer: Quantizer, *,
   return GroupedQuantizedTensor(row if rowwise else None, col, quantizer)
 
 
-def _token_pair(x, sizes, leaf: Quantizer, layouts: dict, state, orig_dtype, role,
+def _token_pair(x, sizes, leaf: Quantizer, layouts: dict, words: dict, state, orig_dtype, role,
                 decoded: bool = False) -> GroupedQuantizedTensor:
-  """Both copies of per-tensor FP8, MXFP8 or Float8Block tokens, each in its layout
+  """Both copies of per-tensor FP8, NVFP4, MXFP8 or Float8Block tokens, each in its layout
   (`layouts[direction]`: one layout, or a packed rowwise one beside a padded columnwise one):
-  one FFI call reads x once (`kernels.pair_served`)."""
+  one FFI call reads x once (`kernels.pair_served`); `words`: the stochastic-rounding words
+  by direction."""
   name = lambda layout: "packed" if not layout.padded else f"token block {layout.block}"
   row_layout, col_layout = layouts["rowwise"], layouts["columnwise"]
   shape = (name(row_layout) if row_layout == col_layout
@@ -289,9 +291,9 @@ def _token_pair(x, sizes, leaf: Quantizer, layouts: dict, state, orig_dtype, rol
                  _kernel_note(leaf, decoded))
   if path == "ffi":
     row, col = kernels.quantize_token_pair(x, sizes, leaf, row_layout, col_layout, state,
-                                           orig_dtype, decoded)
+                                           orig_dtype, decoded, words)
   else:
-    row, col = (_tokens_reference(x, sizes, leaf, d, layouts[d], None, state, orig_dtype)
+    row, col = (_tokens_reference(x, sizes, leaf, d, layouts[d], words[d], state, orig_dtype)
                 for d in DIRECTIONS)
   return GroupedQuantizedTensor(row, col, leaf)
 

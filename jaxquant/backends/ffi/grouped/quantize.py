@@ -8,7 +8,8 @@
 - NVFP4 with one second-level scale per group (tokens) or expert (weights):
   `jaxquant_grouped_quantize_nvfp4`, the per-group amax launch(es) and one quantize launch
   that reads x through the group offsets (no gathered layout), RHT and stochastic rounding
-  included;
+  included; both copies of tokens from one call (`row_packed`: the rowwise copy packed beside
+  the columnwise one's padded layout), whose amax launch also reads x once for both;
 - MXFP8, Float8Block and the rowwise copy of row-scaled NVFP4: the single-tensor kernel
   (`jaxquant.backends.ffi.quantize`) quantizes the token layout in one launch (blocks never
   straddle groups in that layout, so this *is* the grouped quantize), and
@@ -115,16 +116,19 @@ def _nvfp4_key(words: Optional[jax.Array], on: bool) -> jax.Array:
 
 def _nvfp4_call(x2d, starts, pstarts, quantizer: NVFP4Quantizer, groups: int, length: int,
                 rowwise: bool, columnwise: bool, row_words=None, col_words=None,
-                expert_rows: int = 0, raw: bool = False):
+                expert_rows: int = 0, raw: bool = False, row_packed: bool = False):
   """{direction: (data, scale_inv, amax [G])} from `jaxquant_grouped_quantize_nvfp4`; `raw`:
-  the data of every copy as bfloat16 raw values (`support.nvfp4_raw_reason`)."""
+  the data of every copy as bfloat16 raw values (`support.nvfp4_raw_reason`); `row_packed`:
+  the rowwise copy in the packed layout (x's rows), the columnwise one in the layout of
+  `pstarts` / `length`."""
   cols = x2d.shape[1]
   br = 16 if quantizer.block_2d else 1
   e4m3, data = jnp.float8_e4m3fn, (jnp.bfloat16 if raw else jnp.float4_e2m1fn)
   sr = quantizer.stochastic_rounding
   results = []
   if rowwise:
-    results += [_sds((length, cols), data), _sds((-(-length // br), -(-cols // 16)), e4m3)]
+    rows = x2d.shape[0] if row_packed else length
+    results += [_sds((rows, cols), data), _sds((-(-rows // br), -(-cols // 16)), e4m3)]
   if columnwise:
     if expert_rows:
       results += [_sds((groups, cols, expert_rows), data),
@@ -137,7 +141,7 @@ def _nvfp4_call(x2d, starts, pstarts, quantizer: NVFP4Quantizer, groups: int, le
                     rowwise=rowwise, columnwise=columnwise, block_2d=quantizer.block_2d,
                     rht=format_of(quantizer).uses_rht(quantizer, "columnwise") and columnwise,
                     stochastic=sr, length=np.int64(length), expert_rows=np.int64(expert_rows),
-                    raw=raw)
+                    raw=raw, row_packed=row_packed)
   directions = [d for d, on in (("rowwise", rowwise), ("columnwise", columnwise)) if on]
   data = {d: (outs.pop(0), outs.pop(0)) for d in directions}  # (data, scale_inv) per copy,
   return {d: data[d] + (outs.pop(0),) for d in directions}   # then the amaxes in that order
@@ -165,20 +169,32 @@ def _raw_nvfp4(leaf: Quantizer, decoded: bool, directions) -> bool:
 
 def quantize_token_pair(x: jax.Array, sizes: jax.Array, leaf: Quantizer, row_layout: TokenLayout,
                         col_layout: TokenLayout, state: Any, orig_dtype,
-                        decoded: bool = False) -> tuple[GroupedScaledTensor, GroupedScaledTensor]:
+                        decoded: bool = False, words: Optional[dict] = None
+                        ) -> tuple[GroupedScaledTensor, GroupedScaledTensor]:
   """Both copies of tokens from one call (one read of x), in one layout or the rowwise copy
   packed and the columnwise one in its padded layout (`pair_served`): per-tensor FP8 through
-  the grouped FP8 kernel, MXFP8 / Float8Block through the gathered kernel (`row_packed`).
-  `decoded`: the copies feed only grouped GEMMs, so MXFP8's may be written raw
-  (`support.raw_copies_reason`)."""
-  if not pair_served(leaf, row_layout, col_layout):
+  the grouped FP8 kernel, NVFP4 through the grouped NVFP4 kernel, MXFP8 / Float8Block through
+  the gathered kernel (`row_packed`). `decoded`: the copies feed only grouped GEMMs, so MXFP8's
+  and NVFP4's may be written raw (`support.raw_copies_reason`, `support.nvfp4_raw_reason`).
+  `words`: NVFP4's stochastic-rounding words by direction."""
+  if not pair_served(leaf, row_layout, col_layout, tuple(x.shape)):
     raise ValueError(f"one grouped call writes both copies of {leaf} in one layout, or (formats "
                      f"with one-row blocks) a packed rowwise copy beside a padded columnwise one; "
                      f"got token blocks {row_layout.block} (rowwise) and {col_layout.block} "
                      f"(columnwise)")
   row_packed = row_layout != col_layout
   starts, pstarts = _offsets(sizes), _offsets(col_layout.extents(sizes))
-  if support.quantize_route(leaf, "rowwise")[0] != "fp8":
+  route = support.quantize_route(leaf, "rowwise")[0]
+  if route == "nvfp4":
+    words = words or {}
+    copies = _nvfp4_call(x, starts, pstarts, leaf, col_layout.groups, col_layout.length, True,
+                         True, row_words=words.get("rowwise"), col_words=words.get("columnwise"),
+                         raw=_raw_nvfp4(leaf, decoded, ("rowwise", "columnwise")),
+                         row_packed=row_packed)
+    return tuple(_make(*copies[d], sizes, leaf, orig_dtype, d, layout,
+                       format_of(leaf).uses_rht(leaf, d))
+                 for d, layout in (("rowwise", row_layout), ("columnwise", col_layout)))
+  if route != "fp8":
     row, col = single.quantize_gathered(x, starts, pstarts, col_layout.length, leaf,
                                         rowwise=True, columnwise=True, orig_dtype=orig_dtype,
                                         row_packed=row_packed, raw=_raw(leaf, decoded))
@@ -192,15 +208,23 @@ def quantize_token_pair(x: jax.Array, sizes: jax.Array, leaf: Quantizer, row_lay
           _make(col, scale_inv, amax, sizes, leaf, orig_dtype, "columnwise", col_layout))
 
 
-def pair_served(leaf: Quantizer, row_layout: TokenLayout, col_layout: TokenLayout) -> bool:
+def pair_served(leaf: Quantizer, row_layout: TokenLayout, col_layout: TokenLayout,
+                shape=None) -> bool:
   """Whether `quantize_token_pair` writes both copies of `leaf`'s tokens in these layouts from
   one read of x: per-tensor FP8 in the same layout or a packed rowwise layout (x's own rows)
-  beside any columnwise one; MXFP8 / Float8Block where this platform's extension has the
-  gathered kernel, likewise when the rowwise blocks are one row tall (1x32, 1x128)."""
+  beside any columnwise one; NVFP4 on its grouped kernel (both directions, tokens of `shape`
+  when given) likewise with 1x16 blocks, in one layout with 16x16 ones; MXFP8 / Float8Block
+  where this platform's extension has the gathered kernel, likewise when the rowwise blocks
+  are one row tall (1x32, 1x128)."""
   packed_row = not row_layout.padded
   route = support.quantize_route(leaf, "rowwise")[0]
   if route == "fp8":
     return row_layout == col_layout or packed_row
+  if route == "nvfp4":
+    if any(support.quantize_route(leaf, d, shape) != ("nvfp4", None)
+           for d in ("rowwise", "columnwise")):
+      return False
+    return row_layout == col_layout or (packed_row and not leaf.block_2d)
   if route != "single" or not gathered_served(leaf):
     return False
   return row_layout == col_layout or (packed_row and format_of(leaf).block_shape(leaf)[0] == 1)
