@@ -114,7 +114,7 @@ def test_the_handler_names_a_bad_row_packed(rng):
 
 @needs_target
 @pytest.mark.parametrize("name", ["1x16", "rht-sr"])
-def test_grouped_quantize_takes_the_pair_bit_for_bit(rng, name):
+def test_grouped_quantize_takes_the_pair_bit_for_bit(rng, name, monkeypatch):
   """`jaxquant.grouped.quantize` of both NVFP4 directions is one FFI call (one explain record
   for both copies) and bit for bit the reference; 16x16 blocks share one layout and pair too;
   a shape the kernel cannot take (odd features) falls back to one record a copy."""
@@ -138,6 +138,15 @@ def test_grouped_quantize_takes_the_pair_bit_for_bit(rng, name):
                                           (96, 63))
   assert not grouped_quantize.pair_served(jq.NVFP4Quantizer(row_scaled=True),
                                           TokenLayout(96, 4, 1), TokenLayout(96, 4, 16))
+  monkeypatch.setenv(support.NVFP4_PAIR_ENV, "off")  # one call a copy, as before
+  records = [d for d in jq.explain(fn, x, sizes) if d.op == "grouped_quantize"]
+  assert [d.detail.split(":")[0] for d in records] == ["rowwise", "columnwise"], records
+  for u, v in zip(jax.tree_util.tree_leaves(tgf._on("auto", fn, x, sizes)),
+                  jax.tree_util.tree_leaves(want)):
+    np.testing.assert_array_equal(_bits(u), _bits(v))
+  monkeypatch.setenv(support.NVFP4_PAIR_ENV, "of")
+  with pytest.raises(ValueError, match="JAXQUANT_GROUPED_NVFP4_PAIR='of'; expected one of"):
+    grouped_quantize.pair_served(q, TokenLayout(96, 4, 1), TokenLayout(96, 4, 16))
 
 
 # -------------------------------------------- GPU ---------------------------------------------

@@ -213,7 +213,8 @@ def pair_served(leaf: Quantizer, row_layout: TokenLayout, col_layout: TokenLayou
   """Whether `quantize_token_pair` writes both copies of `leaf`'s tokens in these layouts from
   one read of x: per-tensor FP8 in the same layout or a packed rowwise layout (x's own rows)
   beside any columnwise one; NVFP4 on its grouped kernel (both directions, tokens of `shape`
-  when given) likewise with 1x16 blocks, in one layout with 16x16 ones; MXFP8 / Float8Block
+  when given) likewise with 1x16 blocks, in one layout with 16x16 ones (unless
+  `JAXQUANT_GROUPED_NVFP4_PAIR=off`); MXFP8 / Float8Block
   where this platform's extension has the gathered kernel, likewise when the rowwise blocks
   are one row tall (1x32, 1x128)."""
   packed_row = not row_layout.padded
@@ -221,8 +222,9 @@ def pair_served(leaf: Quantizer, row_layout: TokenLayout, col_layout: TokenLayou
   if route == "fp8":
     return row_layout == col_layout or packed_row
   if route == "nvfp4":
-    if any(support.quantize_route(leaf, d, shape) != ("nvfp4", None)
-           for d in ("rowwise", "columnwise")):
+    if support.nvfp4_pair_choice() == "off" or any(
+        support.quantize_route(leaf, d, shape) != ("nvfp4", None)
+        for d in ("rowwise", "columnwise")):
       return False
     return row_layout == col_layout or (packed_row and not leaf.block_2d)
   if route != "single" or not gathered_served(leaf):

@@ -249,6 +249,19 @@ def quantize_experts_unsupported(quantizer, w_shape=None,
   return None
 
 
+# ---------------------------------------- NVFP4 pairs ----------------------------------------
+
+NVFP4_PAIR_ENV = "JAXQUANT_GROUPED_NVFP4_PAIR"
+# auto: both NVFP4 copies of tokens from one call where it serves (decision 55); off: one call a
+# copy, each with its own amax launch (what ran before; kept to measure against).
+NVFP4_PAIR_CHOICES = ("auto", "off")
+
+
+def nvfp4_pair_choice() -> str:
+  """`JAXQUANT_GROUPED_NVFP4_PAIR` ("auto" when unset); an unknown value is an error."""
+  return env_choice(NVFP4_PAIR_ENV, NVFP4_PAIR_CHOICES, "auto")
+
+
 # ------------------------------------------ raw copies -----------------------------------------
 
 RAW_COPIES_ENV = "JAXQUANT_GROUPED_RAW_COPIES"
