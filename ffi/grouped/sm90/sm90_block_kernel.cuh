@@ -118,33 +118,53 @@ struct BlockScaledOperands {
     s.layout_sfb[g] = ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
   }
 
-  // Every scale once into the workspace in CUTLASS's order (setup kernel, all blocks).
+  // Every scale once into the workspace in CUTLASS's order (setup kernel, all blocks), with
+  // 32-bit index arithmetic where every index fits (`repack<int32_t>`: a 64-bit division is a
+  // ~70-instruction subroutine a scale, which held these launches at 15 us a GEMM).
   static __device__ void repack_scales(const Problem& p, const Scales& s, int64_t tid,
                                        int64_t threads) {
     const int64_t KB = div_up(p.mode == 0 ? p.K : p.L, kBlockK);  // K-blocks (mode 1: all tokens)
+    const int64_t most = p.mode == 0 ? max(p.L, p.G * div_up(p.N, p.b_block_rows)) * KB
+                                     : max(p.M, p.N) * KB;
+    if (most < (int64_t{1} << 31) && threads < (int64_t{1} << 31)) {
+      repack<int32_t>(p, s, int32_t(tid), int32_t(threads), int32_t(KB));
+    } else {
+      repack<int64_t>(p, s, tid, threads, KB);
+    }
+  }
+
+  template <typename I>
+  static __device__ void repack(const Problem& p, const Scales& s, I tid, I threads, I KB) {
     if (p.mode == 0) {
-      const int64_t tail = clamp_start(p.pstarts, p.G, p.L);
-      for (int64_t i = tid; i < tail * KB; i += threads) {
-        const int64_t r = i / KB, kb = i % KB;
-        const int64_t g = group_of_row(p.pstarts, p.G, p.L, r);
-        const int64_t lo = clamp_start(p.pstarts, g, p.L);
-        const int64_t rows = clamp_start(p.pstarts, g + 1, p.L) - lo;
-        s.sfa[lo * KB + kb * rows + (r - lo)] = p.a_scale[i];
+      // A: a thread a token row (its group found once), its KB scales to sfa[lo KB + kb rows +
+      // (r - lo)]: a warp's stores of one kb are consecutive rows.
+      const I tail = I(clamp_start(p.pstarts, p.G, p.L));
+      for (I r = tid; r < tail; r += threads) {
+        const I g = I(group_of_row(p.pstarts, p.G, p.L, r));
+        const I lo = I(clamp_start(p.pstarts, g, p.L));
+        const I rows = I(clamp_start(p.pstarts, g + 1, p.L)) - lo;
+        float* dst = s.sfa + lo * KB + (r - lo);
+        const float* src = p.a_scale + r * KB;
+        for (I kb = 0; kb < KB; ++kb) dst[kb * rows] = src[kb];
       }
-      const int64_t SR = div_up(p.N, p.b_block_rows);  // B scale rows
+      const I SR = I(div_up(p.N, p.b_block_rows));  // B scale rows
       // sfb[g SR KB + kb SR + r] = b_scale[g SR KB + r KB + kb]
-      const int64_t per_expert = SR * KB;
-      for (int64_t j = tid; j < p.G * per_expert; j += threads) {
-        const int64_t g = j / per_expert, rem = j % per_expert;
-        s.sfb[j] = p.b_scale[g * per_expert + (rem % SR) * KB + rem / SR];
+      const I per_expert = SR * KB;
+      for (I j = tid; j < I(p.G) * per_expert; j += threads) {
+        const I g = j / per_expert, rem = j - g * per_expert;
+        const I kb = rem / SR, r = rem - kb * SR;
+        s.sfb[j] = p.b_scale[g * per_expert + r * KB + kb];
       }
     } else {
       // Indexed by destination (coalesced writes): sfa[kb M + m] = a_scale[m KB + kb].
-      for (int64_t j = tid; j < p.M * KB; j += threads) {
-        s.sfa[j] = p.a_scale[(j % p.M) * KB + j / p.M];
+      const I M = I(p.M), N = I(p.N);
+      for (I j = tid; j < M * KB; j += threads) {
+        const I kb = j / M;
+        s.sfa[j] = p.a_scale[(j - kb * M) * KB + kb];
       }
-      for (int64_t j = tid; j < p.N * KB; j += threads) {
-        s.sfb[j] = p.b_scale[(j % p.N) * KB + j / p.N];
+      for (I j = tid; j < N * KB; j += threads) {
+        const I kb = j / N;
+        s.sfb[j] = p.b_scale[(j - kb * N) * KB + kb];
       }
     }
   }
