@@ -156,31 +156,16 @@ struct BlockScaledOperands {
         s.sfb[j] = p.b_scale[g * per_expert + r * KB + kb];
       }
     } else {
-      // sfa[kb M + m] = a_scale[m KB + kb], sfb likewise: two transposes.
-      transpose<I>(p.a_scale, s.sfa, I(p.M), KB);
-      transpose<I>(p.b_scale, s.sfb, I(p.N), KB);
-    }
-  }
-
-  // dst[c R + r] = src[r C + c] for a row-major src [R, C], through 32 x 32 tiles in shared
-  // memory so that both the reads (along c) and the writes (along r) are whole rows of a warp:
-  // indexed by destination alone, every read was a sector of its own. Every thread of the CTA
-  // takes part (the setup kernel's blocks all call repack_scales).
-  template <typename I>
-  static __device__ void transpose(const float* src, float* dst, I R, I C) {
-    __shared__ float tile[32][33];
-    const I tiles_r = (R + 31) / 32, tiles_c = (C + 31) / 32;
-    const int tx = threadIdx.x % 32, ty = threadIdx.x / 32, rows_a_pass = blockDim.x / 32;
-    for (I t = blockIdx.x; t < tiles_r * tiles_c; t += gridDim.x) {
-      const I r0 = (t / tiles_c) * 32, c0 = (t % tiles_c) * 32;
-      for (int i = ty; i < 32; i += rows_a_pass) {
-        if (r0 + i < R && c0 + tx < C) tile[i][tx] = src[(r0 + i) * C + c0 + tx];
+      // Indexed by destination (coalesced writes): sfa[kb M + m] = a_scale[m KB + kb].
+      const I M = I(p.M), N = I(p.N);
+      for (I j = tid; j < M * KB; j += threads) {
+        const I kb = j / M;
+        s.sfa[j] = p.a_scale[(j - kb * M) * KB + kb];
       }
-      __syncthreads();
-      for (int i = ty; i < 32; i += rows_a_pass) {
-        if (c0 + i < C && r0 + tx < R) dst[(c0 + i) * R + r0 + tx] = tile[tx][i];
+      for (I j = tid; j < N * KB; j += threads) {
+        const I kb = j / N;
+        s.sfb[j] = p.b_scale[(j - kb * N) * KB + kb];
       }
-      __syncthreads();
     }
   }
 };
