@@ -120,7 +120,8 @@ struct BlockScaledOperands {
 
   // Every scale once into the workspace in CUTLASS's order (setup kernel, all blocks), with
   // 32-bit index arithmetic where every index fits (`repack<int32_t>`: a 64-bit division is a
-  // ~70-instruction subroutine a scale, which held these launches at 15 us a GEMM).
+  // ~70-instruction subroutine a scale; the 64-expert forward's and dgrad's setups 7.7 -> 5.5
+  // us, the wgrad's ~16 us either way, bench/RESULTS.md session 29).
   static __device__ void repack_scales(const Problem& p, const Scales& s, int64_t tid,
                                        int64_t threads) {
     const int64_t KB = div_up(p.mode == 0 ? p.K : p.L, kBlockK);  // K-blocks (mode 1: all tokens)
