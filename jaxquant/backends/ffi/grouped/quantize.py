@@ -214,9 +214,8 @@ def pair_served(leaf: Quantizer, row_layout: TokenLayout, col_layout: TokenLayou
   one read of x: per-tensor FP8 in the same layout or a packed rowwise layout (x's own rows)
   beside any columnwise one; NVFP4 on its grouped kernel (both directions, tokens of `shape`
   when given) likewise with 1x16 blocks, in one layout with 16x16 ones (unless
-  `JAXQUANT_GROUPED_NVFP4_PAIR=off`); MXFP8 / Float8Block
-  where this platform's extension has the gathered kernel, likewise when the rowwise blocks
-  are one row tall (1x32, 1x128)."""
+  `JAXQUANT_GROUPED_NVFP4_PAIR=off`); MXFP8 / Float8Block where this platform's extension has
+  the gathered kernel, likewise when the rowwise blocks are one row tall (1x32, 1x128)."""
   packed_row = not row_layout.padded
   route = support.quantize_route(leaf, "rowwise")[0]
   if route == "fp8":
