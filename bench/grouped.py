@@ -122,6 +122,13 @@ def _raw_copies(choice: Optional[str]):
   return _env(support.RAW_COPIES_ENV, choice)
 
 
+def _dgrad_copy(choice: Optional[str]):
+  """`JAXQUANT_EXPERTS_DGRAD_COPY=choice` while a step is traced (None: as users run, raw MXFP8
+  experts' dgrad copy written over the forward copy where they differ, decision 56; "written":
+  the quantize kernel writes both copies)."""
+  return _env(support.DGRAD_COPY_ENV, choice)
+
+
 def step_fn(model):
   def step(variables, x, sizes, dy, key):
     apply = lambda v, x: model.apply(v, x, sizes, rngs={"quantize": key})
@@ -169,6 +176,11 @@ def run_case(experts: int, spec, args, card: str, torch_result=None) -> list[dic
       if flag and getattr(model, "recipe", None) is not None and "[" not in name:
         models[f"{name} [{label}]"] = model
         raw_choice[f"{name} [{label}]"] = choice
+  dgrad_choice = {}  # rows traced with the dgrad copy written (--compare-dgrad-copy)
+  for name, model in list(models.items()):
+    if args.compare_dgrad_copy and getattr(model, "recipe", None) is not None and "[" not in name:
+      models[f"{name} [dgrad copy written]"] = model
+      dgrad_choice[f"{name} [dgrad copy written]"] = "written"
   flops = 3 * 2 * t * k * n
   rows, base = [], None
   timing = dict(repeats=args.repeats, calls=args.calls, warmup=args.warmup)
@@ -187,7 +199,8 @@ def run_case(experts: int, spec, args, card: str, torch_result=None) -> list[dic
       variables = {**variables, jq.flax.OVERWRITE_WITH_GRADIENT: state}
     paths = why = qpaths = ""
     backend = _backend("reference" if name.startswith(RAGGED_DOT) else None)
-    with backend, _wgrad_by_padding(name not in unpadded), _raw_copies(raw_choice.get(name)):
+    with (backend, _wgrad_by_padding(name not in unpadded), _raw_copies(raw_choice.get(name)),
+          _dgrad_copy(dgrad_choice.get(name))):
       report = jq.explain(step, variables, x, sizes, dy, key)
       gemms = [d for d in report if d.op == "grouped_gemm"]
       paths = ",".join(sorted({d.path + ("-cutlass" if "CUTLASS" in d.detail else "")
@@ -599,6 +612,10 @@ def main(argv=None) -> int:
                       help="also time every recipe's step with its experts' raw MXFP8 forward copy "
                       "transposed, as before design decision 49 "
                       "(JAXQUANT_GROUPED_RAW_COPIES=transposed), same process")
+  parser.add_argument("--compare-dgrad-copy", action="store_true",
+                      help="also time every recipe's step with its raw MXFP8 experts' dgrad copy "
+                      "written by the quantize kernel, as before design decision 56 "
+                      "(JAXQUANT_EXPERTS_DGRAD_COPY=written), same process")
   parser.add_argument("--no-torch", action="store_true",
                       help="skip the PyTorch torch._grouped_mm bf16 row")
   parser.add_argument("--no-float32-params", action="store_true",

@@ -197,7 +197,7 @@ def test_the_handler_names_a_bad_raw_argument(rng):
              jax.ShapeDtypeStruct((64, 1), jnp.float8_e8m0fnu),
              jax.ShapeDtypeStruct((), jnp.float32)]
   common = dict(rowwise=True, columnwise=False, length=np.int64(64), expert_rows=np.int64(0),
-                row_packed=False, col_in_x_layout=False)
+                row_packed=False, col_in_x_layout=False, row_flags=False)
   with pytest.raises(Exception, match="raw_e5m2 is true without raw"):
     jax.block_until_ready(jax.jit(lambda x: calls.call(
         TARGET, results, x, starts, starts, raw=False, raw_e5m2=True, **common))(x))

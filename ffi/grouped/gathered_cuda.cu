@@ -6,7 +6,9 @@
 // the tile's loads, then the row starts[g] + i of x is loaded, or zeros (padding, no group). The
 // math and the outputs are the single-tensor kernel's for that [L, C] matrix, bit for bit. MXFP8
 // may write its copies raw (`raw`: bfloat16 code x block scale, for the grouped GEMMs that
-// read decoded operands), skipping the decode pass those GEMMs would otherwise run.
+// read decoded operands), skipping the decode pass those GEMMs would otherwise run. Raw expert
+// weights' rowwise copy may be written later over their columnwise one, in place
+// (jaxquant_grouped_patch_mxfp8_rows, design decision 56).
 // Group offsets stay on the device (no host sync, no allocation: command-buffer compatible).
 #include <cuda_runtime.h>
 
@@ -100,6 +102,8 @@ __device__ __forceinline__ RowDestination row_destination(const GatheredTile<In,
 // Whether a launch writes MXFP8 raw expert weights' columnwise copy in their own layout.
 inline bool in_x_layout(const Mxfp8Params& p) { return p.col_in_x_layout; }
 inline bool in_x_layout(const Fp8BlockParams&) { return false; }
+inline bool x_layout_flags(const Mxfp8Params& p) { return p.row_flags != nullptr; }
+inline bool x_layout_flags(const Fp8BlockParams&) { return false; }
 
 // kRaw: MXFP8 copies written as bfloat16 raw values (`Mxfp8Params::raw`).
 template <bool kRaw, typename Args, typename Params>
@@ -114,7 +118,10 @@ ffi::Error quantize_gathered(const char* target, cudaStream_t stream, const Args
       const Direct<T> w{static_cast<const T*>(a.x.data), rows.T, rows.C, vec};
       if constexpr (kRaw && std::is_same_v<Params, Mxfp8Params> && std::is_same_v<T, BF16>) {
         if (in_x_layout(p)) {  // bfloat16 only (the handler checks)
-          e = launch_tiles(mxfp8_x_layout_kernel<Direct<T>>, num_tiles(p.R, p.C, 128, 128), 0, stream, p, w);
+          e = x_layout_flags(p)
+                  ? launch_tiles(mxfp8_x_layout_kernel<Direct<T>, XLayoutRows::kFlag>,
+                                 num_tiles(p.R, p.C, 128, 128), 0, stream, p, w)
+                  : launch_tiles(mxfp8_x_layout_kernel<Direct<T>>, num_tiles(p.R, p.C, 128, 128), 0, stream, p, w);
           return;
         }
       }
@@ -136,13 +143,13 @@ ffi::Error GroupedQuantizeMxfp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::
                                     ffi::AnyBuffer pstarts, ffi::RemainingRets rets, bool rowwise,
                                     bool columnwise, int64_t length, int64_t expert_rows,
                                     bool row_packed, bool raw, bool raw_e5m2,
-                                    bool col_in_x_layout) {
+                                    bool col_in_x_layout, bool row_flags) {
   const char* t = "jaxquant_grouped_quantize_mxfp8";
   Mxfp8Args a;
   GroupedRows rows;
   JQ_RETURN_IF_ERROR(decode_gathered_mxfp8(x, starts, pstarts, rets, rowwise, columnwise, length,
                                            expert_rows, row_packed, raw, raw_e5m2,
-                                           col_in_x_layout, &a, &rows));
+                                           col_in_x_layout, row_flags, &a, &rows));
   Mxfp8Params p = mxfp8_params(a, a.x.rows, a.x.cols);
   p.expert_rows = rows.expert_rows;
   return raw ? quantize_gathered<true>(t, stream, a, rows, p)
@@ -164,8 +171,38 @@ ffi::Error GroupedQuantizeFp8BlockCuda(cudaStream_t stream, ffi::AnyBuffer x,
   return quantize_gathered<false>("jaxquant_grouped_quantize_fp8_block", stream, a, rows, p);
 }
 
+// The rowwise copy written over the columnwise one in place (design decision 56): the
+// x-layout kernel again, in its kPatch form (flagged warps only, general-path rows only).
+ffi::Error GroupedPatchMxfp8RowsCuda(cudaStream_t stream, ffi::AnyBuffer w, ffi::AnyBuffer flags,
+                                     ffi::AnyBuffer copy, ffi::AnyBuffer after,
+                                     ffi::Result<ffi::AnyBuffer> out, bool raw_e5m2) {
+  const char* t = "jaxquant_grouped_patch_mxfp8_rows";
+  PatchRowsArgs a;
+  JQ_RETURN_IF_ERROR(decode_patch_mxfp8_rows(w, flags, copy, out, raw_e5m2, &a));
+  if (a.out != a.copy &&  // XLA aliases them; a copy keeps the contract if it did not
+      cudaMemcpyAsync(a.out, a.copy, size_t(a.R * a.C) * 2, cudaMemcpyDeviceToDevice, stream) != cudaSuccess) {
+    return launch_status("cudaMemcpyAsync");
+  }
+  if (a.R == 0 || a.C == 0) return ffi::Error::Success();
+  Mxfp8Params p{};
+  p.R = a.R;
+  p.C = a.C;
+  p.vec_row = aligned(a.out, 16) && a.C % 8 == 0;
+  p.do_row = true;
+  p.raw = true;
+  p.fmt = a.fmt;
+  p.row = reinterpret_cast<uint8_t*>(a.out);
+  p.col_in_x_layout = true;
+  p.row_flags = const_cast<uint8_t*>(a.flags);
+  const Direct<BF16> rows{reinterpret_cast<const BF16*>(a.w), a.R, a.C, aligned(a.w, 16) && a.C % 8 == 0};
+  return launch_status(t, launch_tiles(mxfp8_x_layout_kernel<Direct<BF16>, XLayoutRows::kPatch>,
+                                       num_tiles(a.R, a.C, 128, 128), 0, stream, p, rows));
+}
+
 }  // namespace
 
+JQ_DEFINE_CUDA_HANDLER(kGroupedPatchMxfp8RowsCuda, GroupedPatchMxfp8RowsCuda,
+                       BindGroupedPatchMxfp8Rows);
 JQ_DEFINE_CUDA_HANDLER(kGroupedQuantizeMxfp8Cuda, GroupedQuantizeMxfp8Cuda,
                        BindGroupedQuantizeMxfp8);
 JQ_DEFINE_CUDA_HANDLER(kGroupedQuantizeFp8BlockCuda, GroupedQuantizeFp8BlockCuda,
@@ -173,6 +210,7 @@ JQ_DEFINE_CUDA_HANDLER(kGroupedQuantizeFp8BlockCuda, GroupedQuantizeFp8BlockCuda
 
 std::vector<Target> grouped_gathered_cuda_targets() {
   return {target("jaxquant_grouped_quantize_mxfp8", kGroupedQuantizeMxfp8Cuda),
+          target("jaxquant_grouped_patch_mxfp8_rows", kGroupedPatchMxfp8RowsCuda),
           target("jaxquant_grouped_quantize_fp8_block", kGroupedQuantizeFp8BlockCuda)};
 }
 

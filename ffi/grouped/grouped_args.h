@@ -471,9 +471,19 @@ inline ffi::Error decode_grouped_gemm_bf16(const char* t, ffi::AnyBuffer a, ffi:
 // expert's written on its own, `[G, C, E]` data and scales `[G, C, E / block]` (Float8Block
 // 128x128: `[G, ceil(C / 128), E / 128]`), then the amax. E must be a multiple of the format's
 // block (`e_block`). MXFP8 raw copies with `col_in_x_layout`: the columnwise copy in the
-// weights' own layout, `[G, E, C]` data and scales `[G, E / 32, C]`.
+// weights' own layout, `[G, E, C]` data and scales `[G, E / 32, C]`; with `row_flags` too, the
+// rowwise data result is u8[x_layout_flag_count(G E, C)] (a flag a 32 x 64 block, 8 a 128 x 128
+// tile in row-major tile order; mxfp8_x_layout.cuh) instead of the rowwise values, which
+// jaxquant_grouped_patch_mxfp8_rows writes later over the columnwise copy (design decision 56).
 inline bool col_in_x_layout(const Mxfp8Args& a) { return a.col_in_x_layout; }
 inline bool col_in_x_layout(const Fp8BlockArgs&) { return false; }
+inline bool rows_as_flags(const Mxfp8Args& a) { return a.rows_as_flags; }
+inline bool rows_as_flags(const Fp8BlockArgs&) { return false; }
+inline void set_row_flags(Mxfp8Args* a, void* p) { a->row_flags = static_cast<uint8_t*>(p); }
+inline void set_row_flags(Fp8BlockArgs*, void*) {}
+
+// The flags of an [R, C] matrix's 32 x 64 blocks (8 a 128 x 128 tile).
+inline int64_t x_layout_flag_count(int64_t R, int64_t C) { return ceil_div(R, 128) * ceil_div(C, 128) * 8; }
 
 template <typename Args, typename Scale>
 ffi::Error read_expert_copies(const char* t, ffi::RemainingRets rets, int64_t G, int64_t E,
@@ -483,7 +493,14 @@ ffi::Error read_expert_copies(const char* t, ffi::RemainingRets rets, int64_t G,
   RetReader r(t, rets);
   const int64_t C = a->x.cols;
   ffi::DataType row_type = ffi::DataType::INVALID, col_type = ffi::DataType::INVALID;
-  if (a->rowwise) {
+  if (a->rowwise && rows_as_flags(*a)) {  // flags, then the scales as always
+    void* p;
+    JQ_RETURN_IF_ERROR(r.next("rowwise flags", {ffi::DataType::U8}, {x_layout_flag_count(G * E, C)}, &p));
+    set_row_flags(a, p);
+    JQ_RETURN_IF_ERROR(r.next("rowwise scale_inv", {scale_type},
+                              {ceil_div(G * E, row_block_rows), ceil_div(C, block)}, &p));
+    *row_scale = static_cast<Scale*>(p);
+  } else if (a->rowwise) {
     JQ_RETURN_IF_ERROR(read_blocks(r, "rowwise", G * E, C, data_types(*a), scale_type,
                                    row_block_rows, block, &a->row_data, row_scale, &row_type));
   }
@@ -560,12 +577,13 @@ ffi::Error decode_gathered(const char* t, ffi::AnyBuffer x, ffi::AnyBuffer start
 // E4M3; the scales and amax as always. Without `raw`, `raw_e5m2` must be false (the data
 // dtypes give the format). `col_in_x_layout` (raw expert weights' columnwise copy only): that
 // copy in the weights' own layout (read_expert_copies), for GEMMs that read it along N.
+// `row_flags` (with col_in_x_layout and rowwise): the rowwise values' flags instead of them.
 inline ffi::Error decode_gathered_mxfp8(ffi::AnyBuffer x, ffi::AnyBuffer starts,
                                         ffi::AnyBuffer pstarts, ffi::RemainingRets rets,
                                         bool rowwise, bool columnwise, int64_t length,
                                         int64_t expert_rows, bool row_packed, bool raw,
-                                        bool raw_e5m2, bool col_in_x_layout, Mxfp8Args* a,
-                                        GroupedRows* rows) {
+                                        bool raw_e5m2, bool col_in_x_layout, bool row_flags,
+                                        Mxfp8Args* a, GroupedRows* rows) {
   const char* t = "jaxquant_grouped_quantize_mxfp8";
   if (raw_e5m2 && !raw) {
     return invalid(t, "raw_e5m2 is true without raw; the codes' dtype gives their format");
@@ -578,11 +596,17 @@ inline ffi::Error decode_gathered_mxfp8(ffi::AnyBuffer x, ffi::AnyBuffer starts,
                       ", expert_rows=" + std::to_string(expert_rows) + ", x " +
                       dtype_name(x.element_type()));
   }
+  if (row_flags && (!col_in_x_layout || !rowwise)) {
+    return invalid(t, "row_flags needs col_in_x_layout and a rowwise copy (its flags stand in for "
+                      "its values); got col_in_x_layout=" + std::to_string(col_in_x_layout) +
+                      ", rowwise=" + std::to_string(rowwise));
+  }
   return decode_gathered(t, x, starts, pstarts, rets, length, expert_rows, row_packed, 32, a,
                          rows,
                          [&](Mxfp8Args* m) {
     m->raw = raw;
     m->col_in_x_layout = col_in_x_layout;
+    m->rows_as_flags = row_flags;
     if (raw) m->fmt = raw_e5m2 ? jq::Fp8::kE5M2 : jq::Fp8::kE4M3;
     return set_directions(t, rowwise, columnwise, m);
   });
@@ -600,6 +624,47 @@ inline ffi::Error decode_gathered_fp8_block(ffi::AnyBuffer x, ffi::AnyBuffer sta
                          [&](Fp8BlockArgs* b) {
     return set_fp8_block_attrs(t, rowwise, columnwise, block_2d, pow2_scale, amax_epsilon, b);
   });
+}
+
+// jaxquant_grouped_patch_mxfp8_rows(w bf16[R, C], flags u8[x_layout_flag_count(R, C)],
+//   copy bf16[G, E, C], after) -> out bf16[G, E, C], aliased to `copy` (design decision 56):
+// the raw MXFP8 rowwise copy of expert weights w (G E = R rows, E % 32 == 0) written over the
+// columnwise copy in the weights' own layout that jaxquant_grouped_quantize_mxfp8 wrote with
+// `row_flags` beside those flags: in each flagged 32 x 64 block, the rows whose rowwise values
+// differ are rewritten. `after` is not read: an operand computed from the columnwise copy (the
+// forward GEMM's output), so XLA runs this call after that copy's last reader and updates it in
+// place. `raw_e5m2`: the payload format, as for the quantize call.
+struct PatchRowsArgs {
+  const uint16_t* w;  // bfloat16 bits
+  const uint8_t* flags;
+  const uint16_t* copy;
+  uint16_t* out;
+  int64_t R, C;
+  jq::Fp8 fmt;
+};
+
+inline ffi::Error decode_patch_mxfp8_rows(ffi::AnyBuffer w, ffi::AnyBuffer flags, ffi::AnyBuffer copy,
+                                          ffi::Result<ffi::AnyBuffer> out, bool raw_e5m2,
+                                          PatchRowsArgs* a) {
+  const char* t = "jaxquant_grouped_patch_mxfp8_rows";
+  const auto wd = w.dimensions(), cd = copy.dimensions();
+  if (w.element_type() != ffi::DataType::BF16 || wd.size() != 2) {
+    return invalid(t, std::string("w must be the bfloat16 expert weights [G E, C]; got ") +
+                          dtype_name(w.element_type()) + dims_str(wd));
+  }
+  const int64_t R = wd[0], C = wd[1];
+  if (cd.size() != 3 || cd[0] * cd[1] != R || cd[2] != C || cd[1] % 32) {
+    return invalid(t, "copy must be [G, E, C] with G E = " + std::to_string(R) + ", C = " +
+                          std::to_string(C) + " and E a multiple of 32; got " + dims_str(cd));
+  }
+  if (R >= (int64_t(1) << 31)) return invalid(t, "w must have fewer than 2^31 rows");
+  JQ_RETURN_IF_ERROR(expect(t, "copy", copy, {ffi::DataType::BF16}, {cd[0], cd[1], C}));
+  JQ_RETURN_IF_ERROR(expect(t, "flags", flags, {ffi::DataType::U8}, {x_layout_flag_count(R, C)}));
+  JQ_RETURN_IF_ERROR(expect(t, "out", *out, {ffi::DataType::BF16}, {cd[0], cd[1], C}));
+  *a = {static_cast<const uint16_t*>(w.untyped_data()), static_cast<const uint8_t*>(flags.untyped_data()),
+        static_cast<const uint16_t*>(copy.untyped_data()), static_cast<uint16_t*>(out->untyped_data()),
+        R, C, raw_e5m2 ? jq::Fp8::kE5M2 : jq::Fp8::kE4M3};
+  return ffi::Error::Success();
 }
 
 // jaxquant_grouped_decode_nvfp4(data f4[B, R, C], scales e4m3[B, ceil(R / block_rows), C / 16])
@@ -691,7 +756,13 @@ template <typename Binding>
 auto BindGroupedQuantizeMxfp8(Binding binding) {
   return Attrs<bool>(Attrs<int64_t>(Mxfp8Attrs(Args<3>(std::move(binding)).RemainingRets()),
                                     "length", "expert_rows"),
-                     "row_packed", "raw", "raw_e5m2", "col_in_x_layout");
+                     "row_packed", "raw", "raw_e5m2", "col_in_x_layout", "row_flags");
+}
+
+// jaxquant_grouped_patch_mxfp8_rows: w, flags, copy, after -> out (aliased to copy).
+template <typename Binding>
+auto BindGroupedPatchMxfp8Rows(Binding binding) {
+  return Rets<1>(Args<4>(std::move(binding))).template Attr<bool>("raw_e5m2");
 }
 
 template <typename Binding>

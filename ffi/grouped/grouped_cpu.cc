@@ -440,15 +440,28 @@ void transpose_batches(const T* in, int64_t B, int64_t R, int64_t C, T* out) {
   }
 }
 
+// Calls f(flag index, first row, row end, first column, column end) for each 32 x 64 block of an
+// [R, C] matrix in the flags' order (x_layout_flag_count: 8 a 128 x 128 tile, tiles row-major,
+// block w of a tile at rows 32 (w / 2) and columns 64 (w % 2) of it).
+template <typename F>
+void for_each_flag_block(int64_t R, int64_t C, F&& f) {
+  const int64_t tile_cols = ceil_div(C, 128);
+  for (int64_t i = 0; i < x_layout_flag_count(R, C); ++i) {
+    const int64_t tile = i / 8, w = i % 8;
+    const int64_t r0 = (tile / tile_cols) * 128 + 32 * (w / 2), c0 = (tile % tile_cols) * 128 + 64 * (w % 2);
+    f(i, r0, std::min(r0 + 32, R), c0, std::min(c0 + 64, C));
+  }
+}
+
 ffi::Error GroupedQuantizeMxfp8Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi::AnyBuffer pstarts,
                                    ffi::RemainingRets rets, bool rowwise, bool columnwise,
                                    int64_t length, int64_t expert_rows, bool row_packed, bool raw,
-                                   bool raw_e5m2, bool col_in_x_layout) {
+                                   bool raw_e5m2, bool col_in_x_layout, bool row_flags) {
   Mxfp8Args a;
   GroupedRows rows;
   JQ_RETURN_IF_ERROR(decode_gathered_mxfp8(x, starts, pstarts, rets, rowwise, columnwise, length,
                                            expert_rows, row_packed, raw, raw_e5m2,
-                                           col_in_x_layout, &a, &rows));
+                                           col_in_x_layout, row_flags, &a, &rows));
   if (!raw) {
     quantize_gathered(rows, a, &a.col_scale, rows.C, 32);
     return ffi::Error::Success();
@@ -457,7 +470,10 @@ ffi::Error GroupedQuantizeMxfp8Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi:
   // [rows, cols] matrix of 32-blocks along its rows: the rowwise one [L or T, C], the columnwise
   // one [C, L], or for experts [G C, E].
   const int64_t C = rows.C, L = rows.L, row_rows = rows.row_packed ? rows.T : L;
-  auto* row_out = reinterpret_cast<uint16_t*>(a.row_data);
+  // row_flags: the rowwise values into scratch, flagged where they differ from the columnwise
+  // copy's (the CUDA kernel flags a superset: every block with a general-path row).
+  std::vector<uint16_t> row_values(a.rows_as_flags ? size_t(row_rows * C) : 0);
+  auto* row_out = a.rows_as_flags ? row_values.data() : reinterpret_cast<uint16_t*>(a.row_data);
   auto* col_out = reinterpret_cast<uint16_t*>(a.col_data);
   const uint8_t* row_scale = a.row_scale;
   uint8_t* col_scale = a.col_scale;
@@ -483,7 +499,38 @@ ffi::Error GroupedQuantizeMxfp8Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi:
     transpose_batches(values.data(), L / E, C, E, col_out);
     const std::vector<uint8_t> scales(col_scale, col_scale + C * (L / 32));
     transpose_batches(scales.data(), L / E, C, E / 32, col_scale);
+    if (a.rows_as_flags) {
+      for_each_flag_block(L, C, [&](int64_t i, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+        bool differ = false;
+        for (int64_t r = r0; r < r1 && !differ; ++r) {
+          for (int64_t c = c0; c < c1; ++c) differ |= row_out[r * C + c] != col_out[r * C + c];
+        }
+        a.row_flags[i] = uint8_t(differ);
+      });
+    }
   }
+  return ffi::Error::Success();
+}
+
+// The rowwise raw values of the flagged blocks written over the columnwise copy (decision 56).
+ffi::Error GroupedPatchMxfp8RowsCpu(ffi::AnyBuffer w, ffi::AnyBuffer flags, ffi::AnyBuffer copy,
+                                    ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out, bool raw_e5m2) {
+  PatchRowsArgs a;
+  JQ_RETURN_IF_ERROR(decode_patch_mxfp8_rows(w, flags, copy, out, raw_e5m2, &a));
+  if (a.out != a.copy) std::copy(a.copy, a.copy + a.R * a.C, a.out);
+  Matrix m{std::vector<float>(size_t(a.R * a.C)), a.R, a.C};
+  for (int64_t i = 0; i < a.R * a.C; ++i) m.v[i] = jq::float_of(uint32_t(a.w[i]) << 16);
+  std::vector<uint8_t> codes(size_t(a.R * a.C)), scales(size_t(a.R * ceil_div(a.C, 32)));
+  std::vector<uint16_t> values(size_t(a.R * a.C));
+  mxfp8_matrix(m, a.fmt, codes.data(), scales.data());
+  mxfp8_raw_matrix(codes.data(), scales.data(), a.R, a.C, ceil_div(a.C, 32), a.fmt == jq::Fp8::kE5M2,
+                   values.data());
+  for_each_flag_block(a.R, a.C, [&](int64_t i, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+    if (a.flags[i] == 0) return;
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t c = c0; c < c1; ++c) a.out[r * a.C + c] = values[r * a.C + c];
+    }
+  });
   return ffi::Error::Success();
 }
 
@@ -534,6 +581,8 @@ ffi::Error GroupedDecodeNvfp4Cpu(ffi::AnyBuffer data, ffi::AnyBuffer scale,
 
 XLA_FFI_DEFINE_HANDLER(kGroupedQuantizeMxfp8Cpu, GroupedQuantizeMxfp8Cpu,
                        BindGroupedQuantizeMxfp8(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kGroupedPatchMxfp8RowsCpu, GroupedPatchMxfp8RowsCpu,
+                       BindGroupedPatchMxfp8Rows(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kGroupedQuantizeFp8BlockCpu, GroupedQuantizeFp8BlockCpu,
                        BindGroupedQuantizeFp8Block(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kGroupedQuantizeFp8Cpu, GroupedQuantizeFp8Cpu,
@@ -555,6 +604,7 @@ std::vector<Target> grouped_cpu_targets() {
   return {target("jaxquant_grouped_quantize_fp8", kGroupedQuantizeFp8Cpu),
           target("jaxquant_grouped_quantize_nvfp4", kGroupedQuantizeNvfp4Cpu),
           target("jaxquant_grouped_quantize_mxfp8", kGroupedQuantizeMxfp8Cpu),
+          target("jaxquant_grouped_patch_mxfp8_rows", kGroupedPatchMxfp8RowsCpu),
           target("jaxquant_grouped_quantize_fp8_block", kGroupedQuantizeFp8BlockCpu),
           target("jaxquant_grouped_decode_nvfp4", kGroupedDecodeNvfp4Cpu),
           target("jaxquant_grouped_decode_mxfp8", kGroupedDecodeMxfp8Cpu),

@@ -5,6 +5,8 @@
 //   jaxquant_grouped_quantize_nvfp4 NVFP4 with one second-level scale per group
 //   jaxquant_grouped_quantize_mxfp8 / _fp8_block  the single-tensor kernels on a token layout
 //                                   read through the group offsets (no gathered copy of x)
+//   jaxquant_grouped_patch_mxfp8_rows  raw MXFP8 expert weights' rowwise copy written in place
+//                                   over their columnwise one (design decision 56)
 //   jaxquant_grouped_decode_nvfp4   NVFP4 storages decoded to bfloat16 (the decoded GEMM route)
 //   jaxquant_grouped_amax           per-group amax (block formats: their scales are block-local)
 //   jaxquant_grouped_amax_gated     the same, run only while some group's delayed-scaling scale
@@ -29,8 +31,8 @@ std::vector<Target> grouped_cpu_targets();
 std::vector<Target> grouped_quantize_cuda_targets();  // quantize_fp8, amax, amax_gated
                                                       // (grouped_quantize_cuda.cu)
 std::vector<Target> grouped_nvfp4_cuda_targets();     // quantize_nvfp4 (nvfp4_cuda.cu)
-std::vector<Target> grouped_gathered_cuda_targets();  // quantize_mxfp8, quantize_fp8_block
-                                                      // (gathered_cuda.cu)
+std::vector<Target> grouped_gathered_cuda_targets();  // quantize_mxfp8, quantize_fp8_block,
+                                                      // patch_mxfp8_rows (gathered_cuda.cu)
 std::vector<Target> grouped_decode_cuda_targets();    // decode_nvfp4, _mxfp8 (decode_cuda.cu)
 std::vector<Target> grouped_gemm_cuda_targets();      // gemm (grouped_gemm_cuda.cu)
 #ifdef JAXQUANT_GROUPED_SM90

@@ -20,6 +20,7 @@ struct Mxfp8Params {
   float* col_sums = nullptr;  // [ceil(R/128), C] per-tile column sums (fused dact's bias gradient)
   int64_t expert_rows = 0;    // > 0: expert weights, the columnwise copy [R / E, C, E] (E % 32 == 0)
   bool col_in_x_layout = false;  // raw expert weights' columnwise copy [R, C] (mxfp8_x_layout.cuh)
+  uint8_t* row_flags = nullptr;  // with col_in_x_layout: flags instead of the rowwise data (ibid.)
 };
 
 // The kernel's parameters for the decoded call `a` quantizing an R x C matrix (col_sums: the
@@ -33,7 +34,7 @@ inline Mxfp8Params mxfp8_params(const Mxfp8Args& a, int64_t R, int64_t C, float*
                                          : aligned(a.col_data, 16) && R % (a.raw ? 32 : 16) == 0;
   return {R, C, aligned(a.row_data, a.raw ? 16 : 8) && C % 8 == 0, vec_col, a.rowwise,
           a.columnwise, a.raw, a.fmt, a.row_data, a.row_scale, a.col_data, a.col_scale, a.amax,
-          col_sums, /*expert_rows=*/0, a.col_in_x_layout};
+          col_sums, /*expert_rows=*/0, a.col_in_x_layout, a.row_flags};
 }
 
 // The codes of N values (a multiple of 4) of one block with exponent e, four a word (the first

@@ -20,6 +20,16 @@
 // No shared memory and no barrier (but the amax's): a warp holds a 32 x 64 block in registers,
 // so a column block is the four lanes that share a column chunk and a row block the four lanes
 // that share a row (xor shuffles).
+//
+// The rowwise (dgrad) copy need not be written at all (design decision 56): it equals the
+// columnwise one except in general-path rows. `XLayoutRows::kFlag` writes the columnwise copy
+// and, for each warp's 32 x 64 block, a flag byte: 1 where a row of it took the general path
+// (so its rowwise values may differ), else 0. After the forward GEMM has read the columnwise
+// copy, `kPatch` runs over the same blocks with that copy as its rowwise output (aliased in
+// place): a warp whose flag is 0 returns at once, the others load their block again and write
+// the rowwise values of their general-path rows only. The result is kWrite's rowwise copy bit
+// for bit. Flag index: the CTA's tile (blockIdx.x, tiles in row-major order) times 8 plus its
+// warp.
 #pragma once
 
 #include <type_traits>
@@ -80,7 +90,7 @@ __device__ __forceinline__ uint32_t hi16(uint32_t w) { return w >> 16; }
 // The general path for one row of a lane's values (bfloat16 pairs w0 .. w3): their codes and
 // raw values with the row block's exponent `row_e` and the 8 columns' `col_e0`, `col_e1` (bytes,
 // column j in byte j % 4), stored at `row` (when not null) and `col` as store_bf16_words stores
-// (`n` values, 16-byte stores when `vec`). A column's codes are v x a x b with its factors
+// (`n` values, 16-byte stores when `vec`; `col` too may be null). A column's codes are v x a x b with its factors
 // (mxfp8_codes multiplies by b only at e = 254, where b != 1: the same products), NaN codes for a
 // NaN column block (e = 255). Out of line: rare, and inlined into each of the 8 rows it took
 // ~60 registers more (126 in all).
@@ -114,7 +124,7 @@ __device__ __noinline__ void general_row(uint32_t w0, uint32_t w1, uint32_t w2, 
     col_raw[2 * k + 1] = mxfp8_raw_pair(codes, 1, scale[2], scale[3], e5m2);
   }
   if (row != nullptr) store_bf16_words(row, row_raw, n, vec_row);
-  store_bf16_words(col, col_raw, n, vec_col);
+  if (col != nullptr) store_bf16_words(col, col_raw, n, vec_col);
 }
 
 // Expert weights in bfloat16 read directly (`Direct<BF16>`: row r of the matrix is row r of the
@@ -122,9 +132,21 @@ __device__ __noinline__ void general_row(uint32_t w0, uint32_t w1, uint32_t w2, 
 // mxfp8_kernel writes them. p.raw, p.do_col and R % 32 == 0 hold (the handler checks).
 // Two CTAs a multiprocessor (120 registers, no spills): bounded to three it spilled 76 bytes and
 // took 358 against 297 us on the 64-expert weights (Nsight Compute, H200, session 23).
-template <typename P>
+//
+// kRows (decision 56): kWrite writes the rowwise copy at p.row; kFlag writes the flags at
+// p.row_flags instead (p.row unused; the rowwise scales as always); kPatch writes only the
+// general-path rows' rowwise values at p.row, in warps whose flag is set (no columnwise copy,
+// no scales, no amax).
+enum class XLayoutRows { kWrite, kFlag, kPatch };
+
+template <typename P, XLayoutRows kRows = XLayoutRows::kWrite>
 __global__ void __launch_bounds__(kThreads, 2) mxfp8_x_layout_kernel(const Mxfp8Params p, const P prod) {
   static_assert(std::is_same_v<typename P::Out, BF16>, "bfloat16 weights (bit rounding)");
+  constexpr bool kPatch = kRows == XLayoutRows::kPatch;
+  const uint32_t flag_index = blockIdx.x * 8u + (threadIdx.x >> 5);
+  if constexpr (kPatch) {
+    if (p.row_flags[flag_index] == 0) return;  // the whole warp: no general row in its block
+  }
   __shared__ uint32_t red[kThreads / 32];
   const float inv_fmax = jq::inv_fmax_of(p.fmt);
   const Fp8Grid grid(p.fmt);
@@ -169,7 +191,7 @@ __global__ void __launch_bounds__(kThreads, 2) mxfp8_x_layout_kernel(const Mxfp8
   const bool in_cols = s.c < p.C;
   const int n = int(min64(8, p.C - s.c));
   const int64_t block_row = (s.r0 - s.q) / 32;
-  if (s.q == 0 && in_cols && block_row * 32 < p.R) {
+  if (!kPatch && s.q == 0 && in_cols && block_row * 32 < p.R) {
     store_bytes8(p.col_scale + block_row * p.C + s.c, col_e[0], col_e[1], n, p.vec_col);
   }
 
@@ -179,6 +201,7 @@ __global__ void __launch_bounds__(kThreads, 2) mxfp8_x_layout_kernel(const Mxfp8
   uint16_t* row_at = reinterpret_cast<uint16_t*>(p.row) + first;
   uint16_t* col_at = reinterpret_cast<uint16_t*>(p.col) + first;
   uint8_t* row_scale_at = p.row_scale + s.r0 * ((p.C + 31) / 32) + s.c / 32;
+  bool any_general = false;  // kFlag: a row of this lane took the general path
 #pragma unroll
   for (int i = 0; i < XLayoutSlot::kRows; ++i, row_at += step, col_at += step, row_scale_at += scale_step) {
     // The row block's largest magnitude (this lane's 8 values, then its three neighbours').
@@ -190,25 +213,32 @@ __global__ void __launch_bounds__(kThreads, 2) mxfp8_x_layout_kernel(const Mxfp8
     const int64_t r = s.row(i);
     if (r >= p.R || !in_cols) continue;
     const uint32_t row_e = jq::e8m0_from_amax(__uint_as_float(m << 16), inv_fmax);
-    if (p.do_row && (threadIdx.x & 12) == 0) *row_scale_at = uint8_t(row_e);  // k % 4 == 0
+    if (!kPatch && p.do_row && (threadIdx.x & 12) == 0) *row_scale_at = uint8_t(row_e);  // k % 4 == 0
     uint32_t least2 = ~0u;
 #pragma unroll
     for (int k = 0; k < 4; ++k) least2 = __vminu2(least2, magnitude_less_one(w[i][k]) | outside[k]);
     const uint32_t least = min(lo16(least2), hi16(least2));
-    uint16_t* row = p.do_row ? row_at : nullptr;
-    uint16_t* col = col_at;
+    uint16_t* row = (kRows != XLayoutRows::kFlag && p.do_row) ? row_at : nullptr;
+    uint16_t* col = kPatch ? nullptr : col_at;
     if (!general_cols && row_e < 254u && least >= grid.normal_bound(row_e) - 1) {
-      uint32_t raw[4];
+      if constexpr (!kPatch) {  // kPatch: the buffer holds these values already
+        uint32_t raw[4];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) raw[k] = grid.round2(w[i][k]);
-      if (row != nullptr) store_bf16_words(row, raw, n, p.vec_row);
-      store_bf16_words(col, raw, n, p.vec_col);
+        for (int k = 0; k < 4; ++k) raw[k] = grid.round2(w[i][k]);
+        if (row != nullptr) store_bf16_words(row, raw, n, p.vec_row);
+        store_bf16_words(col, raw, n, p.vec_col);
+      }
     } else {
+      any_general = true;
       general_row(w[i][0], w[i][1], w[i][2], w[i][3], row_e, col_e[0], col_e[1], p.fmt, row, col, n,
                   p.vec_row, p.vec_col);
     }
   }
-  if (p.amax) {
+  if constexpr (kRows == XLayoutRows::kFlag) {
+    const bool flag = __any_sync(0xFFFFFFFFu, any_general);
+    if ((threadIdx.x & 31) == 0) p.row_flags[flag_index] = uint8_t(flag);
+  }
+  if (!kPatch && p.amax) {
     const uint32_t t = cta_max(amax << 16, red);
     if (threadIdx.x == 0) atomic_max_float(p.amax, t);
   }

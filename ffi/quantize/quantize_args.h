@@ -391,8 +391,13 @@ struct Mxfp8Args {
   // The grouped target's `col_in_x_layout`: raw expert weights' columnwise copy [G, E, C] with
   // scales [G, E / 32, C] (the weights' own layout) instead of [G, C, E] and [G, C, E / 32].
   bool col_in_x_layout = false;
+  // The grouped target's `row_flags` (with col_in_x_layout): the rowwise data result is the
+  // flags of the blocks whose rowwise values may differ from the columnwise copy's
+  // (quantize/mxfp8_x_layout.cuh, design decision 56), not the values.
+  bool rows_as_flags = false;
   jq::Fp8 fmt = jq::Fp8::kE4M3;
   uint8_t *row_data = nullptr, *row_scale = nullptr, *col_data = nullptr, *col_scale = nullptr;
+  uint8_t* row_flags = nullptr;
   float* amax = nullptr;
 };
 

@@ -156,6 +156,26 @@ class TransposedExperts:
                         t.rht)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PendingRowwise:
+  """Expert weights' raw MXFP8 rowwise copy (`jaxquant.grouped_dense`'s dgrad copy) not yet
+  written (design decision 56). Where a value's row and column blocks keep it a normal FP8
+  value, both raw copies hold it rounded to the payload's bits, so the rowwise copy is the raw
+  columnwise copy in the weights' own layout (`TransposedExperts`, the forward GEMM's operand)
+  with only the 32 x 64 blocks in `flags` rewritten. `jaxquant.ops.grouped.write_pending`
+  rewrites them in place once the forward GEMM has read that copy: one copy of the weights
+  written a step instead of two. Holds the weights `[G * rows, cols]` that call reads again,
+  the flags, and the rowwise copy's scales `[G, rows, ceil(cols / 32)]` and amax."""
+
+  weights: jax.Array
+  flags: jax.Array
+  scale_inv: jax.Array
+  amax: jax.Array
+  quantizer: Quantizer = dataclasses.field(metadata=dict(static=True))
+  orig_dtype: Any = dataclasses.field(default=np.dtype(jnp.bfloat16), metadata=dict(static=True))
+
+
 def positions(t: GroupedScaledTensor) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(group, index in group, holds a token) of every token position of `t`."""
   return t.layout.positions(t.group_sizes)

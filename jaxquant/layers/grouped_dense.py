@@ -118,6 +118,7 @@ def _forward(config: _Config, x, kernel, bias, sizes, key, states, *, need_dgrad
                                   forward_dtype=x.dtype, bias=bias is not None)
   y = grouped_ops.gemm(qx.rowwise, w_fprop, out_dtype=x.dtype, bias=bias,
                        precision=config.precision, role=config.gemm_label("fprop"))
+  qw = grouped_ops.write_pending(qw, w_fprop, after=y)  # the dgrad copy over the read w_fprop
   return grouped_ops.to_tokens(y, qx.rowwise), qx, qw
 
 
@@ -139,7 +140,9 @@ def _quantize_weights(kernel, q: DenseQuantizers, need_dgrad: bool, read_transpo
   kernel is written raw in the kernel's own layout (asked for where the forward GEMM of
   `forward_dtype`, with or without a `bias`, reads it so: `forward_reads_along_n`; written so
   where `experts_along_n` holds, else `explain` says why; design decision 49) it comes as a
-  `TransposedExperts` too, beside the dgrad copy."""
+  `TransposedExperts` too, beside the dgrad copy, which may then be pending (a
+  `PendingRowwise`, design decision 56): `_forward` writes it over the forward copy once the
+  forward GEMM has read that."""
   groups, k, n = kernel.shape
   swapped = format_of(q.weight).transposed_quantizer(q.weight)
   if swapped is not None and (
@@ -153,7 +156,7 @@ def _quantize_weights(kernel, q: DenseQuantizers, need_dgrad: bool, read_transpo
         swapped, forward_dtype, bias)
     kn = grouped_ops.quantize_experts(kernel, swapped, rowwise=need_dgrad, columnwise=True,
                                       keys=keys, state=state, role=q.roles[1], decoded=True,
-                                      columnwise_along_n=along_n)
+                                      columnwise_along_n=along_n, rowwise_pending=along_n)
     if isinstance(kn.columnwise, TransposedExperts):  # written in the kernel's own layout
       return QuantizedTensor(None, kn.rowwise, q.weight), kn.columnwise
     return QuantizedTensor(kn.columnwise, kn.rowwise, q.weight), kn.columnwise

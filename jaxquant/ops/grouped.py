@@ -26,7 +26,7 @@ from jaxquant.grouping import formats
 from jaxquant.grouping.formats import GroupedContext
 from jaxquant.grouping.layout import TokenLayout, clip_sizes
 from jaxquant.grouping.tensors import (GroupedQuantizedTensor, GroupedScaledTensor,
-                                       TransposedExperts)
+                                       PendingRowwise, TransposedExperts)
 from jaxquant.numerics import rht16
 from jaxquant.numerics.random_bits import key_words
 from jaxquant.ops import dispatch
@@ -323,7 +323,8 @@ def _expert(w2d, quantizer: Quantizer, rowwise: bool, columnwise: bool, words, s
 def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool = True,
                      columnwise: bool = True, keys: Optional[jax.Array] = None,
                      state: Any = None, role: Any = None, decoded: bool = False,
-                     columnwise_along_n: bool = False) -> QuantizedTensor:
+                     columnwise_along_n: bool = False,
+                     rowwise_pending: bool = False) -> QuantizedTensor:
   """Quantize one matrix per expert: `w[G, rows, cols]` (contraction axis last).
 
   Returns a `QuantizedTensor` whose `ScaledTensor`s carry a leading `[G]` axis; expert `g`'s
@@ -334,6 +335,11 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool = True
   (`experts_along_n`), the columnwise copy comes back as a `TransposedExperts` holding its raw
   values in w's own `[G, rows, cols]` layout (whole-row stores, no transpose), for a GEMM that
   reads it along N; elsewhere as always, and `explain` says why (`along_n_reason`).
+
+  `rowwise_pending` (with `columnwise_along_n`, for `jaxquant.grouped_dense`): where that
+  layout is written and `JAXQUANT_EXPERTS_DGRAD_COPY` is not "written", the rowwise copy comes
+  back as a `PendingRowwise` (design decision 56), which `write_pending` turns into the rowwise
+  copy after the forward GEMM has read the columnwise one; elsewhere as always.
   """
   if not isinstance(quantizer, Quantizer):
     raise TypeError(f"quantizer: expected a jaxquant Quantizer, got {type(quantizer).__name__}")
@@ -353,6 +359,8 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool = True
   along_n_refused = (kernels.along_n_reason(quantizer, tuple(w.shape), decoded, w.dtype)
                      if columnwise and columnwise_along_n else None)
   kernel_along_n = columnwise and columnwise_along_n and along_n_refused is None
+  pending = (rowwise and rowwise_pending and kernel_along_n
+             and kernels.dgrad_copy_choice() == "patched")
   paths = []
   for direction in DIRECTIONS:
     if (rowwise, columnwise)[DIRECTIONS.index(direction)]:
@@ -363,6 +371,11 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool = True
       elif direction == "columnwise" and along_n_refused is not None:
         note = lambda n=note: (n()[0] + "; transposed, not in the weights' own layout as asked: "
                                + along_n_refused, n()[1])
+      elif direction == "rowwise" and pending:
+        note = lambda n=note: (n()[0] + "; " + PENDING_NOTE, n()[1])
+      elif direction == "rowwise" and rowwise_pending and kernel_along_n:
+        note = lambda n=note: (n()[0] + "; written by the quantize kernel ("
+                               f"{kernels.DGRAD_COPY_ENV}={kernels.dgrad_copy_choice()})", n()[1])
       paths.append(_record("grouped_quantize", role, f"{direction}: {leaf} [{groups} experts]",
                            leaf, lambda d=direction: kernels.quantize_experts_unsupported(
                                quantizer, tuple(w.shape), d), note))
@@ -371,9 +384,31 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool = True
   if all(p == "ffi" for p in paths):
     return kernels.quantize_experts(w, quantizer, rowwise=rowwise, columnwise=columnwise,
                                     state=state, orig_dtype=orig_dtype, words=words,
-                                    decoded=decoded, columnwise_along_n=kernel_along_n)
+                                    decoded=decoded, columnwise_along_n=kernel_along_n,
+                                    rowwise_pending=pending)
   return jax.vmap(lambda m, wd, s: _expert(m, quantizer, rowwise, columnwise, wd, s,
                                            orig_dtype))(w, words, state)
+
+
+# What `explain` adds to the record of a rowwise copy left pending (design decision 56).
+PENDING_NOTE = ("written after the forward GEMM over the forward copy, in place, where the two "
+                "differ (blocks of general-path rows)")
+
+
+def write_pending(qw: QuantizedTensor, forward: Any, after: jax.Array) -> QuantizedTensor:
+  """`qw` with a `PendingRowwise` copy (from `quantize_experts(rowwise_pending=True)`, in either
+  slot) written: the forward copy `forward` (the `TransposedExperts` that copy is written over,
+  which nothing may read after this) rewritten where the two differ. `after` is computed from
+  `forward` (the forward GEMM's output), which orders the rewrite after that read. A `qw`
+  without one is returned as it is."""
+  def write(t):
+    if not isinstance(t, PendingRowwise):
+      return t
+    if not isinstance(forward, TransposedExperts):
+      raise TypeError(f"forward: a PendingRowwise is written over a TransposedExperts, got "
+                      f"{type(forward).__name__}")
+    return kernels.write_pending(t, forward, after)
+  return QuantizedTensor(write(qw.rowwise), write(qw.columnwise), qw.quantizer)
 
 
 # --------------------------------------------- GEMM -------------------------------------------

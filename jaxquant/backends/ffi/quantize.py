@@ -68,6 +68,10 @@ class Request:
   # With `raw` and `expert_rows`: the columnwise copy in the weights' own layout,
   # [G, expert_rows, cols] with scales [G, expert_rows / 32, cols] (MXFP8).
   col_in_x_layout: bool = False
+  # With `col_in_x_layout` and `rowwise`: the rowwise data result is the kernel's u8 flags of the
+  # 32 x 64 blocks whose rowwise values may differ from the columnwise copy's, not the values
+  # (design decision 56; `patch_mxfp8_rows` writes them later over that copy).
+  row_flags: bool = False
 
   @property
   def shape(self) -> tuple[int, int]:
@@ -333,13 +337,46 @@ def _mxfp8(req: Request, quantizer: MXFP8Quantizer) -> Pair:
   layout = _layout(req, "jaxquant_quantize_mxfp8", (X_DIMS,), row_dims, col_dims, tail=((),),
                    reduce=((0, ("m", "k")),))
   e5m2 = np.dtype(quantizer.dtype) == np.dtype(jnp.float8_e5m2)  # raw data does not say it
+  if req.row_flags:  # the flags stand in for the rowwise values
+    rows, cols = req.shape
+    results[0] = _sds((x_layout_flag_count(rows, cols),), np.uint8)
   outs = _call(req, "jaxquant_quantize_mxfp8", results, layout, rowwise=req.rowwise,
                columnwise=req.columnwise,
                gathered=dict(raw=req.raw, raw_e5m2=req.raw and bool(e5m2),
-                             col_in_x_layout=req.col_in_x_layout))
+                             col_in_x_layout=req.col_in_x_layout, row_flags=req.row_flags))
   row, row_scale, col, col_scale = _split(req, outs, with_scales=True)
   amax = outs.pop(0)
   return _pair(req, quantizer, row, row_scale, amax, col, col_scale, amax)
+
+
+def x_layout_flag_count(rows: int, cols: int) -> int:
+  """The flags `row_flags` writes for an `[rows, cols]` matrix: one a 32 x 64 block, 8 a
+  128 x 128 tile (tiles in row-major order)."""
+  return -(-rows // 128) * -(-cols // 128) * 8
+
+
+def patch_mxfp8_rows(w2d: jax.Array, flags: jax.Array, copy: jax.Array, after: jax.Array, *,
+                     e5m2: bool) -> jax.Array:
+  """The raw MXFP8 rowwise copy of bfloat16 expert weights `w2d[G * rows, cols]`, written over
+  their raw columnwise copy in the weights' own layout `copy[G, rows, cols]` (design decision
+  56): the rowwise values of the blocks `flags` marks (from `quantize_gathered(row_flags=True)`),
+  the rest of `copy` as it is (there the two copies are equal). XLA updates `copy` in place
+  (`jaxquant_grouped_patch_mxfp8_rows` aliases it to its output) when nothing reads it after
+  this call: `after`, an array computed from `copy` (the forward GEMM's output), is an operand
+  the kernel never reads, so that this call comes after that reader."""
+  if np.dtype(w2d.dtype) != np.dtype(jnp.bfloat16) or w2d.ndim != 2:
+    raise ValueError(f"w2d: expected bfloat16 [G * rows, cols] weights, got "
+                     f"{np.dtype(w2d.dtype).name} {tuple(w2d.shape)}")
+  if (copy.ndim != 3 or copy.shape[0] * copy.shape[1] != w2d.shape[0]
+      or copy.shape[2] != w2d.shape[1] or np.dtype(copy.dtype) != np.dtype(jnp.bfloat16)):
+    raise ValueError(f"copy: expected bfloat16 [G, rows, cols] with G * rows, cols = "
+                     f"{tuple(w2d.shape)}, got {np.dtype(copy.dtype).name} {tuple(copy.shape)}")
+  if flags.shape != (x_layout_flag_count(*w2d.shape),):
+    raise ValueError(f"flags: expected [{x_layout_flag_count(*w2d.shape)}], got "
+                     f"{tuple(flags.shape)}")
+  (out,) = targets.call("jaxquant_grouped_patch_mxfp8_rows", [_sds(copy.shape, jnp.bfloat16)],
+                        w2d, flags, copy, after, aliases={2: 0}, raw_e5m2=bool(e5m2))
+  return out
 
 
 # ------------------------------------------ Float8Block ---------------------------------------
@@ -463,7 +500,8 @@ def gathered_kernel(quantizer: Quantizer) -> Optional[str]:
 def quantize_gathered(x2d, starts: jax.Array, pstarts: jax.Array, length: int,
                       quantizer: Quantizer, *, rowwise: bool, columnwise: bool,
                       orig_dtype: Any, expert_rows: int = 0, row_packed: bool = False,
-                      raw: bool = False, col_in_x_layout: bool = False) -> Pair:
+                      raw: bool = False, col_in_x_layout: bool = False,
+                      row_flags: bool = False) -> Pair:
   """`quantize_single` of the token layout of `length` positions gathered from `x2d`'s rows
   (position pstarts[g] + i holds row starts[g] + i while inside group g, else zeros), bit for
   bit, with no gathered copy: `gathered_kernel(quantizer)` reads x through the offsets.
@@ -484,7 +522,16 @@ def quantize_gathered(x2d, starts: jax.Array, pstarts: jax.Array, length: int,
   `col_in_x_layout` (raw bfloat16 expert weights): the columnwise copy in the weights' layout,
   `[G, expert_rows, cols]` with scales `[G, expert_rows / 32, cols]`: each expert's columnwise
   storage transposed, for GEMMs that read bfloat16 operands along N (the kernel then writes
-  whole rows of both copies)."""
+  whole rows of both copies).
+
+  `row_flags` (with `col_in_x_layout` and `rowwise`): the rowwise values are not written; the
+  rowwise `ScaledTensor`'s data is instead `u8[x_layout_flag_count(length, cols)]`, the blocks
+  whose rowwise values may differ from the columnwise copy's (its scales and amax as always),
+  for `patch_mxfp8_rows` (design decision 56)."""
+  if row_flags and not (col_in_x_layout and rowwise):
+    raise ValueError(f"row_flags: needs col_in_x_layout and a rowwise copy (the flags stand in "
+                     f"for its values); got col_in_x_layout={col_in_x_layout}, "
+                     f"rowwise={rowwise}")
   if raw and format_of(quantizer).name != "mxfp8":
     raise ValueError(f"raw: only MXFP8 copies are written raw; got {quantizer}")
   if col_in_x_layout and not (raw and expert_rows and columnwise
@@ -507,5 +554,5 @@ def quantize_gathered(x2d, starts: jax.Array, pstarts: jax.Array, length: int,
   req = Request(x2d, rowwise, columnwise, orig_dtype,
                 gather=(starts.astype(jnp.int32), pstarts.astype(jnp.int32), int(length)),
                 expert_rows=int(expert_rows), row_packed=bool(row_packed), raw=bool(raw),
-                col_in_x_layout=bool(col_in_x_layout))
+                col_in_x_layout=bool(col_in_x_layout), row_flags=bool(row_flags))
   return KERNEL_FORMATS[format_of(quantizer).quantize_kernel(quantizer)](req, quantizer)

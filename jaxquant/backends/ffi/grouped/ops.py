@@ -2,8 +2,10 @@
 
 from jaxquant.backends.ffi.grouped.gemm import gemm
 from jaxquant.backends.ffi.grouped.quantize import (pair_served, quantize_experts,
-                                                    quantize_token_pair, quantize_tokens)
-from jaxquant.backends.ffi.grouped.support import (GEMM_SM90_TARGET, along_n_reason,
+                                                    quantize_token_pair, quantize_tokens,
+                                                    write_pending)
+from jaxquant.backends.ffi.grouped.support import (DGRAD_COPY_ENV, GEMM_SM90_TARGET,
+                                                   along_n_reason, dgrad_copy_choice,
                                                    expert_route, experts_along_n,
                                                    experts_read_transposed,
                                                    forward_reads_along_n,
@@ -16,7 +18,8 @@ from jaxquant.backends.ffi.grouped.support import (GEMM_SM90_TARGET, along_n_rea
                                                    sm90_kernel_label, sm90_wgrad_block)
 
 __all__ = ["gemm", "pair_served", "quantize_experts", "quantize_token_pair",
-           "quantize_tokens", "along_n_reason", "expert_route", "experts_along_n",
+           "quantize_tokens", "write_pending", "DGRAD_COPY_ENV", "dgrad_copy_choice",
+           "along_n_reason", "expert_route", "experts_along_n",
            "experts_read_transposed", "forward_reads_along_n",
            "fp8_kernel_note",
            "gemm_kernel", "gemm_kernel_note", "gemm_scaling", "gemm_unsupported",

@@ -38,7 +38,7 @@ from jaxquant.backends.platform import current_platform
 from jaxquant.formats import format_of
 from jaxquant.formats.base import tensor_amax
 from jaxquant.grouping.layout import TokenLayout
-from jaxquant.grouping.tensors import GroupedScaledTensor, TransposedExperts
+from jaxquant.grouping.tensors import GroupedScaledTensor, PendingRowwise, TransposedExperts
 from jaxquant.quantizers import NVFP4Quantizer, Quantizer
 from jaxquant.state import DelayedScalingState, needs_current_amax, quantize_scale
 from jaxquant.tensors import QuantizedTensor, ScaledTensor
@@ -313,7 +313,8 @@ def _packed_rows(x: jax.Array, sizes: jax.Array, leaf: Quantizer, orig_dtype,
 
 def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool, columnwise: bool,
                      state: Any, orig_dtype, words=None, decoded: bool = False,
-                     columnwise_along_n: bool = False) -> QuantizedTensor:
+                     columnwise_along_n: bool = False,
+                     rowwise_pending: bool = False) -> QuantizedTensor:
   """Expert weights `w[G, rows, cols]`, each expert bit-for-bit its own quantize (columnwise
   copies `[G, cols, rows]`): per-tensor FP8 both copies in one grouped call (every expert its
   own amax and scale); NVFP4 (one amax per expert) through the grouped NVFP4 kernel, both copies
@@ -323,11 +324,16 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool, colum
   stochastic-rounding words of each expert (`[G, 2]`) or None. `decoded`: the copies feed only
   grouped GEMMs, so MXFP8's from the gathered kernel may be written raw.
   `columnwise_along_n` (`experts_along_n` holds): the raw columnwise copy comes back as a
-  `TransposedExperts` holding it in w's own `[G, rows, cols]` layout."""
+  `TransposedExperts` holding it in w's own `[G, rows, cols]` layout. `rowwise_pending` (with
+  it and `rowwise`): the rowwise copy comes back as a `PendingRowwise`, to be written over the
+  columnwise one by `write_pending` (design decision 56)."""
   if columnwise_along_n and not (columnwise and support.experts_along_n(
       quantizer, tuple(w.shape), decoded, w.dtype)):
     raise ValueError(f"columnwise_along_n: {quantizer}'s columnwise copy of {tuple(w.shape)} is "
                      "not written in the weights' layout here (experts_along_n)")
+  if rowwise_pending and not (rowwise and columnwise_along_n):
+    raise ValueError("rowwise_pending: the rowwise copy is written over the columnwise one in "
+                     "the weights' layout; needs rowwise and columnwise_along_n")
   fmt = format_of(quantizer)
   one_quantizer = fmt.halves(quantizer) is None  # one quantizer makes both copies
   if one_quantizer and fmt.grouped_quantize_kernel(quantizer, "rowwise")[0] == "fp8":
@@ -344,8 +350,11 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool, colum
               for d in ("rowwise", "columnwise"))):
     # MXFP8 / Float8Block: both copies from one launch (one read of w).
     copies = _experts_gathered(w, quantizer, True, orig_dtype, jax.vmap(tensor_amax)(w),
-                               _raw(quantizer, decoded), columnwise_along_n)
+                               _raw(quantizer, decoded), columnwise_along_n, rowwise_pending)
     return QuantizedTensor(copies["rowwise"], copies["columnwise"], quantizer)
+  if rowwise_pending:
+    raise AssertionError(f"rowwise_pending: {quantizer}'s copies of {tuple(w.shape)} do not come "
+                         "from one gathered launch")
   expert_amax = None  # each expert's tensor amax, one pass over w shared by both copies
   copies = {}
   for index, (direction, wanted) in enumerate((("rowwise", rowwise or from_rowwise),
@@ -454,23 +463,44 @@ def _experts_single(w: jax.Array, leaf: Quantizer, direction: str, orig_dtype,
 
 
 def _experts_gathered(w: jax.Array, leaf: Quantizer, rowwise: bool, orig_dtype,
-                      expert_amax: jax.Array, raw: bool = False, along_n: bool = False) -> dict:
+                      expert_amax: jax.Array, raw: bool = False, along_n: bool = False,
+                      rowwise_pending: bool = False) -> dict:
   """MXFP8 / Float8Block expert weights from one launch of the gathered kernel with
   `expert_rows`: the columnwise copy with each expert's `[cols, rows]` written on its own (no
   regrouping transpose), and with `rowwise` the rowwise copy too (a reshape), one read of `w`.
   `along_n` (raw MXFP8): the columnwise copy written in w's own layout, `[G, rows, cols]` with
   scales `[G, rows / 32, cols]`, returned as the `TransposedExperts` it is (design decision 49:
-  both copies' stores whole rows; the forward GEMM reads it along N)."""
+  both copies' stores whole rows; the forward GEMM reads it along N). `rowwise_pending` (with
+  `along_n` and `rowwise`): the rowwise copy as a `PendingRowwise` (its values not written; the
+  kernel's flags instead, design decision 56)."""
   groups, rows, cols = w.shape
   starts = jnp.arange(groups + 1, dtype=jnp.int32) * rows
-  row, col = single.quantize_gathered(w.reshape(groups * rows, cols), starts, starts,
-                                      groups * rows, leaf, rowwise=rowwise, columnwise=True,
-                                      orig_dtype=orig_dtype, expert_rows=rows, raw=raw,
-                                      col_in_x_layout=along_n)
+  w2d = w.reshape(groups * rows, cols)
+  row, col = single.quantize_gathered(w2d, starts, starts, groups * rows, leaf, rowwise=rowwise,
+                                      columnwise=True, orig_dtype=orig_dtype, expert_rows=rows,
+                                      raw=raw, col_in_x_layout=along_n,
+                                      row_flags=rowwise_pending)
   col = ScaledTensor(col.data, col.scale_inv, expert_amax, leaf, orig_dtype, col.rht)
   out = {"columnwise": TransposedExperts(col) if along_n else col}
-  if rowwise:
+  if rowwise_pending:
+    out["rowwise"] = PendingRowwise(w2d, row.data, row.scale_inv.reshape(groups, rows, -1),
+                                    expert_amax, leaf, orig_dtype)
+  elif rowwise:
     regroup = lambda a: a.reshape(groups, a.shape[0] // groups, *a.shape[1:])
     out["rowwise"] = ScaledTensor(regroup(row.data), regroup(row.scale_inv), expert_amax, leaf,
                                   orig_dtype, row.rht)
   return out
+
+
+def write_pending(pending: PendingRowwise, forward: TransposedExperts,
+                  after: jax.Array) -> ScaledTensor:
+  """The rowwise copy `pending` stands for (design decision 56): `forward`'s raw values (the
+  columnwise copy in the weights' own layout) with the flagged blocks rewritten, in place
+  where XLA can (`single.patch_mxfp8_rows`); `after` is an array computed from `forward` (the
+  forward GEMM's output), so the rewrite runs after that GEMM has read it. Bit for bit the
+  rowwise copy `_experts_gathered` writes without `rowwise_pending`."""
+  leaf = pending.quantizer
+  e5m2 = np.dtype(leaf.dtype) == np.dtype(jnp.float8_e5m2)
+  data = single.patch_mxfp8_rows(pending.weights, pending.flags, forward.stored.data, after,
+                                 e5m2=bool(e5m2))
+  return ScaledTensor(data, pending.scale_inv, pending.amax, leaf, pending.orig_dtype, False)

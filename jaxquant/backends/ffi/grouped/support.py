@@ -271,6 +271,18 @@ RAW_COPIES_ENV = "JAXQUANT_GROUPED_RAW_COPIES"
 RAW_COPIES_CHOICES = ("auto", "transposed", "off")
 
 
+DGRAD_COPY_ENV = "JAXQUANT_EXPERTS_DGRAD_COPY"
+# patched: raw MXFP8 experts' dgrad copy written over their forward copy in the weights' own
+# layout after the forward GEMM, only where the two differ (decision 56); written: the quantize
+# kernel writes both copies (decision 49 alone; kept to measure against).
+DGRAD_COPY_CHOICES = ("patched", "written")
+
+
+def dgrad_copy_choice() -> str:
+  """`JAXQUANT_EXPERTS_DGRAD_COPY` ("patched" when unset); an unknown value is an error."""
+  return env_choice(DGRAD_COPY_ENV, DGRAD_COPY_CHOICES, "patched")
+
+
 def raw_copies_choice() -> str:
   """`JAXQUANT_GROUPED_RAW_COPIES` ("auto" when unset); an unknown value is an error."""
   return env_choice(RAW_COPIES_ENV, RAW_COPIES_CHOICES, "auto")
