@@ -28,7 +28,7 @@ from jaxquant.backends.ffi import calls, registry
 from jaxquant.backends.ffi import quantize as single
 from jaxquant.backends.ffi.grouped import quantize as grouped_quantize
 from jaxquant.backends.ffi.grouped import support
-from jaxquant.grouping.tensors import PendingRowwise, TransposedExperts
+from jaxquant.grouping.tensors import PendingRowwise
 from jaxquant.ops import grouped as grouped_ops
 
 bf16_device = trc.bf16_device
