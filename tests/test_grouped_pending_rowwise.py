@@ -7,9 +7,8 @@ block instead of the rowwise copy, and `jaxquant_grouped_patch_mxfp8_rows` rewri
 blocks of the forward copy, in place, once the forward GEMM has read it.
 
 The contract: the forward copy, the scales and the amax are those of the call without
-`row_flags`, and the patched copy is bit for bit the rowwise copy that call writes. The CPU
-handler flags exactly the blocks whose values differ; the CUDA kernel flags every block with a
-general-path row (a superset). `-m gpu` runs the CUDA kernels.
+`row_flags`, and the patched copy is bit for bit the rowwise copy that call writes. Both
+handlers flag exactly the blocks whose two copies differ. `-m gpu` runs the CUDA kernels.
 """
 
 from __future__ import annotations
@@ -90,10 +89,9 @@ def _differing_blocks(row, col, rows_total, cols):
   return out
 
 
-def check_pending(rng, name, groups, rows, cols, kind, exact_flags):
+def check_pending(rng, name, groups, rows, cols, kind):
   """The flags call's copies against the call without flags, and the patch of its forward copy
-  against that call's rowwise copy, bit for bit; the flags cover every differing block (on the
-  CPU: exactly those)."""
+  against that call's rowwise copy, bit for bit; the flags are the blocks whose copies differ."""
   w = _weights(rng, groups, rows, cols, kind, name)
   quantizer = PAYLOADS[name]
   row, col = _copies(w, groups, rows, quantizer, False)
@@ -108,10 +106,7 @@ def check_pending(rng, name, groups, rows, cols, kind, exact_flags):
   np.testing.assert_array_equal(np.asarray(flags.amax), np.asarray(row.amax))  # NaN == NaN
   differ = _differing_blocks(row.data, col.data, groups * rows, cols)
   given = np.asarray(flags.data).astype(bool)
-  if exact_flags:
-    np.testing.assert_array_equal(given, differ)
-  else:
-    assert not (differ & ~given).any(), "a block whose copies differ is not flagged"
+  np.testing.assert_array_equal(given, differ)
   after = jnp.zeros((3,), jnp.float32)
   patched = jax.jit(lambda w, f, c: single.patch_mxfp8_rows(
       w, f, c, after, e5m2=name == "e5m2"))(w, flags.data, fcol.data)
@@ -125,7 +120,7 @@ def check_pending(rng, name, groups, rows, cols, kind, exact_flags):
 @pytest.mark.parametrize("kind", ["binades", "mixed", "edges"])
 def test_cpu_patched_rowwise_copy_is_the_written_one(rng, name, kind):
   """Partial tiles (200 columns, 96-row experts), blocks flagged and not."""
-  differ, _ = check_pending(rng, name, 3, 96, 200, kind, exact_flags=True)
+  differ, _ = check_pending(rng, name, 3, 96, 200, kind)
   assert differ.any()
   if kind == "mixed":
     assert not differ.all()
@@ -229,12 +224,14 @@ def test_the_dgrad_copy_knob_names_its_choices(monkeypatch):
 @pytest.mark.parametrize("name", sorted(PAYLOADS))
 def test_gpu_patched_rowwise_copy_is_the_written_one(on_kernel, rng, name):
   """The CUDA kernels: 8 experts of 256 x 1408 (more than one wave), partial tiles, the
-  exponents' edges. Initialized weights flag almost no block (what makes the patch pay)."""
+  exponents' edges. Normal weights flag few blocks (E4M3: those holding a value below 2^-14 of
+  its blocks' largest, rounded apart by their two exponents; E5M2's bound is 2^-29), which is
+  what makes the patch pay."""
   for kind in ("binades", "mixed", "edges"):
-    check_pending(rng, name, 3, 96, 200, kind, exact_flags=False)
-  differ, given = check_pending(rng, name, 8, 256, 1408, "normal", exact_flags=False)
-  assert given.mean() < 0.02, given.mean()
-  check_pending(rng, name, 8, 256, 1408, "mixed", exact_flags=False)
+    check_pending(rng, name, 3, 96, 200, kind)
+  _, given = check_pending(rng, name, 8, 256, 1408, "normal")
+  assert given.mean() < (0.2 if name == "e4m3" else 0.01), given.mean()
+  check_pending(rng, name, 8, 256, 1408, "mixed")
 
 
 @pytest.mark.gpu

@@ -22,14 +22,15 @@
 // that share a row (xor shuffles).
 //
 // The rowwise (dgrad) copy need not be written at all (design decision 56): it equals the
-// columnwise one except in general-path rows. `XLayoutRows::kFlag` writes the columnwise copy
-// and, for each warp's 32 x 64 block, a flag byte: 1 where a row of it took the general path
-// (so its rowwise values may differ), else 0. After the forward GEMM has read the columnwise
-// copy, `kPatch` runs over the same blocks with that copy as its rowwise output (aliased in
-// place): a warp whose flag is 0 returns at once, the others load their block again and write
-// the rowwise values of their general-path rows only. The result is kWrite's rowwise copy bit
-// for bit. Flag index: the CTA's tile (blockIdx.x, tiles in row-major order) times 8 plus its
-// warp.
+// columnwise one except in general-path rows, and there only where the two blocks' exponents
+// round a value differently. `XLayoutRows::kFlag` writes the columnwise copy and, for each
+// warp's 32 x 64 block, a flag byte: 1 where a general-path row's rowwise values differ from its
+// columnwise ones (general_row computes both), else 0. After the forward GEMM has read the
+// columnwise copy, `kPatch` runs over the same blocks with that copy as its rowwise output
+// (aliased in place): a warp whose flag is 0 returns at once, the others load their block again
+// and write the rowwise values of their general-path rows only. The result is kWrite's rowwise
+// copy bit for bit. Flag index: the CTA's tile (blockIdx.x, tiles in row-major order) times 8
+// plus its warp.
 #pragma once
 
 #include <type_traits>
@@ -93,8 +94,8 @@ __device__ __forceinline__ uint32_t hi16(uint32_t w) { return w >> 16; }
 // (`n` values, 16-byte stores when `vec`; `col` too may be null). A column's codes are v x a x b with its factors
 // (mxfp8_codes multiplies by b only at e = 254, where b != 1: the same products), NaN codes for a
 // NaN column block (e = 255). Out of line: rare, and inlined into each of the 8 rows it took
-// ~60 registers more (126 in all).
-__device__ __noinline__ void general_row(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3,
+// ~60 registers more (126 in all). Returns whether the row's two raw copies differ.
+__device__ __noinline__ bool general_row(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3,
                                          uint32_t row_e, uint32_t col_e0, uint32_t col_e1, jq::Fp8 fmt,
                                          uint16_t* row, uint16_t* col, int n, bool vec_row, bool vec_col) {
   const uint32_t w[4] = {w0, w1, w2, w3}, col_e[2] = {col_e0, col_e1};
@@ -125,6 +126,13 @@ __device__ __noinline__ void general_row(uint32_t w0, uint32_t w1, uint32_t w2, 
   }
   if (row != nullptr) store_bf16_words(row, row_raw, n, vec_row);
   if (col != nullptr) store_bf16_words(col, col_raw, n, vec_col);
+  uint32_t differ = 0u;  // over the row's n values inside the matrix
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint32_t inside = (2 * k < n ? 0xFFFFu : 0u) | (2 * k + 1 < n ? 0xFFFF0000u : 0u);
+    differ |= (row_raw[k] ^ col_raw[k]) & inside;
+  }
+  return differ != 0u;
 }
 
 // Expert weights in bfloat16 read directly (`Direct<BF16>`: row r of the matrix is row r of the
@@ -201,7 +209,7 @@ __global__ void __launch_bounds__(kThreads, 2) mxfp8_x_layout_kernel(const Mxfp8
   uint16_t* row_at = reinterpret_cast<uint16_t*>(p.row) + first;
   uint16_t* col_at = reinterpret_cast<uint16_t*>(p.col) + first;
   uint8_t* row_scale_at = p.row_scale + s.r0 * ((p.C + 31) / 32) + s.c / 32;
-  bool any_general = false;  // kFlag: a row of this lane took the general path
+  bool any_differ = false;  // kFlag: a general-path row of this lane whose two copies differ
 #pragma unroll
   for (int i = 0; i < XLayoutSlot::kRows; ++i, row_at += step, col_at += step, row_scale_at += scale_step) {
     // The row block's largest magnitude (this lane's 8 values, then its three neighbours').
@@ -229,13 +237,12 @@ __global__ void __launch_bounds__(kThreads, 2) mxfp8_x_layout_kernel(const Mxfp8
         store_bf16_words(col, raw, n, p.vec_col);
       }
     } else {
-      any_general = true;
-      general_row(w[i][0], w[i][1], w[i][2], w[i][3], row_e, col_e[0], col_e[1], p.fmt, row, col, n,
-                  p.vec_row, p.vec_col);
+      any_differ |= general_row(w[i][0], w[i][1], w[i][2], w[i][3], row_e, col_e[0], col_e[1], p.fmt, row,
+                                col, n, p.vec_row, p.vec_col);
     }
   }
   if constexpr (kRows == XLayoutRows::kFlag) {
-    const bool flag = __any_sync(0xFFFFFFFFu, any_general);
+    const bool flag = __any_sync(0xFFFFFFFFu, any_differ);
     if ((threadIdx.x & 31) == 0) p.row_flags[flag_index] = uint8_t(flag);
   }
   if (!kPatch && p.amax) {
