@@ -119,7 +119,7 @@ ffi::Error quantize_gathered(const char* target, cudaStream_t stream, const Args
       if constexpr (kRaw && std::is_same_v<Params, Mxfp8Params> && std::is_same_v<T, BF16>) {
         if (in_x_layout(p)) {  // bfloat16 only (the handler checks)
           e = x_layout_flags(p)
-                  ? launch_tiles(mxfp8_x_layout_kernel<Direct<T>, XLayoutRows::kFlag>,
+                  ? launch_tiles(mxfp8_x_layout_kernel<Direct<T>, true>,
                                  num_tiles(p.R, p.C, 128, 128), 0, stream, p, w)
                   : launch_tiles(mxfp8_x_layout_kernel<Direct<T>>, num_tiles(p.R, p.C, 128, 128), 0, stream, p, w);
           return;
@@ -152,6 +152,10 @@ ffi::Error GroupedQuantizeMxfp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::
                                            col_in_x_layout, row_flags, &a, &rows));
   Mxfp8Params p = mxfp8_params(a, a.x.rows, a.x.cols);
   p.expert_rows = rows.expert_rows;
+  if (a.rows_as_flags) {  // the kernel writes a flag a row block; the 16-byte padding is zeroed
+    const int64_t used = a.x.rows * ceil_div(a.x.cols, 32);
+    JQ_RETURN_IF_ERROR(clear(stream, a.row_flags + used, size_t(x_layout_flag_count(a.x.rows, a.x.cols) - used)));
+  }
   return raw ? quantize_gathered<true>(t, stream, a, rows, p)
              : quantize_gathered<false>(t, stream, a, rows, p);
 }
@@ -171,8 +175,8 @@ ffi::Error GroupedQuantizeFp8BlockCuda(cudaStream_t stream, ffi::AnyBuffer x,
   return quantize_gathered<false>("jaxquant_grouped_quantize_fp8_block", stream, a, rows, p);
 }
 
-// The rowwise copy written over the columnwise one in place (design decision 56): the
-// x-layout kernel again, in its kPatch form (flagged warps only, general-path rows only).
+// The rowwise copy written over the columnwise one in place (design decision 56): the flagged
+// row blocks only (mxfp8_patch_rows_kernel, a grid-stride loop of 16 flags a thread).
 ffi::Error GroupedPatchMxfp8RowsCuda(cudaStream_t stream, ffi::AnyBuffer w, ffi::AnyBuffer flags,
                                      ffi::AnyBuffer copy, ffi::AnyBuffer after,
                                      ffi::Result<ffi::AnyBuffer> out, bool raw_e5m2) {
@@ -183,20 +187,11 @@ ffi::Error GroupedPatchMxfp8RowsCuda(cudaStream_t stream, ffi::AnyBuffer w, ffi:
       cudaMemcpyAsync(a.out, a.copy, size_t(a.R * a.C) * 2, cudaMemcpyDeviceToDevice, stream) != cudaSuccess) {
     return launch_status("cudaMemcpyAsync");
   }
-  if (a.R == 0 || a.C == 0) return ffi::Error::Success();
-  Mxfp8Params p{};
-  p.R = a.R;
-  p.C = a.C;
-  p.vec_row = aligned(a.out, 16) && a.C % 8 == 0;
-  p.do_row = true;
-  p.raw = true;
-  p.fmt = a.fmt;
-  p.row = reinterpret_cast<uint8_t*>(a.out);
-  p.col_in_x_layout = true;
-  p.row_flags = const_cast<uint8_t*>(a.flags);
-  const Direct<BF16> rows{reinterpret_cast<const BF16*>(a.w), a.R, a.C, aligned(a.w, 16) && a.C % 8 == 0};
-  return launch_status(t, launch_tiles(mxfp8_x_layout_kernel<Direct<BF16>, XLayoutRows::kPatch>,
-                                       num_tiles(a.R, a.C, 128, 128), 0, stream, p, rows));
+  const int64_t chunks = x_layout_flag_count(a.R, a.C) / 16;
+  if (chunks == 0) return ffi::Error::Success();
+  const unsigned blocks = unsigned(std::min<int64_t>(ceil_div(chunks, kThreads), 4096));
+  mxfp8_patch_rows_kernel<<<blocks, kThreads, 0, stream>>>(a.w, a.flags, a.out, a.R, a.C, a.fmt);
+  return launch_status(t, cudaGetLastError());
 }
 
 }  // namespace

@@ -472,9 +472,9 @@ inline ffi::Error decode_grouped_gemm_bf16(const char* t, ffi::AnyBuffer a, ffi:
 // 128x128: `[G, ceil(C / 128), E / 128]`), then the amax. E must be a multiple of the format's
 // block (`e_block`). MXFP8 raw copies with `col_in_x_layout`: the columnwise copy in the
 // weights' own layout, `[G, E, C]` data and scales `[G, E / 32, C]`; with `row_flags` too, the
-// rowwise data result is u8[x_layout_flag_count(G E, C)] (a flag a 32 x 64 block, 8 a 128 x 128
-// tile in row-major tile order; mxfp8_x_layout.cuh) instead of the rowwise values, which
-// jaxquant_grouped_patch_mxfp8_rows writes later over the columnwise copy (design decision 56).
+// rowwise data result is u8[x_layout_flag_count(G E, C)] (a flag a 32-value row block, laid out
+// as the rowwise scales, padded to 16 bytes; mxfp8_x_layout.cuh) instead of the rowwise values,
+// which jaxquant_grouped_patch_mxfp8_rows writes later over the columnwise copy (decision 56).
 inline bool col_in_x_layout(const Mxfp8Args& a) { return a.col_in_x_layout; }
 inline bool col_in_x_layout(const Fp8BlockArgs&) { return false; }
 inline bool rows_as_flags(const Mxfp8Args& a) { return a.rows_as_flags; }
@@ -482,8 +482,8 @@ inline bool rows_as_flags(const Fp8BlockArgs&) { return false; }
 inline void set_row_flags(Mxfp8Args* a, void* p) { a->row_flags = static_cast<uint8_t*>(p); }
 inline void set_row_flags(Fp8BlockArgs*, void*) {}
 
-// The flags of an [R, C] matrix's 32 x 64 blocks (8 a 128 x 128 tile).
-inline int64_t x_layout_flag_count(int64_t R, int64_t C) { return ceil_div(R, 128) * ceil_div(C, 128) * 8; }
+// The flags of an [R, C] matrix's row blocks ([R, ceil(C / 32)] bytes), padded to whole 16 bytes.
+inline int64_t x_layout_flag_count(int64_t R, int64_t C) { return ceil_div(R * ceil_div(C, 32), 16) * 16; }
 
 template <typename Args, typename Scale>
 ffi::Error read_expert_copies(const char* t, ffi::RemainingRets rets, int64_t G, int64_t E,
@@ -630,8 +630,7 @@ inline ffi::Error decode_gathered_fp8_block(ffi::AnyBuffer x, ffi::AnyBuffer sta
 //   copy bf16[G, E, C], after) -> out bf16[G, E, C], aliased to `copy` (design decision 56):
 // the raw MXFP8 rowwise copy of expert weights w (G E = R rows, E % 32 == 0) written over the
 // columnwise copy in the weights' own layout that jaxquant_grouped_quantize_mxfp8 wrote with
-// `row_flags` beside those flags: in each flagged 32 x 64 block, the rows whose rowwise values
-// differ are rewritten. `after` is not read: an operand computed from the columnwise copy (the
+// `row_flags` beside those flags: each flagged 32-value row block is rewritten. `after` is not read: an operand computed from the columnwise copy (the
 // forward GEMM's output), so XLA runs this call after that copy's last reader and updates it in
 // place. `raw_e5m2`: the payload format, as for the quantize call.
 struct PatchRowsArgs {

@@ -23,14 +23,12 @@
 //
 // The rowwise (dgrad) copy need not be written at all (design decision 56): it equals the
 // columnwise one except in general-path rows, and there only where the two blocks' exponents
-// round a value differently. `XLayoutRows::kFlag` writes the columnwise copy and, for each
-// warp's 32 x 64 block, a flag byte: 1 where a general-path row's rowwise values differ from its
-// columnwise ones (general_row computes both), else 0. After the forward GEMM has read the
-// columnwise copy, `kPatch` runs over the same blocks with that copy as its rowwise output
-// (aliased in place): a warp whose flag is 0 returns at once, the others load their block again
-// and write the rowwise values of their general-path rows only. The result is kWrite's rowwise
-// copy bit for bit. Flag index: the CTA's tile (blockIdx.x, tiles in row-major order) times 8
-// plus its warp.
+// round a value differently. `XLayoutRows::kFlag` writes the columnwise copy and, beside each
+// rowwise scale, a flag byte for its 32-value row block: 1 where a general-path row's rowwise
+// values differ from its columnwise ones (general_row computes both), else 0. After the forward
+// GEMM has read the columnwise copy, mxfp8_patch_rows_kernel rewrites the flagged row blocks of
+// that copy in place with their rowwise values (the codes and their decode, which the rounding
+// path equals where it serves): the result is kWrite's rowwise copy bit for bit.
 #pragma once
 
 #include <type_traits>
@@ -141,20 +139,11 @@ __device__ __noinline__ bool general_row(uint32_t w0, uint32_t w1, uint32_t w2, 
 // Two CTAs a multiprocessor (120 registers, no spills): bounded to three it spilled 76 bytes and
 // took 358 against 297 us on the 64-expert weights (Nsight Compute, H200, session 23).
 //
-// kRows (decision 56): kWrite writes the rowwise copy at p.row; kFlag writes the flags at
-// p.row_flags instead (p.row unused; the rowwise scales as always); kPatch writes only the
-// general-path rows' rowwise values at p.row, in warps whose flag is set (no columnwise copy,
-// no scales, no amax).
-enum class XLayoutRows { kWrite, kFlag, kPatch };
-
-template <typename P, XLayoutRows kRows = XLayoutRows::kWrite>
+// kFlag (decision 56): the rowwise values are not written (p.row unused); p.row_flags gets a
+// byte a row block, laid out as the rowwise scales are ([R, ceil(C / 32)]).
+template <typename P, bool kFlag = false>
 __global__ void __launch_bounds__(kThreads, 2) mxfp8_x_layout_kernel(const Mxfp8Params p, const P prod) {
   static_assert(std::is_same_v<typename P::Out, BF16>, "bfloat16 weights (bit rounding)");
-  constexpr bool kPatch = kRows == XLayoutRows::kPatch;
-  const uint32_t flag_index = blockIdx.x * 8u + (threadIdx.x >> 5);
-  if constexpr (kPatch) {
-    if (p.row_flags[flag_index] == 0) return;  // the whole warp: no general row in its block
-  }
   __shared__ uint32_t red[kThreads / 32];
   const float inv_fmax = jq::inv_fmax_of(p.fmt);
   const Fp8Grid grid(p.fmt);
@@ -199,7 +188,7 @@ __global__ void __launch_bounds__(kThreads, 2) mxfp8_x_layout_kernel(const Mxfp8
   const bool in_cols = s.c < p.C;
   const int n = int(min64(8, p.C - s.c));
   const int64_t block_row = (s.r0 - s.q) / 32;
-  if (!kPatch && s.q == 0 && in_cols && block_row * 32 < p.R) {
+  if (s.q == 0 && in_cols && block_row * 32 < p.R) {
     store_bytes8(p.col_scale + block_row * p.C + s.c, col_e[0], col_e[1], n, p.vec_col);
   }
 
@@ -209,7 +198,7 @@ __global__ void __launch_bounds__(kThreads, 2) mxfp8_x_layout_kernel(const Mxfp8
   uint16_t* row_at = reinterpret_cast<uint16_t*>(p.row) + first;
   uint16_t* col_at = reinterpret_cast<uint16_t*>(p.col) + first;
   uint8_t* row_scale_at = p.row_scale + s.r0 * ((p.C + 31) / 32) + s.c / 32;
-  bool any_differ = false;  // kFlag: a general-path row of this lane whose two copies differ
+  uint32_t differ = 0u;  // kFlag: bit i for row i of this lane on the general path, its copies apart
 #pragma unroll
   for (int i = 0; i < XLayoutSlot::kRows; ++i, row_at += step, col_at += step, row_scale_at += scale_step) {
     // The row block's largest magnitude (this lane's 8 values, then its three neighbours').
@@ -221,33 +210,75 @@ __global__ void __launch_bounds__(kThreads, 2) mxfp8_x_layout_kernel(const Mxfp8
     const int64_t r = s.row(i);
     if (r >= p.R || !in_cols) continue;
     const uint32_t row_e = jq::e8m0_from_amax(__uint_as_float(m << 16), inv_fmax);
-    if (!kPatch && p.do_row && (threadIdx.x & 12) == 0) *row_scale_at = uint8_t(row_e);  // k % 4 == 0
+    if (p.do_row && (threadIdx.x & 12) == 0) *row_scale_at = uint8_t(row_e);  // k % 4 == 0
     uint32_t least2 = ~0u;
 #pragma unroll
     for (int k = 0; k < 4; ++k) least2 = __vminu2(least2, magnitude_less_one(w[i][k]) | outside[k]);
     const uint32_t least = min(lo16(least2), hi16(least2));
-    uint16_t* row = (kRows != XLayoutRows::kFlag && p.do_row) ? row_at : nullptr;
-    uint16_t* col = kPatch ? nullptr : col_at;
+    uint16_t* row = (!kFlag && p.do_row) ? row_at : nullptr;
+    uint16_t* col = col_at;
     if (!general_cols && row_e < 254u && least >= grid.normal_bound(row_e) - 1) {
-      if constexpr (!kPatch) {  // kPatch: the buffer holds these values already
-        uint32_t raw[4];
+      uint32_t raw[4];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) raw[k] = grid.round2(w[i][k]);
-        if (row != nullptr) store_bf16_words(row, raw, n, p.vec_row);
-        store_bf16_words(col, raw, n, p.vec_col);
-      }
-    } else {
-      any_differ |= general_row(w[i][0], w[i][1], w[i][2], w[i][3], row_e, col_e[0], col_e[1], p.fmt, row,
-                                col, n, p.vec_row, p.vec_col);
+      for (int k = 0; k < 4; ++k) raw[k] = grid.round2(w[i][k]);
+      if (row != nullptr) store_bf16_words(row, raw, n, p.vec_row);
+      store_bf16_words(col, raw, n, p.vec_col);
+    } else if (general_row(w[i][0], w[i][1], w[i][2], w[i][3], row_e, col_e[0], col_e[1], p.fmt, row, col, n,
+                           p.vec_row, p.vec_col)) {
+      differ |= 1u << i;
     }
   }
-  if constexpr (kRows == XLayoutRows::kFlag) {
-    const bool flag = __any_sync(0xFFFFFFFFu, any_differ);
-    if ((threadIdx.x & 31) == 0) p.row_flags[flag_index] = uint8_t(flag);
+  if constexpr (kFlag) {  // a row block's flag: its four lanes' bits (xor 4, 8), by its first lane
+    differ |= __shfl_xor_sync(0xFFFFFFFFu, differ, 4);
+    differ |= __shfl_xor_sync(0xFFFFFFFFu, differ, 8);
+    uint8_t* flag_at = p.row_flags + s.r0 * ((p.C + 31) / 32) + s.c / 32;
+#pragma unroll
+    for (int i = 0; i < XLayoutSlot::kRows; ++i, flag_at += scale_step) {
+      if (s.row(i) < p.R && in_cols && (threadIdx.x & 12) == 0) *flag_at = uint8_t((differ >> i) & 1u);
+    }
   }
-  if (!kPatch && p.amax) {
+  if (p.amax) {
     const uint32_t t = cta_max(amax << 16, red);
     if (threadIdx.x == 0) atomic_max_float(p.amax, t);
+  }
+}
+
+// The rowwise copy written over the columnwise one (decision 56): `out` [R, C] holds the
+// columnwise copy in the weights' layout; each row block whose flag (`flags`, [R, CB] bytes, CB =
+// ceil(C / 32), padded to 16 bytes) is set gets its rowwise raw values, the codes of its 32
+// values with their block's exponent, decoded, as general_row writes them. A thread takes 16
+// flags a step (grid-stride); set flags are rare.
+__global__ void __launch_bounds__(kThreads) mxfp8_patch_rows_kernel(const uint16_t* __restrict__ w,
+                                                                    const uint8_t* __restrict__ flags,
+                                                                    uint16_t* out, int64_t R, int64_t C,
+                                                                    jq::Fp8 fmt) {
+  const int64_t CB = (C + 31) / 32, chunks = (R * CB + 15) / 16;
+  const float inv_fmax = jq::inv_fmax_of(fmt);
+  const bool e5m2 = fmt == jq::Fp8::kE5M2, vec = C % 8 == 0;
+  for (int64_t chunk = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; chunk < chunks;
+       chunk += int64_t(gridDim.x) * blockDim.x) {
+    const uint4 f = __ldg(reinterpret_cast<const uint4*>(flags) + chunk);
+    if ((f.x | f.y | f.z | f.w) == 0u) continue;
+    const uint32_t words[4] = {f.x, f.y, f.z, f.w};
+    for (int j = 0; j < 16; ++j) {
+      if (((words[j / 4] >> (8 * (j % 4))) & 0xFFu) == 0u) continue;
+      const int64_t block = chunk * 16 + j, r = block / CB, c0 = (block - r * CB) * 32;
+      if (r >= R) break;
+      BF16 v[32];
+      for (int k = 0; k < 4; ++k) load8(reinterpret_cast<const BF16*>(w), R, C, r, c0 + 8 * k, vec, v + 8 * k);
+      uint32_t m = 0u;  // the largest magnitude's bits (NaN above infinity, as the kernels take it)
+      for (int k = 0; k < 32; ++k) m = max(m, uint32_t(v[k].u) & 0x7FFFu);
+      const uint32_t e = jq::e8m0_from_amax(__uint_as_float(m << 16), inv_fmax);
+      for (int k = 0; k < 4; ++k) {
+        float x[8];
+        for (int i = 0; i < 8; ++i) x[i] = __uint_as_float(uint32_t(v[8 * k + i].u) << 16);
+        uint32_t q[2], raw[4];
+        mxfp8_codes<8>(x, e, fmt, q);
+        mxfp8_raw_words<2>(q, jq::decode_e8m0(e), e5m2, raw);
+        const int64_t c = c0 + 8 * k;
+        if (c < C) store_bf16_words(out + r * C + c, raw, int(min64(8, C - c)), vec);
+      }
+    }
   }
 }
 

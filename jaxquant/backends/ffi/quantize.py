@@ -69,8 +69,8 @@ class Request:
   # [G, expert_rows, cols] with scales [G, expert_rows / 32, cols] (MXFP8).
   col_in_x_layout: bool = False
   # With `col_in_x_layout` and `rowwise`: the rowwise data result is the kernel's u8 flags of the
-  # 32 x 64 blocks whose rowwise values may differ from the columnwise copy's, not the values
-  # (design decision 56; `patch_mxfp8_rows` writes them later over that copy).
+  # row blocks whose rowwise values differ from the columnwise copy's, not the values (design
+  # decision 56; `patch_mxfp8_rows` writes them later over that copy).
   row_flags: bool = False
 
   @property
@@ -350,17 +350,17 @@ def _mxfp8(req: Request, quantizer: MXFP8Quantizer) -> Pair:
 
 
 def x_layout_flag_count(rows: int, cols: int) -> int:
-  """The flags `row_flags` writes for an `[rows, cols]` matrix: one a 32 x 64 block, 8 a
-  128 x 128 tile (tiles in row-major order)."""
-  return -(-rows // 128) * -(-cols // 128) * 8
+  """The flags `row_flags` writes for an `[rows, cols]` matrix: one a 32-value row block, laid
+  out as the rowwise scales (`[rows, ceil(cols / 32)]`), padded with zeros to whole 16 bytes."""
+  return -(-rows * -(-cols // 32) // 16) * 16
 
 
 def patch_mxfp8_rows(w2d: jax.Array, flags: jax.Array, copy: jax.Array, after: jax.Array, *,
                      e5m2: bool) -> jax.Array:
   """The raw MXFP8 rowwise copy of bfloat16 expert weights `w2d[G * rows, cols]`, written over
   their raw columnwise copy in the weights' own layout `copy[G, rows, cols]` (design decision
-  56): the rowwise values of the blocks `flags` marks (from `quantize_gathered(row_flags=True)`),
-  the rest of `copy` as it is (there the two copies are equal). XLA updates `copy` in place
+  56): the rowwise values of the row blocks `flags` marks (from
+  `quantize_gathered(row_flags=True)`), the rest of `copy` as it is (there the copies are equal). XLA updates `copy` in place
   (`jaxquant_grouped_patch_mxfp8_rows` aliases it to its output) when nothing reads it after
   this call: `after`, an array computed from `copy` (the forward GEMM's output), is an operand
   the kernel never reads, so that this call comes after that reader."""
@@ -525,9 +525,9 @@ def quantize_gathered(x2d, starts: jax.Array, pstarts: jax.Array, length: int,
   whole rows of both copies).
 
   `row_flags` (with `col_in_x_layout` and `rowwise`): the rowwise values are not written; the
-  rowwise `ScaledTensor`'s data is instead `u8[x_layout_flag_count(length, cols)]`, the blocks
-  whose rowwise values may differ from the columnwise copy's (its scales and amax as always),
-  for `patch_mxfp8_rows` (design decision 56)."""
+  rowwise `ScaledTensor`'s data is instead `u8[x_layout_flag_count(length, cols)]`, 1 for each
+  row block whose rowwise values differ from the columnwise copy's (its scales and amax as
+  always), for `patch_mxfp8_rows` (design decision 56)."""
   if row_flags and not (col_in_x_layout and rowwise):
     raise ValueError(f"row_flags: needs col_in_x_layout and a rowwise copy (the flags stand in "
                      f"for its values); got col_in_x_layout={col_in_x_layout}, "
