@@ -362,9 +362,9 @@ def patch_mxfp8_rows(w2d: jax.Array, flags: jax.Array, copy: jax.Array, after: j
   56): the rowwise values of the row blocks `flags` marks (from
   `quantize_gathered(row_flags=True)`), the rest of `copy` as it is (there the copies are
   equal). XLA updates `copy` in place (`jaxquant_grouped_patch_mxfp8_rows` aliases it to its
-  output) when nothing reads it after
-  this call: `after`, an array computed from `copy` (the forward GEMM's output), is an operand
-  the kernel never reads, so that this call comes after that reader."""
+  output) when nothing reads it after this call: `after`, an array computed from `copy` (the
+  forward GEMM's output), is an operand the kernel never reads, so that this call comes after
+  that reader."""
   if np.dtype(w2d.dtype) != np.dtype(jnp.bfloat16) or w2d.ndim != 2:
     raise ValueError(f"w2d: expected bfloat16 [G * rows, cols] weights, got "
                      f"{np.dtype(w2d.dtype).name} {tuple(w2d.shape)}")
