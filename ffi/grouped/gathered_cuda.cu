@@ -152,10 +152,6 @@ ffi::Error GroupedQuantizeMxfp8Cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::
                                            col_in_x_layout, row_flags, &a, &rows));
   Mxfp8Params p = mxfp8_params(a, a.x.rows, a.x.cols);
   p.expert_rows = rows.expert_rows;
-  if (a.rows_as_flags) {  // the kernel writes a flag a row block; the 16-byte padding is zeroed
-    const int64_t used = a.x.rows * ceil_div(a.x.cols, 32);
-    JQ_RETURN_IF_ERROR(clear(stream, a.row_flags + used, size_t(x_layout_flag_count(a.x.rows, a.x.cols) - used)));
-  }
   return raw ? quantize_gathered<true>(t, stream, a, rows, p)
              : quantize_gathered<false>(t, stream, a, rows, p);
 }
@@ -176,7 +172,7 @@ ffi::Error GroupedQuantizeFp8BlockCuda(cudaStream_t stream, ffi::AnyBuffer x,
 }
 
 // The rowwise copy written over the columnwise one in place (design decision 56): the flagged
-// row blocks only (mxfp8_patch_rows_kernel, a grid-stride loop of 16 flags a thread).
+// row blocks only (mxfp8_patch_rows_kernel, a grid-stride loop of a warp block's flags a thread).
 ffi::Error GroupedPatchMxfp8RowsCuda(cudaStream_t stream, ffi::AnyBuffer w, ffi::AnyBuffer flags,
                                      ffi::AnyBuffer copy, ffi::AnyBuffer after,
                                      ffi::Result<ffi::AnyBuffer> out, bool raw_e5m2) {
@@ -187,10 +183,11 @@ ffi::Error GroupedPatchMxfp8RowsCuda(cudaStream_t stream, ffi::AnyBuffer w, ffi:
       cudaMemcpyAsync(a.out, a.copy, size_t(a.R * a.C) * 2, cudaMemcpyDeviceToDevice, stream) != cudaSuccess) {
     return launch_status("cudaMemcpyAsync");
   }
-  const int64_t chunks = x_layout_flag_count(a.R, a.C) / 16;
-  if (chunks == 0) return ffi::Error::Success();
-  const unsigned blocks = unsigned(std::min<int64_t>(ceil_div(chunks, kThreads), 4096));
-  mxfp8_patch_rows_kernel<<<blocks, kThreads, 0, stream>>>(a.w, a.flags, a.out, a.R, a.C, a.fmt);
+  const int64_t words = x_layout_flag_count(a.R, a.C) / 8;
+  if (words == 0) return ffi::Error::Success();
+  const unsigned blocks = unsigned(std::min<int64_t>(ceil_div(words, kThreads), 4096));
+  mxfp8_patch_rows_kernel<<<blocks, kThreads, 0, stream>>>(a.w, reinterpret_cast<const uint2*>(a.flags),
+                                                           a.out, a.R, a.C, a.fmt);
   return launch_status(t, cudaGetLastError());
 }
 

@@ -472,9 +472,9 @@ inline ffi::Error decode_grouped_gemm_bf16(const char* t, ffi::AnyBuffer a, ffi:
 // 128x128: `[G, ceil(C / 128), E / 128]`), then the amax. E must be a multiple of the format's
 // block (`e_block`). MXFP8 raw copies with `col_in_x_layout`: the columnwise copy in the
 // weights' own layout, `[G, E, C]` data and scales `[G, E / 32, C]`; with `row_flags` too, the
-// rowwise data result is u8[x_layout_flag_count(G E, C)] (a flag a 32-value row block, laid out
-// as the rowwise scales, padded to 16 bytes; mxfp8_x_layout.cuh) instead of the rowwise values,
-// which jaxquant_grouped_patch_mxfp8_rows writes later over the columnwise copy (decision 56).
+// rowwise data result is u8[x_layout_flag_count(G E, C)] (64 flag bits a 32 x 64 block, one a
+// 32-value row block; mxfp8_x_layout.cuh) instead of the rowwise values, which
+// jaxquant_grouped_patch_mxfp8_rows writes later over the columnwise copy (decision 56).
 inline bool col_in_x_layout(const Mxfp8Args& a) { return a.col_in_x_layout; }
 inline bool col_in_x_layout(const Fp8BlockArgs&) { return false; }
 inline bool rows_as_flags(const Mxfp8Args& a) { return a.rows_as_flags; }
@@ -482,8 +482,10 @@ inline bool rows_as_flags(const Fp8BlockArgs&) { return false; }
 inline void set_row_flags(Mxfp8Args* a, void* p) { a->row_flags = static_cast<uint8_t*>(p); }
 inline void set_row_flags(Fp8BlockArgs*, void*) {}
 
-// The flags of an [R, C] matrix's row blocks ([R, ceil(C / 32)] bytes), padded to whole 16 bytes.
-inline int64_t x_layout_flag_count(int64_t R, int64_t C) { return ceil_div(R * ceil_div(C, 32), 16) * 16; }
+// The flag bytes of an [R, C] matrix: 8 (64 bits, little-endian) for each 32 x 64 block, 8 blocks a
+// 128 x 128 tile (tiles row-major, block w at rows 32 (w / 2) and columns 64 (w % 2) of its tile);
+// bit 32 h + i is row i of the block's row block h (its columns 32 h ..).
+inline int64_t x_layout_flag_count(int64_t R, int64_t C) { return ceil_div(R, 128) * ceil_div(C, 128) * 64; }
 
 template <typename Args, typename Scale>
 ffi::Error read_expert_copies(const char* t, ffi::RemainingRets rets, int64_t G, int64_t E,

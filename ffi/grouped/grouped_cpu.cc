@@ -440,13 +440,18 @@ void transpose_batches(const T* in, int64_t B, int64_t R, int64_t C, T* out) {
   }
 }
 
-// Calls f(flag index, row, first column, column end) for each 32-value row block of an [R, C]
-// matrix, in the flags' order (x_layout_flag_count: laid out as the rowwise scales).
+// Calls f(flag byte, flag bit, row, first column, column end) for each 32-value row block of an
+// [R, C] matrix, in the flags' layout (x_layout_flag_count).
 template <typename F>
 void for_each_row_block(int64_t R, int64_t C, F&& f) {
-  const int64_t CB = ceil_div(C, 32);
-  for (int64_t r = 0; r < R; ++r) {
-    for (int64_t b = 0; b < CB; ++b) f(r * CB + b, r, 32 * b, std::min(32 * b + 32, C));
+  const int64_t tile_cols = ceil_div(C, 128);
+  for (int64_t b = 0; b < x_layout_flag_count(R, C) / 8; ++b) {
+    const int64_t tile = b / 8, w = b % 8;
+    const int64_t r0 = (tile / tile_cols) * 128 + 32 * (w / 2), c0 = (tile % tile_cols) * 128 + 64 * (w % 2);
+    for (int bit = 0; bit < 64; ++bit) {
+      const int64_t r = r0 + bit % 32, c = c0 + 32 * (bit / 32);
+      if (r < R && c < C) f(8 * b + bit / 8, bit % 8, r, c, std::min(c + 32, C));
+    }
   }
 }
 
@@ -498,10 +503,10 @@ ffi::Error GroupedQuantizeMxfp8Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi:
     transpose_batches(scales.data(), L / E, C, E / 32, col_scale);
     if (a.rows_as_flags) {
       std::fill(a.row_flags, a.row_flags + x_layout_flag_count(L, C), uint8_t(0));
-      for_each_row_block(L, C, [&](int64_t i, int64_t r, int64_t c0, int64_t c1) {
+      for_each_row_block(L, C, [&](int64_t byte, int bit, int64_t r, int64_t c0, int64_t c1) {
         bool differ = false;
         for (int64_t c = c0; c < c1; ++c) differ |= row_out[r * C + c] != col_out[r * C + c];
-        a.row_flags[i] = uint8_t(differ);
+        a.row_flags[byte] |= uint8_t(differ) << bit;
       });
     }
   }
@@ -521,8 +526,8 @@ ffi::Error GroupedPatchMxfp8RowsCpu(ffi::AnyBuffer w, ffi::AnyBuffer flags, ffi:
   mxfp8_matrix(m, a.fmt, codes.data(), scales.data());
   mxfp8_raw_matrix(codes.data(), scales.data(), a.R, a.C, ceil_div(a.C, 32), a.fmt == jq::Fp8::kE5M2,
                    values.data());
-  for_each_row_block(a.R, a.C, [&](int64_t i, int64_t r, int64_t c0, int64_t c1) {
-    if (a.flags[i] == 0) return;
+  for_each_row_block(a.R, a.C, [&](int64_t byte, int bit, int64_t r, int64_t c0, int64_t c1) {
+    if (((a.flags[byte] >> bit) & 1) == 0) return;
     for (int64_t c = c0; c < c1; ++c) a.out[r * a.C + c] = values[r * a.C + c];
   });
   return ffi::Error::Success();

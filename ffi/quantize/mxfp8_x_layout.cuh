@@ -23,12 +23,15 @@
 //
 // The rowwise (dgrad) copy need not be written at all (design decision 56): it equals the
 // columnwise one except in general-path rows, and there only where the two blocks' exponents
-// round a value differently. `XLayoutRows::kFlag` writes the columnwise copy and, beside each
-// rowwise scale, a flag byte for its 32-value row block: 1 where a general-path row's rowwise
-// values differ from its columnwise ones (general_row computes both), else 0. After the forward
-// GEMM has read the columnwise copy, mxfp8_patch_rows_kernel rewrites the flagged row blocks of
-// that copy in place with their rowwise values (the codes and their decode, which the rounding
-// path equals where it serves): the result is kWrite's rowwise copy bit for bit.
+// round a value differently. The kernel's kFlag form writes the columnwise copy and, for each
+// warp's 32 x 64 block, 64 flag bits (8 bytes, one store a warp): bit 32 h + i for row i of the
+// block's row block h (its columns 32 h ..), set where that row block's rowwise values differ
+// from its columnwise ones (general_row computes both). Flag words in tile order (blockIdx.x)
+// times 8 plus the warp. After the forward GEMM has read the columnwise copy,
+// mxfp8_patch_rows_kernel rewrites the flagged row blocks of that copy in place with their
+// rowwise values (the codes and their decode, which the rounding path equals where it serves):
+// the result is kWrite's rowwise copy bit for bit. (A flag byte a row block beside each rowwise
+// scale, session 30's first form, cost ~60 us at 64 experts: scattered one-byte stores.)
 #pragma once
 
 #include <type_traits>
@@ -139,8 +142,9 @@ __device__ __noinline__ bool general_row(uint32_t w0, uint32_t w1, uint32_t w2, 
 // Two CTAs a multiprocessor (120 registers, no spills): bounded to three it spilled 76 bytes and
 // took 358 against 297 us on the 64-expert weights (Nsight Compute, H200, session 23).
 //
-// kFlag (decision 56): the rowwise values are not written (p.row unused); p.row_flags gets a
-// byte a row block, laid out as the rowwise scales are ([R, ceil(C / 32)]).
+// kFlag (decision 56): the rowwise values are not written (p.row unused); p.row_flags gets the
+// warp's 64 flag bits. The rowwise scales of a row's two row blocks go out as one 16-bit store
+// where the scale rows have an even length (one byte store each otherwise).
 template <typename P, bool kFlag = false>
 __global__ void __launch_bounds__(kThreads, 2) mxfp8_x_layout_kernel(const Mxfp8Params p, const P prod) {
   static_assert(std::is_same_v<typename P::Out, BF16>, "bfloat16 weights (bit rounding)");
@@ -198,6 +202,8 @@ __global__ void __launch_bounds__(kThreads, 2) mxfp8_x_layout_kernel(const Mxfp8
   uint16_t* row_at = reinterpret_cast<uint16_t*>(p.row) + first;
   uint16_t* col_at = reinterpret_cast<uint16_t*>(p.col) + first;
   uint8_t* row_scale_at = p.row_scale + s.r0 * ((p.C + 31) / 32) + s.c / 32;
+  // Lane k == 0's scale byte is at an even column block (s.c / 32 = c0 / 32 + 2 (warp % 2)).
+  const bool paired_scales = ((p.C + 31) / 32) % 2 == 0 && reinterpret_cast<uintptr_t>(p.row_scale) % 2 == 0;
   uint32_t differ = 0u;  // kFlag: bit i for row i of this lane on the general path, its copies apart
 #pragma unroll
   for (int i = 0; i < XLayoutSlot::kRows; ++i, row_at += step, col_at += step, row_scale_at += scale_step) {
@@ -207,10 +213,21 @@ __global__ void __launch_bounds__(kThreads, 2) mxfp8_x_layout_kernel(const Mxfp8
     uint32_t m = max(lo16(m2), hi16(m2));
     m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 4));
     m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 8));
+    const uint32_t row_e = jq::e8m0_from_amax(__uint_as_float(m << 16), inv_fmax);
+    const uint32_t next_e = __shfl_xor_sync(0xFFFFFFFFu, row_e, 16);  // row block k / 4 + 1's
     const int64_t r = s.row(i);
     if (r >= p.R || !in_cols) continue;
-    const uint32_t row_e = jq::e8m0_from_amax(__uint_as_float(m << 16), inv_fmax);
-    if (p.do_row && (threadIdx.x & 12) == 0) *row_scale_at = uint8_t(row_e);  // k % 4 == 0
+    if (p.do_row && (threadIdx.x & 12) == 0) {  // k % 4 == 0: a row block's first lane
+      if (!paired_scales) {
+        *row_scale_at = uint8_t(row_e);
+      } else if ((threadIdx.x & 16) == 0) {  // k == 0: both of the row's blocks, or the one inside
+        if (s.c + 32 < p.C) {
+          *reinterpret_cast<uint16_t*>(row_scale_at) = uint16_t(row_e | (next_e << 8));
+        } else {
+          *row_scale_at = uint8_t(row_e);
+        }
+      }
+    }
     uint32_t least2 = ~0u;
 #pragma unroll
     for (int k = 0; k < 4; ++k) least2 = __vminu2(least2, magnitude_less_one(w[i][k]) | outside[k]);
@@ -228,13 +245,20 @@ __global__ void __launch_bounds__(kThreads, 2) mxfp8_x_layout_kernel(const Mxfp8
       differ |= 1u << i;
     }
   }
-  if constexpr (kFlag) {  // a row block's flag: its four lanes' bits (xor 4, 8), by its first lane
+  if constexpr (kFlag) {
+    // A row block's flag is its four lanes' bits (xor 4, 8); lanes 0..3 (q, k = 0) then hold row
+    // block 0's rows q + 4i, lanes 16..19 (k = 4) row block 1's.
     differ |= __shfl_xor_sync(0xFFFFFFFFu, differ, 4);
     differ |= __shfl_xor_sync(0xFFFFFFFFu, differ, 8);
-    uint8_t* flag_at = p.row_flags + s.r0 * ((p.C + 31) / 32) + s.c / 32;
+    uint32_t lo = 0u, hi = 0u;
 #pragma unroll
-    for (int i = 0; i < XLayoutSlot::kRows; ++i, flag_at += scale_step) {
-      if (s.row(i) < p.R && in_cols && (threadIdx.x & 12) == 0) *flag_at = uint8_t((differ >> i) & 1u);
+    for (int i = 0; i < XLayoutSlot::kRows; ++i) {
+      const uint32_t b = __ballot_sync(0xFFFFFFFFu, (differ >> i) & 1u);
+      lo |= (b & 0xFu) << (4 * i);
+      hi |= ((b >> 16) & 0xFu) << (4 * i);
+    }
+    if ((threadIdx.x & 31) == 0) {
+      reinterpret_cast<uint2*>(p.row_flags)[blockIdx.x * 8u + (threadIdx.x >> 5)] = make_uint2(lo, hi);
     }
   }
   if (p.amax) {
@@ -243,40 +267,51 @@ __global__ void __launch_bounds__(kThreads, 2) mxfp8_x_layout_kernel(const Mxfp8
   }
 }
 
+// Row block (r, columns c0 ..) of bfloat16 weights w [R, C] as its rowwise raw values into out:
+// the codes of its 32 values with their block's exponent, decoded, as general_row writes them.
+__device__ __forceinline__ void patch_row_block(const uint16_t* __restrict__ w, uint16_t* out, int64_t R,
+                                                int64_t C, int64_t r, int64_t c0, jq::Fp8 fmt) {
+  const bool vec = C % 8 == 0;
+  BF16 v[32];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) load8(reinterpret_cast<const BF16*>(w), R, C, r, c0 + 8 * k, vec, v + 8 * k);
+  uint32_t m = 0u;  // the largest magnitude's bits (NaN above infinity, as the kernels take it)
+#pragma unroll
+  for (int k = 0; k < 32; ++k) m = max(m, uint32_t(v[k].u) & 0x7FFFu);
+  const uint32_t e = jq::e8m0_from_amax(__uint_as_float(m << 16), jq::inv_fmax_of(fmt));
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    float x[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = __uint_as_float(uint32_t(v[8 * k + i].u) << 16);
+    uint32_t q[2], raw[4];
+    mxfp8_codes<8>(x, e, fmt, q);
+    mxfp8_raw_words<2>(q, jq::decode_e8m0(e), fmt == jq::Fp8::kE5M2, raw);
+    const int64_t c = c0 + 8 * k;
+    if (c < C) store_bf16_words(out + r * C + c, raw, int(min64(8, C - c)), vec);
+  }
+}
+
 // The rowwise copy written over the columnwise one (decision 56): `out` [R, C] holds the
-// columnwise copy in the weights' layout; each row block whose flag (`flags`, [R, CB] bytes, CB =
-// ceil(C / 32), padded to 16 bytes) is set gets its rowwise raw values, the codes of its 32
-// values with their block's exponent, decoded, as general_row writes them. A thread takes 16
-// flags a step (grid-stride); set flags are rare.
+// columnwise copy in the weights' layout; each row block flagged by the x-layout kernel's kFlag
+// form (`flags`: 64 bits a 32 x 64 warp block) gets its rowwise values. A thread a warp block,
+// grid-stride; set flags are rare.
 __global__ void __launch_bounds__(kThreads) mxfp8_patch_rows_kernel(const uint16_t* __restrict__ w,
-                                                                    const uint8_t* __restrict__ flags,
+                                                                    const uint2* __restrict__ flags,
                                                                     uint16_t* out, int64_t R, int64_t C,
                                                                     jq::Fp8 fmt) {
-  const int64_t CB = (C + 31) / 32, chunks = (R * CB + 15) / 16;
-  const float inv_fmax = jq::inv_fmax_of(fmt);
-  const bool e5m2 = fmt == jq::Fp8::kE5M2, vec = C % 8 == 0;
-  for (int64_t chunk = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; chunk < chunks;
-       chunk += int64_t(gridDim.x) * blockDim.x) {
-    const uint4 f = __ldg(reinterpret_cast<const uint4*>(flags) + chunk);
-    if ((f.x | f.y | f.z | f.w) == 0u) continue;
-    const uint32_t words[4] = {f.x, f.y, f.z, f.w};
-    for (int j = 0; j < 16; ++j) {
-      if (((words[j / 4] >> (8 * (j % 4))) & 0xFFu) == 0u) continue;
-      const int64_t block = chunk * 16 + j, r = block / CB, c0 = (block - r * CB) * 32;
-      if (r >= R) break;
-      BF16 v[32];
-      for (int k = 0; k < 4; ++k) load8(reinterpret_cast<const BF16*>(w), R, C, r, c0 + 8 * k, vec, v + 8 * k);
-      uint32_t m = 0u;  // the largest magnitude's bits (NaN above infinity, as the kernels take it)
-      for (int k = 0; k < 32; ++k) m = max(m, uint32_t(v[k].u) & 0x7FFFu);
-      const uint32_t e = jq::e8m0_from_amax(__uint_as_float(m << 16), inv_fmax);
-      for (int k = 0; k < 4; ++k) {
-        float x[8];
-        for (int i = 0; i < 8; ++i) x[i] = __uint_as_float(uint32_t(v[8 * k + i].u) << 16);
-        uint32_t q[2], raw[4];
-        mxfp8_codes<8>(x, e, fmt, q);
-        mxfp8_raw_words<2>(q, jq::decode_e8m0(e), e5m2, raw);
-        const int64_t c = c0 + 8 * k;
-        if (c < C) store_bf16_words(out + r * C + c, raw, int(min64(8, C - c)), vec);
+  const uint32_t tile_cols = uint32_t((C + 127) / 128);
+  const int64_t blocks = ((R + 127) / 128) * int64_t(tile_cols) * 8;
+  for (int64_t b = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; b < blocks;
+       b += int64_t(gridDim.x) * blockDim.x) {
+    const uint2 f = __ldg(flags + b);
+    if ((f.x | f.y) == 0u) continue;
+    const uint32_t tile = uint32_t(b / 8), warp = uint32_t(b % 8), tile_row = tile / tile_cols;
+    const int64_t r0 = int64_t(tile_row) * 128 + 32 * (warp >> 1);
+    const int64_t c0 = int64_t(tile - tile_row * tile_cols) * 128 + 64 * (warp & 1);
+    for (int h = 0; h < 2; ++h) {
+      for (uint32_t bits = h ? f.y : f.x; bits != 0u; bits &= bits - 1u) {
+        patch_row_block(w, out, R, C, r0 + __ffs(bits) - 1, c0 + 32 * h, fmt);
       }
     }
   }

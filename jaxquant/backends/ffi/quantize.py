@@ -350,9 +350,10 @@ def _mxfp8(req: Request, quantizer: MXFP8Quantizer) -> Pair:
 
 
 def x_layout_flag_count(rows: int, cols: int) -> int:
-  """The flags `row_flags` writes for an `[rows, cols]` matrix: one a 32-value row block, laid
-  out as the rowwise scales (`[rows, ceil(cols / 32)]`), padded with zeros to whole 16 bytes."""
-  return -(-rows * -(-cols // 32) // 16) * 16
+  """The flag bytes `row_flags` writes for an `[rows, cols]` matrix: 8 (64 bits, little-endian)
+  a 32 x 64 block, 8 blocks a 128 x 128 tile (tiles row-major; block w at rows 32 (w // 2) and
+  columns 64 (w % 2) of its tile); bit 32 h + i is row i of the block's row block h."""
+  return -(-rows // 128) * -(-cols // 128) * 64
 
 
 def patch_mxfp8_rows(w2d: jax.Array, flags: jax.Array, copy: jax.Array, after: jax.Array, *,
