@@ -143,8 +143,7 @@ __device__ __noinline__ bool general_row(uint32_t w0, uint32_t w1, uint32_t w2, 
 // took 358 against 297 us on the 64-expert weights (Nsight Compute, H200, session 23).
 //
 // kFlag (decision 56): the rowwise values are not written (p.row unused); p.row_flags gets the
-// warp's 64 flag bits. The rowwise scales of a row's two row blocks go out as one 16-bit store
-// where the scale rows have an even length (one byte store each otherwise).
+// warp's 64 flag bits.
 template <typename P, bool kFlag = false>
 __global__ void __launch_bounds__(kThreads, 2) mxfp8_x_layout_kernel(const Mxfp8Params p, const P prod) {
   static_assert(std::is_same_v<typename P::Out, BF16>, "bfloat16 weights (bit rounding)");
@@ -202,8 +201,6 @@ __global__ void __launch_bounds__(kThreads, 2) mxfp8_x_layout_kernel(const Mxfp8
   uint16_t* row_at = reinterpret_cast<uint16_t*>(p.row) + first;
   uint16_t* col_at = reinterpret_cast<uint16_t*>(p.col) + first;
   uint8_t* row_scale_at = p.row_scale + s.r0 * ((p.C + 31) / 32) + s.c / 32;
-  // Lane k == 0's scale byte is at an even column block (s.c / 32 = c0 / 32 + 2 (warp % 2)).
-  const bool paired_scales = ((p.C + 31) / 32) % 2 == 0 && reinterpret_cast<uintptr_t>(p.row_scale) % 2 == 0;
   uint32_t differ = 0u;  // kFlag: bit i for row i of this lane on the general path, its copies apart
 #pragma unroll
   for (int i = 0; i < XLayoutSlot::kRows; ++i, row_at += step, col_at += step, row_scale_at += scale_step) {
@@ -213,21 +210,10 @@ __global__ void __launch_bounds__(kThreads, 2) mxfp8_x_layout_kernel(const Mxfp8
     uint32_t m = max(lo16(m2), hi16(m2));
     m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 4));
     m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 8));
-    const uint32_t row_e = jq::e8m0_from_amax(__uint_as_float(m << 16), inv_fmax);
-    const uint32_t next_e = __shfl_xor_sync(0xFFFFFFFFu, row_e, 16);  // row block k / 4 + 1's
     const int64_t r = s.row(i);
     if (r >= p.R || !in_cols) continue;
-    if (p.do_row && (threadIdx.x & 12) == 0) {  // k % 4 == 0: a row block's first lane
-      if (!paired_scales) {
-        *row_scale_at = uint8_t(row_e);
-      } else if ((threadIdx.x & 16) == 0) {  // k == 0: both of the row's blocks, or the one inside
-        if (s.c + 32 < p.C) {
-          *reinterpret_cast<uint16_t*>(row_scale_at) = uint16_t(row_e | (next_e << 8));
-        } else {
-          *row_scale_at = uint8_t(row_e);
-        }
-      }
-    }
+    const uint32_t row_e = jq::e8m0_from_amax(__uint_as_float(m << 16), inv_fmax);
+    if (p.do_row && (threadIdx.x & 12) == 0) *row_scale_at = uint8_t(row_e);  // k % 4 == 0
     uint32_t least2 = ~0u;
 #pragma unroll
     for (int k = 0; k < 4; ++k) least2 = __vminu2(least2, magnitude_less_one(w[i][k]) | outside[k]);
