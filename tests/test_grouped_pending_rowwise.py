@@ -66,11 +66,11 @@ def _weights(rng, groups, rows, cols, kind, name="e4m3"):
   return jnp.asarray(w, jnp.bfloat16)
 
 
-def _copies(w, groups, rows, quantizer, row_flags):
+def _copies(w, groups, rows, quantizer, row_flags, x_layout=True):
   starts = jnp.arange(groups + 1, dtype=jnp.int32) * rows
   fn = lambda w: single.quantize_gathered(
       w, starts, starts, groups * rows, quantizer, rowwise=True, columnwise=True,
-      orig_dtype=np.dtype(w.dtype), expert_rows=rows, raw=True, col_in_x_layout=True,
+      orig_dtype=np.dtype(w.dtype), expert_rows=rows, raw=True, col_in_x_layout=x_layout,
       row_flags=row_flags)
   return jax.jit(fn)(w)
 
@@ -101,6 +101,12 @@ def check_pending(rng, name, groups, rows, cols, kind):
   quantizer = PAYLOADS[name]
   row, col = _copies(w, groups, rows, quantizer, False)
   flags, fcol = _copies(w, groups, rows, quantizer, True)
+  transposed_row, _ = _copies(w, groups, rows, quantizer, False, x_layout=False)  # another kernel
+  for t in (row, flags):
+    np.testing.assert_array_equal(np.asarray(t.scale_inv).view(np.uint8),
+                                  np.asarray(transposed_row.scale_inv).view(np.uint8))
+  np.testing.assert_array_equal(np.asarray(row.data).view(U16),
+                                np.asarray(transposed_row.data).view(U16))
   assert flags.data.shape == (single.x_layout_flag_count(groups * rows, cols),)
   assert flags.data.dtype == np.uint8
   np.testing.assert_array_equal(np.asarray(fcol.data).view(U16), np.asarray(col.data).view(U16))
@@ -233,7 +239,8 @@ def test_gpu_patched_rowwise_copy_is_the_written_one(on_kernel, rng, name):
   2^-14 of its blocks' largest, rounded apart by their two exponents; E5M2's bound is 2^-29),
   which is what makes the patch pay."""
   for kind in ("binades", "mixed", "edges"):
-    check_pending(rng, name, 3, 96, 200, kind)
+    check_pending(rng, name, 3, 96, 200, kind)  # partial tiles in both directions
+    check_pending(rng, name, 3, 96, 256, kind)  # whole tile columns, 288 rows
   _, given = check_pending(rng, name, 8, 256, 1408, "normal")
   assert given.mean() < (0.01 if name == "e4m3" else 0.001), given.mean()
   check_pending(rng, name, 8, 256, 1408, "mixed")
