@@ -163,7 +163,7 @@ class PendingRowwise:
   written (design decision 56). Where a value's row and column blocks keep it a normal FP8
   value, both raw copies hold it rounded to the payload's bits, so the rowwise copy is the raw
   columnwise copy in the weights' own layout (`TransposedExperts`, the forward GEMM's operand)
-  with only the 32 x 64 blocks in `flags` rewritten. `jaxquant.ops.grouped.write_pending`
+  with only the 32-value row blocks set in `flags` rewritten. `jaxquant.ops.grouped.write_pending`
   rewrites them in place once the forward GEMM has read that copy: one copy of the weights
   written a step instead of two. Holds the weights `[G * rows, cols]` that call reads again,
   the flags, and the rowwise copy's scales `[G, rows, ceil(cols / 32)]` and amax."""

@@ -392,7 +392,7 @@ def quantize_experts(w: jax.Array, quantizer: Quantizer, *, rowwise: bool = True
 
 # What `explain` adds to the record of a rowwise copy left pending (design decision 56).
 PENDING_NOTE = ("written after the forward GEMM over the forward copy, in place, where the two "
-                "differ (blocks of general-path rows)")
+                "differ (row blocks of general-path rows)")
 
 
 def write_pending(qw: QuantizedTensor, forward: Any, after: jax.Array) -> QuantizedTensor:

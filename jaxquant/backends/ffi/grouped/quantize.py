@@ -495,7 +495,7 @@ def _experts_gathered(w: jax.Array, leaf: Quantizer, rowwise: bool, orig_dtype,
 def write_pending(pending: PendingRowwise, forward: TransposedExperts,
                   after: jax.Array) -> ScaledTensor:
   """The rowwise copy `pending` stands for (design decision 56): `forward`'s raw values (the
-  columnwise copy in the weights' own layout) with the flagged blocks rewritten, in place
+  columnwise copy in the weights' own layout) with the flagged row blocks rewritten, in place
   where XLA can (`single.patch_mxfp8_rows`); `after` is an array computed from `forward` (the
   forward GEMM's output), so the rewrite runs after that GEMM has read it. Bit for bit the
   rowwise copy `_experts_gathered` writes without `rowwise_pending`."""
