@@ -632,9 +632,10 @@ inline ffi::Error decode_gathered_fp8_block(ffi::AnyBuffer x, ffi::AnyBuffer sta
 //   copy bf16[G, E, C], after) -> out bf16[G, E, C], aliased to `copy` (design decision 56):
 // the raw MXFP8 rowwise copy of expert weights w (G E = R rows, E % 32 == 0) written over the
 // columnwise copy in the weights' own layout that jaxquant_grouped_quantize_mxfp8 wrote with
-// `row_flags` beside those flags: each flagged 32-value row block is rewritten. `after` is not read: an operand computed from the columnwise copy (the
-// forward GEMM's output), so XLA runs this call after that copy's last reader and updates it in
-// place. `raw_e5m2`: the payload format, as for the quantize call.
+// `row_flags` beside those flags: each flagged 32-value row block is rewritten. `after` is not
+// read: an operand computed from the columnwise copy (the forward GEMM's output), so XLA runs
+// this call after that copy's last reader and updates it in place. `raw_e5m2`: the payload
+// format, as for the quantize call.
 struct PatchRowsArgs {
   const uint16_t* w;  // bfloat16 bits
   const uint8_t* flags;

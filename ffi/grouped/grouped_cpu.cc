@@ -472,8 +472,8 @@ ffi::Error GroupedQuantizeMxfp8Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi:
   // [rows, cols] matrix of 32-blocks along its rows: the rowwise one [L or T, C], the columnwise
   // one [C, L], or for experts [G C, E].
   const int64_t C = rows.C, L = rows.L, row_rows = rows.row_packed ? rows.T : L;
-  // row_flags: the rowwise values into scratch, flagged where they differ from the columnwise
-  // copy's (the CUDA kernel flags a superset: every block with a general-path row).
+  // row_flags: the rowwise values into scratch, each row block flagged where they differ from
+  // the columnwise copy's (the CUDA kernel's flags, bit for bit).
   std::vector<uint16_t> row_values(a.rows_as_flags ? size_t(row_rows * C) : 0);
   auto* row_out = a.rows_as_flags ? row_values.data() : reinterpret_cast<uint16_t*>(a.row_data);
   auto* col_out = reinterpret_cast<uint16_t*>(a.col_data);
@@ -513,7 +513,7 @@ ffi::Error GroupedQuantizeMxfp8Cpu(ffi::AnyBuffer x, ffi::AnyBuffer starts, ffi:
   return ffi::Error::Success();
 }
 
-// The rowwise raw values of the flagged blocks written over the columnwise copy (decision 56).
+// The rowwise raw values of the flagged row blocks written over the columnwise copy (decision 56).
 ffi::Error GroupedPatchMxfp8RowsCpu(ffi::AnyBuffer w, ffi::AnyBuffer flags, ffi::AnyBuffer copy,
                                     ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out, bool raw_e5m2) {
   PatchRowsArgs a;

@@ -392,7 +392,7 @@ struct Mxfp8Args {
   // scales [G, E / 32, C] (the weights' own layout) instead of [G, C, E] and [G, C, E / 32].
   bool col_in_x_layout = false;
   // The grouped target's `row_flags` (with col_in_x_layout): the rowwise data result is the
-  // flags of the blocks whose rowwise values may differ from the columnwise copy's
+  // flags of the row blocks whose rowwise values differ from the columnwise copy's
   // (quantize/mxfp8_x_layout.cuh, design decision 56), not the values.
   bool rows_as_flags = false;
   jq::Fp8 fmt = jq::Fp8::kE4M3;
