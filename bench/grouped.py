@@ -129,6 +129,13 @@ def _dgrad_copy(choice: Optional[str]):
   return _env(support.DGRAD_COPY_ENV, choice)
 
 
+def _accumulation(choice: Optional[str]):
+  """`JAXQUANT_FP8_ACCUMULATION=choice` while a step is traced (None: as users run, fast for the
+  forward GEMM and split for the gradients, `fp8_accumulation`; "split": every FP8 GEMM split,
+  the grouped GEMMs' choice before session 31)."""
+  return _env("JAXQUANT_FP8_ACCUMULATION", choice)
+
+
 def step_fn(model):
   def step(variables, x, sizes, dy, key):
     apply = lambda v, x: model.apply(v, x, sizes, rngs={"quantize": key})
@@ -181,6 +188,11 @@ def run_case(experts: int, spec, args, card: str, torch_result=None) -> list[dic
     if args.compare_dgrad_copy and getattr(model, "recipe", None) is not None and "[" not in name:
       models[f"{name} [dgrad copy written]"] = model
       dgrad_choice[f"{name} [dgrad copy written]"] = "written"
+  accumulation = {}  # rows traced with every FP8 GEMM split (--compare-accumulation)
+  for name, model in list(models.items()):
+    if args.compare_accumulation and getattr(model, "recipe", None) is not None and "[" not in name:
+      models[f"{name} [split forward]"] = model
+      accumulation[f"{name} [split forward]"] = "split"
   flops = 3 * 2 * t * k * n
   rows, base = [], None
   timing = dict(repeats=args.repeats, calls=args.calls, warmup=args.warmup)
@@ -194,13 +206,16 @@ def run_case(experts: int, spec, args, card: str, torch_result=None) -> list[dic
   for name, model in models.items():
     variables = jax.jit(model.init)(jax.random.key(0), x, sizes)
     step = step_fn(model)
-    if jq.flax.OVERWRITE_WITH_GRADIENT in variables:  # time step 2 on, not step 1
-      state = step(variables, x, sizes, dy, key)[1][0][jq.flax.OVERWRITE_WITH_GRADIENT]
-      variables = {**variables, jq.flax.OVERWRITE_WITH_GRADIENT: state}
     paths = why = qpaths = ""
     backend = _backend("reference" if name.startswith(RAGGED_DOT) else None)
+    # Every call of `step` (the first traces it, and jit keeps that trace) under the row's
+    # settings: until session 31 a delayed-scaling row's state step ran before them, so its
+    # --compare-* variants timed the program traced without them.
     with (backend, _wgrad_by_padding(name not in unpadded), _raw_copies(raw_choice.get(name)),
-          _dgrad_copy(dgrad_choice.get(name))):
+          _dgrad_copy(dgrad_choice.get(name)), _accumulation(accumulation.get(name))):
+      if jq.flax.OVERWRITE_WITH_GRADIENT in variables:  # time step 2 on, not step 1
+        state = step(variables, x, sizes, dy, key)[1][0][jq.flax.OVERWRITE_WITH_GRADIENT]
+        variables = {**variables, jq.flax.OVERWRITE_WITH_GRADIENT: state}
       report = jq.explain(step, variables, x, sizes, dy, key)
       gemms = [d for d in report if d.op == "grouped_gemm"]
       paths = ",".join(sorted({d.path + ("-cutlass" if "CUTLASS" in d.detail else "")
@@ -616,6 +631,10 @@ def main(argv=None) -> int:
                       help="also time every recipe's step with its raw MXFP8 experts' dgrad copy "
                       "written by the quantize kernel, as before design decision 56 "
                       "(JAXQUANT_EXPERTS_DGRAD_COPY=written), same process")
+  parser.add_argument("--compare-accumulation", action="store_true",
+                      help="also time each recipe's step with every FP8 GEMM's accumulation "
+                           "split (JAXQUANT_FP8_ACCUMULATION=split: the forward too), same "
+                           "process")
   parser.add_argument("--no-torch", action="store_true",
                       help="skip the PyTorch torch._grouped_mm bf16 row")
   parser.add_argument("--no-float32-params", action="store_true",

@@ -498,16 +498,16 @@ def test_cublaslt_fp8_accumulation_modes(accumulation, autotune, rng, monkeypatc
 
 def test_default_accumulation_is_fast_forward_split_backward(monkeypatch):
   monkeypatch.delenv("JAXQUANT_FP8_ACCUMULATION", raising=False)
-  assert ffi_gemm._accumulation(None, "linear/fc1/fprop", None) == "fast"
-  assert ffi_gemm._accumulation(None, "linear/fc1/dgrad", None) == "split"
-  assert ffi_gemm._accumulation(None, "linear/fc1/wgrad", None) == "split"
-  assert ffi_gemm._accumulation(None, None, None) == "split"
-  assert ffi_gemm._accumulation(None, "fprop", jax.lax.Precision.HIGHEST) == "split"
+  assert ffi_gemm.fp8_accumulation(None, "linear/fc1/fprop", None) == "fast"
+  assert ffi_gemm.fp8_accumulation(None, "linear/fc1/dgrad", None) == "split"
+  assert ffi_gemm.fp8_accumulation(None, "linear/fc1/wgrad", None) == "split"
+  assert ffi_gemm.fp8_accumulation(None, None, None) == "split"
+  assert ffi_gemm.fp8_accumulation(None, "fprop", jax.lax.Precision.HIGHEST) == "split"
   monkeypatch.setenv("JAXQUANT_FP8_ACCUMULATION", "split")
-  assert ffi_gemm._accumulation(None, "linear/fc1/fprop", None) == "split"
+  assert ffi_gemm.fp8_accumulation(None, "linear/fc1/fprop", None) == "split"
   monkeypatch.setenv("JAXQUANT_FP8_ACCUMULATION", "sometimes")
   with pytest.raises(ValueError, match="JAXQUANT_FP8_ACCUMULATION"):
-    ffi_gemm._accumulation(None, "fprop", None)
+    ffi_gemm.fp8_accumulation(None, "fprop", None)
 
 
 # ----------------------------------------------------------------------------------------------

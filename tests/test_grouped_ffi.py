@@ -1021,7 +1021,7 @@ def test_gpu_sm90_block_all_groups_empty_gives_zeros(on_sm90, rng):
 # stated fast bound, 2 K 2^-24 + 2^-7 of max |out| (tests/test_ffi_gemm.py; 2 K 2^-24 <= 2^-12
 # for these K <= 2048), plus one bfloat16 rounding (2^-8).
 
-SM90_FP8_CONFIGS = ["c1x1", "n176", "fast", "pingpong_fast", "c2x1", "default:rn"]
+SM90_FP8_CONFIGS = ["c1x1", "n176", "fast", "pingpong_fast", "c2x1", "wide_fast", "default:rn"]
 SM90_FP8_WGRAD_CONFIGS = SM90_FP8_CONFIGS + ["kgrouped", "kgrouped:rn"]  # wgrads only
 SM90_BLOCK_CONFIGS = ["c1x1", "c2x1", "default:rn"]
 
@@ -1312,3 +1312,54 @@ def test_block_formats_read_their_token_layout_through_the_offsets(monkeypatch, 
   hlo = jax.jit(fn).lower(x, sizes).as_text()
   fmt = "mxfp8" if name == "mxfp8" else "fp8_block"
   assert f"jaxquant_grouped_quantize_{fmt}" in hlo and f"jaxquant_quantize_{fmt}" not in hlo
+
+
+def test_sm90_forward_takes_fast_accumulation_as_the_dense_forward(monkeypatch, rng):
+  """A grouped GEMM's FP8 accumulation follows the dense FP8 GEMM's per-direction convention
+  (`fp8_accumulation`: fast for fprop, split for dgrad and wgrad): the forward of per-tensor
+  E4M3 operands takes a fast configuration ("wide_fast" where N is a multiple of 256, else
+  "pingpong_fast"), the same GEMM labelled dgrad keeps the split one, and
+  JAXQUANT_FP8_ACCUMULATION=split or FAST_FORWARD off bring the split choice back (lowered
+  only: the device check is patched)."""
+  monkeypatch.setattr(kernels, "_sm90_device_reason", lambda: None)
+  monkeypatch.delenv(sm90_configs.ENV, raising=False)
+  monkeypatch.delenv("JAXQUANT_FP8_ACCUMULATION", raising=False)
+  monkeypatch.setenv("JAXQUANT_BACKEND", "reference")
+  sizes = jnp.asarray([100, 0, 60], jnp.int32)
+  x = jnp.asarray(oracle.random_matrix(rng, (192, 256)), jnp.bfloat16)
+  w256 = jnp.asarray(oracle.random_matrix(rng, (3, 256, 256)), jnp.bfloat16)
+  w176 = jnp.asarray(oracle.random_matrix(rng, (3, 176, 256)), jnp.bfloat16)
+  fp8 = jg.quantize(x, sizes, FP8, rowwise=True, columnwise=False).rowwise
+  fp8_w256 = jg.quantize_experts(w256, FP8, columnwise=False).rowwise
+  fp8_w176 = jg.quantize_experts(w176, FP8, columnwise=False).rowwise
+  e5m2_w = jg.quantize_experts(w256, GEMM_QUANTIZERS["fp8-e5m2"], columnwise=False).rowwise
+
+  # the rule, on the abstract operands
+  label = lambda b, out=jnp.bfloat16, acc="fast": kernels.sm90_kernel_label(fp8, b, out, acc)  # noqa: E731
+  assert "config wide_fast" in label(fp8_w256) and "fast accumulation" in label(fp8_w256)
+  assert "config pingpong_fast:" in label(fp8_w176)  # 176 columns: no whole 256-wide tile
+  assert label(fp8_w176, acc="split") == " [config n176: 128x176x128 tiles, cluster 1x1, " \
+                                         "cooperative, split accumulation]"
+  assert label(e5m2_w) == ""  # no fast instance for E5M2 experts: the default, split
+  assert label(fp8_w256, jnp.float32) == ""
+  assert sm90_configs.fast_forward(14336) == "wide_fast"
+  assert sm90_configs.fast_forward(1408) == "pingpong_fast"
+
+  # what the ops-level GEMM passes for each direction (its role label's last component)
+  monkeypatch.setenv("JAXQUANT_BACKEND", "ffi")
+
+  def config_of(role):
+    fn = lambda a, b: jg.gemm(a, b, out_dtype=jnp.bfloat16, role=role)  # noqa: E731
+    text = jax.jit(fn).lower(fp8, fp8_w256).as_text()
+    found = [int(v) for v in __import__("re").findall(r"config = (\d+) : i32", text)]
+    assert len(found) == 1, text[-2000:]
+    return found[0]
+
+  wide = sm90_configs.CONFIGS["wide_fast"].ident
+  assert config_of("moe/fc1/fprop") == wide
+  assert config_of("moe/fc1/dgrad") == sm90_configs.DEFAULT.ident
+  monkeypatch.setenv("JAXQUANT_FP8_ACCUMULATION", "split")
+  assert config_of("moe/fc1/fprop") == sm90_configs.DEFAULT.ident
+  monkeypatch.delenv("JAXQUANT_FP8_ACCUMULATION")
+  monkeypatch.setattr(sm90_configs, "FAST_FORWARD", False)
+  assert config_of("moe/fc1/fprop") == sm90_configs.DEFAULT.ident

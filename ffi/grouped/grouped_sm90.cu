@@ -91,6 +91,7 @@ Sm90Runner runner(int a, int b, int out, int cfg) {
       case sm90::kCfgFast: return run_instance<kE4M3, kE4M3, BF16, sm90::kCfgFast>;
       case sm90::kCfgPingpongFast: return run_instance<kE4M3, kE4M3, BF16, sm90::kCfgPingpongFast>;
       case sm90::kCfgC2x1: return run_instance<kE4M3, kE4M3, BF16, sm90::kCfgC2x1>;
+      case sm90::kCfgWideFast: return run_instance<kE4M3, kE4M3, BF16, sm90::kCfgWideFast>;
       default: return nullptr;
     }
 #else

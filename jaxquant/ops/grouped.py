@@ -486,12 +486,16 @@ def gemm(a: GroupedScaledTensor, b: Operand, *, out_dtype=None,
   detail = f"{_describe(a)} x {_describe(b)} [{a.groups} groups, {mode}]"
 
   stored = None if transposed is None else transposed.stored
+  # FP8 products sum as the dense FP8 GEMM's do: fast for the forward, split for the gradients
+  # (`role`'s last component), unless JAXQUANT_FP8_ACCUMULATION or Precision.HIGHEST says split
+  accumulation = kernels.fp8_accumulation(None, role, precision)
   path = _record("grouped_gemm", role, detail, None,
                  lambda: kernels.gemm_unsupported(a, b, out_dtype),
-                 lambda: kernels.gemm_kernel_note(a, b, out_dtype, bias, stored_kn=stored))
+                 lambda: kernels.gemm_kernel_note(a, b, out_dtype, bias, stored_kn=stored,
+                                                  accumulation=accumulation))
   if path == "ffi":
     return kernels.gemm(a, b, out_dtype=out_dtype, bias=bias, precision=precision,
-                        stored_kn=stored)
+                        stored_kn=stored, accumulation=accumulation)
   kwargs = dict(out_dtype=out_dtype, precision=precision)
   if a.token_axis == 0:
     kwargs["bias"] = bias

@@ -122,7 +122,7 @@ function(jaxquant_add_grouped_sm90 target)
   # measured on (E4M3 x E4M3 -> bfloat16 per-tensor FP8, Float8Block 1x128 x 1x128 -> bfloat16,
   # the wgrad's): mirrored in jaxquant/backends/ffi/grouped/sm90_configs.py (each
   # configuration's `instances`).
-  set(fp8_alternatives kCfgC1x1 kCfgN176 kCfgFast kCfgPingpongFast kCfgC2x1)
+  set(fp8_alternatives kCfgC1x1 kCfgN176 kCfgFast kCfgPingpongFast kCfgC2x1 kCfgWideFast)
   set(block_alternatives kCfgC1x1 kCfgC2x1)
   set(bf16_configs kCfgBf16 kCfgBf16C2x1 kCfgBf16Pingpong kCfgBf16M256 kCfgBf16N128 kCfgBf16N176)
   if(NOT JAXQUANT_SM90_ALL_CONFIGS)

@@ -58,6 +58,10 @@ enum : int {
   // (sm90_kgrouped_pingpong.cuh).
   kCfgKGroupedPingpong = 13,  // 128x128x64, cluster 2x1, pingpong, k-grouped
   kCfgBf16N176 = 14,     // 128x176x64, cluster 1x2, cooperative (N = 1408: 8 whole tiles)
+  // Per-tensor FP8 forward GEMMs with fast accumulation (the dense FP8 forward's convention):
+  // no promotion set, so a consumer warpgroup's 64 x 256 float32 accumulator (128 registers)
+  // fits a 128 x 256 tile.
+  kCfgWideFast = 15,     // 128x256x128, cluster 1x2, cooperative, fast accumulation (per-tensor)
 };
 
 // Operand layouts of the bf16 instances (which operand runs contiguously along the contraction

@@ -66,6 +66,11 @@ template <> struct TileConfig<kCfgFast> : Tiles<128, 128, 128, 1, 1, false, true
 template <> struct TileConfig<kCfgPingpongFast> : Tiles<128, 128, 128, 1, 1, true, true> {};
 // Cluster 2 x 1: the two CTAs of a cluster share (multicast) the B tile.
 template <> struct TileConfig<kCfgC2x1> : Tiles<128, 128, 128, 2, 1> {};
+// Fast accumulation frees the promotion's second accumulator set: each cooperative warpgroup's
+// 64 x 256 float32 accumulator is 128 registers, so the tile is 128 x 256 (the shape of the
+// bfloat16 default), fewer operand bytes a FLOP than 128 x 128. (128 + 256) x 128 bytes a
+// stage, 4 stages. Cluster 1 x 2: the A (token) tile multicast along N.
+template <> struct TileConfig<kCfgWideFast> : Tiles<128, 256, 128, 1, 2, false, true> {};
 // bfloat16: no promotion, so each cooperative warpgroup's 64 x 256 float32 accumulator (128
 // registers) fits a 128 x 256 tile; 64-deep k-tiles (128-byte bf16 rows, the widest TMA
 // swizzle): (128 + 256) x 64 x 2 bytes = 48 KiB a stage, 4 stages. Cluster 1 x 2 (A multicast):

@@ -279,7 +279,12 @@ def _empty_bias() -> jax.Array:
   return jnp.zeros((0,), jnp.float32)
 
 
-def _accumulation(accumulation: Optional[str], role: Any, precision: Any) -> str:
+def fp8_accumulation(accumulation: Optional[str], role: Any, precision: Any) -> str:
+  """The accumulation ("fast" or "split") of an FP8 GEMM: split under `Precision.HIGHEST`,
+  else `accumulation` when given, else `JAXQUANT_FP8_ACCUMULATION` when set, else the
+  direction's default (`DEFAULT_ACCUMULATION`, from the last component of the ops-level `role`
+  label: fast for fprop, split for dgrad and wgrad, as TransformerEngine's FP8 GEMMs). The
+  grouped CUTLASS GEMMs follow the same rule (`grouped.support.sm90_selection`)."""
   forced = os.environ.get("JAXQUANT_FP8_ACCUMULATION", "").strip().lower()
   if forced and forced not in ACCUMULATIONS:
     raise ValueError(f"JAXQUANT_FP8_ACCUMULATION={forced!r}; expected one of {ACCUMULATIONS}")
@@ -391,7 +396,8 @@ def gemm(a: Operand, b: Operand, *, out_dtype, bias: Optional[jax.Array] = None,
   if path == "xla-dot":
     return reference.gemm(a, b, out_dtype=out_dtype, bias=bias, precision=precision)
   if _uses_target(path):  # partitioned: local GEMMs, one psum over the mesh axes sharding K
-    fast = path.startswith("cublaslt-") and _accumulation(accumulation, role, precision) == "fast"
+    fast = (path.startswith("cublaslt-")
+            and fp8_accumulation(accumulation, role, precision) == "fast")
     return partitioning.gemm(_Kernel(path, fast), a, b, bias, out_dtype)
   return _dequant_xla(a, b, path, out_dtype, bias)
 

@@ -46,16 +46,17 @@ def _per_group(operand) -> Optional[jax.Array]:
 
 
 def gemm(a: GroupedScaledTensor, b, *, out_dtype, bias: Optional[jax.Array] = None,
-         precision=None, stored_kn=None) -> jax.Array:
+         precision=None, stored_kn=None, accumulation: str = "split") -> jax.Array:
   """`jaxquant.grouped.gemm` on the FFI (`support.gemm_unsupported(a, b)` must be None).
   `stored_kn`: experts `b` held as their `[G, K, N]` copy (`TransposedExperts.stored`; `b` is
   its `[G, N, K]` materialization), read N-major where the decoded route takes that layout
-  (`decoded.n_major_reason`)."""
-  del precision  # quantized operands: exact decode, float32 accumulation
+  (`decoded.n_major_reason`). `accumulation`: the FP8 accumulation of the GEMM's direction
+  (`fp8_accumulation`), which picks the CUTLASS configuration (`support.sm90_selection`)."""
+  del precision  # quantized operands: exact decode; `accumulation` says how FP8 products sum
   reason = support.gemm_unsupported(a, b, out_dtype)
   if reason is not None:
     raise ValueError(f"grouped FFI GEMM cannot serve this pair: {reason}")
-  if support.gemm_kernel(a, b, out_dtype, bias)[0] == support.GEMM_BF16_TARGET:
+  if support.gemm_kernel(a, b, out_dtype, bias, accumulation)[0] == support.GEMM_BF16_TARGET:
     if stored_kn is not None and decoded.n_major_reason(a, stored_kn, out_dtype, bias) is None:
       return decoded.gemm(a, stored_kn, out_dtype=out_dtype, bias=bias, b_k_major=False)
     return decoded.gemm(a, b, out_dtype=out_dtype, bias=bias)
@@ -95,13 +96,13 @@ def gemm(a: GroupedScaledTensor, b, *, out_dtype, bias: Optional[jax.Array] = No
   if bias is not None:
     bias = bias.astype(jnp.float32).reshape(-1)
   as_f32 = lambda v: jnp.asarray(_PLACEHOLDER_F32) if v is None else v.astype(jnp.float32)
-  target, _ = support.gemm_kernel(a, b, out_dtype, bias)
+  target, _ = support.gemm_kernel(a, b, out_dtype, bias, accumulation)
   results = [jax.ShapeDtypeStruct(out_shape, np.dtype(out_dtype))]
   sm90_attributes = {}
   if target == support.GEMM_SM90_TARGET:  # + its workspace (per-group arguments, TMA descriptors)
     workspace = support.sm90_workspace_bytes(groups, support.sm90_block_scale_floats(a, b))
     results.append(jax.ShapeDtypeStruct((workspace,), np.uint8))
-    sm90_attributes = support.sm90_selection(a, b, out_dtype).attributes()
+    sm90_attributes = support.sm90_selection(a, b, out_dtype, accumulation).attributes()
   out, *_ = calls.call(
       target, results,
       a.data, _scale_bytes(a), b.data, _scale_bytes(b), pstarts, as_f32(row_factor),

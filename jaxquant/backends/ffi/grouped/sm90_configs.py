@@ -16,10 +16,12 @@ new value takes effect in every newly traced function (re-jit after changing it)
 configuration without an instance for a GEMM's types is an error naming the instances, never a
 silent substitute; `jaxquant.explain` names any non-default configuration in the GEMM's kernel.
 
-Fast accumulation is opt-in here: the per-direction convention of the dense FP8 GEMM
-(`jaxquant.backends.ffi.gemm.DEFAULT_ACCUMULATION`: fast for fprop, split for dgrad and wgrad)
-is the rule for choosing a fast configuration automatically once measured; an explicit
-`JAXQUANT_SM90_CONFIG` applies to every grouped GEMM traced under it.
+Accumulation follows the dense FP8 GEMM's per-direction convention
+(`jaxquant.backends.ffi.gemm.fp8_accumulation`: fast for fprop, split for dgrad and wgrad, as
+TransformerEngine's; `JAXQUANT_FP8_ACCUMULATION` or `Precision.HIGHEST` override it): a
+forward of per-tensor E4M3 operands takes a fast configuration (`FAST_FORWARD`, measured in
+session 31), every other GEMM a split one; an explicit `JAXQUANT_SM90_CONFIG` applies to every
+grouped GEMM traced under it, whatever its direction.
 """
 
 from __future__ import annotations
@@ -124,6 +126,11 @@ CONFIGS = {c.name: c for c in (
     # x 256 forward 0.316 against 0.232 ms), so taken only by name.
     Sm90Config("bf16_128x176", 14, (128, 176, 64), (1, 2), "cooperative", "float32",
                _BF16_LAYOUTS),
+    # Fast accumulation leaves room for 128 x 256 tiles (each warpgroup's 64 x 256 float32
+    # accumulator is 128 registers without the promotion's second set): the forward's
+    # configuration where its accumulation is fast (`FAST_FORWARD`).
+    Sm90Config("wide_fast", 15, (128, 256, 128), (1, 2), "cooperative", "fast",
+               (PER_TENSOR_E4M3_BF16,)),
 )}
 DEFAULT = CONFIGS["default"]
 BF16_DEFAULT = CONFIGS["bf16"]
@@ -170,6 +177,16 @@ KGROUPED_WGRAD = True
 # "bf16_kgrouped" (NT 257-259 µs against the pingpong form's 264-268), and large groups keep
 # "bf16_c2x1" (8 x 2048, K 4096, N 14336: NT 3.02 against 2.87-2.95 ms, TN 3.41 against 3.14).
 KGROUPED_PINGPONG = True
+# A ragged-rows GEMM (mode 0: a forward, or a dgrad under a forced fast accumulation) of
+# per-tensor E4M3 x E4M3 -> bfloat16 whose FP8 accumulation is fast (the dense FP8 forward's
+# convention, `jaxquant.backends.ffi.gemm.fp8_accumulation`: fast for fprop, split for dgrad and
+# wgrad, as TransformerEngine's) takes a fast configuration (`fast_forward`): "wide_fast" where N
+# is a multiple of 256 or at least 8192, else "pingpong_fast". Measured on an H200 (session 31,
+# bench/grouped.py --gemms, drawn sizes, ms): 8 experts (N 14336) forward "wide_fast" 1.498
+# against "n176"'s 1.637, "fast" 1.587, "pingpong_fast" 1.581; 64 experts (N 1408)
+# "pingpong_fast" 0.154 against "n176"'s 0.172, "wide_fast" 0.167, "fast" 0.179. Off: every
+# accumulation is split, as before session 31.
+FAST_FORWARD = True
 
 
 def padded_elements(mn: tuple[int, int], config: "Sm90Config") -> int:
@@ -227,7 +244,8 @@ def selected() -> Optional[Selection]:
 
 
 def automatic(kind: str, wgrad: bool, n: int, m: Optional[int] = None,
-              tokens_per_group: Optional[float] = None, kgrouped: bool = False) -> Selection:
+              tokens_per_group: Optional[float] = None, kgrouped: bool = False,
+              fast: bool = False) -> Selection:
   """The configuration a GEMM takes without `JAXQUANT_SM90_CONFIG`: an alternative only where
   it measured faster than "default" at both of `bench/grouped.py`'s shapes on an H100
   (bench/RESULTS.md, session 4; 8 experts N 14336, 64 experts N 1408), or, where noted, on an
@@ -243,7 +261,11 @@ def automatic(kind: str, wgrad: bool, n: int, m: Optional[int] = None,
     - per-tensor E4M3 x E4M3 -> bf16 wgrad whose [m, n] output "c2x1" covers with fewer padded
       elements (`WGRAD_BY_PADDING`; measured on an H200, session 19: 0.307 -> 0.293 ms at 64
       groups x 256 tokens, 0.484 -> 0.467 at 128 x 128).
-  Fast-accumulation configurations are never chosen automatically."""
+    - a ragged-rows GEMM of per-tensor E4M3 x E4M3 -> bf16 whose accumulation is fast
+      (`fast`: the forward's, `FAST_FORWARD`): `fast_forward(n)`.
+  Fast-accumulation configurations are chosen only there."""
+  if fast and FAST_FORWARD and not wgrad and kind == PER_TENSOR_E4M3_BF16:
+    return Selection(CONFIGS[fast_forward(n)])
   if (wgrad and kgrouped and KGROUPED_WGRAD and tokens_per_group is not None
       and tokens_per_group < BF16_LARGE_GROUP_TOKENS):
     return Selection(CONFIGS["kgrouped"])
@@ -254,6 +276,14 @@ def automatic(kind: str, wgrad: bool, n: int, m: Optional[int] = None,
   if kind == FLOAT8BLOCK_1x128_BF16 and wgrad:
     return Selection(CONFIGS["c1x1"])
   return Selection(DEFAULT)
+
+
+def fast_forward(n: int) -> str:
+  """The fast-accumulation configuration of a ragged-rows GEMM with `n` output columns: 128 x
+  256 tiles ("wide_fast") where they cover N without a half-empty column of tiles, else each
+  consumer warpgroup its own 128 x 128 tile, one's epilogue under the other's k-loop
+  ("pingpong_fast")."""
+  return "wide_fast" if n % 256 == 0 or n >= 8192 else "pingpong_fast"
 
 
 def instance_kind(a, b, out_dtype, block: bool) -> str:

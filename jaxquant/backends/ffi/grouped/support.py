@@ -507,15 +507,16 @@ def sm90_unsupported(a, b, out_dtype=None, bias=None) -> Optional[str]:
   return None
 
 
-def gemm_kernel(a, b, out_dtype=None, bias=None) -> tuple[str, str]:
+def gemm_kernel(a, b, out_dtype=None, bias=None, accumulation: str = "split") -> tuple[str, str]:
   """(FFI target, why not a CUTLASS kernel or "") for a grouped GEMM the FFI serves: the FP8
   CUTLASS instances where they serve, else the bfloat16 CUTLASS instances on operands decoded
   by XLA (`decoded`; JAXQUANT_GROUPED_GEMM_KERNEL=mma_sync opts out), else the mma.sync kernel.
   Raises ValueError when `JAXQUANT_SM90_CONFIG` names a CUTLASS configuration without an
-  instance for this GEMM (`sm90_selection`, `sm90_configs.bf16_selection`)."""
+  instance for this GEMM (`sm90_selection`, `sm90_configs.bf16_selection`). `accumulation`:
+  the FP8 accumulation the GEMM's direction takes (`fp8_accumulation`)."""
   reason = sm90_unsupported(a, b, out_dtype, bias)
   if reason is None:
-    sm90_selection(a, b, out_dtype)
+    sm90_selection(a, b, out_dtype, accumulation)
     return GEMM_SM90_TARGET, ""
   out = a.orig_dtype if out_dtype is None else out_dtype
   bf16_reason = decoded.route_reason(a, b, out, bias, exact=_decodes_exactly(a, b))
@@ -527,12 +528,13 @@ def gemm_kernel(a, b, out_dtype=None, bias=None) -> tuple[str, str]:
   return GEMM_TARGET, f"mma.sync grouped kernel: {reason}"
 
 
-def gemm_kernel_note(a, b, out_dtype=None, bias=None, stored_kn=None) -> tuple[str, str]:
+def gemm_kernel_note(a, b, out_dtype=None, bias=None, stored_kn=None,
+                     accumulation: str = "split") -> tuple[str, str]:
   """What `jaxquant.explain` appends to an FFI grouped GEMM's detail ("kernel: ..." naming the
   kernel and any non-default configuration) and why a slower kernel serves it (""). With
   `stored_kn` (experts `b` held as their `[G, K, N]` copy) it also says whether the kernel reads
   that copy along N or XLA transposes it first, and why."""
-  target, why = gemm_kernel(a, b, out_dtype, bias)
+  target, why = gemm_kernel(a, b, out_dtype, bias, accumulation)
   out = a.orig_dtype if out_dtype is None else out_dtype
   along_n, transpose = False, ""
   if stored_kn is not None:
@@ -542,7 +544,8 @@ def gemm_kernel_note(a, b, out_dtype=None, bias=None, stored_kn=None) -> tuple[s
     transpose = ("; b read along N from its [G, K, N] copy" if along_n else
                  f"; b transposed by XLA from its [G, K, N] copy ({reason})")
   if target == GEMM_SM90_TARGET:
-    return "kernel: CUTLASS sm90 wgmma" + sm90_kernel_label(a, b, out_dtype) + transpose, ""
+    return ("kernel: CUTLASS sm90 wgmma" + sm90_kernel_label(a, b, out_dtype, accumulation)
+            + transpose, "")
   if target == GEMM_BF16_TARGET:
     label = (decoded.kernel_label(a, stored_kn, out, bias, b_k_major=False) if along_n
              else decoded.kernel_label(a, b, out, bias))
@@ -615,10 +618,11 @@ def experts_read_transposed(quantizer, out_dtype, bias: bool) -> bool:
           and bf16.device_reason() is None and decoded.kernel_choice() == "auto")
 
 
-def sm90_selection(a, b, out_dtype=None) -> sm90_configs.Selection:
+def sm90_selection(a, b, out_dtype=None, accumulation: str = "split") -> sm90_configs.Selection:
   """The CUTLASS configuration a GEMM the CUTLASS kernel serves is traced with
   (`sm90_configs`: the one `JAXQUANT_SM90_CONFIG` forces, else the automatic choice for the
-  GEMM's types and N); ValueError when a forced one has no instance for the GEMM's types."""
+  GEMM's types, N and `accumulation`, the FP8 accumulation of its direction); ValueError when
+  a forced one has no instance for the GEMM's types."""
   block = gemm_scaling(a) in (4, 5) or gemm_scaling(b) in (4, 5)
   selection = sm90_configs.selected()
   if selection is None:
@@ -627,17 +631,18 @@ def sm90_selection(a, b, out_dtype=None) -> sm90_configs.Selection:
     return sm90_configs.automatic(
         kind, wgrad, int(b.shape[-2]), int(a.shape[-2]) if wgrad else None,
         tokens_per_group=a.shape[-1] / max(a.groups, 1) if wgrad else None,
-        kgrouped=sm90_configs.kgrouped_reason(a, b, block) is None)
+        kgrouped=sm90_configs.kgrouped_reason(a, b, block) is None,
+        fast=accumulation == "fast")
   reason = sm90_configs.unserved(selection, a, b, out_dtype, block)
   if reason is not None:
     raise ValueError(reason)
   return selection
 
 
-def sm90_kernel_label(a, b, out_dtype=None) -> str:
+def sm90_kernel_label(a, b, out_dtype=None, accumulation: str = "split") -> str:
   """What `jaxquant.explain` appends to "CUTLASS sm90 wgmma": the configuration the GEMM runs
   when it is not the default ("" otherwise)."""
-  return sm90_configs.kernel_label(sm90_selection(a, b, out_dtype))
+  return sm90_configs.kernel_label(sm90_selection(a, b, out_dtype, accumulation))
 
 
 def sm90_wgrad_block(x_quantizer, dy_quantizer) -> int:
