@@ -1063,6 +1063,17 @@ def test_gpu_sm90_config_wgrad_gemm_matches_the_reference(on_sm90, rng, monkeypa
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("groups", [1, 8, 64])
+def test_gpu_sm90_n176_e5m2_dgrad_matches_the_reference(on_sm90, rng, monkeypatch, groups):
+  """The "n176" instance of E5M2 x E4M3 -> bfloat16 (the HYBRID recipes' dgrad, the automatic
+  choice from N 1408): ragged, uneven and empty groups, a partial tile of 176 columns."""
+  kernel, rel = _sm90_config(monkeypatch, "n176")
+  check_ragged(rng, ("fp8-e5m2", "fp8"), 1500 + 7 * groups, 336, 200, groups,
+               empty=tuple(range(1, groups, 4)), spare=11, rel=rel, bias=False,
+               out_dtype=jnp.bfloat16, kernel=kernel)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", SM90_FP8_CONFIGS)
 def test_gpu_sm90_config_all_groups_empty_gives_zeros(on_sm90, rng, monkeypatch, config):
   kernel, _ = _sm90_config(monkeypatch, config)
@@ -1342,6 +1353,17 @@ def test_sm90_forward_takes_fast_accumulation_as_the_dense_forward(monkeypatch, 
                                          "cooperative, split accumulation]"
   assert label(e5m2_w) == ""  # no fast instance for E5M2 experts: the default, split
   assert label(fp8_w256, jnp.float32) == ""
+  # split ragged GEMMs of E4M3 or E5M2 (the HYBRID dgrad's gradients) x E4M3 take "n176" at N a
+  # multiple of 176 or >= N176_MIN_N
+  dy5 = jg.quantize(x, sizes, GEMM_QUANTIZERS["fp8-e5m2"], rowwise=True, columnwise=False).rowwise
+  w1408 = _abstract(lambda w: jg.quantize_experts(w, FP8, columnwise=False).rowwise,
+                    jax.ShapeDtypeStruct((3, sm90_configs.N176_MIN_N, 256), jnp.bfloat16))
+  for a in (fp8, dy5):
+    assert "config n176" in kernels.sm90_kernel_label(a, fp8_w176, jnp.bfloat16, "split")
+    assert "config n176" in kernels.sm90_kernel_label(a, w1408, jnp.bfloat16, "split")
+    assert kernels.sm90_kernel_label(a, fp8_w256, jnp.bfloat16, "split") == ""  # N 256
+  assert "config n176" in kernels.sm90_kernel_label(dy5, fp8_w176, jnp.bfloat16, "fast")
+  assert kernels.sm90_kernel_label(dy5, fp8_w176, jnp.float32, "split") == ""
   assert sm90_configs.fast_forward(14336) == "wide_fast"
   assert sm90_configs.fast_forward(1408) == "pingpong_fast"
 

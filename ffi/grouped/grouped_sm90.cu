@@ -65,8 +65,8 @@ std::string unserved(const GemmParams& p) {
 
 
 // The instance of types (a, b, out) in configuration `cfg`; nullptr when sm90.cmake built none
-// (the alternative configurations exist for E4M3 x E4M3 -> bfloat16 only; the k-grouped wgrad
-// for E4M3 x E4M3 / E5M2, both outputs).
+// (the alternative configurations exist for E4M3 x E4M3 -> bfloat16, n176 also for E5M2 x E4M3
+// -> bfloat16; the k-grouped wgrad for E4M3 x E4M3 / E5M2, both outputs).
 Sm90Runner runner(int a, int b, int out, int cfg) {
   using sm90::kE4M3;
   using sm90::kE5M2;
@@ -83,8 +83,13 @@ Sm90Runner runner(int a, int b, int out, int cfg) {
                : run_instance<kE4M3, kE5M2, BF16, sm90::kCfgKGroupedFp8>;
   }
   if (cfg != sm90::kCfgDefault) {
-    if (a != kE4M3 || b != kE4M3 || out != BF16) return nullptr;
 #ifndef JAXQUANT_SM90_DEFAULT_CONFIGS_ONLY  // sm90.cmake's JAXQUANT_SM90_ALL_CONFIGS
+    if (cfg == sm90::kCfgN176 && a == kE5M2 && b == kE4M3 && out == BF16) {
+      return run_instance<kE5M2, kE4M3, BF16, sm90::kCfgN176>;
+    }
+#endif
+    if (a != kE4M3 || b != kE4M3 || out != BF16) return nullptr;
+#ifndef JAXQUANT_SM90_DEFAULT_CONFIGS_ONLY
     switch (cfg) {
       case sm90::kCfgC1x1: return run_instance<kE4M3, kE4M3, BF16, sm90::kCfgC1x1>;
       case sm90::kCfgN176: return run_instance<kE4M3, kE4M3, BF16, sm90::kCfgN176>;

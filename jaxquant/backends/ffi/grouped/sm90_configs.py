@@ -40,6 +40,8 @@ RASTER_ALONG_N = "rn"
 PER_TENSOR_ANY = "per-tensor FP8, every type"
 FLOAT8BLOCK_ANY = "Float8Block, every type"
 PER_TENSOR_E4M3_BF16 = "per-tensor FP8 E4M3 x E4M3 -> bfloat16"
+# The dgrad of the HYBRID recipes (E5M2 gradients x E4M3 experts).
+PER_TENSOR_E5M2_E4M3_BF16 = "per-tensor FP8 E5M2 x E4M3 -> bfloat16"
 FLOAT8BLOCK_1x128_BF16 = "Float8Block 1x128 x 1x128 -> bfloat16"
 # The k-grouped FP8 wgrad ("kgrouped"): per-tensor E4M3 x E4M3 or E4M3 x E5M2 (HYBRID's dy)
 # wgrads, either output (`kgrouped_reason`).
@@ -83,7 +85,7 @@ CONFIGS = {c.name: c for c in (
     Sm90Config("c1x1", 1, (128, 128, 128), (1, 1), "cooperative", "split",
                (PER_TENSOR_E4M3_BF16, FLOAT8BLOCK_1x128_BF16)),
     Sm90Config("n176", 2, (128, 176, 128), (1, 1), "cooperative", "split",
-               (PER_TENSOR_E4M3_BF16,)),
+               (PER_TENSOR_E4M3_BF16, PER_TENSOR_E5M2_E4M3_BF16)),
     Sm90Config("fast", 3, (128, 128, 128), (1, 1), "cooperative", "fast",
                (PER_TENSOR_E4M3_BF16,)),
     Sm90Config("pingpong_fast", 4, (128, 128, 128), (1, 1), "pingpong", "fast",
@@ -187,6 +189,10 @@ KGROUPED_PINGPONG = True
 # "pingpong_fast" 0.154 against "n176"'s 0.172, "wide_fast" 0.167, "fast" 0.179. Off: every
 # accumulation is split, as before session 31.
 FAST_FORWARD = True
+# The smallest N from which a split ragged-rows GEMM takes "n176" (`automatic`; 8192 before
+# session 31, whose H200 measurements found it faster at every N of bench/grouped.py's shapes,
+# 1408 to 14336).
+N176_MIN_N = 1408
 
 
 def padded_elements(mn: tuple[int, int], config: "Sm90Config") -> int:
@@ -254,9 +260,11 @@ def automatic(kind: str, wgrad: bool, n: int, m: Optional[int] = None,
       below the large group size (`tokens_per_group`): "kgrouped" while `KGROUPED_WGRAD` holds
       (session 25, bench/kgrouped_check.cu: 64 groups x 256 tokens 0.238 ms against "c2x1"'s
       0.258 and the default's 0.266; 8 x 2048 1.72 against 1.58, so large groups keep theirs);
-    - per-tensor E4M3 x E4M3 -> bf16 ragged GEMM (fprop / dgrad) with N a multiple of 176 or
-      at least 8192: "n176" (1199 vs 1163 and 539 vs 517 TFLOP/s for fprop; a 2048- or
-      4096-wide N measured no better or worse);
+    - per-tensor E4M3 x E4M3 or E5M2 x E4M3 (the HYBRID dgrad) -> bf16 ragged GEMM with split
+      accumulation and N a multiple of 176 or at least `N176_MIN_N`: "n176" (H100, session 4:
+      1199 vs 1163 and 539 vs 517 TFLOP/s for fprop; a 2048- or 4096-wide N measured no better
+      or worse there. H200, session 31, E4M3 x E4M3, ms: forward N 14336 1.637 vs 1.670, N 1408
+      0.172 vs 0.191; dgrad N 4096 1.615 vs 1.673, N 2048 0.181 vs 0.190);
     - Float8Block wgrad, 1x128 x 1x128 -> bf16: "c1x1" (849 vs 839 and 287 vs 256 TFLOP/s).
     - per-tensor E4M3 x E4M3 -> bf16 wgrad whose [m, n] output "c2x1" covers with fewer padded
       elements (`WGRAD_BY_PADDING`; measured on an H200, session 19: 0.307 -> 0.293 ms at 64
@@ -271,7 +279,8 @@ def automatic(kind: str, wgrad: bool, n: int, m: Optional[int] = None,
     return Selection(CONFIGS["kgrouped"])
   if kind == PER_TENSOR_E4M3_BF16 and wgrad and m is not None:
     return Selection(_less_padded((m, n), DEFAULT, CONFIGS["c2x1"]))
-  if kind == PER_TENSOR_E4M3_BF16 and not wgrad and (n % 176 == 0 or n >= 8192):
+  if (kind in (PER_TENSOR_E4M3_BF16, PER_TENSOR_E5M2_E4M3_BF16) and not wgrad
+      and (n % 176 == 0 or n >= N176_MIN_N)):
     return Selection(CONFIGS["n176"])
   if kind == FLOAT8BLOCK_1x128_BF16 and wgrad:
     return Selection(CONFIGS["c1x1"])
@@ -288,16 +297,18 @@ def fast_forward(n: int) -> str:
 
 def instance_kind(a, b, out_dtype, block: bool) -> str:
   """The instance kind a GEMM of `a` and `b` (already served by the default instances) needs
-  beyond "every type": E4M3 x E4M3 -> bfloat16, or Float8Block with 1x128 b -> bfloat16, or ""
-  when it is neither."""
+  beyond "every type": E4M3 x E4M3 or E5M2 x E4M3 -> bfloat16, or Float8Block with 1x128 b ->
+  bfloat16, or "" when it is none of them."""
   out = np.dtype(a.orig_dtype if out_dtype is None else out_dtype)
   e4m3 = np.dtype(jnp.float8_e4m3fn)
   if out != np.dtype(jnp.bfloat16):
     return ""
   if block:
     return FLOAT8BLOCK_1x128_BF16 if tuple(b.quantizer.block) == (1, 128) else ""
-  if np.dtype(a.data.dtype) == e4m3 and np.dtype(b.data.dtype) == e4m3:
+  if np.dtype(b.data.dtype) == e4m3 and np.dtype(a.data.dtype) == e4m3:
     return PER_TENSOR_E4M3_BF16
+  if np.dtype(b.data.dtype) == e4m3 and np.dtype(a.data.dtype) == np.dtype(jnp.float8_e5m2):
+    return PER_TENSOR_E5M2_E4M3_BF16
   return ""
 
 
