@@ -451,7 +451,9 @@ def gemm(a: GroupedScaledTensor, b: Operand, *, out_dtype=None,
     role: label for `jaxquant.explain` (an FFI decision's detail ends in the kernel that runs
       it, "kernel: CUTLASS sm90 wgmma" (FP8), "kernel: CUTLASS sm90 bf16 wgmma" (bfloat16 or
       decoded operands; either with its configuration when it is not the default) or "kernel:
-      mma.sync", the latter with the reason).
+      mma.sync", the latter with the reason). Its last component ("fprop", "dgrad", "wgrad")
+      also sets the FP8 accumulation, as for `jaxquant.ops.gemm`: fast for fprop, split
+      otherwise (design decision 57).
   """
   if not isinstance(a, GroupedScaledTensor):
     raise TypeError(f"a: expected a GroupedScaledTensor (from jaxquant.grouped.quantize), got "

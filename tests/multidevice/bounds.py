@@ -222,7 +222,7 @@ def gemm_sums(single_report, sharded_report, mesh, terms: dict[str, int]) -> dic
   for d in single_report:
     direction = _direction(d.role)
     if d.op == "gemm" and direction is not None and d.path.startswith("cublaslt"):
-      mode = ffi_gemm._accumulation(None, str(d.role), None)
+      mode = ffi_gemm.fp8_accumulation(None, str(d.role), None)
       tensor_core[direction] = max(tensor_core.get(direction, 0.0), TENSOR_CORE[mode])
   reductions = {}
   for d in sharded_report:
