@@ -46,7 +46,6 @@ import math
 import os
 import sys
 import time
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -115,25 +114,15 @@ def _wgrad_by_padding(on: bool):
     sm90_configs.WGRAD_BY_PADDING = saved
 
 
-def _raw_copies(choice: Optional[str]):
-  """`JAXQUANT_GROUPED_RAW_COPIES=choice` while a step is traced (None: as users run, MXFP8
-  copies raw with the experts' forward copy in their own layout, decisions 47 and 49;
-  "transposed": raw, every columnwise copy transposed; "off": codes decoded apart)."""
-  return _env(support.RAW_COPIES_ENV, choice)
-
-
-def _dgrad_copy(choice: Optional[str]):
-  """`JAXQUANT_EXPERTS_DGRAD_COPY=choice` while a step is traced (None: as users run, raw MXFP8
-  experts' dgrad copy written over the forward copy where they differ, decision 56; "written":
-  the quantize kernel writes both copies)."""
-  return _env(support.DGRAD_COPY_ENV, choice)
-
-
-def _accumulation(choice: Optional[str]):
-  """`JAXQUANT_FP8_ACCUMULATION=choice` while a step is traced (None: as users run, fast for the
-  forward GEMM and split for the gradients, `fp8_accumulation`; "split": every FP8 GEMM split,
-  the grouped GEMMs' choice before session 31)."""
-  return _env("JAXQUANT_FP8_ACCUMULATION", choice)
+# The same-process comparisons that trace a recipe's step again under one environment setting:
+# (flag, variable, value, row label). Each value is what the path was before the design decision
+# named; unset, every row runs as users run it.
+COMPARISONS = (
+    ("compare_raw_copies", support.RAW_COPIES_ENV, "off", "codes decoded"),  # decisions 47, 49
+    ("compare_along_n", support.RAW_COPIES_ENV, "transposed", "forward copy transposed"),  # 49
+    ("compare_dgrad_copy", support.DGRAD_COPY_ENV, "written", "dgrad copy written"),  # 56
+    ("compare_accumulation", "JAXQUANT_FP8_ACCUMULATION", "split", "split forward"),  # 57
+)
 
 
 def step_fn(model):
@@ -176,23 +165,14 @@ def run_case(experts: int, spec, args, card: str, torch_result=None) -> list[dic
       if not name.startswith(RAGGED_DOT):
         models[f"{name} [wgrad tiles as before]"] = model
         unpadded.add(f"{name} [wgrad tiles as before]")
-  raw_choice = {}  # rows traced with another JAXQUANT_GROUPED_RAW_COPIES (--compare-raw-copies)
-  for flag, choice, label in ((args.compare_raw_copies, "off", "codes decoded"),
-                              (args.compare_along_n, "transposed", "forward copy transposed")):
-    for name, model in list(models.items()):
-      if flag and getattr(model, "recipe", None) is not None and "[" not in name:
+  setting = {}  # row -> (variable, value) its step is traced under (COMPARISONS)
+  recipe_rows = [(name, model) for name, model in models.items()
+                 if getattr(model, "recipe", None) is not None and "[" not in name]
+  for flag, variable, value, label in COMPARISONS:
+    if getattr(args, flag):
+      for name, model in recipe_rows:
         models[f"{name} [{label}]"] = model
-        raw_choice[f"{name} [{label}]"] = choice
-  dgrad_choice = {}  # rows traced with the dgrad copy written (--compare-dgrad-copy)
-  for name, model in list(models.items()):
-    if args.compare_dgrad_copy and getattr(model, "recipe", None) is not None and "[" not in name:
-      models[f"{name} [dgrad copy written]"] = model
-      dgrad_choice[f"{name} [dgrad copy written]"] = "written"
-  accumulation = {}  # rows traced with every FP8 GEMM split (--compare-accumulation)
-  for name, model in list(models.items()):
-    if args.compare_accumulation and getattr(model, "recipe", None) is not None and "[" not in name:
-      models[f"{name} [split forward]"] = model
-      accumulation[f"{name} [split forward]"] = "split"
+        setting[f"{name} [{label}]"] = (variable, value)
   flops = 3 * 2 * t * k * n
   rows, base = [], None
   timing = dict(repeats=args.repeats, calls=args.calls, warmup=args.warmup)
@@ -211,8 +191,8 @@ def run_case(experts: int, spec, args, card: str, torch_result=None) -> list[dic
     # Every call of `step` (the first traces it, and jit keeps that trace) under the row's
     # settings: until session 31 a delayed-scaling row's state step ran before them, so its
     # --compare-* variants timed the program traced without them.
-    with (backend, _wgrad_by_padding(name not in unpadded), _raw_copies(raw_choice.get(name)),
-          _dgrad_copy(dgrad_choice.get(name)), _accumulation(accumulation.get(name))):
+    compared = _env(*setting[name]) if name in setting else contextlib.nullcontext()
+    with backend, _wgrad_by_padding(name not in unpadded), compared:
       if jq.flax.OVERWRITE_WITH_GRADIENT in variables:  # time step 2 on, not step 1
         state = step(variables, x, sizes, dy, key)[1][0][jq.flax.OVERWRITE_WITH_GRADIENT]
         variables = {**variables, jq.flax.OVERWRITE_WITH_GRADIENT: state}
