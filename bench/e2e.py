@@ -21,7 +21,8 @@ name may end in `@<path>` (`PATHS`: `@ffi`, `@xla`, `@reference`, ...): the quan
 implementation is forced to it while the step is traced; and in `+fetch`: the loss is read
 (`float(loss)`) after every step, as Flax's examples log it, so the host's dispatch of each
 step is no longer hidden behind the previous step. `--attention off` leaves the attention
-projections (`nn.DenseGeneral`) in bf16 in every variant.
+projections (`nn.DenseGeneral`) in bf16 in every variant; `--attention-core cudnn` runs every
+variant's softmax core on cuDNN's fused kernel.
 """
 
 from __future__ import annotations
@@ -248,7 +249,7 @@ def print_table(rows, card, cfg, attention, data):
   print(f"\n{card}; data {data}; d_model {cfg.d_model}, {cfg.layers} layers, {cfg.heads} heads, "
         f"MLP "
         f"{cfg.mlp}, seq {cfg.seq}, batch {cfg.batch}, vocab {cfg.vocab}; attention "
-        f"projections quantized: {attention}")
+        f"projections quantized: {attention}; attention core {cfg.attention}")
   print("Step ratios: against the bf16 / Flax FP8 rows of the same timing mode (+fetch: the loss "
         "read every step); loss: against the same model's bf16 (bf16, modules_bf16).")
   print("| variant | ms/step | tokens/s | vs bf16 | vs Flax FP8 | loss@1 | loss@25 | "
@@ -283,6 +284,9 @@ def main(argv=None) -> int:
   parser.add_argument("--variants", default=DEFAULT_VARIANTS)
   parser.add_argument("--attention", choices=("on", "off"), default="on",
                       help="quantize the attention projections (nn.DenseGeneral) too")
+  parser.add_argument("--attention-core", choices=("xla", "cudnn"), default="xla",
+                      help="attention's softmax core in every variant: Flax's (xla) or cuDNN's "
+                           "fused kernel (GPU only), as TransformerEngine's users run theirs")
   parser.add_argument("--steps", type=int, default=100)
   parser.add_argument("--time-from", type=int, default=10)
   parser.add_argument("--profile-steps", type=int, default=3)
@@ -300,6 +304,7 @@ def main(argv=None) -> int:
     args.size, args.steps, args.time_from = "tiny", 3, 1
   cfg = SIZES[args.size]
   overrides = {k: v for k, v in (("batch", args.batch), ("seq", args.seq)) if v}
+  overrides["attention"] = args.attention_core
   if overrides:
     cfg = Config(**{**cfg.__dict__, **overrides})
   if not 0 < args.time_from < args.steps:

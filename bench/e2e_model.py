@@ -27,6 +27,7 @@ import jaxquant.flax as jqf
 
 try:  # examples/ must be on the path: PYTHONPATH=examples (bench/run.py sets it)
   from lm import data  # examples/lm/data.py: the stdlib byte corpus
+  from lm.model import attention_core  # examples/lm/model.py: "xla" or cuDNN's fused kernel
 except ModuleNotFoundError as err:
   if err.name not in ("lm", "train_lm", "nnx_quantize"):
     raise
@@ -44,6 +45,9 @@ class Config:
   seq: int
   batch: int
   dtype: Any = jnp.bfloat16
+  # The softmax core of attention: "xla" (Flax's `dot_product_attention`, the [seq, seq] scores
+  # written out) or "cudnn" (cuDNN's fused kernel, as TransformerEngine's users run theirs).
+  attention: str = "xla"
 
   @property
   def tokens(self) -> int:
@@ -81,6 +85,13 @@ class MLP(nn.Module):
     return nn.Dense(cfg.d_model, dtype=cfg.dtype, dot_general_cls=self.fp8_cls, name="fc2")(h)
 
 
+def _cudnn_attention_fn(query, key, value, *args, **kwargs):
+  """`nn.MultiHeadDotProductAttention`'s `attention_fn` on cuDNN's causal kernel (the causal
+  mask it is also given is the same mask)."""
+  del args, kwargs
+  return attention_core(query, key, value, "cudnn")
+
+
 class Block(nn.Module):
   config: Config
   fp8_cls: Optional[type] = None
@@ -90,10 +101,12 @@ class Block(nn.Module):
   def __call__(self, x, mask):
     cfg = self.config
     attn_cls = self.fp8_cls if self.fp8_attention else None
+    core = {"attention_fn": _cudnn_attention_fn} if cfg.attention == "cudnn" else {}
     h = nn.LayerNorm(dtype=cfg.dtype, name="ln1")(x)
     h = nn.MultiHeadDotProductAttention(num_heads=cfg.heads, dtype=cfg.dtype, deterministic=True,
                                         qkv_dot_general_cls=attn_cls,
-                                        out_dot_general_cls=attn_cls, name="attn")(h, mask=mask)
+                                        out_dot_general_cls=attn_cls, name="attn",
+                                        **core)(h, mask=mask)
     x = x + h
     h = nn.LayerNorm(dtype=cfg.dtype, name="ln2")(x)
     return x + MLP(cfg, self.fp8_cls, name="mlp")(h)
@@ -128,7 +141,10 @@ class ModulesBlock(nn.Module):
     head_dim = cfg.d_model // cfg.heads
     qkv = jqf.LayerNormDense((3, cfg.heads, head_dim), dtype=cfg.dtype, name="qkv")(x)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    h = nn.dot_product_attention(q, k, v, mask=mask, dtype=cfg.dtype)
+    if cfg.attention == "cudnn":
+      h = attention_core(q, k, v, "cudnn")
+    else:
+      h = nn.dot_product_attention(q, k, v, mask=mask, dtype=cfg.dtype)
     x = x + jqf.DenseGeneral(cfg.d_model, axis=(-2, -1), dtype=cfg.dtype, name="out")(h)
     return x + jqf.LayerNormMLP(cfg.mlp, activations="gelu", dtype=cfg.dtype, name="mlp")(x)
 
