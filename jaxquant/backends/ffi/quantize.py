@@ -29,13 +29,15 @@ from jaxquant.settings import env_choice
 
 Pair = tuple[Optional[ScaledTensor], Optional[ScaledTensor]]
 
-# Where per-tensor current scaling gets its amax, `JAXQUANT_FFI_AMAX`: "kernel" (the
-# `jaxquant_amax` target, one more pass over x) or "xla" (a max reduction XLA may fuse into the
-# fusion producing x; under a mesh XLA makes it global). Same bytes either way. H100, d2048 LM
-# step of bench/e2e.py: "xla" 68.5 ms vs "kernel" 67.4 ms (XLA's reductions took the 1.7 ms the
-# amax kernel took, bench/RESULTS.md), so "kernel" is the default.
+# Where per-tensor current scaling gets its amax, `JAXQUANT_FFI_AMAX`: "xla" (a max
+# reduction of |x|'s bits, `abs_max`, which XLA may fuse into the fusion producing x or run
+# beside the GEMMs; under a mesh XLA makes it global) or "kernel" (the `jaxquant_amax` target,
+# one more pass over x on the compute stream). Same bits either way (max is order-free). H200,
+# d2048 LM step of bench/e2e.py, four same-process pairs (session 32, design decision 58):
+# "xla" 1.4-3.0% faster on the unmodified model and on the modules model, with either attention
+# core; session 9's H100 pair (unmodified model) had favoured "kernel" (67.4 against 68.5 ms).
 AMAX_SOURCES = ("kernel", "xla")
-DEFAULT_AMAX_SOURCE = "kernel"
+DEFAULT_AMAX_SOURCE = "xla"
 
 
 def amax_source() -> str:
