@@ -411,8 +411,9 @@ GEMM_FORMATS = {
 
 def dense_peers(t: int, k: int, n: int, rng, timing) -> dict[str, float]:
   """Seconds of the dense GEMMs of the grouped GEMMs' FLOPs (2 T K N), the roofline peers:
-  bf16 `jax.lax.dot_general` (cuBLAS through XLA) and jaxquant's per-tensor FP8 GEMM (cuBLASLt)
-  with split (float32-promoted) and fast accumulation, bf16 out."""
+  bf16 `jax.lax.dot_general` (cuBLAS through XLA), jaxquant's per-tensor FP8 GEMM (cuBLASLt)
+  with split (float32-promoted) and fast accumulation, and its Float8Block GEMM (cuBLASLt's
+  block scaling, 1x128 x 128x128, the dense Float8BlockScaling forward), bf16 out."""
   x = jnp.asarray(rng.standard_normal((t, k), np.float32), jnp.bfloat16)
   w = jnp.asarray(rng.standard_normal((n, k), np.float32), jnp.bfloat16)
   dot_nt = lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
@@ -429,6 +430,14 @@ def dense_peers(t: int, k: int, n: int, rng, timing) -> dict[str, float]:
       peers[f"dense fp8 ({acc} acc)"] = bench(fn, qx, qw, **timing)
     except Exception as e:  # noqa: BLE001 - no cuBLASLt here: report, go on
       print(f"  dense fp8 ({acc} acc): FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+  rows_q, tiles_q = jq.Float8BlockQuantizer((1, 128)), jq.Float8BlockQuantizer((128, 128))
+  bq = lambda m, quantizer: jax.jit(lambda m: jq.ops.quantize(
+      m, quantizer, rowwise=True, columnwise=False).rowwise)(m)
+  try:
+    fn = jax.jit(lambda a, b: ffi_gemm.gemm(a, b, out_dtype=jnp.bfloat16))
+    peers["dense fp8 block"] = bench(fn, bq(x, rows_q), bq(w, tiles_q), **timing)
+  except Exception as e:  # noqa: BLE001 - no block-scaled cuBLASLt here: report, go on
+    print(f"  dense fp8 block: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
   return peers
 
 
