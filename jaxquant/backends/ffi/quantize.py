@@ -33,7 +33,7 @@ Pair = tuple[Optional[ScaledTensor], Optional[ScaledTensor]]
 # reduction of |x|'s bits, `abs_max`, which XLA may fuse into the fusion producing x or run
 # beside the GEMMs; under a mesh XLA makes it global) or "kernel" (the `jaxquant_amax` target,
 # one more pass over x on the compute stream). Same bits either way (max is order-free). H200,
-# d2048 LM step of bench/e2e.py, four same-process pairs (session 32, design decision 58):
+# d2048 LM step of bench/e2e.py, five same-process pairs (session 32, design decision 58):
 # "xla" 1.4-3.0% faster on the unmodified model and on the modules model, with either attention
 # core; session 9's H100 pair (unmodified model) had favoured "kernel" (67.4 against 68.5 ms).
 AMAX_SOURCES = ("kernel", "xla")
