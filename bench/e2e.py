@@ -304,9 +304,7 @@ def main(argv=None) -> int:
     args.size, args.steps, args.time_from = "tiny", 3, 1
   cfg = SIZES[args.size]
   overrides = {k: v for k, v in (("batch", args.batch), ("seq", args.seq)) if v}
-  overrides["attention"] = args.attention_core
-  if overrides:
-    cfg = Config(**{**cfg.__dict__, **overrides})
+  cfg = Config(**{**cfg.__dict__, **overrides, "attention": args.attention_core})
   if not 0 < args.time_from < args.steps:
     parser.error(f"--time-from {args.time_from} must be in [1, --steps={args.steps})")
   device = jax.devices()[0]
