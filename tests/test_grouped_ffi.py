@@ -1346,7 +1346,9 @@ def test_sm90_forward_takes_fast_accumulation_as_the_dense_forward(monkeypatch, 
   e5m2_w = jg.quantize_experts(w256, GEMM_QUANTIZERS["fp8-e5m2"], columnwise=False).rowwise
 
   # the rule, on the abstract operands
-  label = lambda b, out=jnp.bfloat16, acc="fast": kernels.sm90_kernel_label(fp8, b, out, acc)  # noqa: E731
+  def label(b, out=jnp.bfloat16, acc="fast"):
+    return kernels.sm90_kernel_label(fp8, b, out, acc)
+
   assert "config wide_fast" in label(fp8_w256) and "fast accumulation" in label(fp8_w256)
   assert "config pingpong_fast:" in label(fp8_w176)  # 176 columns: no whole 256-wide tile
   assert label(fp8_w176, acc="split") == " [config n176: 128x176x128 tiles, cluster 1x1, " \

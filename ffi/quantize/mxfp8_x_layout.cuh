@@ -94,8 +94,8 @@ __device__ __forceinline__ uint32_t hi16(uint32_t w) { return w >> 16; }
 // column j in byte j % 4), stored at `row` and `col` (each when not null) as store_bf16_words
 // stores (`n` values, 16-byte stores when `vec`). A column's codes are v x a x b with its
 // factors (mxfp8_codes multiplies by b only at e = 254, where b != 1: the same products), NaN
-// codes for a NaN column block (e = 255). Out of line: rare, and inlined into each of the 8 rows it took
-// ~60 registers more (126 in all). Returns whether the row's two raw copies differ.
+// codes for a NaN column block (e = 255). Out of line: rare, and inlined into each of the 8
+// rows it took ~60 registers more (126 in all). Returns whether the row's two raw copies differ.
 __device__ __noinline__ bool general_row(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3,
                                          uint32_t row_e, uint32_t col_e0, uint32_t col_e1, jq::Fp8 fmt,
                                          uint16_t* row, uint16_t* col, int n, bool vec_row, bool vec_col) {
