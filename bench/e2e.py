@@ -86,6 +86,7 @@ PATHS = {
     "fastacc": {"JAXQUANT_FP8_ACCUMULATION": "fast"},
     # The fused producers in the modules model (opt-in: docs/design.md decision 20) and off.
     "fused": {"JAXQUANT_FUSE_PRODUCERS": "on"},
+    "fused_norms": {"JAXQUANT_FUSE_PRODUCERS": "norms"},  # the normalizations alone
     "unfused": {"JAXQUANT_FUSE_PRODUCERS": "off"},
 }
 ENV_KEYS = sorted({k for env in PATHS.values() for k in env})

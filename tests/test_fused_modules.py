@@ -210,6 +210,14 @@ def test_the_environment_switches_the_default(rng, monkeypatch):
   report = _report(jf.LayerNormDense(64, recipe=RECIPES["current"], fuse_producers=False),
                    _x(rng))
   assert not [d for d in report if "fused" in d.detail]  # the module's setting wins
+  monkeypatch.setenv("JAXQUANT_FUSE_PRODUCERS", "norms")  # the normalizations alone
+  report = _report(jf.LayerNormMLP(128, recipe=RECIPES["current"]), _x(rng))
+  assert [d for d in report if d.detail.startswith("fused layernorm")]
+  unfused = {d.detail: d.reason for d in report if d.op == "producer"}
+  assert unfused == {"gelu, then quantize": "JAXQUANT_FUSE_PRODUCERS=norms",
+                     "gelu gradient, then quantize": "JAXQUANT_FUSE_PRODUCERS=norms"}, str(report)
+  report = _report(jf.LayerNormMLP(128, recipe=RECIPES["current"], fuse_producers=True), _x(rng))
+  assert not [d for d in report if d.op == "producer"]  # the module's setting wins
   monkeypatch.setenv("JAXQUANT_FUSE_PRODUCERS", "sometimes")
   with pytest.raises(ValueError, match="JAXQUANT_FUSE_PRODUCERS='sometimes'"):
     _report(jf.LayerNormDense(64, recipe=RECIPES["current"]), _x(rng))

@@ -81,11 +81,12 @@ def _spec_entry(spec, index: int):
   return entries[index] if -len(entries) <= index < len(entries) else None
 
 
-def platform_reason(fuse_producers: Optional[bool]) -> Optional[str]:
-  """Why a module's `fuse_producers` setting keeps the producers unfused here, or None.
-  None (the default): as `auto_fusion_reason` says (unfused for now); True:
-  wherever the formats allow (CPU handlers, or the reference composition)."""
-  return None if fuse_producers else auto_fusion_reason()
+def platform_reason(fuse_producers: Optional[bool], kind: str = "norm") -> Optional[str]:
+  """Why a module's `fuse_producers` setting keeps its `kind` producer ("norm" or
+  "activation") unfused here, or None. None (the default): as `auto_fusion_reason` says
+  (unfused for now); True: wherever the formats allow (CPU handlers, or the reference
+  composition)."""
+  return None if fuse_producers else auto_fusion_reason(kind)
 
 
 def norm_fusion_reason(quantizers: Optional[DenseQuantizers], sharding) -> Optional[str]:
@@ -252,15 +253,15 @@ def mlp_fusion_plan(module: nn.Module, part1: Parts, part2: Parts) -> tuple[bool
   sharded_reason = ("a sharded LayerNormMLP's activation runs unfused (the fused activation "
                     "kernels take whole rows of features)")
 
-  def reason(quantizer, what):
+  def reason(quantizer):  # of the activation, forward or backward
     if quantizer is None:
       return "nothing is quantized"
-    return fusion_unsupported(quantizer) or (act_reason if what != "norm" else None) or (
-        sharded_reason if sharded and what != "norm" else None)
+    return (fusion_unsupported(quantizer) or act_reason or (sharded_reason if sharded else None)
+            or platform_reason(module.fuse_producers, "activation"))
 
   norm_reason = norm_fusion_reason(q1, part1.sharding)
-  forward_reason = reason(None if q2 is None else q2.input, "forward")
-  backward_reason = reason(None if q1 is None else q1.grad_output, "backward")
+  forward_reason = reason(None if q2 is None else q2.input)
+  backward_reason = reason(None if q1 is None else q1.grad_output)
   name = act[0] if act else "activation"
   for role, what, why in ((q1.roles[0], module.norm_type, norm_reason),
                           (q2.roles[0], name, forward_reason),

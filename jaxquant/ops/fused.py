@@ -51,18 +51,24 @@ def fusion_unsupported(quantizer: Quantizer) -> Optional[str]:
   return None
 
 
-def auto_fusion_reason() -> Optional[str]:
-  """None when the layers take the fused producers by default on this platform, else why not.
+def auto_fusion_reason(kind: str = "norm") -> Optional[str]:
+  """None when the layers take the fused `kind` producer ("norm" or "activation", its gradient
+  included) by default on this platform, else why not.
 
   Nowhere, for now (docs/design.md decision 20): on an H200 each fused CUDA kernel measured
   slower than XLA's producer followed by the quantize kernel (bench/RESULTS.md, "Fused
   producers"), so a default that fused would slow the step. The CPU handlers are plain loops,
   slower still. The layers fuse when asked (`fuse_producers=True`);
-  `JAXQUANT_FUSE_PRODUCERS=on` fuses wherever the formats allow, `off` never (A/B timings
-  without touching a model; a module's explicit `fuse_producers` wins)."""
-  setting = env_choice("JAXQUANT_FUSE_PRODUCERS", ("auto", "on", "off"), "auto")
+  `JAXQUANT_FUSE_PRODUCERS=on` fuses wherever the formats allow, `norms` only the
+  normalizations, `off` never (A/B timings without touching a model; a module's explicit
+  `fuse_producers` wins)."""
+  if kind not in ("norm", "activation"):
+    raise ValueError(f"kind={kind!r}: expected 'norm' or 'activation'")
+  setting = env_choice("JAXQUANT_FUSE_PRODUCERS", ("auto", "on", "norms", "off"), "auto")
   if setting == "off":
     return "JAXQUANT_FUSE_PRODUCERS=off"
+  if setting == "norms":
+    return "JAXQUANT_FUSE_PRODUCERS=norms" if kind == "activation" else None
   if setting == "on":
     return None
   if dispatch.requested_backend() == "reference":
