@@ -3,6 +3,7 @@ quantized copies itself (`jaxquant.ops.fused`, FFI kernels) against the same pro
 followed by the quantize kernels (`jaxquant.ops.quantize`), side by side with a device copy.
 
     python bench/fused.py [--norm-shapes 16384x2048,16384x4096] [--act-shapes 16384x8192]
+                          (either "" for none)
                           [--formats delayed,current,mxfp8,block] [--iters 20] [--json out.json]
 
 Rows per shape and format (bf16 inputs, both quantized directions, as a training step asks):
@@ -152,12 +153,12 @@ def main():
   results = {"device": device.device_kind, "card": card, "jax": jax.__version__, "rows": []}
   formats = args.formats.split(",")
   jobs = []
-  for spec in args.norm_shapes.split(","):
+  for spec in filter(None, args.norm_shapes.split(",")):  # "" (empty): none
     rows, cols = map(int, spec.split("x"))
     x = (jax.random.normal(jax.random.key(0), (rows, cols), jnp.float32) * 2 + 1).astype(
         jnp.bfloat16)
     jobs.append((f"x {spec}", x, lambda q, name, x=x: norm_rows(x, q, name)))
-  for spec in args.act_shapes.split(","):
+  for spec in filter(None, args.act_shapes.split(",")):
     rows, cols = map(int, spec.split("x"))
     for gated in (False, True):
       width = 2 * cols if gated else cols
