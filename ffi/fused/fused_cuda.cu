@@ -1,6 +1,7 @@
 // CUDA handlers of the fused producer targets (sm_90a; ffi/fused/NOTES.md).
 //
-//  * jaxquant_norm_stats: one warp per row, the spec's fixed-order sums (fused/norm_stats.cuh).
+//  * jaxquant_norm_stats: one warp per row, the spec's fixed-order sums (fused/norm_stats.cuh),
+//    the row held in registers where it fits.
 //  * jaxquant_fused_quantize_{fp8,mxfp8,fp8_block}: the quantize targets' tile kernels
 //    (quantize/*.cuh), reading their values from a producer (fused/producers.cuh) instead of x:
 //    one pass over the producer's inputs writes the rowwise and transposed columnwise copies, the
@@ -26,7 +27,7 @@ ffi::Error NormStatsCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s
   NormStatsParams p{a.x.data, a.x.rows, a.x.cols, vec, a.layernorm, a.has_scale, a.has_bias, a.epsilon, a.out,
                     a.scale, a.bias, a.amax_mode == 2 ? a.gate : nullptr, a.mean, a.rsigma, a.amax};
   const unsigned blocks = unsigned(ceil_div(a.x.rows, kThreads / 32));
-  by_input_type(a.x.type, [&](auto tag) { norm_stats_kernel<decltype(tag)><<<blocks, kThreads, 0, stream>>>(p); });
+  by_input_type(a.x.type, [&](auto tag) { launch_norm_stats<decltype(tag)>(stream, p, blocks); });
   return launch_status("jaxquant_norm_stats");
 }
 

@@ -63,6 +63,30 @@ __device__ __forceinline__ float row_sum_warp(const In* row, int64_t C, bool vec
   return stack.levels[levels - 5];
 }
 
+// The largest |y| of a row's normalized output rounded to the output type, as bits, over the
+// lanes' columns (a loop, not unrolled: one copy of the norm's code; the row is in L1/L2 by
+// then).
+template <typename In>
+__device__ __forceinline__ uint32_t row_output_amax(const NormStatsParams& p, const In* row, float mean,
+                                                    float rsigma) {
+  const int lane = threadIdx.x & 31;
+  const bool vec_params = p.vec;  // C % 8 == 0 and XLA's float32 buffers are 16-byte aligned
+  uint32_t amax = 0;
+  for (int64_t c = 8 * lane; c < p.C; c += 256) {
+    float xv[8], g[8] = {}, b[8] = {};
+    row_floats8(row, c, p.C, p.vec, xv);
+    if (p.has_scale) row_floats8(p.scale, c, p.C, vec_params, g);
+    if (p.has_bias) row_floats8(p.bias, c, p.C, vec_params, b);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if (c + i >= p.C) continue;
+      const float y = jq::norm_value(xv[i], mean, rsigma, g[i], b[i], p.layernorm, p.has_scale, p.has_bias);
+      amax = max(amax, jq::abs_bits(round_to_device(p.out, y)));
+    }
+  }
+  return amax;
+}
+
 // One warp per row: mean (LayerNorm), rsigma, and the amax of the normalized output rounded to
 // the output type (a third sweep; the row is in L1/L2 by then).
 template <typename In>
@@ -89,26 +113,130 @@ __global__ void __launch_bounds__(kThreads) norm_stats_kernel(const NormStatsPar
       if (p.mean) p.mean[r] = mean;
       p.rsigma[r] = rsigma;
     }
-    if (want_amax) {
-      const bool vec_params = p.vec;  // C % 8 == 0 and XLA's float32 buffers are 16-byte aligned
-      for (int64_t c = 8 * lane; c < p.C; c += 256) {
-        float xv[8], g[8] = {}, b[8] = {};
-        row_floats8(row, c, p.C, p.vec, xv);
-        if (p.has_scale) row_floats8(p.scale, c, p.C, vec_params, g);
-        if (p.has_bias) row_floats8(p.bias, c, p.C, vec_params, b);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          if (c + i >= p.C) continue;
-          const float y = jq::norm_value(xv[i], mean, rsigma, g[i], b[i], p.layernorm, p.has_scale, p.has_bias);
-          amax = max(amax, jq::abs_bits(round_to_device(p.out, y)));
-        }
-      }
-    }
+    if (want_amax) amax = row_output_amax(p, row, mean, rsigma);
   }
   if (want_amax) {
     amax = cta_max(amax, red);
     if (threadIdx.x == 0) atomic_max_float(p.amax, amax);
   }
+}
+
+// A row of `kSweeps` 32-chunk sweeps held in registers by one warp (lane l: chunk 32 s + l of
+// sweep s, 8 consecutive elements as raw 16-byte words), so the sums read x once: the mean and
+// variance passes of norm_stats_kernel each read the row, a few loads in flight at a time, and
+// its sweeps' partial sums go through PairwiseStack's local-memory array (168 bytes of stack). For a 16-byte aligned row with C % 8 == 0
+// (a chunk is wholly inside the row or wholly past it) whose chunks pad to exactly
+// 32 * kSweeps: the sums are row_sum_warp's, term for term and in its order (each sweep
+// pairwise across lanes, the sweeps pairwise neighbours first, as PairwiseStack merges a power
+// of two of them).
+template <typename In, int kSweeps>
+struct RowInRegisters {
+  static constexpr int kWords = sizeof(In) / 2;  // 16-byte words a chunk: 1 (16-bit), 2 (float32)
+  uint4 raw[kSweeps][kWords];
+  bool inside[kSweeps];
+
+  __device__ __forceinline__ void load(const In* row, int64_t C, int lane) {
+#pragma unroll
+    for (int s = 0; s < kSweeps; ++s) {
+      const int64_t c = 8 * (32 * int64_t(s) + lane);
+      inside[s] = c < C;
+      const uint4* p = reinterpret_cast<const uint4*>(row + c);
+#pragma unroll
+      for (int w = 0; w < kWords; ++w) raw[s][w] = inside[s] ? __ldg(p + w) : make_uint4(0, 0, 0, 0);
+    }
+  }
+
+  __device__ __forceinline__ void values(int s, float* v) const {
+    alignas(16) In e[8];
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) reinterpret_cast<uint4*>(e)[w] = raw[s][w];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = to_float(e[i]);
+  }
+
+  // reductions.row_sum of term(x[c]) over the row; every lane returns it.
+  template <typename Term>
+  __device__ __forceinline__ float sum(Term term) const {
+    float part[kSweeps];
+#pragma unroll
+    for (int s = 0; s < kSweeps; ++s) {
+      float v[8];
+      values(s, v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = term(v[i]);
+      part[s] = lane_pairwise(inside[s] ? jq::chunk_sum8(v) : 0.0f, 5);
+    }
+#pragma unroll
+    for (int w = 1; w < kSweeps; w *= 2) {
+#pragma unroll
+      for (int s = 0; s < kSweeps; s += 2 * w) part[s] = part[s] + part[s + w];
+    }
+    return part[0];
+  }
+};
+
+// norm_stats_kernel's outputs, bit for bit, from one read of each row (RowInRegisters) for the
+// sums; the amax (current scaling, delayed scaling's first step) re-reads it as that kernel does.
+template <typename In, int kSweeps>
+__global__ void __launch_bounds__(kThreads) norm_stats_rows_kernel(const NormStatsParams p) {
+  __shared__ uint32_t red[kThreads / 32];
+  const int lane = threadIdx.x & 31;
+  const int64_t r = int64_t(blockIdx.x) * (kThreads / 32) + (threadIdx.x >> 5);
+  const bool want_amax = p.amax != nullptr && (p.gate == nullptr || __ldg(p.gate) == 0.0f);
+  uint32_t amax = 0;
+  if (r < p.R) {
+    const In* row_x = static_cast<const In*>(p.x) + r * p.C;
+    RowInRegisters<In, kSweeps> row;
+    row.load(row_x, p.C, lane);
+    const float k = static_cast<float>(p.C);
+    const bool layernorm = p.layernorm;
+    const float mean = layernorm ? jq::div_f32(row.sum([](float v) { return v; }), k) : 0.0f;
+    const float var = jq::div_f32(row.sum([mean, layernorm](float v) {
+                                    const float d = layernorm ? v - mean : v;
+                                    return jq::mul_rn(d, d);
+                                  }),
+                                  k);
+    const float rsigma = jq::rsigma_of(var, p.epsilon);
+    if (lane == 0) {
+      if (p.mean) p.mean[r] = mean;
+      p.rsigma[r] = rsigma;
+    }
+    if (want_amax) amax = row_output_amax(p, row_x, mean, rsigma);
+  }
+  if (want_amax) {
+    amax = cta_max(amax, red);
+    if (threadIdx.x == 0) atomic_max_float(p.amax, amax);
+  }
+}
+
+// The sweeps a row of C columns pads to (row_sum_warp: chunks of 8, a power of two of them, 32
+// a sweep), or 0 when it takes one partial sweep.
+inline int64_t norm_sweeps(int64_t C) {
+  int64_t padded = 1;
+  while (padded < (C + 7) / 8) padded <<= 1;
+  return padded >= 32 ? padded / 32 : 0;
+}
+
+// Launches the statistics over p: norm_stats_rows_kernel where the row fits in registers (16-bit
+// inputs up to 4096 columns, float32 up to 2048), norm_stats_kernel otherwise. Same outputs.
+template <typename In>
+void launch_norm_stats(cudaStream_t stream, const NormStatsParams& p, unsigned blocks) {
+  constexpr int64_t kMaxSweeps = sizeof(In) == 2 ? 16 : 8;
+  const int64_t sweeps = p.vec ? norm_sweeps(p.C) : 0;
+  switch (sweeps > kMaxSweeps ? 0 : sweeps) {
+    case 1: norm_stats_rows_kernel<In, 1><<<blocks, kThreads, 0, stream>>>(p); return;
+    case 2: norm_stats_rows_kernel<In, 2><<<blocks, kThreads, 0, stream>>>(p); return;
+    case 4: norm_stats_rows_kernel<In, 4><<<blocks, kThreads, 0, stream>>>(p); return;
+    case 8: norm_stats_rows_kernel<In, 8><<<blocks, kThreads, 0, stream>>>(p); return;
+    case 16:
+      if constexpr (kMaxSweeps >= 16) {
+        norm_stats_rows_kernel<In, 16><<<blocks, kThreads, 0, stream>>>(p);
+        return;
+      }
+      break;
+    default: break;
+  }
+  norm_stats_kernel<In><<<blocks, kThreads, 0, stream>>>(p);
 }
 
 // The amax of a producer's matrix (activation / activation gradient; current scaling, or the
