@@ -87,48 +87,14 @@ __device__ __forceinline__ uint32_t row_output_amax(const NormStatsParams& p, co
   return amax;
 }
 
-// One warp per row: mean (LayerNorm), rsigma, and the amax of the normalized output rounded to
-// the output type (a third sweep; the row is in L1/L2 by then).
-template <typename In>
-__global__ void __launch_bounds__(kThreads) norm_stats_kernel(const NormStatsParams p) {
-  __shared__ uint32_t red[kThreads / 32];
-  const int lane = threadIdx.x & 31;
-  const int64_t r = int64_t(blockIdx.x) * (kThreads / 32) + (threadIdx.x >> 5);
-  const bool want_amax = p.amax != nullptr && (p.gate == nullptr || __ldg(p.gate) == 0.0f);
-  uint32_t amax = 0;
-  if (r < p.R) {
-    const In* row = static_cast<const In*>(p.x) + r * p.C;
-    const float k = static_cast<float>(p.C);
-    float mean = 0.0f;
-    if (p.layernorm) mean = jq::div_f32(row_sum_warp(row, p.C, p.vec, [](float v) { return v; }), k);
-    const bool layernorm = p.layernorm;
-    const float var = jq::div_f32(row_sum_warp(row, p.C, p.vec,
-                                               [mean, layernorm](float v) {
-                                                 const float d = layernorm ? v - mean : v;
-                                                 return jq::mul_rn(d, d);
-                                               }),
-                                  k);
-    const float rsigma = jq::rsigma_of(var, p.epsilon);
-    if (lane == 0) {
-      if (p.mean) p.mean[r] = mean;
-      p.rsigma[r] = rsigma;
-    }
-    if (want_amax) amax = row_output_amax(p, row, mean, rsigma);
-  }
-  if (want_amax) {
-    amax = cta_max(amax, red);
-    if (threadIdx.x == 0) atomic_max_float(p.amax, amax);
-  }
-}
-
 // A row of `kSweeps` 32-chunk sweeps held in registers by one warp (lane l: chunk 32 s + l of
-// sweep s, 8 consecutive elements as raw 16-byte words), so the sums read x once: the mean and
-// variance passes of norm_stats_kernel each read the row, a few loads in flight at a time, and
-// its sweeps' partial sums go through PairwiseStack's local-memory array (168 bytes of stack). For a 16-byte aligned row with C % 8 == 0
-// (a chunk is wholly inside the row or wholly past it) whose chunks pad to exactly
-// 32 * kSweeps: the sums are row_sum_warp's, term for term and in its order (each sweep
-// pairwise across lanes, the sweeps pairwise neighbours first, as PairwiseStack merges a power
-// of two of them).
+// sweep s, 8 consecutive elements as raw 16-byte words), so the sums read x once. Streamed
+// (row_sum_warp), the mean and the variance each read the row with a few loads in flight a
+// lane, and the sweeps' partial sums go through PairwiseStack's array in local memory (168
+// bytes of stack). For a 16-byte aligned row with C % 8 == 0 (a chunk is wholly inside the row
+// or wholly past it) whose chunks pad to exactly 32 * kSweeps: the sums are row_sum_warp's,
+// term for term and in its order (each sweep pairwise across lanes, the sweeps pairwise
+// neighbours first, as PairwiseStack merges a power of two of them).
 template <typename In, int kSweeps>
 struct RowInRegisters {
   static constexpr int kWords = sizeof(In) / 2;  // 16-byte words a chunk: 1 (16-bit), 2 (float32)
@@ -175,33 +141,48 @@ struct RowInRegisters {
   }
 };
 
-// norm_stats_kernel's outputs, bit for bit, from one read of each row (RowInRegisters) for the
-// sums; the amax (current scaling, delayed scaling's first step) re-reads it as that kernel does.
+// The mean (LayerNorm) and rsigma of a row from `row_sum(term)`, reductions.row_sum of term(x)
+// over it (every lane gets them).
+template <typename RowSum>
+__device__ __forceinline__ void row_stats(const NormStatsParams& p, RowSum row_sum, float* mean, float* rsigma) {
+  const float k = static_cast<float>(p.C);
+  const bool layernorm = p.layernorm;
+  const float m = layernorm ? jq::div_f32(row_sum([](float v) { return v; }), k) : 0.0f;
+  const float var = jq::div_f32(row_sum([m, layernorm](float v) {
+                                  const float d = layernorm ? v - m : v;
+                                  return jq::mul_rn(d, d);
+                                }),
+                                k);
+  *mean = m;
+  *rsigma = jq::rsigma_of(var, p.epsilon);
+}
+
+// One warp per row: mean (LayerNorm), rsigma, and the amax of the normalized output rounded to
+// the output type (a third sweep; the row is in L1/L2 by then). kSweeps > 0: the row held in
+// registers for the sums (RowInRegisters; launch_norm_stats says where), one read of x; 0: the
+// sums stream the row (row_sum_warp), any row.
 template <typename In, int kSweeps>
-__global__ void __launch_bounds__(kThreads) norm_stats_rows_kernel(const NormStatsParams p) {
+__global__ void __launch_bounds__(kThreads) norm_stats_kernel(const NormStatsParams p) {
   __shared__ uint32_t red[kThreads / 32];
   const int lane = threadIdx.x & 31;
   const int64_t r = int64_t(blockIdx.x) * (kThreads / 32) + (threadIdx.x >> 5);
   const bool want_amax = p.amax != nullptr && (p.gate == nullptr || __ldg(p.gate) == 0.0f);
   uint32_t amax = 0;
   if (r < p.R) {
-    const In* row_x = static_cast<const In*>(p.x) + r * p.C;
-    RowInRegisters<In, kSweeps> row;
-    row.load(row_x, p.C, lane);
-    const float k = static_cast<float>(p.C);
-    const bool layernorm = p.layernorm;
-    const float mean = layernorm ? jq::div_f32(row.sum([](float v) { return v; }), k) : 0.0f;
-    const float var = jq::div_f32(row.sum([mean, layernorm](float v) {
-                                    const float d = layernorm ? v - mean : v;
-                                    return jq::mul_rn(d, d);
-                                  }),
-                                  k);
-    const float rsigma = jq::rsigma_of(var, p.epsilon);
+    const In* row = static_cast<const In*>(p.x) + r * p.C;
+    float mean, rsigma;
+    if constexpr (kSweeps > 0) {
+      RowInRegisters<In, kSweeps> regs;
+      regs.load(row, p.C, lane);
+      row_stats(p, [&](auto term) { return regs.sum(term); }, &mean, &rsigma);
+    } else {
+      row_stats(p, [&](auto term) { return row_sum_warp(row, p.C, p.vec, term); }, &mean, &rsigma);
+    }
     if (lane == 0) {
       if (p.mean) p.mean[r] = mean;
       p.rsigma[r] = rsigma;
     }
-    if (want_amax) amax = row_output_amax(p, row_x, mean, rsigma);
+    if (want_amax) amax = row_output_amax(p, row, mean, rsigma);
   }
   if (want_amax) {
     amax = cta_max(amax, red);
@@ -217,26 +198,26 @@ inline int64_t norm_sweeps(int64_t C) {
   return padded >= 32 ? padded / 32 : 0;
 }
 
-// Launches the statistics over p: norm_stats_rows_kernel where the row fits in registers (16-bit
-// inputs up to 4096 columns, float32 up to 2048), norm_stats_kernel otherwise. Same outputs.
+// Launches the statistics over p: the row in registers where it fits (16-bit inputs up to 4096
+// columns, float32 up to 2048), streamed otherwise. Same outputs.
 template <typename In>
 void launch_norm_stats(cudaStream_t stream, const NormStatsParams& p, unsigned blocks) {
   constexpr int64_t kMaxSweeps = sizeof(In) == 2 ? 16 : 8;
   const int64_t sweeps = p.vec ? norm_sweeps(p.C) : 0;
   switch (sweeps > kMaxSweeps ? 0 : sweeps) {
-    case 1: norm_stats_rows_kernel<In, 1><<<blocks, kThreads, 0, stream>>>(p); return;
-    case 2: norm_stats_rows_kernel<In, 2><<<blocks, kThreads, 0, stream>>>(p); return;
-    case 4: norm_stats_rows_kernel<In, 4><<<blocks, kThreads, 0, stream>>>(p); return;
-    case 8: norm_stats_rows_kernel<In, 8><<<blocks, kThreads, 0, stream>>>(p); return;
+    case 1: norm_stats_kernel<In, 1><<<blocks, kThreads, 0, stream>>>(p); return;
+    case 2: norm_stats_kernel<In, 2><<<blocks, kThreads, 0, stream>>>(p); return;
+    case 4: norm_stats_kernel<In, 4><<<blocks, kThreads, 0, stream>>>(p); return;
+    case 8: norm_stats_kernel<In, 8><<<blocks, kThreads, 0, stream>>>(p); return;
     case 16:
       if constexpr (kMaxSweeps >= 16) {
-        norm_stats_rows_kernel<In, 16><<<blocks, kThreads, 0, stream>>>(p);
+        norm_stats_kernel<In, 16><<<blocks, kThreads, 0, stream>>>(p);
         return;
       }
       break;
     default: break;
   }
-  norm_stats_kernel<In><<<blocks, kThreads, 0, stream>>>(p);
+  norm_stats_kernel<In, 0><<<blocks, kThreads, 0, stream>>>(p);
 }
 
 // The amax of a producer's matrix (activation / activation gradient; current scaling, or the
