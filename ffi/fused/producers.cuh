@@ -102,14 +102,51 @@ struct NormProducer {
   }
 };
 
-// The norm producer's tile kernels with a 16-bit output compiled for 3 CTAs a multiprocessor
-// (at most 80 registers a thread: unbounded they take 92-95, i.e. 2 CTAs; bounded they spill 8-16
-// bytes). A float32 output stays unbounded (114-130 registers; at 80 it spills 240-480 bytes).
-// Measured on an H100 (session 11): fused layernorm 1.35 -> 1.28x the unfused time, delayed
-// scaling (ffi/fused/NOTES.md).
+// A norm producer's passes where the thread's 8 columns and every pass's row are inside and
+// x is 16-bit and aligned: every x, mean and rsigma load issued first, the thread's scale and
+// bias loaded once (its columns are the same in every pass), then the passes' arithmetic
+// (NormProducer::load8's, value for value). Elsewhere, load8 pass by pass.
+template <typename In, typename OutT, int NP>
+__device__ __forceinline__ void load_passes(const NormProducer<In, OutT>& n, int64_t r0, int step, int64_t c,
+                                            OutT (&raw)[NP][8]) {
+  if constexpr (sizeof(In) == 2) {
+    if (n.vec_x && n.vec_params && c + 8 <= n.C && r0 + int64_t(NP - 1) * step < n.R) {
+      alignas(16) In xs[NP][8];
+      float m[NP], rs[NP];
+#pragma unroll
+      for (int pp = 0; pp < NP; ++pp) {
+        const int64_t r = r0 + pp * step;
+        reinterpret_cast<uint4*>(xs[pp])[0] = __ldg(reinterpret_cast<const uint4*>(n.x + r * n.C + c));
+        m[pp] = n.layernorm ? __ldg(n.mean + r) : 0.0f;
+        rs[pp] = __ldg(n.rsigma + r);
+      }
+      float g[8] = {}, b[8] = {};
+      if (n.has_scale) row_floats8(n.scale, c, n.C, true, g);
+      if (n.has_bias) row_floats8(n.bias, c, n.C, true, b);
+#pragma unroll
+      for (int pp = 0; pp < NP; ++pp) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          raw[pp][i] = from_float<OutT>(
+              jq::norm_value(to_float(xs[pp][i]), m[pp], rs[pp], g[i], b[i], n.layernorm, n.has_scale, n.has_bias));
+        }
+        if (n.y != nullptr) row_store8(n.y + (r0 + pp * step) * n.C, c, n.C, n.vec_y, raw[pp]);
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int pp = 0; pp < NP; ++pp) n.load8(r0 + pp * step, c, raw[pp]);
+}
+
+// The norm producer's tile kernels with a 16-bit output compiled for 2 CTAs a multiprocessor
+// (at most 128 registers a thread; ptxas spills nothing there). With load_passes holding every
+// pass's x, mean and rsigma in flight, the 3-CTA bound of sessions 11-33 (80 registers) spilled
+// 52-116 bytes; the staged loads took the tile kernel from 99 to 66 µs on an H200 (session 34,
+// Nsight Compute, [16384, 2048] bf16). A float32 output stays unbounded (114-130 registers).
 template <typename In, typename OutT>
 struct TileMinCtas<NormProducer<In, OutT>> {
-  static constexpr int value = sizeof(OutT) == 2 ? 3 : 1;
+  static constexpr int value = sizeof(OutT) == 2 ? 2 : 1;
 };
 template <typename In, typename OutT>
 struct ProducerMinCtas<NormProducer<In, OutT>> : TileMinCtas<NormProducer<In, OutT>> {};
@@ -191,6 +228,85 @@ struct DactProducer {
     }
   }
 };
+
+// 16 bytes of a 16-bit row at column c (16-byte aligned), as 8 values.
+template <typename T>
+__device__ __forceinline__ void load16b(const T* row, int64_t c, T* out) {
+  static_assert(sizeof(T) == 2, "8 16-bit values");
+  reinterpret_cast<uint4*>(out)[0] = __ldg(reinterpret_cast<const uint4*>(row + c));
+}
+
+// An activation producer's passes where the thread's 8 columns and every pass's row are inside
+// and h is 16-bit and aligned: every pass's h loads issued first, then act (times the gate) in
+// place, value for value ActProducer::load8's. Elsewhere, load8 pass by pass.
+template <typename T, int NP>
+__device__ __forceinline__ void load_passes(const ActProducer<T>& a, int64_t r0, int step, int64_t c,
+                                            T (&raw)[NP][8]) {
+  if constexpr (sizeof(T) == 2) {
+    if (a.vec && c + 8 <= a.C && r0 + int64_t(NP - 1) * step < a.R) {
+      const int64_t stride = a.gated ? 2 * a.C : a.C;
+      alignas(16) T h1[NP][8];
+#pragma unroll
+      for (int pp = 0; pp < NP; ++pp) {
+        const T* row = a.h + (r0 + pp * step) * stride;
+        load16b(row, c, raw[pp]);
+        if (a.gated) load16b(row + a.C, c, h1[pp]);
+      }
+#pragma unroll
+      for (int pp = 0; pp < NP; ++pp) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float v = act_value_call(a.act, to_float(raw[pp][i]));
+          raw[pp][i] = from_float<T>(a.gated ? v * to_float(h1[pp][i]) : v);
+        }
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int pp = 0; pp < NP; ++pp) a.load8(r0 + pp * step, c, raw[pp]);
+}
+
+// The activation gradient's passes, staged as the activation's (all loads first) where the
+// thread's 8 columns and every pass's row are inside and the rows 16-bit and aligned (`vec`: 8
+// columns then lie in one half of a gated unit); value for value DactProducer::load8's.
+template <typename T, int NP>
+__device__ __forceinline__ void load_passes(const DactProducer<T>& d, int64_t r0, int step, int64_t c,
+                                            T (&raw)[NP][8]) {
+  if constexpr (sizeof(T) == 2) {
+    if (d.vec && c + 8 <= d.C && r0 + int64_t(NP - 1) * step < d.R) {
+      const bool first_half = !d.gated || c < d.N;
+      const int64_t k = first_half ? c : c - d.N;
+      alignas(16) T dy[NP][8], h1[NP][8];
+#pragma unroll
+      for (int pp = 0; pp < NP; ++pp) {
+        const int64_t r = r0 + pp * step;
+        load16b(d.dy + r * d.N, k, dy[pp]);
+        load16b(d.h + r * d.C, k, raw[pp]);
+        if (d.gated && first_half) load16b(d.h + r * d.C + d.N, k, h1[pp]);
+      }
+#pragma unroll
+      for (int pp = 0; pp < NP; ++pp) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float g = to_float(dy[pp][i]), h0 = to_float(raw[pp][i]);
+          float v;
+          if (!d.gated) {
+            v = act_backward_call(d.act, g, h0);
+          } else if (first_half) {
+            v = act_backward_call(d.act, g * to_float(h1[pp][i]), h0);
+          } else {
+            v = g * act_value_call(d.act, h0);
+          }
+          raw[pp][i] = from_float<T>(v);
+        }
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int pp = 0; pp < NP; ++pp) d.load8(r0 + pp * step, c, raw[pp]);
+}
 
 }  // namespace
 }  // namespace jqffi

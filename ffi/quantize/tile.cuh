@@ -352,6 +352,16 @@ __device__ __forceinline__ RowDestination row_destination(const Reader&, int64_t
   return {r, false};
 }
 
+// The 8 values at (r0 + pp * step, c .. c+7) of each pass pp, read from a tile reader: each
+// pass's load8 in turn. A producer whose values are arithmetic on its loads overloads it (found
+// by argument-dependent lookup) to issue every pass's loads before any arithmetic: inside one
+// load8 its arithmetic waits on that pass's loads, and the passes' loads then do not overlap.
+template <typename Reader, typename Out, int NP>
+__device__ __forceinline__ void load_passes(const Reader& reader, int64_t r0, int step, int64_t c, Out (&raw)[NP][8]) {
+#pragma unroll
+  for (int pp = 0; pp < NP; ++pp) reader.load8(r0 + pp * step, c, raw[pp]);
+}
+
 // The load phase of the FP8-format tile kernels: the CTA's tile, this thread's place in it (tile
 // row pass * RPP + lr, columns lc .. lc+7) and its 8 values of each pass, read from the producer
 // with every load issued before any is used.
@@ -372,9 +382,7 @@ struct Fp8TileLoad {
         t(tile_index(p.C, G::TR, G::TC)),
         lr(threadIdx.x / G::TPR), lc((threadIdx.x % G::TPR) * 8) {
     prepare_tile(prod, t.r0);
-    const auto& reader = tile_reader(prod, t.r0);
-#pragma unroll
-    for (int pp = 0; pp < G::NP; ++pp) reader.load8(row(pp), col(), raw[pp]);
+    load_passes(tile_reader(prod, t.r0), row(0), G::RPP, col(), raw);
   }
 
   // The matrix row of pass pp and the matrix column of this thread's first value.
