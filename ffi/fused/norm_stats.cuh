@@ -139,6 +139,27 @@ struct RowInRegisters {
     }
     return part[0];
   }
+
+  // row_output_amax's value from the held row: no second read of x.
+  __device__ __forceinline__ uint32_t output_amax(const NormStatsParams& p, float mean, float rsigma,
+                                                  int lane) const {
+    uint32_t amax = 0;
+#pragma unroll
+    for (int s = 0; s < kSweeps; ++s) {
+      if (!inside[s]) continue;  // a chunk is wholly inside the row or wholly past it
+      const int64_t c = 8 * (32 * int64_t(s) + lane);
+      float v[8], g[8] = {}, b[8] = {};
+      values(s, v);
+      if (p.has_scale) row_floats8(p.scale, c, p.C, true, g);
+      if (p.has_bias) row_floats8(p.bias, c, p.C, true, b);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float y = jq::norm_value(v[i], mean, rsigma, g[i], b[i], p.layernorm, p.has_scale, p.has_bias);
+        amax = max(amax, jq::abs_bits(round_to_device(p.out, y)));
+      }
+    }
+    return amax;
+  }
 };
 
 // The mean (LayerNorm) and rsigma of a row from `row_sum(term)`, reductions.row_sum of term(x)
@@ -158,9 +179,9 @@ __device__ __forceinline__ void row_stats(const NormStatsParams& p, RowSum row_s
 }
 
 // One warp per row: mean (LayerNorm), rsigma, and the amax of the normalized output rounded to
-// the output type (a third sweep; the row is in L1/L2 by then). kSweeps > 0: the row held in
-// registers for the sums (RowInRegisters; launch_norm_stats says where), one read of x; 0: the
-// sums stream the row (row_sum_warp), any row.
+// the output type. kSweeps > 0: the row held in registers for the sums and (up to 8 sweeps)
+// the amax (RowInRegisters; launch_norm_stats says where), one read of x; 0: the sums stream
+// the row (row_sum_warp); the amax elsewhere is a third sweep (the row in L1/L2 by then).
 template <typename In, int kSweeps>
 __global__ void __launch_bounds__(kThreads) norm_stats_kernel(const NormStatsParams p) {
   __shared__ uint32_t red[kThreads / 32];
@@ -175,14 +196,23 @@ __global__ void __launch_bounds__(kThreads) norm_stats_kernel(const NormStatsPar
       RowInRegisters<In, kSweeps> regs;
       regs.load(row, p.C, lane);
       row_stats(p, [&](auto term) { return regs.sum(term); }, &mean, &rsigma);
+      if (want_amax) {
+        // Up to 8 sweeps (16-bit rows to 2048 columns, float32 to 1024) from the held row; the
+        // 16-sweep instance unrolled that way is ~24,000 instructions, so it re-reads the row.
+        if constexpr (kSweeps <= 8) {
+          amax = regs.output_amax(p, mean, rsigma, lane);
+        } else {
+          amax = row_output_amax(p, row, mean, rsigma);
+        }
+      }
     } else {
       row_stats(p, [&](auto term) { return row_sum_warp(row, p.C, p.vec, term); }, &mean, &rsigma);
+      if (want_amax) amax = row_output_amax(p, row, mean, rsigma);
     }
     if (lane == 0) {
       if (p.mean) p.mean[r] = mean;
       p.rsigma[r] = rsigma;
     }
-    if (want_amax) amax = row_output_amax(p, row, mean, rsigma);
   }
   if (want_amax) {
     amax = cta_max(amax, red);
