@@ -50,6 +50,10 @@ RECIPES = {
     "fp8_current": jq.Float8CurrentScaling,
     "fp8_delayed": jq.DelayedScaling,
     "fp8_delayed_one": lambda: jq.DelayedScaling(first_scale="one"),  # TE's scale-1 start
+    # Delayed scaling's scale from the last step's amax alone, and from the last 16 steps' largest
+    # (the default takes the largest of 1024, as TransformerEngine's): the loss at step 100.
+    "fp8_delayed_recent": lambda: jq.DelayedScaling(amax_compute_algo="most_recent"),
+    "fp8_delayed_h16": lambda: jq.DelayedScaling(amax_history_len=16),
     "fp8_block": jq.Float8BlockScaling,
     "mxfp8": jq.MXFP8BlockScaling,
     "nvfp4": jq.NVFP4BlockScaling,
