@@ -46,6 +46,13 @@ import jaxquant.flax as jqf
 from e2e_model import DATA, SIZES, Config, ModulesLM, StandardLM
 import e2e_trace
 
+def _delayed_for(tensor_types: tuple) -> jq.Recipe:
+  """Delayed scaling for the roles of `tensor_types`, current scaling for the others."""
+  delayed, current = jq.DelayedScaling().factory(), jq.Float8CurrentScaling().factory()
+  return jq.CustomRecipe(
+      lambda role: (delayed if role is not None and role.tensor_type in tensor_types else current)(role))
+
+
 RECIPES = {
     "fp8_current": jq.Float8CurrentScaling,
     "fp8_delayed": jq.DelayedScaling,
@@ -54,6 +61,11 @@ RECIPES = {
     # (the default takes the largest of 1024, as TransformerEngine's): the loss at step 100.
     "fp8_delayed_recent": lambda: jq.DelayedScaling(amax_compute_algo="most_recent"),
     "fp8_delayed_h16": lambda: jq.DelayedScaling(amax_history_len=16),
+    "fp8_delayed_m1": lambda: jq.DelayedScaling(margin=1),  # a factor 2 of headroom
+    # Delayed scaling for some tensors only (current scaling for the rest): which tensors' stale
+    # scales cost delayed scaling its loss.
+    "fp8_delayed_xw": lambda: _delayed_for(("input", "weight")),
+    "fp8_delayed_grad": lambda: _delayed_for(("grad_output",)),
     "fp8_block": jq.Float8BlockScaling,
     "mxfp8": jq.MXFP8BlockScaling,
     "nvfp4": jq.NVFP4BlockScaling,
