@@ -49,8 +49,9 @@ import e2e_trace
 def _delayed_for(tensor_types: tuple) -> jq.Recipe:
   """Delayed scaling for the roles of `tensor_types`, current scaling for the others."""
   delayed, current = jq.DelayedScaling().factory(), jq.Float8CurrentScaling().factory()
-  return jq.CustomRecipe(
-      lambda role: (delayed if role is not None and role.tensor_type in tensor_types else current)(role))
+  def factory(role):
+    return (delayed if role is not None and role.tensor_type in tensor_types else current)(role)
+  return jq.CustomRecipe(factory)
 
 
 RECIPES = {
