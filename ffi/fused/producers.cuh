@@ -83,6 +83,11 @@ struct NormProducer {
   int64_t R, C;
   bool vec_x, vec_params, vec_y, layernorm, has_scale, has_bias;
 
+  // The normalized value of x (row statistics m, rs; column scale g and bias b) in Out.
+  __device__ __forceinline__ Out value(float x, float m, float rs, float g, float b) const {
+    return from_float<Out>(jq::norm_value(x, m, rs, g, b, layernorm, has_scale, has_bias));
+  }
+
   __device__ __forceinline__ void load8(int64_t r, int64_t c, Out* out) const {
     if (r >= R || c >= C) {
       zeros8(out);
@@ -95,8 +100,7 @@ struct NormProducer {
     const float m = layernorm ? __ldg(mean + r) : 0.0f, rs = __ldg(rsigma + r);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      out[i] = c + i < C ? from_float<Out>(jq::norm_value(xv[i], m, rs, g[i], b[i], layernorm, has_scale, has_bias))
-                         : zero_of<Out>();
+      out[i] = c + i < C ? value(xv[i], m, rs, g[i], b[i]) : zero_of<Out>();
     }
     if (y != nullptr) row_store8(y + r * C, c, C, vec_y, out);
   }
@@ -133,8 +137,7 @@ __device__ __forceinline__ void load_passes(const NormProducer<In, OutT>& n, int
         const float rs = __shfl_sync(0xFFFFFFFFu, stat, 16 + 2 * pp + half);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          raw[pp][i] = from_float<OutT>(
-              jq::norm_value(to_float(xs[pp][i]), m, rs, g[i], b[i], n.layernorm, n.has_scale, n.has_bias));
+          raw[pp][i] = n.value(to_float(xs[pp][i]), m, rs, g[i], b[i]);
         }
         if (n.y != nullptr) row_store8(n.y + (r0 + pp * step) * n.C, c, n.C, n.vec_y, raw[pp]);
       }
@@ -166,20 +169,23 @@ struct ActProducer {
   bool vec, gated;
   jq::Act act;
 
+  // act(h0), or act(h0) * h1 for a gated unit, in T.
+  __device__ __forceinline__ T value(float h0, float h1) const {
+    const float a = act_value_call(act, h0);
+    return from_float<T>(gated ? a * h1 : a);
+  }
+
   __device__ __forceinline__ void load8(int64_t r, int64_t c, T* out) const {
     if (r >= R || c >= C) {
       zeros8(out);
       return;
     }
     const T* row = h + r * (gated ? 2 * C : C);
-    float h0[8], h1[8];
+    float h0[8], h1[8] = {};
     row_floats8(row, c, C, vec, h0);
     if (gated) row_floats8(row + C, c, C, vec, h1);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float a = act_value_call(act, h0[i]);
-      out[i] = c + i < C ? from_float<T>(gated ? a * h1[i] : a) : zero_of<T>();
-    }
+    for (int i = 0; i < 8; ++i) out[i] = c + i < C ? value(h0[i], h1[i]) : zero_of<T>();
   }
 };
 
@@ -193,13 +199,17 @@ struct DactProducer {
   bool vec, gated;  // vec: dy and h 16-byte aligned and N % 8 == 0
   jq::Act act;
 
+  // dh of one column from dy's d and h's h0: d * act'(h0); in a gated unit's first half (the
+  // gate h1 given) (d * h1) * act'(h0), in its second half d * act(h0).
+  __device__ __forceinline__ float value(float d, float h0, float h1, bool first_half) const {
+    if (!gated) return act_backward_call(act, d, h0);
+    return first_half ? act_backward_call(act, d * h1, h0) : d * act_value_call(act, h0);
+  }
+
   __device__ __noinline__ float gated_value(int64_t r, int64_t c) const {  // rare: unaligned rows
-    if (c < N) {
-      const float d = to_float(dy[r * N + c]);
-      return act_backward_call(act, d * to_float(h[r * C + N + c]), to_float(h[r * C + c]));
-    }
+    if (c < N) return value(to_float(dy[r * N + c]), to_float(h[r * C + c]), to_float(h[r * C + N + c]), true);
     const int64_t k = c - N;
-    return to_float(dy[r * N + k]) * act_value_call(act, to_float(h[r * C + k]));
+    return value(to_float(dy[r * N + k]), to_float(h[r * C + k]), 0.0f, false);
   }
 
   __device__ __forceinline__ void load8(int64_t r, int64_t c, T* out) const {
@@ -212,7 +222,7 @@ struct DactProducer {
       row_floats8(dy + r * N, c, N, vec, d);
       row_floats8(h + r * C, c, C, vec, h0);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) out[i] = c + i < C ? from_float<T>(act_backward_call(act, d[i], h0[i])) : zero_of<T>();
+      for (int i = 0; i < 8; ++i) out[i] = c + i < C ? from_float<T>(value(d[i], h0[i], 0.0f, true)) : zero_of<T>();
       return;
     }
     if (!vec) {  // 8 columns may straddle the two halves
@@ -227,10 +237,10 @@ struct DactProducer {
     if (first_half) {
       row_floats8(h + r * C + N, k, N, true, h1);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) out[i] = from_float<T>(act_backward_call(act, d[i] * h1[i], h0[i]));
+      for (int i = 0; i < 8; ++i) out[i] = from_float<T>(value(d[i], h0[i], h1[i], true));
     } else {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) out[i] = from_float<T>(d[i] * act_value_call(act, h0[i]));
+      for (int i = 0; i < 8; ++i) out[i] = from_float<T>(value(d[i], h0[i], 0.0f, false));
     }
   }
 };
@@ -251,7 +261,7 @@ __device__ __forceinline__ void load_passes(const ActProducer<T>& a, int64_t r0,
   if constexpr (sizeof(T) == 2) {
     if (a.vec && c + 8 <= a.C && r0 + int64_t(NP - 1) * step < a.R) {
       const int64_t stride = a.gated ? 2 * a.C : a.C;
-      alignas(16) T h1[NP][8];
+      alignas(16) T h1[NP][8] = {};
 #pragma unroll
       for (int pp = 0; pp < NP; ++pp) {
         const T* row = a.h + (r0 + pp * step) * stride;
@@ -261,10 +271,7 @@ __device__ __forceinline__ void load_passes(const ActProducer<T>& a, int64_t r0,
 #pragma unroll
       for (int pp = 0; pp < NP; ++pp) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const float v = act_value_call(a.act, to_float(raw[pp][i]));
-          raw[pp][i] = from_float<T>(a.gated ? v * to_float(h1[pp][i]) : v);
-        }
+        for (int i = 0; i < 8; ++i) raw[pp][i] = a.value(to_float(raw[pp][i]), to_float(h1[pp][i]));
       }
       return;
     }
@@ -283,7 +290,7 @@ __device__ __forceinline__ void load_passes(const DactProducer<T>& d, int64_t r0
     if (d.vec && c + 8 <= d.C && r0 + int64_t(NP - 1) * step < d.R) {
       const bool first_half = !d.gated || c < d.N;
       const int64_t k = first_half ? c : c - d.N;
-      alignas(16) T dy[NP][8], h1[NP][8];
+      alignas(16) T dy[NP][8], h1[NP][8] = {};
 #pragma unroll
       for (int pp = 0; pp < NP; ++pp) {
         const int64_t r = r0 + pp * step;
@@ -295,16 +302,7 @@ __device__ __forceinline__ void load_passes(const DactProducer<T>& d, int64_t r0
       for (int pp = 0; pp < NP; ++pp) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          const float g = to_float(dy[pp][i]), h0 = to_float(raw[pp][i]);
-          float v;
-          if (!d.gated) {
-            v = act_backward_call(d.act, g, h0);
-          } else if (first_half) {
-            v = act_backward_call(d.act, g * to_float(h1[pp][i]), h0);
-          } else {
-            v = g * act_value_call(d.act, h0);
-          }
-          raw[pp][i] = from_float<T>(v);
+          raw[pp][i] = from_float<T>(d.value(to_float(dy[pp][i]), to_float(raw[pp][i]), to_float(h1[pp][i]), first_half));
         }
       }
       return;
