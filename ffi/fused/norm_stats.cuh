@@ -63,6 +63,23 @@ __device__ __forceinline__ float row_sum_warp(const In* row, int64_t C, bool vec
   return stack.levels[levels - 5];
 }
 
+// `amax` and the largest |y| of the normalized output at columns c .. c+7 of a row (x's values
+// xv) rounded to the output type, as bits. kWhole: all 8 columns are inside the row.
+template <bool kWhole>
+__device__ __forceinline__ uint32_t chunk_output_amax(const NormStatsParams& p, int64_t c, const float* xv,
+                                                      float mean, float rsigma, bool vec_params, uint32_t amax) {
+  float g[8] = {}, b[8] = {};
+  if (p.has_scale) row_floats8(p.scale, c, p.C, vec_params, g);
+  if (p.has_bias) row_floats8(p.bias, c, p.C, vec_params, b);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    if (!kWhole && c + i >= p.C) continue;
+    const float y = jq::norm_value(xv[i], mean, rsigma, g[i], b[i], p.layernorm, p.has_scale, p.has_bias);
+    amax = max(amax, jq::abs_bits(round_to_device(p.out, y)));
+  }
+  return amax;
+}
+
 // The largest |y| of a row's normalized output rounded to the output type, as bits, over the
 // lanes' columns (a loop, not unrolled: one copy of the norm's code; the row is in L1/L2 by
 // then).
@@ -73,16 +90,9 @@ __device__ __forceinline__ uint32_t row_output_amax(const NormStatsParams& p, co
   const bool vec_params = p.vec;  // C % 8 == 0 and XLA's float32 buffers are 16-byte aligned
   uint32_t amax = 0;
   for (int64_t c = 8 * lane; c < p.C; c += 256) {
-    float xv[8], g[8] = {}, b[8] = {};
+    float xv[8];
     row_floats8(row, c, p.C, p.vec, xv);
-    if (p.has_scale) row_floats8(p.scale, c, p.C, vec_params, g);
-    if (p.has_bias) row_floats8(p.bias, c, p.C, vec_params, b);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      if (c + i >= p.C) continue;
-      const float y = jq::norm_value(xv[i], mean, rsigma, g[i], b[i], p.layernorm, p.has_scale, p.has_bias);
-      amax = max(amax, jq::abs_bits(round_to_device(p.out, y)));
-    }
+    amax = chunk_output_amax<false>(p, c, xv, mean, rsigma, vec_params, amax);
   }
   return amax;
 }
@@ -147,16 +157,9 @@ struct RowInRegisters {
 #pragma unroll
     for (int s = 0; s < kSweeps; ++s) {
       if (!inside[s]) continue;  // a chunk is wholly inside the row or wholly past it
-      const int64_t c = 8 * (32 * int64_t(s) + lane);
-      float v[8], g[8] = {}, b[8] = {};
+      float v[8];
       values(s, v);
-      if (p.has_scale) row_floats8(p.scale, c, p.C, true, g);
-      if (p.has_bias) row_floats8(p.bias, c, p.C, true, b);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float y = jq::norm_value(v[i], mean, rsigma, g[i], b[i], p.layernorm, p.has_scale, p.has_bias);
-        amax = max(amax, jq::abs_bits(round_to_device(p.out, y)));
-      }
+      amax = chunk_output_amax<true>(p, 8 * (32 * int64_t(s) + lane), v, mean, rsigma, true, amax);
     }
     return amax;
   }

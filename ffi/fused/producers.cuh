@@ -83,6 +83,11 @@ struct NormProducer {
   int64_t R, C;
   bool vec_x, vec_params, vec_y, layernorm, has_scale, has_bias;
 
+  // The normalized value of x (row statistics m, rs; column scale g and bias b) in Out.
+  __device__ __forceinline__ Out value(float x, float m, float rs, float g, float b) const {
+    return from_float<Out>(jq::norm_value(x, m, rs, g, b, layernorm, has_scale, has_bias));
+  }
+
   __device__ __forceinline__ void load8(int64_t r, int64_t c, Out* out) const {
     if (r >= R || c >= C) {
       zeros8(out);
@@ -95,40 +100,44 @@ struct NormProducer {
     const float m = layernorm ? __ldg(mean + r) : 0.0f, rs = __ldg(rsigma + r);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      out[i] = c + i < C ? from_float<Out>(jq::norm_value(xv[i], m, rs, g[i], b[i], layernorm, has_scale, has_bias))
-                         : zero_of<Out>();
+      out[i] = c + i < C ? value(xv[i], m, rs, g[i], b[i]) : zero_of<Out>();
     }
     if (y != nullptr) row_store8(y + r * C, c, C, vec_y, out);
   }
 };
 
-// A norm producer's passes where the thread's 8 columns and every pass's row are inside and
-// x is 16-bit and aligned: every x, mean and rsigma load issued first, the thread's scale and
-// bias loaded once (its columns are the same in every pass), then the passes' arithmetic
-// (NormProducer::load8's, value for value). Elsewhere, load8 pass by pass.
+// A norm producer's passes where every lane of the warp has its 8 columns and every pass's row
+// inside and x is 16-bit and aligned: every x load issued first, the thread's scale and bias
+// loaded once (its columns are the same in every pass), then the passes' arithmetic
+// (NormProducer::load8's, value for value). The warp's 16 rows' mean and rsigma (2 rows a pass,
+// 16 lanes a row: the FP8 tile's layout, 8 passes 16 rows apart) are one load a lane, shuffled to
+// the lanes that use them, so a thread holds 1 register for them instead of 16. Elsewhere, load8
+// pass by pass.
 template <typename In, typename OutT, int NP>
 __device__ __forceinline__ void load_passes(const NormProducer<In, OutT>& n, int64_t r0, int step, int64_t c,
                                             OutT (&raw)[NP][8]) {
-  if constexpr (sizeof(In) == 2) {
-    if (n.vec_x && n.vec_params && c + 8 <= n.C && r0 + int64_t(NP - 1) * step < n.R) {
+  if constexpr (sizeof(In) == 2 && NP == 8) {
+    const bool inside = n.vec_x && n.vec_params && c + 8 <= n.C && r0 + int64_t(NP - 1) * step < n.R;
+    if (__all_sync(0xFFFFFFFFu, inside && step == 16)) {
+      const int lane = threadIdx.x & 31, half = lane >> 4;  // lanes 0-15: row r0; 16-31: r0 + 1
       alignas(16) In xs[NP][8];
-      float m[NP], rs[NP];
 #pragma unroll
       for (int pp = 0; pp < NP; ++pp) {
-        const int64_t r = r0 + pp * step;
-        reinterpret_cast<uint4*>(xs[pp])[0] = __ldg(reinterpret_cast<const uint4*>(n.x + r * n.C + c));
-        m[pp] = n.layernorm ? __ldg(n.mean + r) : 0.0f;
-        rs[pp] = __ldg(n.rsigma + r);
+        reinterpret_cast<uint4*>(xs[pp])[0] = __ldg(reinterpret_cast<const uint4*>(n.x + (r0 + pp * step) * n.C + c));
       }
+      // lane l: the mean (l < 16) or rsigma of pass (l % 16) / 2's row of half l % 2
+      const int64_t stat_row = r0 - half + ((lane & 15) >> 1) * step + (lane & 1);
+      const float stat = half == 0 ? (n.layernorm ? __ldg(n.mean + stat_row) : 0.0f) : __ldg(n.rsigma + stat_row);
       float g[8] = {}, b[8] = {};
       if (n.has_scale) row_floats8(n.scale, c, n.C, true, g);
       if (n.has_bias) row_floats8(n.bias, c, n.C, true, b);
 #pragma unroll
       for (int pp = 0; pp < NP; ++pp) {
+        const float m = __shfl_sync(0xFFFFFFFFu, stat, 2 * pp + half);
+        const float rs = __shfl_sync(0xFFFFFFFFu, stat, 16 + 2 * pp + half);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          raw[pp][i] = from_float<OutT>(
-              jq::norm_value(to_float(xs[pp][i]), m[pp], rs[pp], g[i], b[i], n.layernorm, n.has_scale, n.has_bias));
+          raw[pp][i] = n.value(to_float(xs[pp][i]), m, rs, g[i], b[i]);
         }
         if (n.y != nullptr) row_store8(n.y + (r0 + pp * step) * n.C, c, n.C, n.vec_y, raw[pp]);
       }
@@ -146,7 +155,7 @@ __device__ __forceinline__ void load_passes(const NormProducer<In, OutT>& n, int
 // Nsight Compute, [16384, 2048] bf16). A float32 output stays unbounded (114-130 registers).
 template <typename In, typename OutT>
 struct TileMinCtas<NormProducer<In, OutT>> {
-  static constexpr int value = sizeof(OutT) == 2 ? 2 : 1;
+  static constexpr int value = sizeof(OutT) == 2 ? 3 : 1;
 };
 template <typename In, typename OutT>
 struct ProducerMinCtas<NormProducer<In, OutT>> : TileMinCtas<NormProducer<In, OutT>> {};
@@ -160,20 +169,23 @@ struct ActProducer {
   bool vec, gated;
   jq::Act act;
 
+  // act(h0), or act(h0) * h1 for a gated unit, in T.
+  __device__ __forceinline__ T value(float h0, float h1) const {
+    const float a = act_value_call(act, h0);
+    return from_float<T>(gated ? a * h1 : a);
+  }
+
   __device__ __forceinline__ void load8(int64_t r, int64_t c, T* out) const {
     if (r >= R || c >= C) {
       zeros8(out);
       return;
     }
     const T* row = h + r * (gated ? 2 * C : C);
-    float h0[8], h1[8];
+    float h0[8], h1[8] = {};
     row_floats8(row, c, C, vec, h0);
     if (gated) row_floats8(row + C, c, C, vec, h1);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float a = act_value_call(act, h0[i]);
-      out[i] = c + i < C ? from_float<T>(gated ? a * h1[i] : a) : zero_of<T>();
-    }
+    for (int i = 0; i < 8; ++i) out[i] = c + i < C ? value(h0[i], h1[i]) : zero_of<T>();
   }
 };
 
@@ -187,13 +199,17 @@ struct DactProducer {
   bool vec, gated;  // vec: dy and h 16-byte aligned and N % 8 == 0
   jq::Act act;
 
+  // dh of one column from dy's d and h's h0: d * act'(h0); in a gated unit's first half (the
+  // gate h1 given) (d * h1) * act'(h0), in its second half d * act(h0).
+  __device__ __forceinline__ float value(float d, float h0, float h1, bool first_half) const {
+    if (!gated) return act_backward_call(act, d, h0);
+    return first_half ? act_backward_call(act, d * h1, h0) : d * act_value_call(act, h0);
+  }
+
   __device__ __noinline__ float gated_value(int64_t r, int64_t c) const {  // rare: unaligned rows
-    if (c < N) {
-      const float d = to_float(dy[r * N + c]);
-      return act_backward_call(act, d * to_float(h[r * C + N + c]), to_float(h[r * C + c]));
-    }
+    if (c < N) return value(to_float(dy[r * N + c]), to_float(h[r * C + c]), to_float(h[r * C + N + c]), true);
     const int64_t k = c - N;
-    return to_float(dy[r * N + k]) * act_value_call(act, to_float(h[r * C + k]));
+    return value(to_float(dy[r * N + k]), to_float(h[r * C + k]), 0.0f, false);
   }
 
   __device__ __forceinline__ void load8(int64_t r, int64_t c, T* out) const {
@@ -206,7 +222,7 @@ struct DactProducer {
       row_floats8(dy + r * N, c, N, vec, d);
       row_floats8(h + r * C, c, C, vec, h0);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) out[i] = c + i < C ? from_float<T>(act_backward_call(act, d[i], h0[i])) : zero_of<T>();
+      for (int i = 0; i < 8; ++i) out[i] = c + i < C ? from_float<T>(value(d[i], h0[i], 0.0f, true)) : zero_of<T>();
       return;
     }
     if (!vec) {  // 8 columns may straddle the two halves
@@ -221,10 +237,10 @@ struct DactProducer {
     if (first_half) {
       row_floats8(h + r * C + N, k, N, true, h1);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) out[i] = from_float<T>(act_backward_call(act, d[i] * h1[i], h0[i]));
+      for (int i = 0; i < 8; ++i) out[i] = from_float<T>(value(d[i], h0[i], h1[i], true));
     } else {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) out[i] = from_float<T>(d[i] * act_value_call(act, h0[i]));
+      for (int i = 0; i < 8; ++i) out[i] = from_float<T>(value(d[i], h0[i], 0.0f, false));
     }
   }
 };
@@ -245,7 +261,7 @@ __device__ __forceinline__ void load_passes(const ActProducer<T>& a, int64_t r0,
   if constexpr (sizeof(T) == 2) {
     if (a.vec && c + 8 <= a.C && r0 + int64_t(NP - 1) * step < a.R) {
       const int64_t stride = a.gated ? 2 * a.C : a.C;
-      alignas(16) T h1[NP][8];
+      alignas(16) T h1[NP][8] = {};
 #pragma unroll
       for (int pp = 0; pp < NP; ++pp) {
         const T* row = a.h + (r0 + pp * step) * stride;
@@ -255,10 +271,7 @@ __device__ __forceinline__ void load_passes(const ActProducer<T>& a, int64_t r0,
 #pragma unroll
       for (int pp = 0; pp < NP; ++pp) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const float v = act_value_call(a.act, to_float(raw[pp][i]));
-          raw[pp][i] = from_float<T>(a.gated ? v * to_float(h1[pp][i]) : v);
-        }
+        for (int i = 0; i < 8; ++i) raw[pp][i] = a.value(to_float(raw[pp][i]), to_float(h1[pp][i]));
       }
       return;
     }
@@ -277,7 +290,7 @@ __device__ __forceinline__ void load_passes(const DactProducer<T>& d, int64_t r0
     if (d.vec && c + 8 <= d.C && r0 + int64_t(NP - 1) * step < d.R) {
       const bool first_half = !d.gated || c < d.N;
       const int64_t k = first_half ? c : c - d.N;
-      alignas(16) T dy[NP][8], h1[NP][8];
+      alignas(16) T dy[NP][8], h1[NP][8] = {};
 #pragma unroll
       for (int pp = 0; pp < NP; ++pp) {
         const int64_t r = r0 + pp * step;
@@ -289,16 +302,7 @@ __device__ __forceinline__ void load_passes(const DactProducer<T>& d, int64_t r0
       for (int pp = 0; pp < NP; ++pp) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          const float g = to_float(dy[pp][i]), h0 = to_float(raw[pp][i]);
-          float v;
-          if (!d.gated) {
-            v = act_backward_call(d.act, g, h0);
-          } else if (first_half) {
-            v = act_backward_call(d.act, g * to_float(h1[pp][i]), h0);
-          } else {
-            v = g * act_value_call(d.act, h0);
-          }
-          raw[pp][i] = from_float<T>(v);
+          raw[pp][i] = from_float<T>(d.value(to_float(dy[pp][i]), to_float(raw[pp][i]), to_float(h1[pp][i]), first_half));
         }
       }
       return;

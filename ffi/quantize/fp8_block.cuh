@@ -29,18 +29,19 @@ inline Fp8BlockParams fp8_block_params(const Fp8BlockArgs& a, int64_t R, int64_t
           a.row_data, a.col_data, a.row_scale, a.col_scale, a.amax, col_sums};
 }
 
-// 128x128 blocks: the rowwise codes wait for the tile's amax, and the tile's values are read
-// back from shared memory for them rather than kept in registers across the reduction.
+// Rowwise codes are written from the tile in shared memory, not from registers held across a
+// reduction: 128x128 blocks wait for the tile's amax, 1x128 blocks for the warp's 16 row
+// scales (one a lane).
 __host__ __device__ __forceinline__ bool rows_from_tile(const Fp8BlockParams& p) {
-  return p.block_2d && p.do_row;
+  return p.do_row;
 }
 
 // kExperts: p.expert_rows > 0 (a separate instance, so the other kernels keep their registers).
-// kBlock2d: p.block_2d (128x128 blocks), its own instance. 1x128 blocks write each pass's row
-// codes as it is loaded (as the MXFP8 kernel does); with the 128x128 rows read back from the
-// tile, neither holds its loaded values across the CTA's reduction (bfloat16 input, 119
-// registers before: 1x128 75 (3 CTAs a multiprocessor), 128x128 64 (4 CTAs); H100 16384 x 8192
-// both copies: 280 -> 253 and 256 -> 208 µs).
+// kBlock2d: p.block_2d (128x128 blocks), its own instance. Both read their rows back from the
+// tile, so neither holds its loaded values across a reduction (bfloat16 input, 119 registers
+// before session 10: 128x128 64 (4 CTAs), H100 16384 x 8192 both copies 256 -> 208 µs; 1x128
+// wrote each pass's codes as it was loaded until session 34, 64 registers with a 4-byte spill,
+// a scale division and reciprocal a pass).
 template <typename P, bool kExperts = false, bool kBlock2d = false>
 __global__ void __launch_bounds__(kThreads, TileMinCtas<P>::value) fp8_block_kernel(const Fp8BlockParams p,
                                                                          const P prod) {
@@ -53,29 +54,57 @@ __global__ void __launch_bounds__(kThreads, TileMinCtas<P>::value) fp8_block_ker
   Fp8TileLoad<P> ld(prod, p);
   const TileIndex t = ld.t;
   [[maybe_unused]] const auto& reader = tile_reader(prod, t.r0);  // the 1x128 rows' destination
-  [[maybe_unused]] uint32_t row_m[kBlock2d ? G::NP : 1];
+  // 1x128 blocks: each lane computes one of the warp's 16 rows' scale and reciprocal (pass
+  // (l % 16) / 2's row of half l % 2; the FP8 tile's layout: 16 lanes a row, 2 rows a warp, 8
+  // passes) rather than one a pass; the codes are then written from the tile (each thread reads
+  // back what it stored: no barrier).
+  static_assert(G::NP == 8 && G::RPP == 16, "16 rows a warp");
+  [[maybe_unused]] const int lane = tid & 31, mine = (lane & 15) >> 1;
+  [[maybe_unused]] uint32_t lane_bits = 0;
+  const auto store_row = [&](int64_t row, const float* w, float scale, float scale_inv) {
+    store_bytes8(p.row + row * p.C + ld.col(), fp8_codes4(w, scale, p.fmt), fp8_codes4(w + 4, scale, p.fmt),
+                 int(min64(8, p.C - ld.col())), p.vec_row);
+    if (ld.lc == 0) p.row_scale[row * row_nb + t.c0 / 128] = scale_inv;
+  };
+  // Writes tile row pass pp's codes (values v, their row's scale), and a zero row's where a
+  // packed reader places none.
+  const auto write_pass = [&](int pp, const float* v, float scale, float scale_inv) {
+    const int64_t r = ld.row(pp), c = ld.col();
+    if (!p.do_row || r >= p.R || c >= p.C) return;
+    const RowDestination to = row_destination(reader, r);
+    if (to.row >= 0) store_row(to.row, v, scale, scale_inv);
+    if (to.zero_row) {  // a packed row of no group: a zero row's codes and scale
+      const float zeros[8] = {};
+      const float zero_scale = jq::scale_from_amax(0.0f, fmax, p.pow2_scale, p.amax_epsilon);
+      store_row(r, zeros, zero_scale, jq::rcp_f32(zero_scale));
+    }
+  };
 #pragma unroll
   for (int pp = 0; pp < G::NP; ++pp) {
     float v[8];
     uint32_t m = ld.pass(pp, v);
 #pragma unroll
     for (int o = 1; o < 16; o <<= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-    if constexpr (kBlock2d) {
-      row_m[pp] = m;
-    } else {  // the row's 1x128 block is complete: write its codes now
-      const int64_t r = ld.row(pp), c = ld.col();
-      if (!p.do_row || r >= p.R || c >= p.C) continue;
-      const RowDestination to = row_destination(reader, r);
-      const auto store_row = [&](int64_t row, const float* w, uint32_t bits) {
-        const float scale = jq::scale_from_amax(__uint_as_float(bits), fmax, p.pow2_scale, p.amax_epsilon);
-        store_bytes8(p.row + row * p.C + c, fp8_codes4(w, scale, p.fmt), fp8_codes4(w + 4, scale, p.fmt),
-                     int(min64(8, p.C - c)), p.vec_row);
-        if (ld.lc == 0) p.row_scale[row * row_nb + t.c0 / 128] = jq::rcp_f32(scale);
-      };
-      if (to.row >= 0) store_row(to.row, v, m);
-      if (to.zero_row) {  // a packed row of no group: a zero row's codes and scale
-        const float zeros[8] = {};
-        store_row(r, zeros, 0u);
+    if constexpr (!kBlock2d) {
+      const uint32_t b = __shfl_sync(0xFFFFFFFFu, m, (lane & 1) * 16);
+      if (pp == mine) lane_bits = b;
+    }
+  }
+  if constexpr (!kBlock2d) {
+    if (p.do_row) {  // rows_from_tile: the tile is kept
+      const float lane_scale = jq::scale_from_amax(__uint_as_float(lane_bits), fmax, p.pow2_scale, p.amax_epsilon);
+      const float lane_scale_inv = jq::rcp_f32(lane_scale);
+      const int half = lane >> 4;
+#pragma unroll
+      for (int pp = 0; pp < G::NP; ++pp) {
+        const float scale = __shfl_sync(0xFFFFFFFFu, lane_scale, 2 * pp + half);
+        const float scale_inv = __shfl_sync(0xFFFFFFFFu, lane_scale_inv, 2 * pp + half);
+        typename P::Out raw[8];
+        tile_load8<G>(ld.tile, pp * G::RPP + ld.lr, ld.lc, raw);
+        float v[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = to_float(raw[i]);
+        write_pass(pp, v, scale, scale_inv);
       }
     }
   }
