@@ -106,38 +106,32 @@ struct NormProducer {
   }
 };
 
-// A norm producer's passes where every lane of the warp has its 8 columns and every pass's row
-// inside and x is 16-bit and aligned: every x load issued first, the thread's scale and bias
-// loaded once (its columns are the same in every pass), then the passes' arithmetic
-// (NormProducer::load8's, value for value). The warp's 16 rows' mean and rsigma (2 rows a pass,
-// 16 lanes a row: the FP8 tile's layout, 8 passes 16 rows apart) are one load a lane, shuffled to
-// the lanes that use them, so a thread holds 1 register for them instead of 16. Elsewhere, load8
-// pass by pass.
+// A norm producer's passes where the thread's 8 columns and every pass's row are inside and
+// x is 16-bit and aligned: every x, mean and rsigma load issued first, the thread's scale and
+// bias loaded once (its columns are the same in every pass), then the passes' arithmetic
+// (NormProducer::load8's, value for value). Elsewhere, load8 pass by pass.
 template <typename In, typename OutT, int NP>
 __device__ __forceinline__ void load_passes(const NormProducer<In, OutT>& n, int64_t r0, int step, int64_t c,
                                             OutT (&raw)[NP][8]) {
-  if constexpr (sizeof(In) == 2 && NP == 8) {
-    const bool inside = n.vec_x && n.vec_params && c + 8 <= n.C && r0 + int64_t(NP - 1) * step < n.R;
-    if (__all_sync(0xFFFFFFFFu, inside && step == 16)) {
-      const int lane = threadIdx.x & 31, half = lane >> 4;  // lanes 0-15: row r0; 16-31: r0 + 1
+  if constexpr (sizeof(In) == 2) {
+    if (n.vec_x && n.vec_params && c + 8 <= n.C && r0 + int64_t(NP - 1) * step < n.R) {
       alignas(16) In xs[NP][8];
+      float m[NP], rs[NP];
 #pragma unroll
       for (int pp = 0; pp < NP; ++pp) {
-        reinterpret_cast<uint4*>(xs[pp])[0] = __ldg(reinterpret_cast<const uint4*>(n.x + (r0 + pp * step) * n.C + c));
+        const int64_t r = r0 + pp * step;
+        reinterpret_cast<uint4*>(xs[pp])[0] = __ldg(reinterpret_cast<const uint4*>(n.x + r * n.C + c));
+        m[pp] = n.layernorm ? __ldg(n.mean + r) : 0.0f;
+        rs[pp] = __ldg(n.rsigma + r);
       }
-      // lane l: the mean (l < 16) or rsigma of pass (l % 16) / 2's row of half l % 2
-      const int64_t stat_row = r0 - half + ((lane & 15) >> 1) * step + (lane & 1);
-      const float stat = half == 0 ? (n.layernorm ? __ldg(n.mean + stat_row) : 0.0f) : __ldg(n.rsigma + stat_row);
       float g[8] = {}, b[8] = {};
       if (n.has_scale) row_floats8(n.scale, c, n.C, true, g);
       if (n.has_bias) row_floats8(n.bias, c, n.C, true, b);
 #pragma unroll
       for (int pp = 0; pp < NP; ++pp) {
-        const float m = __shfl_sync(0xFFFFFFFFu, stat, 2 * pp + half);
-        const float rs = __shfl_sync(0xFFFFFFFFu, stat, 16 + 2 * pp + half);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          raw[pp][i] = n.value(to_float(xs[pp][i]), m, rs, g[i], b[i]);
+          raw[pp][i] = n.value(to_float(xs[pp][i]), m[pp], rs[pp], g[i], b[i]);
         }
         if (n.y != nullptr) row_store8(n.y + (r0 + pp * step) * n.C, c, n.C, n.vec_y, raw[pp]);
       }
@@ -155,7 +149,7 @@ __device__ __forceinline__ void load_passes(const NormProducer<In, OutT>& n, int
 // Nsight Compute, [16384, 2048] bf16). A float32 output stays unbounded (114-130 registers).
 template <typename In, typename OutT>
 struct TileMinCtas<NormProducer<In, OutT>> {
-  static constexpr int value = sizeof(OutT) == 2 ? 3 : 1;
+  static constexpr int value = sizeof(OutT) == 2 ? 2 : 1;
 };
 template <typename In, typename OutT>
 struct ProducerMinCtas<NormProducer<In, OutT>> : TileMinCtas<NormProducer<In, OutT>> {};
