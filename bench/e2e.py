@@ -67,6 +67,8 @@ RECIPES = {
     # scales cost delayed scaling its loss.
     "fp8_delayed_xw": lambda: _delayed_for(("input", "weight")),
     "fp8_delayed_grad": lambda: _delayed_for(("grad_output",)),
+    "fp8_delayed_x": lambda: _delayed_for(("input",)),
+    "fp8_delayed_w": lambda: _delayed_for(("weight",)),
     "fp8_block": jq.Float8BlockScaling,
     "mxfp8": jq.MXFP8BlockScaling,
     "nvfp4": jq.NVFP4BlockScaling,
@@ -230,6 +232,8 @@ def run_variant(name, cfg, args, batches, tx):
     seconds = (time.perf_counter() - t0) / (args.steps - args.time_from)
     phase(f"{args.steps - 1} steps")
     losses = [float(loss) for loss in losses]
+    if args.amax_report:
+      print_amax_report(name, state[0], args.amax_report)
     split = None
     if args.trace_dir and args.profile_steps:
       logdir = os.path.join(args.trace_dir, name.replace("@", "_").replace("+", "_"))
@@ -254,6 +258,31 @@ def run_variant(name, cfg, args, batches, tx):
               loss_25=losses[min(24, len(losses) - 1)], loss_last=losses[-1],
               loss_tail=sum(losses[-LOSS_TAIL:]) / len(losses[-LOSS_TAIL:]), steps=args.steps,
               paths=paths, split=split)
+
+
+def print_amax_report(name: str, variables: dict, top: int) -> None:
+  """Delayed scaling's amax histories after the run: for the `top` tensors whose history maximum
+  (the scale's source) most exceeds their last amax, that ratio (a stale scale: the bits the
+  tensor's values lose to it), the step of the maximum and the amax at a few steps. A history of
+  1024 holds every amax of a run of up to 1024 steps, oldest first."""
+  rows = []
+  for path, hist in jax.tree_util.tree_flatten_with_path(variables)[0]:
+    key = jax.tree_util.keystr(path)
+    if not key.endswith("amax_history']"):
+      continue
+    h = jax.device_get(hist).reshape(-1)
+    seen = h[h > 0]
+    if seen.size < 2:
+      continue
+    ratio = float(seen.max() / seen[-1])
+    rows.append((ratio, key, int(seen.argmax()) + 1, seen))
+  rows.sort(key=lambda row: -row[0])
+  print(f"    {name}: {len(rows)} amax histories; max/last over all: "
+        + (f"median {sorted(r[0] for r in rows)[len(rows) // 2]:.2f}" if rows else "-"))
+  for ratio, key, at, seen in rows[:top]:
+    marks = ", ".join(f"{i + 1}:{seen[i]:.3g}" for i in sorted({0, 4, 9, 24, 49, seen.size - 1})
+                      if i < seen.size)
+    print(f"      {ratio:7.2f}x  max at step {at:4d}  {key}  amax {marks}")
 
 
 def print_occupancy(name: str, trace: str, steps: int) -> None:
@@ -321,6 +350,8 @@ def main(argv=None) -> int:
                       help="token source (e2e_model.DATA): stdlib text as byte pairs or bytes, "
                            "or a random Markov chain")
   parser.add_argument("--json", default=None)
+  parser.add_argument("--amax-report", type=int, default=0, metavar="N",
+                      help="after each run, the N delayed-scaling tensors whose scale is stalest")
   parser.add_argument("--hlo-dir", default=None,
                       help="write each variant's compiled (optimized) HLO text, gzipped, here")
   args = parser.parse_args(argv)
