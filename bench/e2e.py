@@ -192,7 +192,7 @@ def run_variant(name, cfg, args, batches, tx):
   fetch = name.endswith(FETCH)
   phase = PhaseLog(name)
   with path_env(env), context():
-    variables = jax.jit(model.init)(jax.random.key(0), batches[0, :, :-1])
+    variables = jax.jit(model.init)(jax.random.key(args.seed), batches[0, :, :-1])
     variables = dict(variables)
     opt_state = jqf.init_optimizer(tx, variables)
     jax.block_until_ready(opt_state)
@@ -350,6 +350,9 @@ def main(argv=None) -> int:
                       help="token source (e2e_model.DATA): stdlib text as byte pairs or bytes, "
                            "or a random Markov chain")
   parser.add_argument("--json", default=None)
+  parser.add_argument("--seed", type=int, default=0,
+                      help="the initialization's key and the data's offsets: an FP8 run repeats "
+                           "its trajectory from process to process, so loss comparisons need seeds")
   parser.add_argument("--amax-report", type=int, default=0, metavar="N",
                       help="after each run, the N delayed-scaling tensors whose scale is stalest")
   parser.add_argument("--hlo-dir", default=None,
@@ -366,7 +369,7 @@ def main(argv=None) -> int:
   card = getattr(device, "device_kind", str(device))
   print(f"device: {card}; jax {jax.__version__}; {cfg}; ~{cfg.params_count() / 1e6:.0f}M "
         f"params; {cfg.matmul_flops() / 1e12:.2f} TFLOP of matmuls per step", flush=True)
-  batches = DATA[args.data](cfg, args.steps)
+  batches = DATA[args.data](cfg, args.steps, args.seed)
   tx = optax.adamw(args.lr, b1=0.9, b2=0.95, weight_decay=0.1)
   rows = []
   for name in [v.strip() for v in args.variants.split(",") if v.strip()]:

@@ -201,7 +201,7 @@ def text_batches(cfg: Config, steps: int, seed: int = 0, pairs: bool = True) -> 
 
 
 DATA = {
-    "pairs": lambda cfg, steps: text_batches(cfg, steps, pairs=True),
-    "bytes": lambda cfg, steps: text_batches(cfg, steps, pairs=False),
+    "pairs": lambda cfg, steps, seed=0: text_batches(cfg, steps, seed, pairs=True),
+    "bytes": lambda cfg, steps, seed=0: text_batches(cfg, steps, seed, pairs=False),
     "markov": markov_batches,
 }
