@@ -346,6 +346,9 @@ def main(argv=None) -> int:
   parser.add_argument("--trace-dir", default=None)
   parser.add_argument("--keep-traces", action="store_true")
   parser.add_argument("--lr", type=float, default=3e-4)
+  parser.add_argument("--warmup", type=int, default=0,
+                      help="steps of linear learning-rate warmup (0: --lr from the first step, "
+                           "as every timed table so far)")
   parser.add_argument("--data", choices=sorted(DATA), default="pairs",
                       help="token source (e2e_model.DATA): stdlib text as byte pairs or bytes, "
                            "or a random Markov chain")
@@ -370,7 +373,10 @@ def main(argv=None) -> int:
   print(f"device: {card}; jax {jax.__version__}; {cfg}; ~{cfg.params_count() / 1e6:.0f}M "
         f"params; {cfg.matmul_flops() / 1e12:.2f} TFLOP of matmuls per step", flush=True)
   batches = DATA[args.data](cfg, args.steps, args.seed)
-  tx = optax.adamw(args.lr, b1=0.9, b2=0.95, weight_decay=0.1)
+  lr = args.lr if not args.warmup else optax.join_schedules(
+      [optax.linear_schedule(0.0, args.lr, args.warmup), optax.constant_schedule(args.lr)],
+      [args.warmup])
+  tx = optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=0.1)
   rows = []
   for name in [v.strip() for v in args.variants.split(",") if v.strip()]:
     try:
