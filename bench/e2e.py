@@ -33,6 +33,7 @@ import gzip
 import json
 import os
 import shutil
+import statistics
 import sys
 import time
 
@@ -187,77 +188,154 @@ class PhaseLog:
     self.last = now
 
 
-def run_variant(name, cfg, args, batches, tx):
-  model, context, env = build_variant(name, cfg, args.attention == "on")
-  fetch = name.endswith(FETCH)
-  phase = PhaseLog(name)
-  with path_env(env), context():
-    variables = jax.jit(model.init)(jax.random.key(args.seed), batches[0, :, :-1])
-    variables = dict(variables)
-    opt_state = jqf.init_optimizer(tx, variables)
-    jax.block_until_ready(opt_state)
-    phase("init")
-    step = make_step(model, tx)
-    paths = ""
-    base = name.removesuffix(FETCH)
-    if base != "bf16" and not base.startswith("flax"):
-      report = jq.explain(step, (variables, opt_state), batches, 0)
-      paths = ";".join(f"{op}:{','.join(sorted(report.paths(op)))}"
-                       for op in ("quantize", "gemm") if report.paths(op))
-      phase("explain")
-    state = (variables, opt_state)
-    t0 = time.perf_counter()
-    lowered = step.lower(state, batches, 0)
-    t1 = time.perf_counter()
-    compiled = lowered.compile()  # the loop calls it: one compilation, timed on its own
-    t2 = time.perf_counter()
-    phase("lower + compile")
-    lower_s, compile_s = t1 - t0, t2 - t1
-    if args.hlo_dir:  # the optimized HLO of the step: which ops XLA fused with which
-      os.makedirs(args.hlo_dir, exist_ok=True)
-      with gzip.open(os.path.join(args.hlo_dir, name.replace("@", "_") + ".hlo.txt.gz"), "wt") as f:
-        f.write(compiled.as_text())
-    state, loss = compiled(state, batches, 0)
-    jax.block_until_ready(loss)
-    phase("first step")
-    losses = [loss]
-    t0 = None
-    for i in range(1, args.steps):
-      if i == args.time_from:
-        jax.block_until_ready(state)
-        t0 = time.perf_counter()
-      state, loss = compiled(state, batches, i)
-      losses.append(float(loss) if fetch else loss)  # +fetch: wait for each step's loss
-    jax.block_until_ready(state)
-    seconds = (time.perf_counter() - t0) / (args.steps - args.time_from)
-    phase(f"{args.steps - 1} steps")
-    losses = [float(loss) for loss in losses]
+class VariantRun:
+  """One variant of the step: built, compiled and run to `--time-from` on construction; then
+  `timed(n)` runs and times its next `n` steps (inside the variant's context, so rounds of
+  several variants can interleave) and `row()` reads its losses and profile."""
+
+  def __init__(self, name, cfg, args, batches, tx):
+    self.name, self.cfg, self.args, self.batches = name, cfg, args, batches
+    model, self.context, self.env = build_variant(name, cfg, args.attention == "on")
+    self.fetch = name.endswith(FETCH)
+    phase = self.phase = PhaseLog(name)
+    with self.scope():
+      variables = jax.jit(model.init)(jax.random.key(args.seed), batches[0, :, :-1])
+      variables = dict(variables)
+      opt_state = jqf.init_optimizer(tx, variables)
+      jax.block_until_ready(opt_state)
+      phase("init")
+      step = make_step(model, tx)
+      self.paths = ""
+      base = name.removesuffix(FETCH)
+      if base != "bf16" and not base.startswith("flax"):
+        report = jq.explain(step, (variables, opt_state), batches, 0)
+        self.paths = ";".join(f"{op}:{','.join(sorted(report.paths(op)))}"
+                              for op in ("quantize", "gemm") if report.paths(op))
+        phase("explain")
+      state = (variables, opt_state)
+      t0 = time.perf_counter()
+      lowered = step.lower(state, batches, 0)
+      t1 = time.perf_counter()
+      self.compiled = lowered.compile()  # the loop calls it: one compilation, timed on its own
+      t2 = time.perf_counter()
+      phase("lower + compile")
+      self.lower_s, self.compile_s = t1 - t0, t2 - t1
+      if args.hlo_dir:  # the optimized HLO of the step: which ops XLA fused with which
+        os.makedirs(args.hlo_dir, exist_ok=True)
+        path = os.path.join(args.hlo_dir, name.replace("@", "_") + ".hlo.txt.gz")
+        with gzip.open(path, "wt") as f:
+          f.write(self.compiled.as_text())
+      self.state, loss = self.compiled(state, batches, 0)
+      jax.block_until_ready(loss)
+      phase("first step")
+      self.losses, self.next_step = [loss], 1
+      self._run(args.time_from - 1)
+      jax.block_until_ready(self.state)
+    self.seconds: list[float] = []  # a step's time in each timed round
+
+  def scope(self):
+    stack = contextlib.ExitStack()
+    stack.enter_context(path_env(self.env))
+    stack.enter_context(self.context())
+    return stack
+
+  def _run(self, n: int) -> None:
+    for i in range(self.next_step, self.next_step + n):
+      self.state, loss = self.compiled(self.state, self.batches, i)
+      self.losses.append(float(loss) if self.fetch else loss)  # +fetch: wait for each loss
+    self.next_step += n
+
+  def timed(self, n: int) -> float:
+    """Runs the next `n` steps; returns and records their time a step (seconds)."""
+    with self.scope():
+      jax.block_until_ready(self.state)
+      t0 = time.perf_counter()
+      self._run(n)
+      jax.block_until_ready(self.state)
+      seconds = (time.perf_counter() - t0) / n
+    self.seconds.append(seconds)
+    self.phase(f"{n} timed steps")
+    return seconds
+
+  def row(self) -> dict:
+    """The variant's table row (the median round's step time); profiles it if asked, then
+    frees its state."""
+    args, name = self.args, self.name
+    losses = [float(loss) for loss in self.losses]
     if args.amax_report:
-      print_amax_report(name, state[0], args.amax_report)
+      print_amax_report(name, self.state[0], args.amax_report)
     split = None
     if args.trace_dir and args.profile_steps:
-      logdir = os.path.join(args.trace_dir, name.replace("@", "_").replace("+", "_"))
+      with self.scope():
+        split = self._profile()
+    self.state = None
+    seconds = statistics.median(self.seconds)
+    return dict(variant=name, step_ms=seconds * 1e3, tokens_per_s=self.cfg.tokens / seconds,
+                round_ms=[round(t * 1e3, 3) for t in self.seconds],
+                lower_s=self.lower_s, compile_s=self.compile_s, loss_1=losses[0],
+                loss_25=losses[min(24, len(losses) - 1)], loss_last=losses[-1],
+                loss_tail=sum(losses[-LOSS_TAIL:]) / len(losses[-LOSS_TAIL:]), steps=len(losses),
+                paths=self.paths, split=split)
+
+  def _profile(self):
+    args, name = self.args, self.name
+    logdir = os.path.join(args.trace_dir, name.replace("@", "_").replace("+", "_"))
+    shutil.rmtree(logdir, ignore_errors=True)
+    with jax.profiler.trace(logdir):
+      for i in range(args.profile_steps):
+        self.state, loss = self.compiled(self.state, self.batches, i % args.steps)
+        if self.fetch:
+          float(loss)
+      jax.block_until_ready(self.state)
+    trace = e2e_trace.latest_trace(logdir)
+    times, streams = e2e_trace.kernel_times(trace)
+    split = e2e_trace.split(times, args.profile_steps) if times else None
+    if split is not None:
+      split["streams"] = streams
+      print_occupancy(name, trace, args.profile_steps)
+    if not args.keep_traces:
       shutil.rmtree(logdir, ignore_errors=True)
-      with jax.profiler.trace(logdir):
-        for i in range(args.profile_steps):
-          state, loss = compiled(state, batches, i % args.steps)
-          if fetch:
-            float(loss)
-        jax.block_until_ready(state)
-      trace = e2e_trace.latest_trace(logdir)
-      times, streams = e2e_trace.kernel_times(trace)
-      split = e2e_trace.split(times, args.profile_steps) if times else None
-      if split is not None:
-        split["streams"] = streams
-        print_occupancy(name, trace, args.profile_steps)
-      if not args.keep_traces:
-        shutil.rmtree(logdir, ignore_errors=True)
-  del state
-  return dict(variant=name, step_ms=seconds * 1e3, tokens_per_s=cfg.tokens / seconds,
-              lower_s=lower_s, compile_s=compile_s, loss_1=losses[0],
-              loss_25=losses[min(24, len(losses) - 1)], loss_last=losses[-1],
-              loss_tail=sum(losses[-LOSS_TAIL:]) / len(losses[-LOSS_TAIL:]), steps=args.steps,
-              paths=paths, split=split)
+    return split
+
+
+def run_variant(name, cfg, args, batches, tx) -> dict:
+  """One variant alone: built, run to `--time-from`, then its remaining steps timed at once."""
+  run = VariantRun(name, cfg, args, batches, tx)
+  run.timed(args.steps - args.time_from)
+  return run.row()
+
+
+def measure(names, cfg, args, batches, tx):
+  """The rows of `names`: one variant after another, or in interleaved rounds (`--rounds`)."""
+  if args.rounds > 1:
+    yield from run_rounds(names, cfg, args, batches, tx)
+    return
+  for name in names:
+    try:
+      row = run_variant(name, cfg, args, batches, tx)
+    except Exception as e:  # noqa: BLE001 - one failing variant must not hide the others
+      print(f"  {name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+      continue
+    yield row
+
+
+def run_rounds(names, cfg, args, batches, tx) -> list:
+  """Every variant built and run to `--time-from` first; then `--rounds` rounds, each timing
+  every variant's next share of the steps in turn, so slow drifts of the card (clocks,
+  temperature) reach every row alike; a row's step time is its median round's. Rows whose
+  variant failed to build are left out, as in `run_variant`'s loop."""
+  runs = []
+  for name in names:
+    try:
+      runs.append(VariantRun(name, cfg, args, batches, tx))
+    except Exception as e:  # noqa: BLE001 - one failing variant must not hide the others
+      print(f"  {name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+  timed = args.steps - args.time_from
+  shares = [timed // args.rounds + (r < timed % args.rounds) for r in range(args.rounds)]
+  for share in shares:
+    for run in runs:
+      run.timed(share)
+  return [run.row() for run in runs]
 
 
 def print_amax_report(name: str, variables: dict, top: int) -> None:
@@ -341,6 +419,9 @@ def main(argv=None) -> int:
                       help="attention's softmax core in every variant: Flax's (xla) or cuDNN's "
                            "fused kernel (GPU only), as TransformerEngine's users run theirs")
   parser.add_argument("--steps", type=int, default=100)
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="time the variants in this many interleaved rounds (every variant "
+                           "built first; a row's step time is its median round's)")
   parser.add_argument("--time-from", type=int, default=10)
   parser.add_argument("--profile-steps", type=int, default=3)
   parser.add_argument("--trace-dir", default=None)
@@ -368,6 +449,9 @@ def main(argv=None) -> int:
   cfg = Config(**{**cfg.__dict__, **overrides, "attention": args.attention_core})
   if not 0 < args.time_from < args.steps:
     parser.error(f"--time-from {args.time_from} must be in [1, --steps={args.steps})")
+  if not 1 <= args.rounds <= args.steps - args.time_from:
+    parser.error(f"--rounds {args.rounds} must be in [1, --steps - --time-from = "
+                 f"{args.steps - args.time_from}] (every round times at least one step)")
   device = jax.devices()[0]
   card = getattr(device, "device_kind", str(device))
   print(f"device: {card}; jax {jax.__version__}; {cfg}; ~{cfg.params_count() / 1e6:.0f}M "
@@ -378,16 +462,13 @@ def main(argv=None) -> int:
       [args.warmup])
   tx = optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=0.1)
   rows = []
-  for name in [v.strip() for v in args.variants.split(",") if v.strip()]:
-    try:
-      row = run_variant(name, cfg, args, batches, tx)
-    except Exception as e:  # noqa: BLE001 - one failing variant must not hide the others
-      print(f"  {name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
-      continue
+  names = [v.strip() for v in args.variants.split(",") if v.strip()]
+  for row in measure(names, cfg, args, batches, tx):
     row.update(card=card, size=args.size, attention=args.attention, data=args.data,
                config=cfg.__dict__ | {"dtype": "bfloat16"})
     rows.append(row)
     s = row["split"] or {}
+    name = row["variant"]
     print(f"  {name:24s} {row['step_ms']:8.2f} ms  {row['tokens_per_s']:10,.0f} tok/s  loss "
           f"{row['loss_1']:.4f} -> {row['loss_last']:.4f}  lower {row['lower_s']:.1f}s "
           f"compile {row['compile_s']:.1f}s  "
