@@ -1,0 +1,76 @@
+"""`bench/e2e.py`'s measurement options on the tiny CPU model: interleaved timing rounds
+(`--rounds`) run the same trajectory as one variant after another, `--seed` draws another one,
+and `--amax-report` lists delayed scaling's histories stalest first."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+VARIANTS = "modules_bf16,modules_fp8_delayed"
+
+
+def _env() -> dict:
+  return dict(os.environ, JAX_PLATFORMS="cpu",
+              PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "examples"), str(ROOT / "bench")]))
+
+
+def _e2e(tmp_path, name: str, *args: str) -> tuple[str, dict]:
+  out = tmp_path / f"{name}.json"
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "bench" / "e2e.py"), "--size", "tiny", "--steps", "5",
+       "--time-from", "1", "--profile-steps", "0", "--json", str(out), *args],
+      capture_output=True, text=True, env=_env(), timeout=600, check=False)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  return proc.stdout, {row["variant"]: row for row in json.loads(out.read_text())}
+
+
+@pytest.fixture(scope="module")
+def sequential(tmp_path_factory):
+  return _e2e(tmp_path_factory.mktemp("e2e"), "sequential", "--variants", VARIANTS,
+              "--amax-report", "4")
+
+
+def test_rounds_time_every_variant_in_turn_on_the_same_trajectory(sequential, tmp_path):
+  _, one_by_one = sequential
+  _, rounds = _e2e(tmp_path, "rounds", "--variants", VARIANTS, "--rounds", "2")
+  assert set(rounds) == set(one_by_one) == set(VARIANTS.split(","))
+  for name, row in rounds.items():
+    assert len(row["round_ms"]) == 2 and all(t > 0 for t in row["round_ms"])
+    assert row["step_ms"] == pytest.approx(sorted(row["round_ms"])[0] / 2 +
+                                           sorted(row["round_ms"])[1] / 2, rel=1e-3)
+    assert len(one_by_one[name]["round_ms"]) == 1
+    assert row["steps"] == one_by_one[name]["steps"] == 5
+    for key in ("loss_1", "loss_last", "loss_tail"):  # CPU: the same bits in either order
+      assert row[key] == one_by_one[name][key], (name, key)
+
+
+def test_seed_draws_another_trajectory(sequential, tmp_path):
+  _, seed0 = sequential
+  _, seed1 = _e2e(tmp_path, "seed1", "--variants", "modules_bf16", "--seed", "1")
+  assert seed1["modules_bf16"]["loss_1"] != seed0["modules_bf16"]["loss_1"]
+
+
+def test_amax_report_lists_the_stalest_histories_first(sequential):
+  stdout, _ = sequential
+  head = re.search(r"modules_fp8_delayed: (\d+) amax histories", stdout)
+  assert head is not None, stdout[-2000:]
+  assert int(head.group(1)) > 4  # three roles a quantized contraction
+  ratios = [float(r) for r in re.findall(r"^\s+([\d.]+)x  max at step", stdout, re.M)]
+  assert len(ratios) == 4 and ratios == sorted(ratios, reverse=True) and ratios[-1] >= 1.0
+
+
+def test_rounds_must_leave_a_step_to_each_round():
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "bench" / "e2e.py"), "--size", "tiny", "--steps", "5",
+       "--time-from", "1", "--rounds", "5"], capture_output=True, text=True, env=_env(),
+      timeout=300, check=False)
+  assert proc.returncode == 2
+  assert "--rounds 5 must be in [1, --steps - --time-from = 4]" in proc.stderr
