@@ -23,6 +23,13 @@ implementation is forced to it while the step is traced; and in `+fetch`: the lo
 step is no longer hidden behind the previous step. `--attention off` leaves the attention
 projections (`nn.DenseGeneral`) in bf16 in every variant; `--attention-core cudnn` runs every
 variant's softmax core on cuDNN's fused kernel.
+
+Measurement options (session 35): `--rounds R` builds every variant first and times them in R
+interleaved rounds (a row's time is its median round's), so a drift of the card's clocks
+reaches every row alike; `--seed` draws another initialization and data order (an FP8 run
+repeats its trajectory from process to process, so loss comparisons need seeds: design
+decision 59); `--warmup` warms the learning rate up linearly; `--amax-report N` lists the N
+delayed-scaling histories whose scale is stalest after the run.
 """
 
 from __future__ import annotations
