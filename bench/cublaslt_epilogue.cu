@@ -1,0 +1,260 @@
+// Which cuBLASLt epilogues an FP8 GEMM of the LayerNormMLP's fc1 / fc2 shapes can take, and
+// what each costs against the plain bias GEMM: the measurement before any layer is built on
+// them (bench/RESULTS.md, issue 24, session 35's lead).
+//
+// The modules model's delayed step runs, per layer, XLA's gelu fusion (~218 us on an H200 at
+// [16384, 8192]) and the quantize kernel of its output (~145 us) between fc1's GEMM and fc2's.
+// If fc1's GEMM wrote gelu(h + b) directly as FP8 with the delayed scale (D in E4M3, its amax
+// beside it) and h + b as a bfloat16 aux for the backward, only a byte transpose of D (fc2's
+// columnwise copy) would be left there. Likewise fc2's dgrad with a DGELU(+BGRAD) epilogue
+// would fold the gelu gradient (and fc1's bias gradient) into the GEMM. Whether cuBLASLt
+// serves those with FP8 operands, and at what cost, is what this measures.
+//
+// Standalone: no JAX, no jaxquant. Build and run on a GPU machine (bench/jobs/s36c.txt):
+//   CU=$(python -c "import nvidia.cu13; print(nvidia.cu13.__path__[0])")
+//   nvcc -O2 -std=c++17 -arch=sm_90a bench/cublaslt_epilogue.cu -I$CU/include -L$CU/lib \
+//     -l:libcublasLt.so.13 -o /tmp/epi && LD_LIBRARY_PATH=$CU/lib /tmp/epi
+// Operands hold small random values (their contents do not change a GEMM's time); every case
+// is timed as the median of 5 rounds of 20 launches after a warm-up.
+
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+#define CHECK_CUDA(x)                                                                 \
+  do {                                                                                \
+    cudaError_t e_ = (x);                                                             \
+    if (e_ != cudaSuccess) {                                                          \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x,                  \
+                   cudaGetErrorString(e_));                                           \
+      std::exit(1);                                                                   \
+    }                                                                                 \
+  } while (0)
+
+// A cuBLASLt status that is not success: the case is reported as unsupported, not fatal.
+#define TRY_LT(x)                                                                      \
+  do {                                                                                 \
+    cublasStatus_t s_ = (x);                                                           \
+    if (s_ != CUBLAS_STATUS_SUCCESS) return std::string(#x) + " -> " + std::to_string(s_); \
+  } while (0)
+
+// Fills n bytes with small pseudo-random finite codes (FP8) or bfloat16 values in [-1, 1).
+__global__ void fill_kernel(uint8_t* p, size_t n, uint32_t seed, int bf16) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 0x9E3779B1u ^ seed;
+    h ^= h >> 15;
+    h *= 0x85EBCA77u;
+    h ^= h >> 13;
+    if (bf16) {
+      if (i % 2 == 0 && i + 1 < n) {
+        const float v = (h & 0xFFFF) / 32768.0f - 1.0f;
+        const __nv_bfloat16 b = __float2bfloat16(v);
+        std::memcpy(p + i, &b, 2);
+      }
+    } else {
+      p[i] = uint8_t((h & 0x77) | ((h >> 8) & 0x80));  // exponent field below its top: finite
+    }
+  }
+}
+
+struct Buffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  explicit Buffer(size_t n, uint32_t seed, bool bf16 = false) : bytes(n) {
+    CHECK_CUDA(cudaMalloc(&ptr, n));
+    fill_kernel<<<1024, 256>>>(static_cast<uint8_t*>(ptr), n, seed, bf16 ? 1 : 0);
+    CHECK_CUDA(cudaGetLastError());
+  }
+  ~Buffer() { cudaFree(ptr); }
+};
+
+// One GEMM in cuBLASLt's column-major terms: D[m, n] = epilogue(op(A)[m, k] op(B)[k, n]),
+// A stored [k, m] (TRANSA = T), B stored [k, n] (TRANSB = N): our y[T, N] = x[T, K] W[K, N]
+// with m = N, n = T, k = K (the convention of ffi/gemm/gemm_cublaslt.cu).
+struct Case {
+  const char* name;
+  int64_t m, n, k;
+  cudaDataType_t a_type, b_type, c_type, d_type;
+  cublasLtEpilogue_t epilogue;
+  bool fast_accum;
+  cudaDataType_t aux_type;  // for the AUX / DGELU epilogues
+  bool d_scale_amax;        // an FP8 D: its scale and amax pointers
+};
+
+size_t type_bytes(cudaDataType_t t) { return t == CUDA_R_16BF ? 2 : t == CUDA_R_32F ? 4 : 1; }
+
+bool has_aux(cublasLtEpilogue_t e) {
+  return e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS ||
+         e == CUBLASLT_EPILOGUE_DGELU || e == CUBLASLT_EPILOGUE_DGELU_BGRAD;
+}
+
+bool has_bias(cublasLtEpilogue_t e) {
+  return e == CUBLASLT_EPILOGUE_BIAS || e == CUBLASLT_EPILOGUE_GELU_BIAS ||
+         e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS || e == CUBLASLT_EPILOGUE_DGELU_BGRAD;
+}
+
+// Runs one case: "" and its median time per GEMM in *ms, or why cuBLASLt refused it.
+std::string run_case(cublasLtHandle_t lt, const Case& c, float* ms) {
+  Buffer a(size_t(c.k) * c.m * type_bytes(c.a_type), 1);
+  Buffer b(size_t(c.k) * c.n * type_bytes(c.b_type), 2);
+  Buffer d(size_t(c.m) * c.n * type_bytes(c.d_type), 3);
+  Buffer aux(has_aux(c.epilogue) ? size_t(c.m) * c.n * type_bytes(c.aux_type) : 16, 4,
+             c.aux_type == CUDA_R_16BF);
+  Buffer bias(size_t(c.m) * 2, 5, true);
+  Buffer scales(64, 6);
+  float ones[4] = {1.0f, 1.0f, 1.0f, 0.0f};  // a, b, d scales; amax
+  CHECK_CUDA(cudaMemcpy(scales.ptr, ones, sizeof(ones), cudaMemcpyHostToDevice));
+  float* sc = static_cast<float*>(scales.ptr);
+  const size_t ws_bytes = size_t(32) << 20;
+  Buffer ws(ws_bytes, 7);
+
+  cublasLtMatmulDesc_t desc = nullptr;
+  TRY_LT(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  TRY_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+  TRY_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+  const int8_t fast = c.fast_accum ? 1 : 0;
+  TRY_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast,
+                                        sizeof(fast)));
+  const void* sa = sc;
+  const void* sb = sc + 1;
+  TRY_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa,
+                                        sizeof(sa)));
+  TRY_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb,
+                                        sizeof(sb)));
+  if (c.d_scale_amax) {
+    const void* sd = sc + 2;
+    void* amax = sc + 3;
+    TRY_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, &sd,
+                                          sizeof(sd)));
+    TRY_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, &amax,
+                                          sizeof(amax)));
+  }
+  TRY_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &c.epilogue,
+                                        sizeof(c.epilogue)));
+  if (has_bias(c.epilogue)) {
+    const int32_t bias_type = CUDA_R_16BF;
+    TRY_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type,
+                                          sizeof(bias_type)));
+    TRY_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias.ptr,
+                                          sizeof(bias.ptr)));
+  }
+  if (has_aux(c.epilogue)) {
+    const int64_t ld = c.m;
+    const int32_t aux_type = c.aux_type;
+    TRY_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                                          &aux.ptr, sizeof(aux.ptr)));
+    TRY_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld,
+                                          sizeof(ld)));
+    TRY_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE,
+                                          &aux_type, sizeof(aux_type)));
+  }
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr, ld = nullptr;
+  TRY_LT(cublasLtMatrixLayoutCreate(&la, c.a_type, c.k, c.m, c.k));
+  TRY_LT(cublasLtMatrixLayoutCreate(&lb, c.b_type, c.k, c.n, c.k));
+  TRY_LT(cublasLtMatrixLayoutCreate(&lc, c.c_type, c.m, c.n, c.m));
+  TRY_LT(cublasLtMatrixLayoutCreate(&ld, c.d_type, c.m, c.n, c.m));
+  cublasLtMatmulPreference_t pref = nullptr;
+  TRY_LT(cublasLtMatmulPreferenceCreate(&pref));
+  TRY_LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                              &ws_bytes, sizeof(ws_bytes)));
+  cublasLtMatmulHeuristicResult_t result = {};
+  int found = 0;
+  TRY_LT(cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, ld, pref, 1, &result, &found));
+  if (found == 0) return "no algorithm (heuristic found none)";
+
+  // C is only read with beta != 0; D is C's buffer type-punned when the types agree, else its own.
+  Buffer cbuf(c.c_type == c.d_type ? 16 : size_t(c.m) * c.n * type_bytes(c.c_type), 8);
+  const void* cptr = c.c_type == c.d_type ? d.ptr : cbuf.ptr;
+  const float alpha = 1.0f, beta = 0.0f;
+  auto launch = [&]() {
+    return cublasLtMatmul(lt, desc, &alpha, a.ptr, la, b.ptr, lb, &beta, cptr, lc, d.ptr, ld,
+                          &result.algo, ws.ptr, ws_bytes, nullptr);
+  };
+  for (int i = 0; i < 3; ++i) TRY_LT(launch());
+  CHECK_CUDA(cudaDeviceSynchronize());
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  std::vector<float> rounds;
+  for (int r = 0; r < 5; ++r) {
+    CHECK_CUDA(cudaEventRecord(start));
+    for (int i = 0; i < 20; ++i) TRY_LT(launch());
+    CHECK_CUDA(cudaEventRecord(stop));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float t = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
+    rounds.push_back(t / 20);
+  }
+  std::sort(rounds.begin(), rounds.end());
+  *ms = rounds[2];
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cublasLtMatmulPreferenceDestroy(pref);
+  cublasLtMatrixLayoutDestroy(la);
+  cublasLtMatrixLayoutDestroy(lb);
+  cublasLtMatrixLayoutDestroy(lc);
+  cublasLtMatrixLayoutDestroy(ld);
+  cublasLtMatmulDescDestroy(desc);
+  return "";
+}
+
+}  // namespace
+
+int main() {
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  int version = 0;
+  cublasLtHandle_t lt;
+  if (cublasLtCreate(&lt) != CUBLAS_STATUS_SUCCESS) return 1;
+  version = int(cublasLtGetVersion());
+  std::printf("### cuBLASLt %d on %s: FP8 GEMM epilogues at the d2048 MLP's shapes\n\n", version,
+              prop.name);
+  const auto E4 = CUDA_R_8F_E4M3, E5 = CUDA_R_8F_E5M2, BF = CUDA_R_16BF;
+  // fc1 forward: y[16384, 8192] = x[16384, 2048] W1[2048, 8192]: m = 8192, n = 16384, k = 2048.
+  // fc2 dgrad: dh[16384, 8192] = dy[16384, 2048] W2^T: m = 8192, n = 16384, k = 2048 (dy E5M2).
+  const Case cases[] = {
+      {"fc1 fwd, bias -> bf16 (today)", 8192, 16384, 2048, E4, E4, BF, BF,
+       CUBLASLT_EPILOGUE_BIAS, true, BF, false},
+      {"fc1 fwd, bias + gelu -> bf16", 8192, 16384, 2048, E4, E4, BF, BF,
+       CUBLASLT_EPILOGUE_GELU_BIAS, true, BF, false},
+      {"fc1 fwd, bias + gelu -> bf16, aux bf16", 8192, 16384, 2048, E4, E4, BF, BF,
+       CUBLASLT_EPILOGUE_GELU_AUX_BIAS, true, BF, false},
+      {"fc1 fwd, bias + gelu -> e4m3 (scale, amax), aux bf16", 8192, 16384, 2048, E4, E4, BF, E4,
+       CUBLASLT_EPILOGUE_GELU_AUX_BIAS, true, BF, true},
+      {"fc1 fwd, bias -> e4m3 (scale, amax)", 8192, 16384, 2048, E4, E4, BF, E4,
+       CUBLASLT_EPILOGUE_BIAS, true, BF, true},
+      {"fc2 dgrad, split -> bf16 (today)", 8192, 16384, 2048, E4, E5, BF, BF,
+       CUBLASLT_EPILOGUE_DEFAULT, false, BF, false},
+      {"fc2 dgrad, split, dgelu (aux bf16) -> bf16", 8192, 16384, 2048, E4, E5, BF, BF,
+       CUBLASLT_EPILOGUE_DGELU, false, BF, false},
+      {"fc2 dgrad, split, dgelu + bgrad -> bf16", 8192, 16384, 2048, E4, E5, BF, BF,
+       CUBLASLT_EPILOGUE_DGELU_BGRAD, false, BF, false},
+  };
+  std::printf("| case | ms | vs its row marked today |\n|---|---:|---:|\n");
+  float today = 0.0f;
+  for (const Case& c : cases) {
+    float ms = 0.0f;
+    const std::string why = run_case(lt, c, &ms);
+    if (std::strstr(c.name, "(today)") != nullptr) today = why.empty() ? ms : 0.0f;
+    if (why.empty()) {
+      std::printf("| %s | %.4f | %+.4f |\n", c.name, ms, today > 0 ? ms - today : 0.0f);
+    } else {
+      std::printf("| %s | unsupported: %s | |\n", c.name, why.c_str());
+    }
+    std::fflush(stdout);
+  }
+  cublasLtDestroy(lt);
+  return 0;
+}
