@@ -29,17 +29,11 @@
 #include <string>
 #include <vector>
 
+#include "cuda_check.h"
+
 namespace {
 
-#define CHECK_CUDA(x)                                                                 \
-  do {                                                                                \
-    cudaError_t e_ = (x);                                                             \
-    if (e_ != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x,                  \
-                   cudaGetErrorString(e_));                                           \
-      std::exit(1);                                                                   \
-    }                                                                                 \
-  } while (0)
+#define CHECK_CUDA(x) BENCH_CHECK_CUDA(x)
 
 // A cuBLASLt status that is not success: the case is reported as unsupported, not fatal.
 #define TRY_LT(x)                                                                      \

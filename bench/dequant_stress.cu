@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "gemm/dequant_launch.cuh"
+#include "cuda_check.h"
 
 using jqffi::DequantOperand;
 using jqffi::DequantParams;
@@ -37,15 +38,7 @@ template cudaError_t launch_dequant_gemm<Elem::kE2M1, Elem::kE2M1>(const Dequant
                                                                    cudaStream_t);
 }  // namespace jqffi
 
-#define CK(x)                                                                       \
-  do {                                                                              \
-    cudaError_t e_ = (x);                                                           \
-    if (e_ != cudaSuccess) {                                                        \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x,                \
-                   cudaGetErrorString(e_));                                         \
-      std::exit(2);                                                                 \
-    }                                                                               \
-  } while (0)
+#define CK(x) BENCH_CHECK_CUDA(x)
 
 // Host decoders (the numerical spec of the payload formats).
 static double e4m3(uint8_t b) {
