@@ -240,11 +240,11 @@ class VariantRun:
       jax.block_until_ready(self.state)
     self.seconds: list[float] = []  # a step's time in each timed round
 
+  @contextlib.contextmanager
   def scope(self):
-    stack = contextlib.ExitStack()
-    stack.enter_context(path_env(self.env))
-    stack.enter_context(self.context())
-    return stack
+    """The variant's quantize-path environment and model context, around each of its phases."""
+    with path_env(self.env), self.context():
+      yield
 
   def _run(self, n: int) -> None:
     for i in range(self.next_step, self.next_step + n):
