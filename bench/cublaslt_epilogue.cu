@@ -209,10 +209,9 @@ std::string run_case(cublasLtHandle_t lt, const Case& c, float* ms) {
 int main() {
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  int version = 0;
   cublasLtHandle_t lt;
   if (cublasLtCreate(&lt) != CUBLAS_STATUS_SUCCESS) return 1;
-  version = int(cublasLtGetVersion());
+  const int version = int(cublasLtGetVersion());
   std::printf("### cuBLASLt %d on %s: FP8 GEMM epilogues at the d2048 MLP's shapes\n\n", version,
               prop.name);
   const auto E4 = CUDA_R_8F_E4M3, E5 = CUDA_R_8F_E5M2, BF = CUDA_R_16BF;
