@@ -12,7 +12,7 @@
 //
 // Standalone: no JAX, no jaxquant. Build and run on a GPU machine (bench/jobs/s36c.txt):
 //   CU=$(python -c "import nvidia.cu13; print(nvidia.cu13.__path__[0])")
-//   nvcc -O2 -std=c++17 -arch=sm_90a bench/cublaslt_epilogue.cu -I$CU/include -L$CU/lib \
+//   nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a bench/cublaslt_epilogue.cu -I$CU/include -L$CU/lib \
 //     -l:libcublasLt.so.13 -o /tmp/epi && LD_LIBRARY_PATH=$CU/lib /tmp/epi
 // Operands hold small random values (their contents do not change a GEMM's time); every case
 // is timed as the median of 5 rounds of 20 launches after a warm-up.
@@ -106,9 +106,15 @@ std::string run_case(cublasLtHandle_t lt, const Case& c, float* ms) {
   Buffer aux(has_aux(c.epilogue) ? size_t(c.m) * c.n * type_bytes(c.aux_type) : 16, 4,
              c.aux_type == CUDA_R_16BF);
   Buffer bias(size_t(c.m) * 2, 5, true);
-  Buffer scales(64, 6);
-  float ones[4] = {1.0f, 1.0f, 1.0f, 0.0f};  // a, b, d scales; amax
-  CHECK_CUDA(cudaMemcpy(scales.ptr, ones, sizeof(ones), cudaMemcpyHostToDevice));
+  // The a, b and d scales and D's amax, each at its own 256-byte boundary: cuBLASLt 13.1
+  // refused every launch (status 15) with the four packed into 16 bytes, and with no A / B
+  // scale pointer it ran, as it does from jaxquant's own (separate, aligned) buffers.
+  constexpr int kStride = 64;  // floats
+  Buffer scales(4 * kStride * sizeof(float), 6);
+  std::vector<float> values(4 * kStride, 0.0f);
+  values[0] = values[kStride] = values[2 * kStride] = 1.0f;
+  CHECK_CUDA(cudaMemcpy(scales.ptr, values.data(), values.size() * sizeof(float),
+                        cudaMemcpyHostToDevice));
   float* sc = static_cast<float*>(scales.ptr);
   const size_t ws_bytes = size_t(32) << 20;
   Buffer ws(ws_bytes, 7);
@@ -122,14 +128,14 @@ std::string run_case(cublasLtHandle_t lt, const Case& c, float* ms) {
   TRY_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast,
                                         sizeof(fast)));
   const void* sa = sc;
-  const void* sb = sc + 1;
+  const void* sb = sc + kStride;
   TRY_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa,
                                         sizeof(sa)));
   TRY_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb,
                                         sizeof(sb)));
   if (c.d_scale_amax) {
-    const void* sd = sc + 2;
-    void* amax = sc + 3;
+    const void* sd = sc + 2 * kStride;
+    void* amax = sc + 3 * kStride;
     TRY_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, &sd,
                                           sizeof(sd)));
     TRY_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, &amax,
@@ -167,10 +173,11 @@ std::string run_case(cublasLtHandle_t lt, const Case& c, float* ms) {
   int found = 0;
   TRY_LT(cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, ld, pref, 1, &result, &found));
   if (found == 0) return "no algorithm (heuristic found none)";
+  if (result.state != CUBLAS_STATUS_SUCCESS) return "heuristic state " + std::to_string(result.state);
 
-  // C is only read with beta != 0; D is C's buffer type-punned when the types agree, else its own.
-  Buffer cbuf(c.c_type == c.d_type ? 16 : size_t(c.m) * c.n * type_bytes(c.c_type), 8);
-  const void* cptr = c.c_type == c.d_type ? d.ptr : cbuf.ptr;
+  // C has its own buffer (its type differs from an FP8 D's); with beta = 0 it is not read.
+  Buffer cbuf(size_t(c.m) * c.n * type_bytes(c.c_type), 8);
+  const void* cptr = cbuf.ptr;
   const float alpha = 1.0f, beta = 0.0f;
   auto launch = [&]() {
     return cublasLtMatmul(lt, desc, &alpha, a.ptr, la, b.ptr, lb, &beta, cptr, lc, d.ptr, ld,
@@ -209,6 +216,8 @@ std::string run_case(cublasLtHandle_t lt, const Case& c, float* ms) {
 int main() {
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  CHECK_CUDA(cudaSetDevice(0));
+  CHECK_CUDA(cudaFree(nullptr));  // the context before cuBLASLt's handle
   cublasLtHandle_t lt;
   if (cublasLtCreate(&lt) != CUBLAS_STATUS_SUCCESS) return 1;
   const int version = int(cublasLtGetVersion());
@@ -218,6 +227,8 @@ int main() {
   // fc1 forward: y[16384, 8192] = x[16384, 2048] W1[2048, 8192]: m = 8192, n = 16384, k = 2048.
   // fc2 dgrad: dh[16384, 8192] = dy[16384, 2048] W2^T: m = 8192, n = 16384, k = 2048 (dy E5M2).
   const Case cases[] = {
+      {"bf16 x bf16 -> bf16, for reference", 8192, 16384, 2048, BF, BF, BF, BF,
+       CUBLASLT_EPILOGUE_DEFAULT, false, BF, false},
       {"fc1 fwd, bias -> bf16 (today)", 8192, 16384, 2048, E4, E4, BF, BF,
        CUBLASLT_EPILOGUE_BIAS, true, BF, false},
       {"fc1 fwd, bias + gelu -> bf16", 8192, 16384, 2048, E4, E4, BF, BF,
