@@ -115,6 +115,9 @@ PATHS = {
     "fused": {"JAXQUANT_FUSE_PRODUCERS": "on"},
     "fused_norms": {"JAXQUANT_FUSE_PRODUCERS": "norms"},  # the normalizations alone
     "unfused": {"JAXQUANT_FUSE_PRODUCERS": "off"},
+    # The MLP's gelu in fc1's GEMM epilogue (docs/design.md decision 60; on by default on CUDA)
+    # off, for the A/B row.
+    "noepi": {"JAXQUANT_GEMM_EPILOGUE": "off"},
 }
 ENV_KEYS = sorted({k for env in PATHS.values() for k in env})
 # The loss compared besides the last step's: the mean of the last LOSS_TAIL steps' losses (each

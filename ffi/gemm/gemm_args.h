@@ -6,6 +6,11 @@
 //       rets  out[M,N] bf16|f16|f32, workspace u8[W] (CUDA: cuBLASLt workspace; CPU: W = 0)
 //       attrs a_scale_mode, b_scale_mode (0 per tensor (), 1 = 1x128 blocks, 2 = 128x128 tiles;
 //             block scales in cuBLASLt's layouts, see scale_shape), fast_accum (bool)
+//   jaxquant_gemm_fp8_gelu per-tensor FP8 with the tanh-approximation gelu in the epilogue
+//       args  as jaxquant_gemm_fp8 (per-tensor scales only)
+//       rets  out[M,N] = gelu(h) bf16|f16|f32, aux[M,N] = h (the pre-activation a b^T + bias,
+//             out's dtype: the activation gradient's input), workspace u8[W]
+//       attrs as jaxquant_gemm_fp8 (both scale modes 0)
 //   jaxquant_gemm_dequant  MXFP8 / NVFP4 (in-kernel dequantize + wgmma on CUDA)
 //       args  a[M, K] f8e4m3fn|f8e5m2|f4e2m1fn (XLA packs FP4 two per byte; u8 [M, K/2] of the
 //             same bytes also accepted), a_scale e8m0|e4m3,
@@ -101,6 +106,10 @@ struct Fp8Operand {
   int mode = kPerTensor;
 };
 
+// What the GEMM applies after bias: nothing, or gelu (tanh approximation) writing the
+// pre-activation to `aux` as well.
+enum GemmEpilogue : int { kEpilogueNone = 0, kEpilogueGeluAux = 1 };
+
 struct Fp8Gemm {
   Fp8Operand a, b;
   int64_t M = 0, N = 0, K = 0;
@@ -108,6 +117,8 @@ struct Fp8Gemm {
   int bias_kind = kOutNone;
   void* out = nullptr;
   int out_kind = kOutBF16;
+  int epilogue = kEpilogueNone;
+  void* aux = nullptr;  // [M, N] in out's dtype, with kEpilogueGeluAux
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   bool fast_accum = false;
@@ -193,6 +204,30 @@ inline ffi::Error decode_fp8_gemm(const char* target, const ffi::AnyBuffer& a,
   g->workspace = workspace.untyped_data();
   g->workspace_bytes = static_cast<size_t>(workspace.dimensions()[0]);
   g->fast_accum = fast_accum;
+  return ffi::Error::Success();
+}
+
+// jaxquant_gemm_fp8_gelu: jaxquant_gemm_fp8's arguments with per-tensor scales, and `aux`
+// (the pre-activation) of out's dtype and shape.
+inline ffi::Error decode_fp8_gelu_gemm(const char* target, const ffi::AnyBuffer& a,
+                                       const ffi::AnyBuffer& a_scale, const ffi::AnyBuffer& b,
+                                       const ffi::AnyBuffer& b_scale, const ffi::AnyBuffer& bias,
+                                       const ffi::AnyBuffer& out, const ffi::AnyBuffer& aux,
+                                       const ffi::AnyBuffer& workspace, int64_t a_mode,
+                                       int64_t b_mode, bool fast_accum, Fp8Gemm* g) {
+  if (a_mode != kPerTensor || b_mode != kPerTensor) {
+    return invalid(target, "a_scale_mode=" + std::to_string(a_mode) + ", b_scale_mode=" +
+                               std::to_string(b_mode) + "; the gelu epilogue takes per-tensor "
+                               "scales only (0, 0)");
+  }
+  JQ_RETURN_IF_ERROR(decode_fp8_gemm(target, a, a_scale, b, b_scale, bias, out, workspace, a_mode,
+                                     b_mode, fast_accum, g));
+  if (aux.element_type() != out.element_type() || !has_shape(aux, {g->M, g->N})) {
+    return invalid(target, "aux is " + describe(aux) + "; expected out's dtype and shape, " +
+                               describe(out));
+  }
+  g->epilogue = kEpilogueGeluAux;
+  g->aux = aux.untyped_data();
   return ffi::Error::Success();
 }
 
@@ -311,6 +346,14 @@ inline ffi::Error decode_dequant_gemm(const char* target, const ffi::AnyBuffer& 
 template <typename Binding>
 auto BindGemmFp8(Binding binding) {
   auto buffers = Rets<2>(Args<5>(std::move(binding)));
+  return Attrs<bool>(Attrs<int64_t>(std::move(buffers), "a_scale_mode", "b_scale_mode"),
+                     "fast_accum");
+}
+
+// jaxquant_gemm_fp8_gelu: a, a_scale, b, b_scale, bias -> out, aux, workspace.
+template <typename Binding>
+auto BindGemmFp8Gelu(Binding binding) {
+  auto buffers = Rets<3>(Args<5>(std::move(binding)));
   return Attrs<bool>(Attrs<int64_t>(std::move(buffers), "a_scale_mode", "b_scale_mode"),
                      "fast_accum");
 }

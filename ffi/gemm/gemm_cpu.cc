@@ -52,13 +52,9 @@ std::vector<float> dequantize(const Fp8Operand& op, int64_t K) {
   return v;
 }
 
-ffi::Error Fp8GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer a_scale, ffi::AnyBuffer b,
-                      ffi::AnyBuffer b_scale, ffi::AnyBuffer bias,
-                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
-                      int64_t a_scale_mode, int64_t b_scale_mode, bool fast_accum) {
-  Fp8Gemm g;
-  JQ_RETURN_IF_ERROR(decode_fp8_gemm("jaxquant_gemm_fp8", a, a_scale, b, b_scale, bias, *out,
-                                     *workspace, a_scale_mode, b_scale_mode, fast_accum, &g));
+// h = a b^T * alpha (+ bias) in float32; out = h, or with the gelu epilogue out = gelu(h)
+// (the spec's tanh approximation, jq::act_value) and aux = h, each rounded once.
+void fp8_gemm_cpu(const Fp8Gemm& g) {
   std::vector<float> C;
   gemm_f32(dequantize(g.a, g.K), dequantize(g.b, g.K), g.M, g.N, g.K, &C);
   const float alpha = g.a.mode == kPerTensor ? g.a.scale[0] * g.b.scale[0] : 1.0f;
@@ -66,9 +62,36 @@ ffi::Error Fp8GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer a_scale, ffi::AnyBuffer b
     for (int64_t n = 0; n < g.N; ++n) {
       float v = C[static_cast<size_t>(m * g.N + n)] * alpha;
       if (g.bias_kind != kOutNone) v = v + value_at(g.bias, g.bias_kind, n);
+      if (g.epilogue == kEpilogueGeluAux) {
+        store_at(g.aux, g.out_kind, m * g.N + n, v);
+        v = jq::act_value(jq::Act::kGelu, v);
+      }
       store_at(g.out, g.out_kind, m * g.N + n, v);
     }
   }
+}
+
+ffi::Error Fp8GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer a_scale, ffi::AnyBuffer b,
+                      ffi::AnyBuffer b_scale, ffi::AnyBuffer bias,
+                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
+                      int64_t a_scale_mode, int64_t b_scale_mode, bool fast_accum) {
+  Fp8Gemm g;
+  JQ_RETURN_IF_ERROR(decode_fp8_gemm("jaxquant_gemm_fp8", a, a_scale, b, b_scale, bias, *out,
+                                     *workspace, a_scale_mode, b_scale_mode, fast_accum, &g));
+  fp8_gemm_cpu(g);
+  return ffi::Error::Success();
+}
+
+ffi::Error Fp8GeluGemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer a_scale, ffi::AnyBuffer b,
+                          ffi::AnyBuffer b_scale, ffi::AnyBuffer bias,
+                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> aux,
+                          ffi::Result<ffi::AnyBuffer> workspace, int64_t a_scale_mode,
+                          int64_t b_scale_mode, bool fast_accum) {
+  Fp8Gemm g;
+  JQ_RETURN_IF_ERROR(decode_fp8_gelu_gemm("jaxquant_gemm_fp8_gelu", a, a_scale, b, b_scale, bias,
+                                          *out, *aux, *workspace, a_scale_mode, b_scale_mode,
+                                          fast_accum, &g));
+  fp8_gemm_cpu(g);
   return ffi::Error::Success();
 }
 
@@ -119,10 +142,12 @@ ffi::Error DequantGemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer a_scale, ffi::AnyBuff
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER(kFp8GemmCpu, Fp8GemmCpu, BindGemmFp8(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kFp8GeluGemmCpu, Fp8GeluGemmCpu, BindGemmFp8Gelu(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kDequantGemmCpu, DequantGemmCpu, BindGemmDequant(ffi::Ffi::Bind()));
 
 std::vector<Target> gemm_cpu_targets() {
   return {target("jaxquant_gemm_fp8", kFp8GemmCpu),
+          target("jaxquant_gemm_fp8_gelu", kFp8GeluGemmCpu),
           target("jaxquant_gemm_dequant", kDequantGemmCpu)};
 }
 

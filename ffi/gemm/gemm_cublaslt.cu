@@ -1,5 +1,6 @@
-// CUDA handler of jaxquant_gemm_fp8: cuBLASLt FP8 matmul on the TN convention (per-tensor scales,
-// or Hopper's VEC128_32F / BLK128x128_32F block scales). Our C[M, N] = a[M, K] b[N, K]^T is
+// CUDA handlers of jaxquant_gemm_fp8 and jaxquant_gemm_fp8_gelu: cuBLASLt FP8 matmul on the TN
+// convention (per-tensor scales, or Hopper's VEC128_32F / BLK128x128_32F block scales; the gelu
+// target, per-tensor scales with cuBLASLt's GELU_AUX(_BIAS) epilogue: gelu(h) to out, h to aux). Our C[M, N] = a[M, K] b[N, K]^T is
 // cuBLASLt's column-major D[N, M] = op(A) B with A = b (TRANSA = T), B = a (TRANSB = N). The
 // cuBLASLt handle (one per device) and, per problem (shape, dtypes, scale modes, bias,
 // fast-accum, workspace), the matmul descriptor, layouts and up to 8 heuristic algorithms are
@@ -36,6 +37,12 @@ namespace jqffi {
 namespace {
 
 constexpr const char* kTarget = "jaxquant_gemm_fp8";
+constexpr const char* kGeluTarget = "jaxquant_gemm_fp8_gelu";
+
+// The FFI target a GEMM with this epilogue was called through (for error messages).
+const char* target_name(int epilogue) {
+  return epilogue == kEpilogueGeluAux ? kGeluTarget : kTarget;
+}
 
 const char* cublas_status_name(cublasStatus_t s) {
   switch (s) {
@@ -51,14 +58,16 @@ const char* cublas_status_name(cublasStatus_t s) {
   }
 }
 
-#define JQ_CUBLAS(call)                                                                   \
+// A cuBLAS status other than success returns an error naming `target` (the FFI target).
+#define JQ_CUBLAS_FOR(target, call)                                                       \
   do {                                                                                    \
     cublasStatus_t st_ = (call);                                                          \
     if (st_ != CUBLAS_STATUS_SUCCESS) {                                                   \
-      return ffi::Error::Internal(std::string(kTarget) + ": " + #call + " -> " +          \
+      return ffi::Error::Internal(std::string(target) + ": " + #call + " -> " +           \
                                   cublas_status_name(st_));                               \
     }                                                                                     \
   } while (0)
+#define JQ_CUBLAS(call) JQ_CUBLAS_FOR(kTarget, call)
 
 cudaDataType_t cuda_type(int kind) {
   return kind == kOutBF16 ? CUDA_R_16BF : (kind == kOutF16 ? CUDA_R_16F : CUDA_R_32F);
@@ -68,7 +77,7 @@ struct PlanKey {
   int device;
   int64_t M, N, K;
   bool a_e5m2, b_e5m2;
-  int a_mode, b_mode, out_kind, bias_kind;
+  int a_mode, b_mode, out_kind, bias_kind, epilogue;
   bool fast_accum;
   bool autotune;  // JAXQUANT_GEMM_AUTOTUNE at the call (tuned, untuned plans side by side)
   size_t workspace;
@@ -242,68 +251,94 @@ ffi::Error autotune(cublasLtHandle_t handle, Plan* plan, const Fp8Gemm& g, void*
   return ffi::Error::Success();
 }
 
-// The call's pointer attributes: the scales (cuBLASLt's A is our b) and the bias.
+// The call's pointer attributes: the scales (cuBLASLt's A is our b), the bias and the aux.
 ffi::Error set_pointers(cublasLtMatmulDesc_t desc, const Fp8Gemm& g) {
+  const char* target = target_name(g.epilogue);
   const void* sa = g.b.scale;
   const void* sb = g.a.scale;
-  JQ_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa,
+  JQ_CUBLAS_FOR(target, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa,
                                            sizeof(sa)));
-  JQ_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb,
+  JQ_CUBLAS_FOR(target, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb,
                                            sizeof(sb)));
   if (g.bias_kind != kOutNone) {
-    JQ_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias,
+    JQ_CUBLAS_FOR(target, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias,
                                              sizeof(g.bias)));
+  }
+  if (g.epilogue == kEpilogueGeluAux) {
+    JQ_CUBLAS_FOR(target, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                                             &g.aux, sizeof(g.aux)));
+  }
+  return ffi::Error::Success();
+}
+
+// The epilogue of a plan: bias and / or gelu with the pre-activation to aux (cuBLASLt's D is
+// our out^T, [N, M] column-major, so the aux's leading dimension is N).
+ffi::Error set_epilogue(cublasLtMatmulDesc_t desc, const PlanKey& key) {
+  const char* target = target_name(key.epilogue);
+  const bool gelu = key.epilogue == kEpilogueGeluAux, bias = key.bias_kind != kOutNone;
+  if (!gelu && !bias) return ffi::Error::Success();
+  const cublasLtEpilogue_t epi = gelu ? (bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS
+                                              : CUBLASLT_EPILOGUE_GELU_AUX)
+                                      : CUBLASLT_EPILOGUE_BIAS;
+  JQ_CUBLAS_FOR(target, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
+                                           sizeof(epi)));
+  if (bias) {
+    const int32_t bias_type = cuda_type(key.bias_kind);
+    JQ_CUBLAS_FOR(target, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                                             &bias_type, sizeof(bias_type)));
+  }
+  if (gelu) {
+    const int64_t ld = key.N;
+    const int32_t aux_type = cuda_type(key.out_kind);
+    JQ_CUBLAS_FOR(target, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld,
+                                             sizeof(ld)));
+    JQ_CUBLAS_FOR(target, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE,
+                                             &aux_type, sizeof(aux_type)));
   }
   return ffi::Error::Success();
 }
 
 ffi::Error make_plan(cublasLtHandle_t handle, const PlanKey& key, const Fp8Gemm& g,
                      size_t ws_bytes, Plan* plan) {
-  JQ_CUBLAS(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const char* target = target_name(key.epilogue);
+  JQ_CUBLAS_FOR(target, cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-  JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta,
+  JQ_CUBLAS_FOR(target, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta,
                                            sizeof(ta)));
-  JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb,
+  JQ_CUBLAS_FOR(target, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb,
                                            sizeof(tb)));
   const int8_t fast = key.fast_accum ? 1 : 0;
-  JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast,
+  JQ_CUBLAS_FOR(target, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast,
                                            sizeof(fast)));
   if (key.a_mode != kPerTensor) {
     const int32_t mode_a = key.b_mode == kVec128 ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
                                                  : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
     const int32_t mode_b = key.a_mode == kVec128 ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
                                                  : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
-    JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+    JQ_CUBLAS_FOR(target, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
                                              &mode_a, sizeof(mode_a)));
-    JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+    JQ_CUBLAS_FOR(target, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
                                              &mode_b, sizeof(mode_b)));
   }
-  if (key.bias_kind != kOutNone) {
-    const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
-    JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
-                                             sizeof(epi)));
-    const int32_t bias_type = cuda_type(key.bias_kind);
-    JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
-                                             &bias_type, sizeof(bias_type)));
-  }
+  JQ_RETURN_IF_ERROR(set_epilogue(plan->desc, key));
   // Pointers set now so the heuristic sees representative alignments; reset per call.
   JQ_RETURN_IF_ERROR(set_pointers(plan->desc, g));
   const cudaDataType_t ta_type = key.b_e5m2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3;
   const cudaDataType_t tb_type = key.a_e5m2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3;
-  JQ_CUBLAS(cublasLtMatrixLayoutCreate(&plan->a, ta_type, key.K, key.N, key.K));
-  JQ_CUBLAS(cublasLtMatrixLayoutCreate(&plan->b, tb_type, key.K, key.M, key.K));
-  JQ_CUBLAS(cublasLtMatrixLayoutCreate(&plan->d, cuda_type(key.out_kind), key.N, key.M, key.N));
+  JQ_CUBLAS_FOR(target, cublasLtMatrixLayoutCreate(&plan->a, ta_type, key.K, key.N, key.K));
+  JQ_CUBLAS_FOR(target, cublasLtMatrixLayoutCreate(&plan->b, tb_type, key.K, key.M, key.K));
+  JQ_CUBLAS_FOR(target, cublasLtMatrixLayoutCreate(&plan->d, cuda_type(key.out_kind), key.N, key.M, key.N));
 
   cublasLtMatmulPreference_t pref = nullptr;
-  JQ_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
+  JQ_CUBLAS_FOR(target, cublasLtMatmulPreferenceCreate(&pref));
   std::unique_ptr<std::remove_pointer_t<cublasLtMatmulPreference_t>,
                   decltype(&cublasLtMatmulPreferenceDestroy)>
       pref_guard(pref, cublasLtMatmulPreferenceDestroy);
-  JQ_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+  JQ_CUBLAS_FOR(target, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                  &ws_bytes, sizeof(ws_bytes)));
   cublasLtMatmulHeuristicResult_t results[kAutotuneCandidates];
   int found = 0;
-  JQ_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->d,
+  JQ_CUBLAS_FOR(target, cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->d,
                                            plan->d, pref, kAutotuneCandidates, results, &found));
   for (int i = 0; i < found; ++i) {
     if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= ws_bytes) {
@@ -316,30 +351,27 @@ ffi::Error make_plan(cublasLtHandle_t handle, const PlanKey& key, const Fp8Gemm&
     return ffi::Error::Success();
   }
   return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                    std::string(kTarget) + ": cuBLASLt has no algorithm for M=" +
+                    std::string(target) + ": cuBLASLt has no algorithm for M=" +
                         std::to_string(key.M) + " N=" + std::to_string(key.N) +
-                        " K=" + std::to_string(key.K) + " with these dtypes / scale modes");
+                        " K=" + std::to_string(key.K) + " with these dtypes / scale modes" +
+                        (key.epilogue == kEpilogueGeluAux ? " and the gelu epilogue" : ""));
 }
 
-ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_scale,
-                       ffi::AnyBuffer b, ffi::AnyBuffer b_scale, ffi::AnyBuffer bias,
-                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
-                       int64_t a_scale_mode, int64_t b_scale_mode, bool fast_accum) {
-  Fp8Gemm g;
-  JQ_RETURN_IF_ERROR(decode_fp8_gemm(kTarget, a, a_scale, b, b_scale, bias, *out, *workspace,
-                                     a_scale_mode, b_scale_mode, fast_accum, &g));
+// Enqueues the decoded GEMM `g` on `stream` (its plan made or found in the cache).
+ffi::Error run_fp8_gemm(cudaStream_t stream, const Fp8Gemm& g) {
+  const char* target = target_name(g.epilogue);
   if (g.K % 16 != 0 || g.N % 16 != 0) {
-    return invalid(kTarget, "K=" + std::to_string(g.K) + ", N=" + std::to_string(g.N) +
+    return invalid(target, "K=" + std::to_string(g.K) + ", N=" + std::to_string(g.N) +
                                 "; cuBLASLt FP8 needs K and N multiples of 16");
   }
-  if (a_scale_mode != kPerTensor && cublasLtGetVersion() < 120900) {
+  if (g.a.mode != kPerTensor && cublasLtGetVersion() < 120900) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      std::string(kTarget) + ": cuBLASLt " + std::to_string(cublasLtGetVersion()) +
+                      std::string(target) + ": cuBLASLt " + std::to_string(cublasLtGetVersion()) +
                           " has no Hopper block scaling (needs 12.9+)");
   }
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) {
-    return cuda_error(kTarget, "cudaGetDevice", e);
+    return cuda_error(target, "cudaGetDevice", e);
   }
   // cuBLASLt wants a 256-byte aligned workspace.
   const uintptr_t base = reinterpret_cast<uintptr_t>(g.workspace);
@@ -362,6 +394,7 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_s
   key.b_mode = g.b.mode;
   key.out_kind = g.out_kind;
   key.bias_kind = g.bias_kind;
+  key.epilogue = g.epilogue;
   key.fast_accum = g.fast_accum;
   JQ_RETURN_IF_ERROR(autotune_enabled(&key.autotune));
   key.workspace = ws_bytes;
@@ -386,7 +419,7 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_s
     const bool enabled = key.autotune;
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusActive;
     if (cudaError_t e = cudaStreamIsCapturing(stream, &capture); e != cudaSuccess) {
-      return cuda_error(kTarget, "cudaStreamIsCapturing", e);
+      return cuda_error(target, "cudaStreamIsCapturing", e);
     }
     if (!enabled) {
       plan->tuned = true;  // the first heuristic, for good
@@ -395,23 +428,49 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_s
     }
   }
   const float alpha = 1.0f, beta = 0.0f;
-  JQ_CUBLAS(cublasLtMatmul(handle, plan->desc, &alpha, g.b.data, plan->a, g.a.data, plan->b,
+  JQ_CUBLAS_FOR(target, cublasLtMatmul(handle, plan->desc, &alpha, g.b.data, plan->a, g.a.data, plan->b,
                            &beta, g.out, plan->d, g.out, plan->d, &plan->algo, ws, ws_bytes,
                            stream));
   if (gemm_trace_calls()) {
     std::fprintf(stderr,
                  "[jaxquant gemm] %s M=%lld N=%lld K=%lld capturing=%s algo=%d of %zu%s\n",
-                 kTarget, static_cast<long long>(g.M), static_cast<long long>(g.N),
+                 target, static_cast<long long>(g.M), static_cast<long long>(g.N),
                  static_cast<long long>(g.K), capture_state(stream), plan->chosen,
                  plan->candidates.size(), plan->tuned ? "" : " (untuned)");
   }
   return ffi::Error::Success();
 }
 
+
+ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_scale,
+                       ffi::AnyBuffer b, ffi::AnyBuffer b_scale, ffi::AnyBuffer bias,
+                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
+                       int64_t a_scale_mode, int64_t b_scale_mode, bool fast_accum) {
+  Fp8Gemm g;
+  JQ_RETURN_IF_ERROR(decode_fp8_gemm(kTarget, a, a_scale, b, b_scale, bias, *out, *workspace,
+                                     a_scale_mode, b_scale_mode, fast_accum, &g));
+  return run_fp8_gemm(stream, g);
+}
+
+ffi::Error Fp8GeluGemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_scale,
+                           ffi::AnyBuffer b, ffi::AnyBuffer b_scale, ffi::AnyBuffer bias,
+                           ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> aux,
+                           ffi::Result<ffi::AnyBuffer> workspace, int64_t a_scale_mode,
+                           int64_t b_scale_mode, bool fast_accum) {
+  Fp8Gemm g;
+  JQ_RETURN_IF_ERROR(decode_fp8_gelu_gemm(kGeluTarget, a, a_scale, b, b_scale, bias, *out, *aux,
+                                          *workspace, a_scale_mode, b_scale_mode, fast_accum,
+                                          &g));
+  return run_fp8_gemm(stream, g);
+}
+
 }  // namespace
 
 JQ_DEFINE_CUDA_HANDLER(kFp8GemmCuda, Fp8GemmCuda, BindGemmFp8);
+JQ_DEFINE_CUDA_HANDLER(kFp8GeluGemmCuda, Fp8GeluGemmCuda, BindGemmFp8Gelu);
 
-std::vector<Target> gemm_fp8_cuda_targets() { return {target(kTarget, kFp8GemmCuda)}; }
+std::vector<Target> gemm_fp8_cuda_targets() {
+  return {target(kTarget, kFp8GemmCuda), target(kGeluTarget, kFp8GeluGemmCuda)};
+}
 
 }  // namespace jqffi

@@ -42,7 +42,8 @@ from jaxquant.layers.fused_activation import (ActivationConfig, ActivationEpilog
                                               activation_routed_hp)
 from jaxquant.layers.fused_norm import NormConfig, norm_quantized, out_dtypes
 from jaxquant.numerics import activations as _act
-from jaxquant.ops.fused import auto_fusion_reason, fusion_unsupported
+from jaxquant.formats import format_of
+from jaxquant.ops.fused import auto_fusion_reason, auto_gemm_epilogue_reason, fusion_unsupported
 
 # Gated shorthands with a fused kernel: the activation of the first half (the second is linear).
 FUSED_GATED = _act.GATED
@@ -85,8 +86,59 @@ def platform_reason(fuse_producers: Optional[bool], kind: str = "norm") -> Optio
   """Why a module's `fuse_producers` setting keeps its `kind` producer ("norm" or
   "activation") unfused here, or None. None (the default): as `auto_fusion_reason` says
   (unfused for now); True: wherever the formats allow (CPU handlers, or the reference
-  composition)."""
+  composition); False: never."""
+  if fuse_producers is False:
+    return "fuse_producers=False"
   return None if fuse_producers else auto_fusion_reason(kind)
+
+
+def _rowwise_family(quantizer) -> str:
+  """The GEMM family of the copy a forward GEMM reads (a hybrid's rowwise half)."""
+  halves = format_of(quantizer).halves(quantizer)
+  leaf = quantizer if halves is None else halves[0]
+  return format_of(leaf).gemm_family(leaf)
+
+
+def _gemm_epilogue_said(module: nn.Module, q1: Optional[DenseQuantizers]) -> bool:
+  """Whether `explain` says why fc1's GEMM does not apply the activation: when the module asks
+  for it (`fuse_gemm_activation=True`), or where it is a candidate (a gelu MLP with per-tensor
+  FP8 fc1 operands)."""
+  if module.fuse_gemm_activation:
+    return True
+  if fused_activation(module.activations)[0] != ("gelu", False) or q1 is None:
+    return False
+  return not q1.unquantized and {_rowwise_family(q1.quantizer(t))
+                                 for t in ("input", "weight")} == {"fp8"}
+
+
+def _say_gemm_epilogue(module: nn.Module, q1: DenseQuantizers, reason: str) -> None:
+  if _gemm_epilogue_said(module, q1):
+    record(Decision("producer", q1.roles[0], "gelu in fc1's GEMM epilogue", "unfused", reason))
+
+
+def gemm_activation_reason(module: nn.Module, q1: Optional[DenseQuantizers], sharding,
+                           fuse_forward: bool) -> Optional[str]:
+  """None when a `LayerNormMLP`'s `fc1` GEMM applies the activation in its epilogue
+  (`jaxquant.ops.gemm_gelu`: gelu, per-tensor FP8 operands, an unsharded layer), else why not.
+  `module.fuse_gemm_activation`: None (default) as `auto_gemm_epilogue_reason` says (CUDA),
+  True wherever those hold, False never."""
+  setting = module.fuse_gemm_activation
+  if setting is False:
+    return "fuse_gemm_activation=False"
+  act, _ = fused_activation(module.activations)
+  if act != ("gelu", False):
+    return (f"the GEMM's epilogue applies gelu (the tanh approximation) only; activations="
+            f"{module.activations!r}")
+  if q1 is None or q1.unquantized:
+    return "nothing is quantized"
+  families = {t: _rowwise_family(q1.quantizer(t)) for t in ("input", "weight")}
+  if set(families.values()) != {"fp8"}:
+    return (f"the gelu epilogue is cuBLASLt's per-tensor FP8 GEMM's; fc1 reads {families}")
+  if sharding is not None:
+    return "fc1 is sharded (logical axes): its GEMM and gelu run apart"
+  if fuse_forward:
+    return "the forward activation is fused into fc2's quantize (fuse_producers)"
+  return None if setting else auto_gemm_epilogue_reason()
 
 
 def norm_fusion_reason(quantizers: Optional[DenseQuantizers], sharding) -> Optional[str]:
@@ -238,15 +290,18 @@ def mlp_quantizers(module: nn.Module) -> Optional[tuple[DenseQuantizers, DenseQu
   reason = platform_reason(module.fuse_producers)
   if reason is None and all(fusion_unsupported(q) is not None for q in candidates):
     reason = fusion_unsupported(q1.input)
-  if reason is not None:
+  gemm_reason = gemm_activation_reason(module, q1, None, False)
+  if reason is not None and gemm_reason is not None:
     _unfused(q1.roles[0], module.norm_type, reason)
+    _say_gemm_epilogue(module, q1, gemm_reason)
     return None
   return q1, q2
 
 
-def mlp_fusion_plan(module: nn.Module, part1: Parts, part2: Parts) -> tuple[bool, bool, bool]:
-  """(fuse the norm, the forward activation, the backward activation) of a `LayerNormMLP`,
-  recording why for each one that is not."""
+def mlp_fusion_plan(module: nn.Module, part1: Parts, part2: Parts
+                    ) -> tuple[bool, bool, bool, bool]:
+  """(fuse the norm, the forward activation, the backward activation, the activation into
+  fc1's GEMM) of a `LayerNormMLP`, recording why for each one that is not."""
   q1, q2 = part1.quantizers, part2.quantizers
   act, act_reason = fused_activation(module.activations)
   sharded = part1.sharding is not None or part2.sharding is not None
@@ -259,16 +314,20 @@ def mlp_fusion_plan(module: nn.Module, part1: Parts, part2: Parts) -> tuple[bool
     return (fusion_unsupported(quantizer) or act_reason or (sharded_reason if sharded else None)
             or platform_reason(module.fuse_producers, "activation"))
 
-  norm_reason = norm_fusion_reason(q1, part1.sharding)
+  norm_reason = norm_fusion_reason(q1, part1.sharding) or platform_reason(module.fuse_producers)
   forward_reason = reason(None if q2 is None else q2.input)
   backward_reason = reason(None if q1 is None else q1.grad_output)
+  gemm_reason = gemm_activation_reason(module, q1, part1.sharding, forward_reason is None)
   name = act[0] if act else "activation"
   for role, what, why in ((q1.roles[0], module.norm_type, norm_reason),
                           (q2.roles[0], name, forward_reason),
                           (q1.roles[2], f"{name} gradient", backward_reason)):
     if why is not None:
       _unfused(role, what, why)
-  return norm_reason is None, forward_reason is None, backward_reason is None
+  if gemm_reason is not None and forward_reason is not None:
+    _say_gemm_epilogue(module, q1, gemm_reason)
+  return (norm_reason is None, forward_reason is None, backward_reason is None,
+          gemm_reason is None)
 
 
 def layernorm_mlp(module: nn.Module, inputs: jax.Array, spec: NormSpec, scale, bias,
@@ -278,7 +337,7 @@ def layernorm_mlp(module: nn.Module, inputs: jax.Array, spec: NormSpec, scale, b
   """`LayerNormMLP`'s body with the fusions `fuse` (from `mlp_fusion_plan`): `(y, ln_out)`.
   Without any fusion it is the unfused body (`Dense` / `DenseGeneral` contractions).
   `weights`: the two `DenseParts.quantized_weight` methods (the weight cache of `fc1`, `fc2`)."""
-  fuse_norm, fuse_forward, fuse_backward = fuse
+  fuse_norm, fuse_forward, fuse_backward, fuse_gemm = fuse
   act = fused_activation(module.activations)[0]
   gated = part1.kernel.ndim == 3
   q1, q2 = part1.quantizers, part2.quantizers
@@ -290,13 +349,19 @@ def layernorm_mlp(module: nn.Module, inputs: jax.Array, spec: NormSpec, scale, b
     x, qx = ln_out, None
   # Kernels stay in param_dtype (quantized weights are read from it, as Dense's).
   x, _, bias1 = nn.dtypes.promote_dtype(x, part1.kernel, part1.bias, dtype=module.dtype)
-  epilogue = ActivationEpilogue(*act) if fuse_backward else None
+  epilogue = None
+  if fuse_gemm:  # a = gelu(h) from fc1's GEMM; its gradient as fuse_backward says
+    epilogue = ActivationEpilogue(*act, in_gemm=True, fused_gradient=fuse_backward)
+  elif fuse_backward:
+    epilogue = ActivationEpilogue(*act)
   weight1 = None if weights is None else weights[0](x, part1)
   fc1 = dense(x, part1.kernel, bias1, q1, key=part1.key, states=part1.states,
               precision=module.precision, sharding=part1.sharding, x_quantized=qx,
               epilogue=epilogue, weight=weight1)
   qa = None
-  if fuse_forward:
+  if fuse_gemm:
+    a = fc1[0]
+  elif fuse_forward:
     config = ActivationConfig(act[0], act[1], q2.input, q2.roles[0])
     state2 = None if part2.states is None else part2.states[0]
     if fuse_backward:

@@ -218,6 +218,10 @@ class LayerNormMLP(nn.Module):
       the dense layers read where the formats have fused kernels (`jaxquant.flax.fusion`):
       None (default): not yet (decision 20 of docs/design.md), True: wherever the formats
       allow, False never.
+    fuse_gemm_activation: apply the gelu in `fc1`'s GEMM epilogue, which writes `gelu(h)` and
+      `h` (`jaxquant.ops.gemm_gelu`; gelu, per-tensor FP8 `fc1` operands, bfloat16 outputs, an
+      unsharded layer, the forward activation not fused by `fuse_producers`): None (default)
+      on CUDA (decision 60 of docs/design.md), True wherever it applies, False never.
   """
 
   intermediate_dim: int = 2048
@@ -245,6 +249,7 @@ class LayerNormMLP(nn.Module):
   kernel_axes_2: tuple = ()
   reduce_dtype: Optional[Any] = None
   fuse_producers: Optional[bool] = None
+  fuse_gemm_activation: Optional[bool] = None
 
   @nn.compact
   def __call__(self, inputs: jax.Array):
@@ -260,7 +265,8 @@ class LayerNormMLP(nn.Module):
     axes_1 = tuple(self.kernel_axes_1)
     gated_axes = axes_1[:1] + (None,) + axes_1[1:] if axes_1 else ()
     # the fused producers: jaxquant.flax.fusion
-    if self.fuse_producers is not False and fusion.mlp_quantizers(self) is not None:
+    may_fuse = self.fuse_producers is not False or self.fuse_gemm_activation is not False
+    if may_fuse and fusion.mlp_quantizers(self) is not None:
       features_1 = ((len(functions), self.intermediate_dim) if len(functions) > 1
                     else (self.intermediate_dim,))
       fc1 = fusion.DenseParts(features_1, name=self.fc1_name,

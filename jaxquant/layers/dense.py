@@ -316,11 +316,27 @@ def _forward(config: _Config, x, bias, qx: operands.Operand, qw: operands.Operan
         x_row, w_row, mesh=plan.mesh, rows=plan.row_axes, cols=plan.gathered(plan.n_axes),
         k=plan.x_k_axes, out_dtype=x.dtype, reduce_dtype=plan.reduce_dtype, bias=bias,
         role=config.gemm_label("fprop"), precision=config.precision)
+  elif config.epilogue is not None and config.epilogue.in_gemm:  # (act(h), h) from the GEMM
+    if plan is not None:
+      raise ValueError("epilogue: the activation in the GEMM's epilogue runs on unsharded "
+                       "dense layers only (sharding=None)")
+    a, h = config.epilogue.gemm(x_row, w_row, bias=bias, out_dtype=x.dtype,
+                                role=config.gemm_label("fprop"), precision=config.precision)
+    return tuple(v.reshape(*config.batch_shape, *config.out_shape) for v in (a, h))
   else:
     y = ops.gemm(x_row, w_row, out_dtype=x.dtype, bias=bias,
                  role=config.gemm_label("fprop"), precision=config.precision)
   y = config.constrain(y, plan and plan.y2d)
   return y.reshape(*config.batch_shape, *config.out_shape)
+
+
+def _outputs(config: _Config, y):
+  """(what the layer returns, the epilogue's residual h or None) of `_forward`'s `y`."""
+  if config.epilogue is None:
+    return y, None
+  if config.epilogue.in_gemm:
+    return y, y[1]
+  return config.epilogue.outputs(y), y
 
 
 def _record_plan(config: _Config) -> None:
@@ -339,20 +355,17 @@ def _record_plan(config: _Config) -> None:
 
 
 def _primal(config, x, kernel, bias, key, states, qx, qw):
-  y = _forward(config, x, bias, qx, qw)
-  return y if config.epilogue is None else config.epilogue.outputs(y)
+  return _outputs(config, _forward(config, x, bias, qx, qw))[0]
 
 
 def _fwd(config, x, kernel, bias, key, states, qx, qw):
   need_dgrad, need_wgrad = x.perturbed, kernel.perturbed
   x, bias, key, states, qx, qw = _unwrap((x, bias, key, states, qx, qw))
-  y = _forward(config, x, bias, qx, qw)
+  out, h = _outputs(config, _forward(config, x, bias, qx, qw))
   new_states = (qx.state, qw.state, states[2])
   x_col = qx.columnwise if need_wgrad else None
   w_col = qw.columnwise if need_dgrad else None
-  if config.epilogue is None:
-    return y, (x_col, w_col, key, new_states, None)
-  return config.epilogue.outputs(y), (x_col, w_col, key, new_states, y)
+  return out, (x_col, w_col, key, new_states, h)
 
 
 def _unwrap(tree):
@@ -499,8 +512,9 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
       path of x's gradient. It becomes the input operand as it is (the input state's update
       reads its amax).
     epilogue: `jaxquant.layers.fused_activation.ActivationEpilogue`: the layer returns what
-      the epilogue makes of its output, and the epilogue quantizes the output gradient (fused
-      with the activation's derivative).
+      the epilogue makes of its output (`(a, h)`; with `in_gemm` the GEMM's epilogue computes
+      `a = gelu(h)`, unsharded layers only), and the epilogue quantizes the output gradient
+      (fused with the activation's derivative, or after JAX's).
 
   Returns:
     `[..., N1..Nn]` in `x`'s dtype (with an epilogue: the epilogue's outputs).

@@ -65,20 +65,44 @@ def _activation_shape(h_shape: tuple, gated: bool) -> tuple:
 class ActivationEpilogue:
   """`fc1`'s epilogue (static): returns `(a, h)` and quantizes `dh` from `da` in one kernel.
 
+  With `in_gemm` the GEMM itself applies the activation (`jaxquant.ops.gemm_gelu`: gelu only,
+  ungated) and `a` is the activation; otherwise `a` is a placeholder and the forward activation
+  is `fc2`'s fused input (`activation_routed`). With `fused_gradient=False` the gradient runs
+  unfused: JAX's derivative of the activation at `h`, then the quantize.
+
   Attributes:
     activation: `jaxquant.numerics.activations.ACTIVATIONS` name (or an alias).
     gated: `fc1`'s output is `[..., 2, N]`, the activation `act(h0) * h1`.
+    in_gemm: the forward GEMM writes `(act(h), h)` (its epilogue).
+    fused_gradient: the activation-gradient kernel quantizes `dh` (where the format has one).
   """
 
   activation: str
   gated: bool = False
+  in_gemm: bool = False
+  fused_gradient: bool = True
 
   def __post_init__(self):
     object.__setattr__(self, "activation", _act.canonical(self.activation))
+    if self.in_gemm and (self.activation != "gelu" or self.gated):
+      raise ValueError(f"in_gemm: the GEMM's epilogue applies gelu (ungated) only; got "
+                       f"activation={self.activation!r}, gated={self.gated}")
 
   def outputs(self, h: jax.Array):
     """`(a, h)`: `a` a placeholder of the activation's shape (its cotangent is `da`)."""
     return jnp.zeros(_activation_shape(h.shape, self.gated), h.dtype), h
+
+  def gemm(self, x_row, w_row, *, bias, out_dtype, role, precision):
+    """`(act(h), h)` of `h = x_row w_row^T (+ bias)` (`in_gemm`): one GEMM with the gelu in its
+    epilogue where the FFI serves the pair (`jaxquant.ops.gemm_gelu`), else the GEMM and then
+    JAX's gelu of the rounded `h` (the unfused arithmetic), recorded for `jaxquant.explain`."""
+    reason = ops.gemm_gelu_unsupported(x_row, w_row, out_dtype=out_dtype, bias=bias)
+    if reason is None:
+      return ops.gemm_gelu(x_row, w_row, out_dtype=out_dtype, bias=bias, role=role,
+                           precision=precision)
+    record(Decision("producer", role, "gelu in the GEMM's epilogue", "unfused", reason))
+    h = ops.gemm(x_row, w_row, out_dtype=out_dtype, bias=bias, role=role, precision=precision)
+    return jax_activation(self.activation, False, h), h
 
   def gradient(self, cotangent, h: jax.Array, quantizer: Quantizer, state: Any, *,
                rowwise: bool, columnwise: bool, dbias: bool, key=None, role=None):
@@ -91,14 +115,17 @@ class ActivationEpilogue:
       da = jnp.zeros(_activation_shape(h.shape, self.gated), h.dtype)
     da2d = da.reshape(-1, n).astype(h.dtype)
     rowwise = rowwise or not columnwise  # a bias-only gradient still runs one direction
-    if fused_ops.fusion_unsupported(quantizer) is None:
+    reason = (fused_ops.fusion_unsupported(quantizer) if self.fused_gradient
+              else "the activation gradient runs unfused here (fuse_producers)")
+    if reason is None:
       return fused_ops.activation_grad_quantize(da2d, h2d, activation=self.activation,
                                                 gated=self.gated, quantizer=quantizer,
                                                 rowwise=rowwise, columnwise=columnwise,
                                                 state=state, dbias=dbias, role=role)
-    record(Decision(
-        "producer", role, f"activation gradient {self.activation}, then quantize", "unfused",
-        fused_ops.fusion_unsupported(quantizer)))
+    if self.fused_gradient:  # (otherwise the module's fusion plan recorded why)
+      record(Decision(
+          "producer", role, f"activation gradient {self.activation}, then quantize", "unfused",
+          reason))
     _, vjp = jax.vjp(lambda v: jax_activation(self.activation, self.gated, v), h)
     (dh,) = vjp(da)
     dh2d = dh.reshape(h2d.shape)

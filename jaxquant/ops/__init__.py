@@ -25,7 +25,8 @@ from jaxquant.tensors import QuantizedTensor, ScaledTensor
 
 Operand = Union[ScaledTensor, jax.Array]
 
-__all__ = ["quantize", "quantize_and_update", "dequantize", "transpose", "gemm", "update_state"]
+__all__ = ["quantize", "quantize_and_update", "dequantize", "transpose", "gemm", "gemm_gelu",
+           "update_state"]
 
 
 def _as_matrix(x: jax.Array) -> jax.Array:
@@ -289,6 +290,54 @@ def gemm(a: Operand, b: Operand, *, out_dtype=None, bias: Optional[jax.Array] = 
   if path == "ffi":  # the role's direction (fprop/dgrad/wgrad) picks the FP8 accumulation
     return ffi.gemm(a, b, out_dtype=out_dtype, bias=bias, precision=precision, role=role)
   return reference.gemm(a, b, out_dtype=out_dtype, bias=bias, precision=precision)
+
+
+def gemm_gelu_unsupported(a: Operand, b: Operand, *, out_dtype,
+                          bias: Optional[jax.Array] = None) -> Optional[str]:
+  """None when the FFI computes `gemm_gelu(a, b)` in one GEMM (cuBLASLt's gelu epilogue on
+  CUDA, the target's CPU handler on CPU), else why not."""
+  ffi = dispatch.ffi_module()
+  if ffi is None:
+    return dispatch.ffi_missing_reason()
+  return ffi.gemm_gelu_unsupported(a, b, out_dtype, bias)
+
+
+def gemm_gelu(a: Operand, b: Operand, *, out_dtype=None, bias: Optional[jax.Array] = None,
+              role: Any = None, precision=None) -> tuple[jax.Array, jax.Array]:
+  """`(gelu(h), h)` with `h = a b^T (+ bias)` on the TN convention: an MLP's fc1 with its
+  activation (tanh approximation) in the GEMM's epilogue, `h` kept for the activation's
+  gradient. The FFI path is one cuBLASLt GEMM (per-tensor FP8 operands, bfloat16 outputs:
+  `gemm_gelu_unsupported`); the reference computes the gelu of the float32 `h` with the spec's
+  arithmetic. Both outputs are rounded once from float32 (the unfused `gelu(gemm(a, b))`
+  rounds `h` before the gelu, so the two differ by the rounding of `h`).
+
+  Args:
+    a, b: `[rows, K]` operands, as `gemm`'s.
+    out_dtype: of both outputs; default: `a`'s original dtype.
+    bias: optional `[n]`, added in float32 before the gelu.
+    role: label for `jaxquant.explain` (its last part picks the FP8 accumulation, as `gemm`).
+  """
+  _check_operand("a", a)
+  _check_operand("b", b)
+  if a.shape[1] != b.shape[1]:
+    raise ValueError(f"a and b: contraction lengths differ ({a.shape[1]} vs {b.shape[1]}); "
+                     "both operands are [rows, K]")
+  if bias is not None and tuple(bias.shape) != (b.shape[0],):
+    raise ValueError(f"bias: expected shape ({b.shape[0]},), got {tuple(bias.shape)}")
+  if out_dtype is None:
+    out_dtype = a.orig_dtype if isinstance(a, ScaledTensor) else a.dtype
+  path, reason = dispatch.choose(
+      "gemm", gemm_gelu_unsupported(a, b, out_dtype=out_dtype, bias=bias))
+  _explain.record(_explain.Decision(
+      "gemm", role, f"{_describe(a)} x {_describe(b)}, gelu epilogue",
+      "reference" if path == "reference" else _gelu_path_name(), reason))
+  if path == "ffi":
+    return dispatch.ffi_module().gemm_gelu(a, b, bias=bias, precision=precision, role=role)
+  return reference.gemm_gelu(a, b, out_dtype=out_dtype, bias=bias, precision=precision)
+
+
+def _gelu_path_name() -> str:
+  return "ffi-cpu gemm-fp8-gelu" if dispatch.current_platform() == "cpu" else "cublaslt-fp8-gelu"
 
 
 def _describe(operand: Operand) -> str:

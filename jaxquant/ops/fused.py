@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxquant.explain import Decision, record
 from jaxquant.backends.ffi import fused as _ffi
+from jaxquant.backends.ffi.gemm import GELU_TARGET as GELU_GEMM_TARGET
 from jaxquant.backends.ffi import registry
 from jaxquant.backends.producers import Inputs, Producer
 from jaxquant.backends.reference import fused as _reference
@@ -86,6 +87,33 @@ def auto_fusion_reason(kind: str = "norm") -> Optional[str]:
             "rebuild it")
   return ("the fused CUDA kernels measure slower than the producer, then the quantize kernel "
           "(bench/RESULTS.md); fuse_producers=True or JAXQUANT_FUSE_PRODUCERS=on takes them")
+
+
+def auto_gemm_epilogue_reason() -> Optional[str]:
+  """None when an MLP's gelu runs in fc1's GEMM epilogue by default here
+  (`jaxquant.ops.gemm_gelu`), else why not.
+
+  On CUDA with the extension's `jaxquant_gemm_fp8_gelu` target, yes (docs/design.md decision
+  60: cuBLASLt's epilogue costs less than XLA's gelu fusion it replaces). On CPU the target's
+  handler is a plain loop, and the unfused arithmetic stays the CPU default
+  (`fuse_gemm_activation=True` takes it). `JAXQUANT_GEMM_EPILOGUE=on|off` overrides `auto`
+  for A/B timings (a module's explicit `fuse_gemm_activation` wins)."""
+  setting = env_choice("JAXQUANT_GEMM_EPILOGUE", ("auto", "on", "off"), "auto")
+  if setting == "off":
+    return "JAXQUANT_GEMM_EPILOGUE=off"
+  if setting == "on":
+    return None
+  if dispatch.requested_backend() == "reference":
+    return "JAXQUANT_BACKEND=reference"
+  platform = dispatch.current_platform()
+  if platform != "cuda":
+    return (f"on {platform} the gelu epilogue's handler is a plain loop "
+            "(fuse_gemm_activation=True takes it)")
+  if dispatch.ffi_module() is None:
+    return dispatch.ffi_missing_reason()
+  if GELU_GEMM_TARGET not in registry.registered_targets(platform):
+    return f"the jaxquant FFI extension has no {GELU_GEMM_TARGET} target; rebuild it"
+  return None
 
 
 def _implementation(producer: Producer, inputs: Inputs, quantizer: Quantizer):

@@ -61,6 +61,7 @@ from jaxquant.settings import env_choice
 Operand = Union[ScaledTensor, jax.Array]
 
 FP8_TARGET = "jaxquant_gemm_fp8"
+GELU_TARGET = "jaxquant_gemm_fp8_gelu"  # per-tensor FP8 with gelu in cuBLASLt's epilogue
 DEQUANT_TARGET = "jaxquant_gemm_dequant"
 CUBLASLT_WORKSPACE_BYTES = 32 * 1024 * 1024 + 256  # cuBLASLt's Hopper recommendation + alignment
 CPU_MAX_MACS = 1 << 24
@@ -413,3 +414,58 @@ class _Kernel:
     if self.path.startswith("cublaslt-"):
       return _cublaslt(a, b, self.path, np.dtype(out_dtype), bias, self.fast)
     return _wgmma_dequant(a, b, np.dtype(out_dtype), bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# The GEMM with gelu in its epilogue (an MLP's fc1: jaxquant.layers.gemm_activation).
+# ---------------------------------------------------------------------------------------------
+
+GELU_OUT_DTYPE = np.dtype(jnp.bfloat16)  # the epilogue's measured (and tested) output dtype
+
+
+def gemm_gelu_unsupported(a: Operand, b: Operand, out_dtype, bias: Optional[jax.Array]
+                          ) -> Optional[str]:
+  """None when `jaxquant_gemm_fp8_gelu` can compute `gelu(a b^T + bias)` and its
+  pre-activation for these operands here, else why not."""
+  platform = _platform()
+  if GELU_TARGET not in registry.registered_targets(platform):
+    return _missing_target_reason(platform, f"target {GELU_TARGET} is not built")
+  path, why = _kernel_path(a, b, platform)
+  if path != "cublaslt-fp8":
+    return (f"the gelu epilogue runs on the cublaslt-fp8 path (per-tensor FP8 operands); this "
+            f"pair takes {path}" + (f" ({why})" if why else ""))
+  if np.dtype(out_dtype) != GELU_OUT_DTYPE:
+    return f"the gelu epilogue writes bfloat16 outputs; this GEMM's is {np.dtype(out_dtype).name}"
+  if bias is not None and np.dtype(bias.dtype) != GELU_OUT_DTYPE:
+    return f"the gelu epilogue adds a bfloat16 bias; this one is {np.dtype(bias.dtype).name}"
+  if platform == "cpu" and a.shape[0] * b.shape[0] * a.shape[1] > CPU_MAX_MACS:
+    return (f"the CPU GEMM handlers serve small problems (M*N*K <= {CPU_MAX_MACS}); this one "
+            f"has {a.shape[0] * b.shape[0] * a.shape[1]}")
+  return None
+
+
+def gemm_gelu(a: ScaledTensor, b: ScaledTensor, *, bias: Optional[jax.Array], precision=None,
+              role: Any = None) -> tuple[jax.Array, jax.Array]:
+  """`(gelu(h), h)` with `h = a b^T (+ bias)`, both bfloat16, from one cuBLASLt GEMM whose
+  epilogue applies the bias and the gelu (tanh approximation) in float32 and writes both
+  (`gemm_gelu_unsupported` is None). Partitioned over the rows of `a` and of `b`; the
+  contraction axis is gathered whole (gelu of a partial sum is not a partial sum)."""
+  m, n, k = a.shape[0], b.shape[0], a.shape[1]
+  fast = fp8_accumulation(None, role, precision) == "fast"
+  workspace = CUBLASLT_WORKSPACE_BYTES if _platform() == "cuda" else 0
+  results = (jax.ShapeDtypeStruct((m, n), GELU_OUT_DTYPE),
+             jax.ShapeDtypeStruct((m, n), GELU_OUT_DTYPE),
+             jax.ShapeDtypeStruct((workspace,), jnp.uint8))
+  layout = partitioning.Layout(
+      operands=((("m", 1), ("k", 1)), (), (("n", 1), ("k", 1)), (),
+                ((("n", 1),) if bias is not None else ((None, 1),))),
+      results=((("m", 1), ("n", 1)), (("m", 1), ("n", 1)), ((None, 1),)),
+      blocks=(("k", k),),  # one block: the contraction is never split
+      names=(("m", "rows of a"), ("n", "rows of b"), ("k", "contraction axis")),
+      what="GEMM with gelu epilogue")
+  out, aux, _ = partitioning.call(
+      GELU_TARGET, results, a.data, a.scale_inv.astype(jnp.float32), b.data,
+      b.scale_inv.astype(jnp.float32), bias if bias is not None else _empty_bias(),
+      layout=layout, a_scale_mode=np.int64(_SCALE_PER_TENSOR),
+      b_scale_mode=np.int64(_SCALE_PER_TENSOR), fast_accum=bool(fast))
+  return out, aux

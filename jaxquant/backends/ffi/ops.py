@@ -82,6 +82,14 @@ def gemm(a, b, *, out_dtype, bias=None, precision=None, **kwargs):
   return _gemm.gemm(a, b, out_dtype=out_dtype, bias=bias, precision=precision, **kwargs)
 
 
+def gemm_gelu_unsupported(a, b, out_dtype, bias) -> Optional[str]:
+  return _gemm.gemm_gelu_unsupported(a, b, out_dtype, bias)
+
+
+def gemm_gelu(a, b, *, bias=None, precision=None, role=None):
+  return _gemm.gemm_gelu(a, b, bias=bias, precision=precision, role=role)
+
+
 STATE_UPDATE_KERNELS = ("delayed-update",)  # `Format.state_update_kernel` names
 
 

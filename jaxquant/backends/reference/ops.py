@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxquant.formats import QuantizeContext, format_of
-from jaxquant.numerics import rht16
+from jaxquant.numerics import activations, rht16
 from jaxquant.quantizers import Quantizer
 from jaxquant.tensors import ScaledTensor
 
@@ -90,3 +90,12 @@ def gemm(a: Operand, b: Operand, *, out_dtype, bias: Optional[jax.Array] = None,
   if bias is not None:
     acc = acc + bias.astype(jnp.float32)
   return acc.astype(out_dtype)
+
+
+def gemm_gelu(a: Operand, b: Operand, *, out_dtype, bias: Optional[jax.Array] = None,
+              precision=None) -> tuple[jax.Array, jax.Array]:
+  """`(gelu(h), h)`: `h = a b^T (+ bias)` in float32 (`gemm`'s arithmetic), then the spec's
+  tanh-approximation gelu (`jaxquant.numerics.activations`) of the float32 `h`; each output
+  rounded once to `out_dtype`, as the GEMM's epilogue writes them."""
+  h = gemm(a, b, out_dtype=jnp.float32, bias=bias, precision=precision)
+  return activations.activation("gelu", h).astype(out_dtype), h.astype(out_dtype)
