@@ -131,7 +131,14 @@ class ActivationEpilogue:
     dh2d = dh.reshape(h2d.shape)
     qdh = ops.quantize(dh2d, quantizer, rowwise=rowwise, columnwise=columnwise, key=key,
                        state=state, role=role)
-    return qdh, (jnp.sum(dh2d.astype(jnp.float32), axis=0) if dbias else None)
+    if not dbias:
+      return qdh, None
+    if not self.fused_gradient:  # the unfused dense's reduction (jaxquant.layers.dense._bwd),
+      # in dh's dtype: XLA fuses it with the activation's derivative as in the unfused MLP
+      batch_axes = tuple(range(dh.ndim - 1))
+      return qdh, jax.lax.reduce(dh, jnp.zeros((), dh.dtype), jax.lax.add,
+                                 batch_axes).astype(jnp.float32)
+    return qdh, jnp.sum(dh2d.astype(jnp.float32), axis=0)
 
 
 @dataclasses.dataclass(frozen=True)
