@@ -100,7 +100,7 @@ class ActivationEpilogue:
     if reason is None:
       return ops.gemm_gelu(x_row, w_row, out_dtype=out_dtype, bias=bias, role=role,
                            precision=precision)
-    record(Decision("producer", role, "gelu in the GEMM's epilogue", "unfused", reason))
+    record(Decision("producer", role, "gelu in fc1's GEMM epilogue", "unfused", reason))
     h = ops.gemm(x_row, w_row, out_dtype=out_dtype, bias=bias, role=role, precision=precision)
     return jax_activation(self.activation, False, h), h
 

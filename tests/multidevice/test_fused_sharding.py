@@ -112,3 +112,30 @@ def test_a_sharded_normalized_axis_takes_the_unfused_norm(devices, rng):
     report = jq.explain(lambda v, x: model.apply(v, x), variables, xs)
   unfused = [d for d in report if d.op == "producer"]
   assert len(unfused) == 1 and "the normalized axis is sharded" in unfused[0].reason
+
+
+def test_gemm_gelu_partitions_over_rows_bit_for_bit(devices, rng):
+  """fc1's GEMM with the gelu epilogue (`jaxquant.ops.gemm_gelu`) under a mesh: rows of a and
+  of b stay local and equal one device's byte for byte (each output element is one whole dot
+  product); a sharded contraction axis is gathered whole first (the gelu of a partial sum is
+  not a partial sum), with the same values."""
+  import dataclasses
+  from jaxquant import ops
+  mesh = jax.sharding.Mesh(np.asarray(devices).reshape(2, -1), ("m", "n"))
+  q = jq.Float8CurrentScalingQuantizer()
+  x = jnp.asarray(rng.standard_normal((64, 128)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((64, 128)) / 11.3, jnp.bfloat16)
+  a = ops.quantize(x, q, columnwise=False).rowwise
+  b = ops.quantize(w, q, columnwise=False).rowwise
+  bias = jnp.asarray(rng.standard_normal(64) * 0.5, jnp.bfloat16)
+  run = jax.jit(lambda a, b, c: ops.gemm_gelu(a, b, bias=c))
+  want = run(a, b, bias)
+
+  def put(t, spec):
+    return dataclasses.replace(t, data=jax.device_put(t.data, NamedSharding(mesh, spec)))
+
+  for a_spec, b_spec in ((P("m", None), P("n", None)), (P(None, "n"), P("m", None))):
+    got = run(put(a, a_spec), put(b, b_spec), jax.device_put(bias, NamedSharding(mesh, P())))
+    for g, w_ in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(g).view(np.uint16), np.asarray(w_).view(np.uint16))
+  assert np.abs(np.asarray(want[0], np.float32)).max() > 0

@@ -450,7 +450,7 @@ def gemm_gelu(a: ScaledTensor, b: ScaledTensor, *, bias: Optional[jax.Array], pr
   epilogue applies the bias and the gelu (tanh approximation) in float32 and writes both
   (`gemm_gelu_unsupported` is None). Partitioned over the rows of `a` and of `b`; the
   contraction axis is gathered whole (gelu of a partial sum is not a partial sum)."""
-  m, n, k = a.shape[0], b.shape[0], a.shape[1]
+  m, n = a.shape[0], b.shape[0]
   fast = fp8_accumulation(None, role, precision) == "fast"
   workspace = CUBLASLT_WORKSPACE_BYTES if _platform() == "cuda" else 0
   results = (jax.ShapeDtypeStruct((m, n), GELU_OUT_DTYPE),
@@ -460,7 +460,7 @@ def gemm_gelu(a: ScaledTensor, b: ScaledTensor, *, bias: Optional[jax.Array], pr
       operands=((("m", 1), ("k", 1)), (), (("n", 1), ("k", 1)), (),
                 ((("n", 1),) if bias is not None else ((None, 1),))),
       results=((("m", 1), ("n", 1)), (("m", 1), ("n", 1)), ((None, 1),)),
-      blocks=(("k", k),),  # one block: the contraction is never split
+      whole=("k",),  # a sharded contraction is gathered first
       names=(("m", "rows of a"), ("n", "rows of b"), ("k", "contraction axis")),
       what="GEMM with gelu epilogue")
   out, aux, _ = partitioning.call(

@@ -71,6 +71,8 @@ class Layout:
       `_update`), what the partitioned call runs instead where operand 0 is sharded, since one
       shard's reduction would be local: `sharded(args, local_results, attrs, mesh_axes)` ->
       the results, their reductions already global (`reduce` is not applied again).
+    whole: logical axes the call needs whole on every device: an operand sharded along one is
+      gathered first (a GEMM's contraction under a nonlinear epilogue), not rejected.
   """
 
   operands: tuple[Dims, ...]
@@ -82,6 +84,7 @@ class Layout:
   what: str = ""
   aliases: tuple[tuple[int, int], ...] = ()
   sharded: Optional[Callable] = None
+  whole: tuple[str, ...] = ()
 
 
 def _all_dims(layout: Layout):
@@ -198,6 +201,8 @@ def _assign(layout: Layout, specs: Sequence[P], order: Sequence[str]) -> dict[st
       if candidate:
         choice = candidate
         break
+    if axis in layout.whole:
+      choice = ()
     assign[axis] = choice
     used.update(choice)
   return assign
