@@ -72,21 +72,28 @@ def auto_fusion_reason(kind: str = "norm") -> Optional[str]:
     return "JAXQUANT_FUSE_PRODUCERS=norms" if kind == "activation" else None
   if setting == "on":
     return None
+  gate = _cuda_gate(_ffi.TARGETS, "fused producer targets",
+                    "the fused producers' handlers are slower than XLA's producer and the "
+                    "quantize kernels (fuse_producers=True takes them)")
+  return gate or ("the fused CUDA kernels measure slower than the producer, then the quantize "
+                  "kernel (bench/RESULTS.md); fuse_producers=True or JAXQUANT_FUSE_PRODUCERS=on "
+                  "takes them")
+
+
+def _cuda_gate(targets, what: str, elsewhere: str) -> Optional[str]:
+  """Why a default that only CUDA takes is off here (None: it is on): the reference backend,
+  another platform (`elsewhere` says why there), or an extension without `targets` (`what`)."""
   if dispatch.requested_backend() == "reference":
     return "JAXQUANT_BACKEND=reference"
   platform = dispatch.current_platform()
   if platform != "cuda":
-    return (f"on {platform} the fused producers' handlers are slower than XLA's producer and "
-            "the quantize kernels (fuse_producers=True takes them)")
-  ffi = dispatch.ffi_module()
-  if ffi is None:
+    return f"on {platform} {elsewhere}"
+  if dispatch.ffi_module() is None:
     return dispatch.ffi_missing_reason()
-  missing = [t for t in _ffi.TARGETS if t not in registry.registered_targets(platform)]
+  missing = [t for t in targets if t not in registry.registered_targets(platform)]
   if missing:
-    return (f"the jaxquant FFI extension has no fused producer targets ({', '.join(missing)}); "
-            "rebuild it")
-  return ("the fused CUDA kernels measure slower than the producer, then the quantize kernel "
-          "(bench/RESULTS.md); fuse_producers=True or JAXQUANT_FUSE_PRODUCERS=on takes them")
+    return f"the jaxquant FFI extension has no {what} ({', '.join(missing)}); rebuild it"
+  return None
 
 
 def auto_gemm_epilogue_reason() -> Optional[str]:
@@ -103,17 +110,9 @@ def auto_gemm_epilogue_reason() -> Optional[str]:
     return "JAXQUANT_GEMM_EPILOGUE=off"
   if setting == "on":
     return None
-  if dispatch.requested_backend() == "reference":
-    return "JAXQUANT_BACKEND=reference"
-  platform = dispatch.current_platform()
-  if platform != "cuda":
-    return (f"on {platform} the gelu epilogue's handler is a plain loop "
-            "(fuse_gemm_activation=True takes it)")
-  if dispatch.ffi_module() is None:
-    return dispatch.ffi_missing_reason()
-  if GELU_GEMM_TARGET not in registry.registered_targets(platform):
-    return f"the jaxquant FFI extension has no {GELU_GEMM_TARGET} target; rebuild it"
-  return None
+  return _cuda_gate((GELU_GEMM_TARGET,), "gelu GEMM target",
+                    "the gelu epilogue's handler is a plain loop (fuse_gemm_activation=True "
+                    "takes it)")
 
 
 def _implementation(producer: Producer, inputs: Inputs, quantizer: Quantizer):
