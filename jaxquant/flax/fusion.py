@@ -13,7 +13,9 @@ that splits the normalized axis or the MLP's features.
 By default (`fuse_producers=None`) the modules do not fuse: the CUDA kernels measured slower
 than XLA's producer followed by the quantize kernel, and the CPU handlers are slower still
 (decision 20 of docs/design.md); `fuse_producers=True` takes them (as the tests do), False never
-fuses.
+fuses. Apart from those, a gelu `LayerNormMLP` with per-tensor FP8 `fc1` operands applies the
+gelu in `fc1`'s GEMM epilogue on CUDA (`fuse_gemm_activation`, `gemm_activation_reason`;
+decision 60), where the forward activation is not fused into `fc2`'s quantize.
 
 Parameters and delayed-scaling variables are exactly the unfused modules' (same names, shapes,
 initializers, scopes), so a checkpoint and a recipe change move freely between both paths; the
