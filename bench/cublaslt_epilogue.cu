@@ -84,7 +84,27 @@ struct Case {
   bool fast_accum;
   cudaDataType_t aux_type;  // for the AUX / DGELU epilogues
   bool d_scale_amax;        // an FP8 D: its scale and amax pointers
+  // Block scaling (Float8Block): cuBLASLt's A (our weight) in 128x128 tiles and B (our x) in
+  // 1x128 blocks, as jaxquant's cublaslt-fp8-block path; false: per-tensor scales.
+  bool block_scales = false;
 };
+
+constexpr int kVec128 = 1, kBlk128 = 2;
+
+// Floats a scale mode needs for a [rows, K] operand (cuBLASLt's layouts, as
+// ffi/gemm/gemm_args.h::scale_shape).
+size_t scale_floats(int mode, int64_t rows, int64_t k) {
+  const int64_t kb = (k + 127) / 128;
+  if (mode == kVec128) return size_t(kb) * size_t((rows + 3) / 4 * 4);
+  return size_t((rows + 127) / 128) * size_t((kb + 3) / 4 * 4);
+}
+
+__global__ void fill_ones(float* p, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x) {
+    p[i] = 1.0f;
+  }
+}
 
 size_t type_bytes(cudaDataType_t t) { return t == CUDA_R_16BF ? 2 : t == CUDA_R_32F ? 4 : 1; }
 
@@ -129,6 +149,24 @@ std::string run_case(cublasLtHandle_t lt, const Case& c, float* ms) {
                                         sizeof(fast)));
   const void* sa = sc;
   const void* sb = sc + kStride;
+  // Block scales: their own buffers of ones (A = our weight in 128x128 tiles, B = our x in
+  // 1x128 blocks), and the scale modes that say so.
+  const size_t a_floats = scale_floats(kBlk128, c.m, c.k), b_floats = scale_floats(kVec128, c.n, c.k);
+  Buffer a_blocks(c.block_scales ? a_floats * sizeof(float) : 16, 9);
+  Buffer b_blocks(c.block_scales ? b_floats * sizeof(float) : 16, 10);
+  if (c.block_scales) {
+    fill_ones<<<256, 256>>>(static_cast<float*>(a_blocks.ptr), a_floats);
+    fill_ones<<<256, 256>>>(static_cast<float*>(b_blocks.ptr), b_floats);
+    CHECK_CUDA(cudaGetLastError());
+    sa = a_blocks.ptr;
+    sb = b_blocks.ptr;
+    const int32_t mode_a = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+    const int32_t mode_b = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    TRY_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_a,
+                                          sizeof(mode_a)));
+    TRY_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_b,
+                                          sizeof(mode_b)));
+  }
   TRY_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa,
                                         sizeof(sa)));
   TRY_LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb,
@@ -239,6 +277,10 @@ int main() {
        CUBLASLT_EPILOGUE_GELU_AUX_BIAS, true, BF, true},
       {"fc1 fwd, bias -> e4m3 (scale, amax)", 8192, 16384, 2048, E4, E4, BF, E4,
        CUBLASLT_EPILOGUE_BIAS, true, BF, true},
+      {"Float8Block fc1 fwd, bias -> bf16 (today)", 8192, 16384, 2048, E4, E4, BF, BF,
+       CUBLASLT_EPILOGUE_BIAS, false, BF, false, true},
+      {"Float8Block fc1 fwd, bias + gelu -> bf16, aux bf16", 8192, 16384, 2048, E4, E4, BF, BF,
+       CUBLASLT_EPILOGUE_GELU_AUX_BIAS, false, BF, false, true},
       {"fc2 dgrad, split -> bf16 (today)", 8192, 16384, 2048, E4, E5, BF, BF,
        CUBLASLT_EPILOGUE_DEFAULT, false, BF, false},
       {"fc2 dgrad, split, dgelu (aux bf16) -> bf16", 8192, 16384, 2048, E4, E5, BF, BF,
