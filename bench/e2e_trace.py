@@ -81,6 +81,17 @@ def kernel_times(path: str) -> tuple[dict[str, float], list[str]]:
   return dict(totals), names
 
 
+def kernel_changes(times_a: dict[str, float], times_b: dict[str, float], steps: int,
+                   top: int = 15) -> list[tuple[str, float, float, float]]:
+  """(kernel, µs a step in A, in B, A - B) for the `top` kernels whose time changed most
+  between two traces of `steps` steps each (an A/B of one model: which kernels a change added,
+  removed or slowed). A kernel missing from one side counts 0 there."""
+  rows = [(name, times_a.get(name, 0.0) / steps, times_b.get(name, 0.0) / steps)
+          for name in set(times_a) | set(times_b)]
+  rows = [(name, a, b, a - b) for name, a, b in rows]
+  return sorted(rows, key=lambda r: (-abs(r[3]), r[0]))[:top]
+
+
 def host_times(path: str, top: int = 12) -> list[tuple[str, int, float]]:
   """The host side of a trace: (event name, count, total microseconds) of the complete events
   on threads of processes that are not GPUs (the Python thread's dispatch, XLA's thunk
@@ -228,3 +239,26 @@ def event_op(event: dict, op_names: dict[str, str]) -> tuple[str, float, str, Op
   args = {k: str(v) for k, v in (event.get("args") or {}).items()}
   op = args.get("hlo_op") or args.get("name") or name
   return name, us, op, op_names.get(op.lstrip("%")) or op_names.get(name), args
+
+
+def main() -> None:
+  """`python bench/e2e_trace.py A B --steps N`: the kernels that changed most between the
+  traces kept under folders A and B (`e2e.py --trace-dir D --keep-traces` writes one folder a
+  variant), as a table in µs a step."""
+  import argparse
+  parser = argparse.ArgumentParser(description=main.__doc__)
+  parser.add_argument("a")
+  parser.add_argument("b")
+  parser.add_argument("--steps", type=int, required=True, help="profiled steps in each trace")
+  parser.add_argument("--top", type=int, default=15)
+  args = parser.parse_args()
+  times = [kernel_times(latest_trace(folder))[0] for folder in (args.a, args.b)]
+  print(f"| kernel | {args.a} | {args.b} | change |\n|---|---:|---:|---:|")
+  for name, a, b, change in kernel_changes(*times, args.steps, args.top):
+    print(f"| `{name[:90]}` | {a:.1f} | {b:.1f} | {change:+.1f} |")
+  for folder, t in zip((args.a, args.b), times):
+    print(f"{folder}: {sum(t.values()) / args.steps / 1e3:.2f} ms of kernels a step")
+
+
+if __name__ == "__main__":
+  main()

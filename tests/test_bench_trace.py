@@ -191,3 +191,19 @@ def test_lm_parts_split_sums_each_part_by_kernel_class(monkeypatch, rng):
   assert got["total_ms"] == pytest.approx(durations.sum() / 1e3 / steps)
   assert got["placed_share"] == pytest.approx(1 - durations[5] / durations.sum())
   assert list(got["ms"]) == [p for p in lm_parts.PARTS if p in got["ms"]]
+
+
+def test_kernel_changes_rank_by_the_change_a_step(rng):
+  kernel_changes = _e2e_trace().kernel_changes
+  steps = int(rng.integers(2, 5))
+  names = [f"k{i}" for i in range(12)]
+  a = {n: float(rng.uniform(0, 1000)) for n in names[:10]}
+  b = {n: float(rng.uniform(0, 1000)) for n in names[2:]}
+  got = kernel_changes(a, b, steps, top=5)
+  everything = {n: (a.get(n, 0.0) - b.get(n, 0.0)) / steps for n in names}
+  want = sorted(everything, key=lambda n: -abs(everything[n]))[:5]
+  assert [r[0] for r in got] == want
+  for name, per_a, per_b, change in got:
+    assert per_a == pytest.approx(a.get(name, 0.0) / steps)
+    assert per_b == pytest.approx(b.get(name, 0.0) / steps)
+    assert change == pytest.approx(per_a - per_b)
