@@ -274,3 +274,37 @@ def test_gemm_epilogue_setting_is_checked(monkeypatch, rng):
   monkeypatch.setenv("JAXQUANT_GEMM_EPILOGUE", "always")
   with pytest.raises(ValueError, match="JAXQUANT_GEMM_EPILOGUE='always'"):
     fused_ops.auto_gemm_epilogue_reason()
+
+
+def test_a_pair_the_epilogue_cannot_serve_takes_the_unfused_arithmetic_visibly(rng):
+  """float32 compute (`dtype=None`): the GEMM writes float32, which the epilogue does not; fc1
+  then runs its plain GEMM and JAX's gelu, said in `explain`, with the unfused module's values
+  and gradients."""
+  if not (_has_target("cpu") or _has_target("cuda")):
+    pytest.skip("the jaxquant extension has no jaxquant_gemm_fp8_gelu target")
+  x = _x(rng).astype(jnp.float32)
+  common = dict(recipe=jq.Float8CurrentScaling())
+  asked = jf.LayerNormMLP(128, fuse_gemm_activation=True, **common)
+  got = _gemm_record(asked, x)
+  assert list(got) == ["gelu in fc1's GEMM epilogue"], got
+  path, reason = got["gelu in fc1's GEMM epilogue"]
+  assert path == "unfused" and "bfloat16 outputs" in reason
+  (loss, grads), (loss0, grads0) = (_grads(asked, x), _grads(
+      jf.LayerNormMLP(128, fuse_gemm_activation=False, **common), x))
+  np.testing.assert_allclose(float(loss), float(loss0), rtol=1e-6)
+  for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(grads0)):
+    np.testing.assert_allclose(_f64(a), _f64(b), rtol=1e-5, atol=1e-7)
+
+
+def test_remat_recomputes_the_epilogue_mlp_bit_for_bit(rng):
+  if not (_has_target("cpu") or _has_target("cuda")):
+    pytest.skip("the jaxquant extension has no jaxquant_gemm_fp8_gelu target")
+  module = jf.LayerNormMLP(128, recipe=jq.Float8CurrentScaling(), dtype=jnp.bfloat16,
+                           fuse_gemm_activation=True)
+  x = _x(rng)
+  variables = jax.jit(module.init)(jax.random.key(0), x)
+  loss = _loss(module)
+  g = jax.jit(jax.grad(loss))(variables, x)
+  g_remat = jax.jit(jax.grad(jax.checkpoint(loss)))(variables, x)
+  for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g_remat)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -300,7 +300,8 @@ def test_share_input_quantization_reuses_only_the_same_input_object(seed, core_b
 
 
 CACHED_MODULES = ["dense_general_batch", "layernorm_mlp_swiglu", "quantize_dense",
-                  "layernorm_dense_fused", "layernorm_mlp_swiglu_fused"]
+                  "layernorm_dense_fused", "layernorm_mlp_swiglu_fused",
+                  "layernorm_mlp_gelu_epilogue"]
 
 
 @pytest.mark.parametrize("module", CACHED_MODULES)
@@ -320,7 +321,9 @@ def test_cached_weights_give_the_uncached_values_gradients_and_states(module, se
                                                        fuse_producers=True),
            "layernorm_mlp_swiglu_fused": jqf.LayerNormMLP(
                48, activations="swiglu", recipe=recipe, dtype=jnp.bfloat16,
-               fuse_producers=True)}[module]
+               fuse_producers=True),
+           "layernorm_mlp_gelu_epilogue": jqf.LayerNormMLP(  # fc1's GEMM applies the gelu
+               48, recipe=recipe, dtype=jnp.bfloat16, fuse_gemm_activation=True)}[module]
   with context():
     variables = jax.jit(model.init)(jax.random.key(seed + 1), x)
     weights = jax.jit(lambda v: jqf.quantize_weights(model.apply, v, x))(variables)
