@@ -128,9 +128,17 @@ def test_delayed_scaling_states_follow_the_fused_outputs(rng):
       assert np.asarray(g[layer][f"{role}_scale"]) > 0
 
 
-def test_remat_recomputes_the_fused_mlp_bit_for_bit(rng):
-  module = jf.LayerNormMLP(128, activations="swiglu", dtype=jnp.bfloat16,
-                           recipe=RECIPES["current"], fuse_producers=True)
+REMAT_MLPS = {  # the fused producers; the gelu in fc1's GEMM epilogue (jaxquant.ops.gemm_gelu)
+    "fused_swiglu": lambda: jf.LayerNormMLP(128, activations="swiglu", dtype=jnp.bfloat16,
+                                            recipe=RECIPES["current"], fuse_producers=True),
+    "gelu_epilogue": lambda: jf.LayerNormMLP(128, dtype=jnp.bfloat16, recipe=RECIPES["current"],
+                                             fuse_gemm_activation=True),
+}
+
+
+@pytest.mark.parametrize("name", REMAT_MLPS)
+def test_remat_recomputes_the_fused_mlp_bit_for_bit(rng, name):
+  module = REMAT_MLPS[name]()
   x = _x(rng)
   variables = jax.jit(module.init)(jax.random.key(0), x)
   loss = _loss(module)
