@@ -394,8 +394,8 @@ def print_table(rows, card, cfg, attention, data):
         "read every step); loss: against the same model's bf16 (bf16, modules_bf16).")
   print("| variant | ms/step | tokens/s | vs bf16 | vs Flax FP8 | loss@1 | loss@25 | "
         f"loss@{rows[0]['steps']} | vs bf16 loss | same, last {LOSS_TAIL} steps' mean | GEMM ms | "
-        "quantize ms | other ms | lower s | compile s |")
-  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        "quantize ms | other ms | of which scatter ms | lower s | compile s |")
+  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
   for r in rows:
     s = r["split"] or {}
     # Step ratios against the same timing mode's rows; the loss against the same model's bf16.
@@ -412,7 +412,7 @@ def print_table(rows, card, cfg, attention, data):
           f"{ratio(base_row)} | {ratio(peer('flax_fp8_direct'))} | {r['loss_1']:.4f} | "
           f"{r['loss_25']:.4f} | {r['loss_last']:.4f} | {dloss('loss_last')} | "
           f"{dloss('loss_tail')} | {fmt('gemm_ms')} | "
-          f"{fmt('quantize_ms')} | {fmt('other_ms')} | {r['lower_s']:.1f} | "
+          f"{fmt('quantize_ms')} | {fmt('other_ms')} | {fmt('scatter_ms')} | {r['lower_s']:.1f} | "
           f"{r['compile_s']:.1f} |")
 
 

@@ -207,3 +207,18 @@ def test_kernel_changes_rank_by_the_change_a_step(rng):
     assert per_a == pytest.approx(a.get(name, 0.0) / steps)
     assert per_b == pytest.approx(b.get(name, 0.0) / steps)
     assert change == pytest.approx(per_a - per_b)
+
+
+def test_split_counts_xla_scatters_within_other_and_not_reduce_scatters(rng):
+  e2e_trace = _e2e_trace()
+  steps = int(rng.integers(1, 4))
+  times = {"input_scatter_fusion_1": float(rng.uniform(100, 900)),
+           "loop_add_fusion": float(rng.uniform(100, 900)),
+           "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)":
+               float(rng.uniform(100, 900)),
+           "nvjet_sm90_qqtst_192x192_bias_TNN": float(rng.uniform(100, 900))}
+  got = e2e_trace.split(times, steps)
+  assert got["scatter_ms"] == pytest.approx(times["input_scatter_fusion_1"] / 1e3 / steps)
+  assert got["other_ms"] == pytest.approx(
+      (times["input_scatter_fusion_1"] + times["loop_add_fusion"]) / 1e3 / steps)
+  assert got["collective_ms"] > 0
