@@ -16,7 +16,7 @@ and its bytes' rate:
   split      `vjp`'s dh in one fusion and the bias reduction in another (an optimization
              barrier between them).
   unfused    for reference, the unfused MLP's pair: the forward gelu (which may keep a residual
-             for its backward) timed together with its backward, minus nothing.
+             for its backward) and its backward, timed together.
 
     PYTHONPATH=. python bench/gelu_grad.py --json out.json   [--m 16384 --n 8192]
 """

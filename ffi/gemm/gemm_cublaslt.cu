@@ -1,11 +1,12 @@
 // CUDA handlers of jaxquant_gemm_fp8 and jaxquant_gemm_fp8_gelu: cuBLASLt FP8 matmul on the TN
 // convention (per-tensor scales, or Hopper's VEC128_32F / BLK128x128_32F block scales; the gelu
-// target, per-tensor scales with cuBLASLt's GELU_AUX(_BIAS) epilogue: gelu(h) to out, h to aux). Our C[M, N] = a[M, K] b[N, K]^T is
-// cuBLASLt's column-major D[N, M] = op(A) B with A = b (TRANSA = T), B = a (TRANSB = N). The
-// cuBLASLt handle (one per device) and, per problem (shape, dtypes, scale modes, bias,
-// fast-accum, workspace), the matmul descriptor, layouts and up to 8 heuristic algorithms are
-// created once and cached; a call only sets the scale/bias pointers and enqueues the matmul on
-// the FFI stream with the workspace XLA passes as an output buffer (no allocation, no sync).
+// target: per-tensor scales and cuBLASLt's GELU_AUX(_BIAS) epilogue, gelu(h) to out, h to aux).
+// Our C[M, N] = a[M, K] b[N, K]^T is cuBLASLt's column-major D[N, M] = op(A) B with A = b
+// (TRANSA = T), B = a (TRANSB = N). The cuBLASLt handle (one per device) and, per problem
+// (shape, dtypes, scale modes, bias, epilogue, fast-accum, workspace), the matmul descriptor,
+// layouts and up to 8 heuristic algorithms are created once and cached; a call only sets the
+// scale / bias / aux pointers and enqueues the matmul on the FFI stream with the workspace XLA
+// passes as an output buffer (no allocation, no sync).
 // Autotuning (opt-in, JAXQUANT_GEMM_AUTOTUNE=1; it measured no gain): the first call of a plan
 // that is not being captured into a CUDA graph times each heuristic candidate on the call's own
 // buffers (a one-time host sync) and keeps the fastest if it beats the first heuristic by > 3%;
@@ -58,8 +59,9 @@ const char* cublas_status_name(cublasStatus_t s) {
   }
 }
 
-// A cuBLAS status other than success returns an error naming `target` (the FFI target).
-#define JQ_CUBLAS_FOR(target, call)                                                       \
+// A cuBLAS status other than success returns an error naming the FFI target: `target` in the
+// calling scope (`target_name` of the call's epilogue).
+#define JQ_CUBLAS(call)                                                                   \
   do {                                                                                    \
     cublasStatus_t st_ = (call);                                                          \
     if (st_ != CUBLAS_STATUS_SUCCESS) {                                                   \
@@ -67,7 +69,6 @@ const char* cublas_status_name(cublasStatus_t s) {
                                   cublas_status_name(st_));                               \
     }                                                                                     \
   } while (0)
-#define JQ_CUBLAS(call) JQ_CUBLAS_FOR(kTarget, call)
 
 cudaDataType_t cuda_type(int kind) {
   return kind == kOutBF16 ? CUDA_R_16BF : (kind == kOutF16 ? CUDA_R_16F : CUDA_R_32F);
@@ -110,6 +111,7 @@ struct Plan {
 };
 
 ffi::Error lt_handle(int device, cublasLtHandle_t* out) {
+  const char* target = kTarget;  // (the handle serves both targets)
   static std::mutex mu;
   static std::unordered_map<int, cublasLtHandle_t> handles;  // live for the process
   std::lock_guard<std::mutex> lock(mu);
@@ -256,16 +258,16 @@ ffi::Error set_pointers(cublasLtMatmulDesc_t desc, const Fp8Gemm& g) {
   const char* target = target_name(g.epilogue);
   const void* sa = g.b.scale;
   const void* sb = g.a.scale;
-  JQ_CUBLAS_FOR(target, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa,
+  JQ_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa,
                                            sizeof(sa)));
-  JQ_CUBLAS_FOR(target, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb,
+  JQ_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb,
                                            sizeof(sb)));
   if (g.bias_kind != kOutNone) {
-    JQ_CUBLAS_FOR(target, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias,
+    JQ_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias,
                                              sizeof(g.bias)));
   }
   if (g.epilogue == kEpilogueGeluAux) {
-    JQ_CUBLAS_FOR(target, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+    JQ_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
                                              &g.aux, sizeof(g.aux)));
   }
   return ffi::Error::Success();
@@ -280,19 +282,19 @@ ffi::Error set_epilogue(cublasLtMatmulDesc_t desc, const PlanKey& key) {
   const cublasLtEpilogue_t epi = gelu ? (bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS
                                               : CUBLASLT_EPILOGUE_GELU_AUX)
                                       : CUBLASLT_EPILOGUE_BIAS;
-  JQ_CUBLAS_FOR(target, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
+  JQ_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
                                            sizeof(epi)));
   if (bias) {
     const int32_t bias_type = cuda_type(key.bias_kind);
-    JQ_CUBLAS_FOR(target, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+    JQ_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
                                              &bias_type, sizeof(bias_type)));
   }
   if (gelu) {
     const int64_t ld = key.N;
     const int32_t aux_type = cuda_type(key.out_kind);
-    JQ_CUBLAS_FOR(target, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld,
+    JQ_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld,
                                              sizeof(ld)));
-    JQ_CUBLAS_FOR(target, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE,
+    JQ_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE,
                                              &aux_type, sizeof(aux_type)));
   }
   return ffi::Error::Success();
@@ -301,23 +303,23 @@ ffi::Error set_epilogue(cublasLtMatmulDesc_t desc, const PlanKey& key) {
 ffi::Error make_plan(cublasLtHandle_t handle, const PlanKey& key, const Fp8Gemm& g,
                      size_t ws_bytes, Plan* plan) {
   const char* target = target_name(key.epilogue);
-  JQ_CUBLAS_FOR(target, cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  JQ_CUBLAS(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-  JQ_CUBLAS_FOR(target, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta,
+  JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta,
                                            sizeof(ta)));
-  JQ_CUBLAS_FOR(target, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb,
+  JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb,
                                            sizeof(tb)));
   const int8_t fast = key.fast_accum ? 1 : 0;
-  JQ_CUBLAS_FOR(target, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast,
+  JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast,
                                            sizeof(fast)));
   if (key.a_mode != kPerTensor) {
     const int32_t mode_a = key.b_mode == kVec128 ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
                                                  : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
     const int32_t mode_b = key.a_mode == kVec128 ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
                                                  : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
-    JQ_CUBLAS_FOR(target, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+    JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
                                              &mode_a, sizeof(mode_a)));
-    JQ_CUBLAS_FOR(target, cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+    JQ_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
                                              &mode_b, sizeof(mode_b)));
   }
   JQ_RETURN_IF_ERROR(set_epilogue(plan->desc, key));
@@ -325,20 +327,20 @@ ffi::Error make_plan(cublasLtHandle_t handle, const PlanKey& key, const Fp8Gemm&
   JQ_RETURN_IF_ERROR(set_pointers(plan->desc, g));
   const cudaDataType_t ta_type = key.b_e5m2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3;
   const cudaDataType_t tb_type = key.a_e5m2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3;
-  JQ_CUBLAS_FOR(target, cublasLtMatrixLayoutCreate(&plan->a, ta_type, key.K, key.N, key.K));
-  JQ_CUBLAS_FOR(target, cublasLtMatrixLayoutCreate(&plan->b, tb_type, key.K, key.M, key.K));
-  JQ_CUBLAS_FOR(target, cublasLtMatrixLayoutCreate(&plan->d, cuda_type(key.out_kind), key.N, key.M, key.N));
+  JQ_CUBLAS(cublasLtMatrixLayoutCreate(&plan->a, ta_type, key.K, key.N, key.K));
+  JQ_CUBLAS(cublasLtMatrixLayoutCreate(&plan->b, tb_type, key.K, key.M, key.K));
+  JQ_CUBLAS(cublasLtMatrixLayoutCreate(&plan->d, cuda_type(key.out_kind), key.N, key.M, key.N));
 
   cublasLtMatmulPreference_t pref = nullptr;
-  JQ_CUBLAS_FOR(target, cublasLtMatmulPreferenceCreate(&pref));
+  JQ_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
   std::unique_ptr<std::remove_pointer_t<cublasLtMatmulPreference_t>,
                   decltype(&cublasLtMatmulPreferenceDestroy)>
       pref_guard(pref, cublasLtMatmulPreferenceDestroy);
-  JQ_CUBLAS_FOR(target, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+  JQ_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                  &ws_bytes, sizeof(ws_bytes)));
   cublasLtMatmulHeuristicResult_t results[kAutotuneCandidates];
   int found = 0;
-  JQ_CUBLAS_FOR(target, cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->d,
+  JQ_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->d,
                                            plan->d, pref, kAutotuneCandidates, results, &found));
   for (int i = 0; i < found; ++i) {
     if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= ws_bytes) {
@@ -428,7 +430,7 @@ ffi::Error run_fp8_gemm(cudaStream_t stream, const Fp8Gemm& g) {
     }
   }
   const float alpha = 1.0f, beta = 0.0f;
-  JQ_CUBLAS_FOR(target, cublasLtMatmul(handle, plan->desc, &alpha, g.b.data, plan->a, g.a.data, plan->b,
+  JQ_CUBLAS(cublasLtMatmul(handle, plan->desc, &alpha, g.b.data, plan->a, g.a.data, plan->b,
                            &beta, g.out, plan->d, g.out, plan->d, &plan->algo, ws, ws_bytes,
                            stream));
   if (gemm_trace_calls()) {

@@ -101,20 +101,25 @@ def _rowwise_family(quantizer) -> str:
   return format_of(leaf).gemm_family(leaf)
 
 
-def _gemm_epilogue_said(module: nn.Module, q1: Optional[DenseQuantizers]) -> bool:
-  """Whether `explain` says why fc1's GEMM does not apply the activation: when the module asks
-  for it (`fuse_gemm_activation=True`), or where it is a candidate (a gelu MLP with per-tensor
-  FP8 fc1 operands)."""
-  if module.fuse_gemm_activation:
-    return True
-  if fused_activation(module.activations)[0] != ("gelu", False) or q1 is None:
-    return False
-  return not q1.unquantized and {_rowwise_family(q1.quantizer(t))
-                                 for t in ("input", "weight")} == {"fp8"}
+def _gemm_epilogue_candidate(module: nn.Module, q1: Optional[DenseQuantizers]) -> Optional[str]:
+  """None when fc1's GEMM could apply the module's activation in its epilogue (a gelu,
+  ungated, with per-tensor FP8 fc1 operands), else why not."""
+  act, _ = fused_activation(module.activations)
+  if act != ("gelu", False):
+    return (f"the GEMM's epilogue applies gelu (the tanh approximation) only; activations="
+            f"{module.activations!r}")
+  if q1 is None or q1.unquantized:
+    return "nothing is quantized"
+  families = {t: _rowwise_family(q1.quantizer(t)) for t in ("input", "weight")}
+  if set(families.values()) != {"fp8"}:
+    return f"the gelu epilogue is cuBLASLt's per-tensor FP8 GEMM's; fc1 reads {families}"
+  return None
 
 
 def _say_gemm_epilogue(module: nn.Module, q1: DenseQuantizers, reason: str) -> None:
-  if _gemm_epilogue_said(module, q1):
+  """Tell `explain` why fc1's GEMM does not apply the activation, where the module asked for it
+  (`fuse_gemm_activation=True`) or it was a candidate."""
+  if module.fuse_gemm_activation or _gemm_epilogue_candidate(module, q1) is None:
     record(Decision("producer", q1.roles[0], "gelu in fc1's GEMM epilogue", "unfused", reason))
 
 
@@ -127,15 +132,9 @@ def gemm_activation_reason(module: nn.Module, q1: Optional[DenseQuantizers], sha
   setting = module.fuse_gemm_activation
   if setting is False:
     return "fuse_gemm_activation=False"
-  act, _ = fused_activation(module.activations)
-  if act != ("gelu", False):
-    return (f"the GEMM's epilogue applies gelu (the tanh approximation) only; activations="
-            f"{module.activations!r}")
-  if q1 is None or q1.unquantized:
-    return "nothing is quantized"
-  families = {t: _rowwise_family(q1.quantizer(t)) for t in ("input", "weight")}
-  if set(families.values()) != {"fp8"}:
-    return (f"the gelu epilogue is cuBLASLt's per-tensor FP8 GEMM's; fc1 reads {families}")
+  reason = _gemm_epilogue_candidate(module, q1)
+  if reason is not None:
+    return reason
   if sharding is not None:
     return "fc1 is sharded (logical axes): its GEMM and gelu run apart"
   if fuse_forward:

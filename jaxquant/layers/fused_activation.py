@@ -134,7 +134,7 @@ class ActivationEpilogue:
     if not dbias:
       return qdh, None
     if not self.fused_gradient:  # the unfused dense's reduction (jaxquant.layers.dense._bwd),
-      # in dh's dtype: XLA fuses it with the activation's derivative as in the unfused MLP
+      # in dh's dtype: the unfused MLP's bias gradient
       batch_axes = tuple(range(dh.ndim - 1))
       return qdh, jax.lax.reduce(dh, jnp.zeros((), dh.dtype), jax.lax.add,
                                  batch_axes).astype(jnp.float32)

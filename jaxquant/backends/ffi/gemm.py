@@ -417,7 +417,7 @@ class _Kernel:
 
 
 # ---------------------------------------------------------------------------------------------
-# The GEMM with gelu in its epilogue (an MLP's fc1: jaxquant.layers.gemm_activation).
+# The GEMM with gelu in its epilogue (an MLP's fc1: jaxquant.layers.fused_activation).
 # ---------------------------------------------------------------------------------------------
 
 GELU_OUT_DTYPE = np.dtype(jnp.bfloat16)  # the epilogue's measured (and tested) output dtype
