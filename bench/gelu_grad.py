@@ -8,9 +8,11 @@ at the d2048 shape (bench/RESULTS.md "Session 36"). Each candidate below compute
 and its bytes' rate:
 
   vjp        JAX's derivative of `jax.nn.gelu` at `h` (`jax.vjp`), the bias gradient reduced in
-             dh's dtype: what `ActivationEpilogue.gradient` runs today.
+             dh's dtype: what `ActivationEpilogue.gradient` ran until session 37.
   tanh_f32   the derivative written out in float32 from one `tanh`:
-             0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 k x^2),  t = tanh(c (x + k x^3)).
+             0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 k x^2),  t = tanh(c (x + k x^3)):
+             `jaxquant.layers.fused_activation.gelu_gradient`, what it runs since (the
+             fastest here on an H200, job s37b).
   sigmoid    the same function through a sigmoid (`jax.nn.sigmoid`) of v = 2 c (x + k x^3),
              as jaxquant's spec writes gelu: s + x s (1 - s) v'.
   split      `vjp`'s dh in one fusion and the bias reduction in another (an optimization
@@ -32,6 +34,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxquant.layers.fused_activation import gelu_gradient
 from timing import bench, card
 
 C = math.sqrt(2.0 / math.pi)
@@ -50,10 +53,7 @@ def vjp(da, h):
 
 
 def tanh_f32(da, h):
-  x = h.astype(jnp.float32)
-  t = jnp.tanh(C * (x + K * x * x * x))
-  d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * C * (1.0 + 3.0 * K * x * x)
-  dh = (da.astype(jnp.float32) * d).astype(h.dtype)
+  dh = gelu_gradient(da, h)
   return dh, _bias_grad(dh)
 
 

@@ -31,7 +31,7 @@ import oracle
 from jaxquant import ops
 from jaxquant.backends.ffi import gemm as ffi_gemm
 from jaxquant.backends.ffi import targets
-from jaxquant.layers.fused_activation import ActivationEpilogue
+from jaxquant.layers.fused_activation import ActivationEpilogue, gelu_gradient
 from jaxquant.numerics import activations
 from jaxquant.ops import fused as fused_ops
 
@@ -300,3 +300,42 @@ def test_a_pair_the_epilogue_cannot_serve_takes_the_unfused_arithmetic_visibly(r
   np.testing.assert_allclose(float(loss), float(loss0), rtol=1e-6)
   for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(grads0)):
     np.testing.assert_allclose(_f64(a), _f64(b), rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------- the gelu gradient ---------------------------------------
+
+def test_gelu_gradient_against_float64(rng):
+  """`gelu_gradient` (the epilogue's backward) is da * gelu'(h) rounded once to bfloat16 from
+  float32 arithmetic: within 2^-7 * 1.13 |da| of float64 math (1.13 the largest |gelu'|), over
+  h in [-8, 8] where gelu' moves most and its tails."""
+  h = jnp.asarray(rng.standard_normal((64, 96)) * 3, jnp.bfloat16)
+  da = jnp.asarray(rng.standard_normal((64, 96)), jnp.bfloat16)
+  got = _f64(jax.jit(gelu_gradient)(da, h))
+  x, g = _f64(h), _f64(da)
+  c, k = np.sqrt(2 / np.pi), 0.044715
+  t = np.tanh(c * (x + k * x**3))
+  want = g * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * k * x * x))
+  assert np.all(np.abs(got - want) <= 2.0**-7 * 1.13 * np.abs(g) + 1e-30)
+  assert jax.jit(gelu_gradient)(da, h).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("dbias", [True, False])
+def test_the_epilogue_backward_is_gelu_gradient_then_the_quantize(rng, dbias):
+  """`ActivationEpilogue(in_gemm=True, fused_gradient=False).gradient`: `gelu_gradient`, then
+  the quantizer's pass, and the bias gradient reduced over the rows in dh's dtype, bit for bit."""
+  h = jnp.asarray(rng.standard_normal((2, 24, 64)) * 2, jnp.bfloat16)
+  da = jnp.asarray(rng.standard_normal((2, 24, 64)), jnp.bfloat16)
+  epilogue = ActivationEpilogue("gelu", in_gemm=True, fused_gradient=False)
+  qdh, db = jax.jit(lambda a, b: epilogue.gradient((a, None), b, E4M3, None, rowwise=True,
+                                                   columnwise=True, dbias=dbias))(da, h)
+  # (both under jit: XLA's CPU fusions may contract the float32 arithmetic differently eagerly)
+  want = jax.jit(lambda a, b: ops.quantize(gelu_gradient(a, b).reshape(-1, 64), E4M3,
+                                           rowwise=True, columnwise=True))(da, h)
+  for got_leaf, want_leaf in zip(jax.tree_util.tree_leaves(qdh), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_array_equal(np.asarray(got_leaf), np.asarray(want_leaf))
+  if dbias:
+    want_db = jax.jit(lambda a, b: jax.lax.reduce(gelu_gradient(a, b), jnp.zeros((), b.dtype),
+                                                  jax.lax.add, (0, 1)).astype(jnp.float32))(da, h)
+    np.testing.assert_array_equal(np.asarray(db), np.asarray(want_db))
+  else:
+    assert db is None
