@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gzip
 import json
 import os
@@ -43,6 +44,7 @@ import shutil
 import statistics
 import sys
 import time
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -86,9 +88,12 @@ FLAX_FP8 = {"flax_fp8_direct": fp8_ops.Fp8DirectDotGeneralOp,
             "flax_fp8_qdq": fp8_ops.Fp8DotGeneralOp}
 # Issue 24's table: the unmodified model (Flax's FP8, quantize_dense) and the modules model, in
 # both timing modes for the rows its targets compare.
+# The modules rows run `jaxquant.flax.Embed`; `flax_fp8_direct_jqembed` is their Flax peer with
+# the same embedding (the unmodified rows keep `nn.Embed`).
 DEFAULT_VARIANTS = ("bf16,flax_fp8_direct,fp8_delayed,fp8_current,fp8_block,"
-                    "modules_bf16,modules_fp8_delayed,modules_fp8_current,modules_fp8_block,"
-                    "bf16+fetch,flax_fp8_direct+fetch,fp8_delayed+fetch,modules_fp8_delayed+fetch")
+                    "modules_bf16,flax_fp8_direct_jqembed,modules_fp8_delayed,modules_fp8_current,"
+                    "modules_fp8_block,bf16+fetch,flax_fp8_direct+fetch,fp8_delayed+fetch,"
+                    "modules_bf16+fetch,flax_fp8_direct_jqembed+fetch,modules_fp8_delayed+fetch")
 FETCH = "+fetch"
 
 
@@ -126,12 +131,34 @@ ENV_KEYS = sorted({k for env in PATHS.values() for k in env})
 LOSS_TAIL = 10
 
 
+# `<base>_<embed>`: the model's token and position embeddings (e2e_model.EMBEDS) forced, for
+# the same-embedding comparisons; without it StandardLM keeps `nn.Embed` and ModulesLM takes
+# `jaxquant.flax.Embed`.
+EMBED_SUFFIXES = {"_flaxembed": "flax", "_jqembed": "jaxquant"}
+
+
+def split_variant(name: str) -> tuple[str, Optional[str], str]:
+  """(base, forced embedding or None, path) of a variant name."""
+  base, _, path = name.removesuffix(FETCH).partition("@")
+  for suffix, embed in EMBED_SUFFIXES.items():
+    if base.endswith(suffix):
+      return base.removesuffix(suffix), embed, path
+  return base, None, path
+
+
+def embedding_of(name: str) -> str:
+  """The embedding module a variant's model runs ("flax" or "jaxquant")."""
+  base, embed, _ = split_variant(name)
+  return embed or ("jaxquant" if base.startswith("modules_") else "flax")
+
+
 def build_variant(name: str, cfg: Config, attention: bool):
   """(model, context factory for init/trace, environment) of a variant name."""
-  base, _, path = name.removesuffix(FETCH).partition("@")
+  base, embed, path = split_variant(name)
   if path and path not in PATHS:
     raise ValueError(f"variant {name!r}: unknown path {path!r}; expected one of {sorted(PATHS)}")
   env = PATHS[path or "auto"]
+  cfg = dataclasses.replace(cfg, embed=embed)
   if base == "bf16":
     return StandardLM(cfg), contextlib.nullcontext, env
   if base in FLAX_FP8:
@@ -146,8 +173,7 @@ def build_variant(name: str, cfg: Config, attention: bool):
     return StandardLM(cfg), lambda: quantize_dense_context(recipe, attention), env
   raise ValueError(f"variant {name!r}: expected one of bf16, {sorted(FLAX_FP8)}, "
                    f"{sorted(RECIPES)}, modules_bf16, modules_<recipe>, optionally with "
-                   "@<path>, then "
-                   f"optionally {FETCH}")
+                   f"one of {sorted(EMBED_SUFFIXES)}, then @<path>, then optionally {FETCH}")
 
 
 @contextlib.contextmanager
@@ -385,13 +411,33 @@ def print_occupancy(name: str, trace: str, steps: int) -> None:
     print(line, flush=True)
 
 
+def peer_rows(r: dict, rows: list[dict]):
+  """(bf16 row, Flax FP8 row, loss baseline row) of row `r`, each None where absent.
+
+  The step peers run the same timing mode and the same embedding module (`embedding_of`), the
+  path left at its default: the bf16 row of r's own model (`modules_bf16` for a modules row,
+  else `bf16`) and `flax_fp8_direct`. The loss baseline is r's own model's bf16 row timed
+  without a fetch, with the same embedding."""
+  fetch, embed = r["variant"].endswith(FETCH), embedding_of(r["variant"])
+  same = [x for x in rows if x["variant"].endswith(FETCH) == fetch
+          and embedding_of(x["variant"]) == embed and not split_variant(x["variant"])[2]]
+  base = lambda x: split_variant(x["variant"])[0]
+  first = lambda pool, name: next((x for x in pool if base(x) == name), None)
+  own_bf16 = "modules_bf16" if base(r).startswith("modules_") else "bf16"
+  bf16 = first(same, own_bf16) or first(same, "bf16")
+  plain = [x for x in rows if not x["variant"].endswith(FETCH)
+           and embedding_of(x["variant"]) == embed and not split_variant(x["variant"])[2]]
+  return bf16, first(same, "flax_fp8_direct"), first(plain, own_bf16)
+
+
 def print_table(rows, card, cfg, attention, data):
   print(f"\n{card}; data {data}; d_model {cfg.d_model}, {cfg.layers} layers, {cfg.heads} heads, "
         f"MLP "
         f"{cfg.mlp}, seq {cfg.seq}, batch {cfg.batch}, vocab {cfg.vocab}; attention "
         f"projections quantized: {attention}; attention core {cfg.attention}")
   print("Step ratios: against the bf16 / Flax FP8 rows of the same timing mode (+fetch: the loss "
-        "read every step); loss: against the same model's bf16 (bf16, modules_bf16).")
+        "read every step) and the same embedding module (a modules row against modules_bf16 "
+        "where present); loss: against the same model's bf16 (bf16, modules_bf16).")
   print("| variant | ms/step | tokens/s | vs bf16 | vs Flax FP8 | loss@1 | loss@25 | "
         f"loss@{rows[0]['steps']} | vs bf16 loss | same, last {LOSS_TAIL} steps' mean | GEMM ms | "
         "quantize ms | other ms | of which scatter ms | lower s | compile s |")
@@ -399,17 +445,12 @@ def print_table(rows, card, cfg, attention, data):
   for r in rows:
     s = r["split"] or {}
     # Step ratios against the same timing mode's rows; the loss against the same model's bf16.
-    fetch = r["variant"].endswith(FETCH)
-    peer = lambda base: next((x for x in rows if x["variant"] == base + (FETCH if fetch else "")),
-                             None)
+    base_row, flax_row, own = peer_rows(r, rows)
     ratio = lambda ref: f"{ref['step_ms'] / r['step_ms']:.3f}x" if ref else "-"
-    base_row = peer("bf16")
-    modules = r["variant"].startswith("modules_")
-    own = next((x for x in rows if x["variant"] == ("modules_bf16" if modules else "bf16")), None)
     dloss = lambda k: f"{(r[k] / own[k] - 1) * 100:+.2f}%" if own else "-"
     fmt = lambda k: f"{s[k]:.2f}" if k in s else "-"
     print(f"| {r['variant']} | {r['step_ms']:.2f} | {r['tokens_per_s']:,.0f} | "
-          f"{ratio(base_row)} | {ratio(peer('flax_fp8_direct'))} | {r['loss_1']:.4f} | "
+          f"{ratio(base_row)} | {ratio(flax_row)} | {r['loss_1']:.4f} | "
           f"{r['loss_25']:.4f} | {r['loss_last']:.4f} | {dloss('loss_last')} | "
           f"{dloss('loss_tail')} | {fmt('gemm_ms')} | "
           f"{fmt('quantize_ms')} | {fmt('other_ms')} | {fmt('scatter_ms')} | {r['lower_s']:.1f} | "

@@ -7,8 +7,9 @@ modules (`fp8_ops.Fp8DirectDotGeneralOp`, `Fp8DotGeneralOp`) into every `nn.Dens
 attention projections when `fp8_attention` is set; jaxquant instead swaps the layers from the
 outside with `jaxquant.flax.quantize_dense`.
 
-`ModulesLM` is the same network written with jaxquant's fused-block modules: a
-`LayerNormDense` for the norm + `qkv` projection, `jaxquant.flax.DenseGeneral` for the attention
+`ModulesLM` is the same network written with jaxquant's modules: `jaxquant.flax.Embed` (the
+same lookup, its table gradient summed in float32), a `LayerNormDense` for the norm + `qkv`
+projection, `jaxquant.flax.DenseGeneral` for the attention
 output, a `LayerNormMLP` for norm + MLP and a `LayerNormDense` `lm_head`; the recipe comes from
 `jaxquant.autocast`.
 """
@@ -48,6 +49,10 @@ class Config:
   # The softmax core of attention: "xla" (Flax's `dot_product_attention`, the [seq, seq] scores
   # written out) or "cudnn" (cuDNN's fused kernel, as TransformerEngine's users run theirs).
   attention: str = "xla"
+  # The token and position embeddings: "flax" (`nn.Embed`, its table gradient a bfloat16
+  # scatter-add) or "jaxquant" (`jaxquant.flax.Embed`, the same lookup with the gradient summed
+  # in float32); None: the model's own (StandardLM "flax", ModulesLM "jaxquant").
+  embed: Optional[str] = None
 
   @property
   def tokens(self) -> int:
@@ -71,6 +76,17 @@ SIZES = {
     "d2048": Config(vocab=32000, d_model=2048, layers=4, heads=16, mlp=8192, seq=1024, batch=16),
     "d4096": Config(vocab=32000, d_model=4096, layers=8, heads=32, mlp=16384, seq=1024, batch=8),
 }
+
+
+EMBEDS = {"flax": nn.Embed, "jaxquant": jqf.Embed}
+
+
+def embeddings(cfg: Config, default: str, tokens: jax.Array) -> jax.Array:
+  """The token embedding plus the learned position embedding, with `cfg.embed`'s module."""
+  embed = EMBEDS[cfg.embed or default]
+  x = embed(cfg.vocab, cfg.d_model, dtype=cfg.dtype, name="embed")(tokens)
+  return x + embed(cfg.seq, cfg.d_model, dtype=cfg.dtype, name="pos")(
+      jnp.arange(tokens.shape[1])[None])
 
 
 class MLP(nn.Module):
@@ -122,9 +138,7 @@ class StandardLM(nn.Module):
   @nn.compact
   def __call__(self, tokens):
     cfg = self.config
-    x = nn.Embed(cfg.vocab, cfg.d_model, dtype=cfg.dtype, name="embed")(tokens)
-    x = x + nn.Embed(cfg.seq, cfg.d_model, dtype=cfg.dtype, name="pos")(
-        jnp.arange(tokens.shape[1])[None])
+    x = embeddings(cfg, "flax", tokens)
     mask = nn.make_causal_mask(tokens)
     for i in range(cfg.layers):
       x = Block(cfg, self.fp8_cls, self.fp8_attention, name=f"block_{i}")(x, mask)
@@ -157,9 +171,7 @@ class ModulesLM(nn.Module):
   @nn.compact
   def __call__(self, tokens):
     cfg = self.config
-    x = nn.Embed(cfg.vocab, cfg.d_model, dtype=cfg.dtype, name="embed")(tokens)
-    x = x + nn.Embed(cfg.seq, cfg.d_model, dtype=cfg.dtype, name="pos")(
-        jnp.arange(tokens.shape[1])[None])
+    x = embeddings(cfg, "jaxquant", tokens)
     mask = nn.make_causal_mask(tokens)
     for i in range(cfg.layers):
       x = ModulesBlock(cfg, name=f"block_{i}")(x, mask)

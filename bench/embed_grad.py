@@ -73,7 +73,7 @@ def main() -> None:
         * 1e-3).astype(jnp.bfloat16)
   rows = []
   for b in range(args.batches):
-    ids = tokens[b]
+    ids = tokens[b][:, :-1]  # the inputs (the last column is the last target)
     counts = np.bincount(np.asarray(ids).reshape(-1), minlength=cfg.vocab)
     x64 = np.zeros((cfg.vocab, cfg.d_model))
     np.add.at(x64, np.asarray(ids).reshape(-1), np.asarray(dy.astype(jnp.float32), np.float64)

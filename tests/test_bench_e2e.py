@@ -11,6 +11,8 @@ import re
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -74,3 +76,65 @@ def test_rounds_must_leave_a_step_to_each_round():
       timeout=300, check=False)
   assert proc.returncode == 2
   assert "--rounds 5 must be in [1, --steps - --time-from = 4]" in proc.stderr
+
+
+def _e2e_module():
+  sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "examples")]
+  import e2e  # noqa: PLC0415  (bench/ is not a package)
+  return e2e
+
+
+def test_embedding_suffix_picks_the_module_and_the_step_peers():
+  """`<base>_jqembed` / `_flaxembed` force the model's embedding module; a row's ratios are
+  taken against the bf16 and Flax rows of the same embedding and timing mode."""
+  e2e = _e2e_module()
+  import e2e_model  # noqa: PLC0415
+  assert e2e.split_variant("flax_fp8_direct_jqembed@noepi+fetch") == (
+      "flax_fp8_direct", "jaxquant", "noepi")
+  assert [e2e.embedding_of(v) for v in ("bf16", "modules_bf16", "modules_bf16_flaxembed",
+                                        "bf16_jqembed+fetch")] == [
+      "flax", "jaxquant", "flax", "jaxquant"]
+  cfg = e2e_model.SIZES["tiny"]
+  flax_embed, jq_embed = "flax.linen.linear.Embed", "jaxquant.flax.embed.Embed"
+  for name, want in (("bf16", flax_embed), ("modules_fp8_current", jq_embed),
+                     ("bf16_jqembed", jq_embed), ("modules_bf16_flaxembed", flax_embed)):
+    model, _, _ = e2e.build_variant(name, cfg, True)
+    tokens = jnp.zeros((1, cfg.seq), jnp.int32)
+    modules = {type(m).__module__ + "." + type(m).__name__
+               for m in _submodules(model, tokens) if type(m).__name__ == "Embed"}
+    assert modules == {want}, (name, modules)
+  rows = [dict(variant=v, step_ms=1.0) for v in (
+      "bf16", "flax_fp8_direct", "flax_fp8_direct_jqembed", "modules_bf16", "modules_fp8_delayed",
+      "modules_fp8_delayed_flaxembed", "modules_bf16_flaxembed", "bf16+fetch",
+      "modules_bf16+fetch", "modules_fp8_delayed+fetch", "modules_fp8_delayed@noepi")]
+  by = {r["variant"]: r for r in rows}
+  name = lambda row: row and row["variant"]
+  peers = lambda v: tuple(map(name, e2e.peer_rows(by[v], rows)))
+  assert peers("modules_fp8_delayed") == ("modules_bf16", "flax_fp8_direct_jqembed",
+                                          "modules_bf16")
+  assert peers("modules_fp8_delayed@noepi") == peers("modules_fp8_delayed")
+  assert peers("modules_fp8_delayed_flaxembed") == ("modules_bf16_flaxembed", "flax_fp8_direct",
+                                                    "modules_bf16_flaxembed")
+  assert peers("modules_fp8_delayed+fetch") == ("modules_bf16+fetch", None, "modules_bf16")
+  assert peers("flax_fp8_direct") == ("bf16", "flax_fp8_direct", "bf16")
+
+
+def _submodules(model, tokens):
+  """Every module instance bound while `model` initializes on `tokens`."""
+  import flax.linen as nn  # noqa: PLC0415
+  seen = []
+  def record(next_fun, args, kwargs, context):
+    seen.append(context.module)
+    return next_fun(*args, **kwargs)
+  with nn.intercept_methods(record):
+    jax.eval_shape(model.init, jax.random.key(0), tokens)
+  return seen
+
+
+def test_the_embedding_changes_the_gradient_not_the_forward(tmp_path):
+  """The tiny model with either embedding: the same first loss (the lookup is the same), then
+  trajectories that part by the embedding gradient's rounding only."""
+  _, rows = _e2e(tmp_path, "embed", "--variants", "modules_bf16,modules_bf16_flaxembed")
+  jq_row, flax_row = rows["modules_bf16"], rows["modules_bf16_flaxembed"]
+  assert jq_row["loss_1"] == flax_row["loss_1"]
+  assert jq_row["loss_last"] == pytest.approx(flax_row["loss_last"], rel=0.01)
