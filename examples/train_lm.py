@@ -152,8 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="split each batch into N micro-batches and sum their gradients; each "
                  "weight is quantized once per step (jaxquant.flax.quantize_weights)")
   p.add_argument("--embedding-gradient", choices=EMBEDDING_GRADIENTS, default="auto",
-                 help="token embedding gradient: a one-hot GEMM ('auto' up to 4096 ids) or "
-                      "nn.Embed's scatter-add (slow on GPUs for small vocabularies)")
+                 help="token embedding gradient: a one-hot GEMM ('auto' up to 4096 ids), a "
+                      "float32 scatter-add ('auto' above), or nn.Embed's bfloat16 scatter-add "
+                      "('scatter': slow on GPUs where ids repeat)")
   p.add_argument("--scan-layers", action="store_true",
                  help="one nn.scan over the blocks (compile time independent of --layers)")
   p.add_argument("--attention", choices=ATTENTIONS, default="xla",

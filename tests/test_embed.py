@@ -1,5 +1,5 @@
 """`jaxquant.flax.Embed`: `nn.Embed`'s parameters, values and `attend` bit for bit, with the
-table gradient summed in float32.
+table gradient summed in float32 (a float32 scatter-add, or a one-hot GEMM).
 
 The gradient is checked against float64 sums (`np.add.at`) of the same bfloat16 `dy`: each
 element within (count + 1) * 2^-24 * sum|dy| of its row (float32 summation of `count` terms,
@@ -65,10 +65,11 @@ def test_parameters_values_and_attend_are_nn_embed_s(rng, dtype):
                                 np.asarray(theirs.apply(variables, query, method="attend")))
 
 
-def test_gradient_is_the_float32_sum(rng):
+@pytest.mark.parametrize("gradient", ["scatter", "one-hot"])
+def test_gradient_is_the_float32_sum(rng, gradient):
   ids = _ids(rng)
   dy = _dy(rng, ids)
-  module = jqf.Embed(VOCAB, FEATURES, dtype=jnp.bfloat16)
+  module = jqf.Embed(VOCAB, FEATURES, dtype=jnp.bfloat16, gradient=gradient)
   variables = module.init(jax.random.key(0), ids)
   got = np.asarray(_table_grad(module, variables, ids, dy), np.float64)
   total, magnitude, count = _sum64(ids, dy)
@@ -94,10 +95,11 @@ def test_bfloat16_table_gradient_is_rounded_once(rng):
   assert np.all(err <= ulp / 2 + (count + 1) * 2.0**-24 * magnitude)
 
 
-def test_out_of_range_ids_give_nan_rows_and_no_gradient(rng):
+@pytest.mark.parametrize("gradient", ["scatter", "one-hot"])
+def test_out_of_range_ids_give_nan_rows_and_no_gradient(rng, gradient):
   ids = _ids(rng, (2, 16)).at[0, 3].set(VOCAB + 5)
   dy = _dy(rng, ids)
-  module = jqf.Embed(VOCAB, FEATURES, dtype=jnp.bfloat16)
+  module = jqf.Embed(VOCAB, FEATURES, dtype=jnp.bfloat16, gradient=gradient)
   variables = module.init(jax.random.key(0), ids)
   y = module.apply(variables, ids)
   assert np.isnan(np.asarray(y[0, 3], np.float32)).all()
@@ -117,10 +119,13 @@ def test_one_row_table_broadcasts_like_nn_embed(rng):
                                 np.asarray(nn.Embed(1, FEATURES).apply(variables, ids)))
 
 
-def test_float_inputs_are_rejected_with_their_dtype():
+def test_bad_inputs_and_settings_are_rejected():
   module = jqf.Embed(VOCAB, FEATURES)
   with pytest.raises(ValueError, match="integer array.*float32"):
     module.init(jax.random.key(0), jnp.zeros((2, 3), jnp.float32))
+  with pytest.raises(ValueError, match="gradient='dense'.*'scatter', 'one-hot'"):
+    jqf.Embed(VOCAB, FEATURES, gradient="dense").init(jax.random.key(0),
+                                                     jnp.zeros((2, 3), jnp.int32))
 
 
 def test_a_custom_promotion_is_kept(rng):

@@ -1,5 +1,6 @@
 """`examples/lm`'s token embedding: `nn.Embed`'s forward, parameters and `attend` bit for bit,
-with the table gradient formed as a one-hot GEMM (float32 accumulation) instead of a scatter-add."""
+with the table gradient formed in float32 (a one-hot GEMM, or a float32 scatter-add) by
+`jaxquant.layers.embedding` instead of nn.Embed's bfloat16 scatter-add."""
 
 from __future__ import annotations
 
@@ -78,6 +79,24 @@ def test_scatter_gradient_is_nn_embeds_bit_for_bit(rng):
   got = _loss_and_grad(ours, variables, tokens, cotangent)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_float32_scatter_gradient_is_the_one_hot_gradient_within_float32_order(rng):
+  """The two float32 forms of the gradient sum the same terms, in different orders: within
+  2 n 2^-24 sum|terms| of each other, n the row's token count."""
+  _, one_hot = _pair(jnp.bfloat16, "one-hot")
+  _, scatter = _pair(jnp.bfloat16, "float32-scatter")
+  tokens = _tokens(rng)
+  variables = one_hot.init(jax.random.key(3), tokens)
+  cotangent = jnp.asarray(rng.standard_normal((*tokens.shape, FEATURES)), jnp.float32)
+  got = np.asarray(_loss_and_grad(scatter, variables, tokens, cotangent)[1]["params"]["embedding"],
+                   np.float64)
+  want = np.asarray(_loss_and_grad(one_hot, variables, tokens, cotangent)[1]["params"]["embedding"],
+                    np.float64)
+  terms = np.abs(np.asarray(cotangent.astype(jnp.bfloat16), np.float64)).reshape(-1, FEATURES)
+  one = np.eye(VOCAB)[np.asarray(tokens).reshape(-1)]
+  assert np.all(np.abs(got - want) <= 2 * one.sum(0)[:, None] * 2.0**-24 * (one.T @ terms))
+  assert np.abs(want).max() > 0
 
 
 def test_auto_takes_one_hot_for_small_vocabularies_only():

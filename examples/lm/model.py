@@ -58,8 +58,9 @@ class LMConfig:
     scan_layers: run the blocks as one `nn.scan` over stacked parameters (`blocks/...`, leading
       axis `layers`): compile time independent of depth. Same math, different parameter tree.
     embedding_gradient: how the token embedding's gradient is formed (`lm.embedding`):
-      "auto" (a one-hot GEMM for vocabularies up to 4096, `nn.Embed`'s scatter-add above),
-      "one-hot" or "scatter". Same forward pass and parameters either way.
+      "auto" (a one-hot GEMM for vocabularies up to 4096, a float32 scatter-add above),
+      "one-hot", "float32-scatter" or "scatter" (`nn.Embed`'s bfloat16 scatter-add). Same
+      forward pass and parameters either way.
     attention: the attention core (scores, causal softmax, weighted sum): "xla" (written out
       in jnp: the [batch, heads, seq, seq] float32 scores are materialized, on any backend) or
       "cudnn" (`jax.nn.dot_product_attention(implementation="cudnn")`: cuDNN's fused flash
