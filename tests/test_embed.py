@@ -153,3 +153,30 @@ def test_lookup_is_differentiable_in_the_table_only(rng):
   assert dtable.dtype == jnp.float32 and dids.dtype == jax.dtypes.float0
   np.testing.assert_array_equal(np.asarray(dtable.sum(1)),
                                 4.0 * np.bincount(np.asarray(ids) % VOCAB, minlength=VOCAB))
+
+
+# ------------------------------------------- NNX ----------------------------------------------
+
+@pytest.mark.parametrize("gradient", ["scatter", "one-hot"])
+def test_nnx_embed_is_nnx_embed_forward_with_the_float32_gradient(rng, gradient):
+  from flax import nnx  # noqa: PLC0415
+  import jaxquant.nnx as jqn  # noqa: PLC0415
+  ids = _ids(rng)
+  dy = _dy(rng, ids)
+  seed = int(rng.integers(1 << 30))
+  ours = jqn.Embed(VOCAB, FEATURES, dtype=jnp.bfloat16, gradient=gradient, rngs=nnx.Rngs(seed))
+  theirs = nnx.Embed(VOCAB, FEATURES, dtype=jnp.bfloat16, rngs=nnx.Rngs(seed))
+  np.testing.assert_array_equal(np.asarray(ours.embedding[...]),
+                                np.asarray(theirs.embedding[...]))
+  np.testing.assert_array_equal(np.asarray(ours(ids)), np.asarray(theirs(ids)))
+
+  def grad_of(module):
+    loss = lambda m: jnp.sum(m(ids).astype(jnp.float32) * dy.astype(jnp.float32))
+    return np.asarray(nnx.grad(loss)(module).embedding[...], np.float64)
+
+  total, magnitude, count = _sum64(ids, dy)
+  bound = (count + 1) * 2.0**-24 * magnitude
+  assert np.all(np.abs(grad_of(ours) - total) <= bound)
+  assert np.any(np.abs(grad_of(theirs) - total) > bound)  # nnx.Embed's bfloat16 sums
+  with pytest.raises(ValueError, match="gradient='sparse'"):
+    jqn.Embed(VOCAB, FEATURES, gradient="sparse", rngs=nnx.Rngs(0))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import flax.linen as nn
-from flax.linen import dtypes as flax_dtypes
 import jax
 import jax.numpy as jnp
 
@@ -42,5 +41,5 @@ class Embed(nn.Embed):
     # Flax's own promotion is a cast: look up in the parameter itself so that its gradient is
     # the float32 sum, rounded once to the parameter's dtype. A custom promotion is kept, and
     # the sum is rounded once to its dtype.
-    table = self.embedding if self.promote_dtype is flax_dtypes.promote_dtype else promoted
+    table = self.embedding if self.promote_dtype is nn.Embed.promote_dtype else promoted
     return embedding_lookup(table, inputs, jnp.dtype(promoted.dtype), self.gradient)
