@@ -76,6 +76,11 @@ def cases(x, w):
   gemm = jax.jit(lambda a, b: ffi_gemm.gemm(a, b, out_dtype=bf16))
   out.append(("fp8 block 1x128 x 128x128", ffi_gemm.gemm_path(bx, bw2), gemm, (bx, bw2)))
   out.append(("fp8 block 1x128 x 1x128", ffi_gemm.gemm_path(bx, bw1), gemm, (bx, bw1)))
+  tuned = {"JAXQUANT_GEMM_AUTOTUNE": "1"}
+  out.append(("fp8 block 1x128 x 128x128 (autotuned)", ffi_gemm.gemm_path(bx, bw2), gemm,
+              (bx, bw2), tuned))
+  out.append(("fp8 block 1x128 x 1x128 (autotuned)", ffi_gemm.gemm_path(bx, bw1), gemm,
+              (bx, bw1), tuned))
 
   mx = jq.MXFP8Quantizer()
   mxx, mxw = quantize(x, mx), quantize(w, mx)
