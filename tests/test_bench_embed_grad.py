@@ -19,7 +19,9 @@ VOCAB, D = 64, 16
 
 
 def _embed_grad():
-  sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "examples")]  # timing.py, e2e_model, lm
+  for folder in (str(ROOT / "examples"), str(ROOT / "bench")):  # lm; timing.py, e2e_model
+    if folder not in sys.path:
+      sys.path.insert(0, folder)
   spec = importlib.util.spec_from_file_location("embed_grad", ROOT / "bench" / "embed_grad.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)

@@ -180,3 +180,8 @@ def test_nnx_embed_is_nnx_embed_forward_with_the_float32_gradient(rng, gradient)
   assert np.any(np.abs(grad_of(theirs) - total) > bound)  # nnx.Embed's bfloat16 sums
   with pytest.raises(ValueError, match="gradient='sparse'"):
     jqn.Embed(VOCAB, FEATURES, gradient="sparse", rngs=nnx.Rngs(0))
+
+
+def test_the_lookup_checks_its_gradient_setting_without_differentiation(rng):
+  with pytest.raises(ValueError, match="gradient='dense'"):
+    embedding_lookup(jnp.zeros((4, 2)), _ids(rng, (3,)) % 4, jnp.float32, "dense")

@@ -53,11 +53,11 @@ def embedding_lookup(table: jax.Array, ids: jax.Array, dtype, gradient: str = "s
     into each id's row in float32 (or the table's dtype where wider), then cast to the table's
     dtype; out-of-range ids receive nothing.
   """
+  check_gradient(gradient)
   return jnp.take(table.astype(dtype), ids, axis=0)
 
 
 def _fwd(table, ids, dtype, gradient):
-  check_gradient(gradient)
   # An empty [vocab, 0] array carries the table's row count and dtype to the backward pass.
   table_like = jnp.zeros((table.shape[0], 0), table.dtype)
   return embedding_lookup(table, ids, dtype, gradient), (table_like, ids)
