@@ -308,12 +308,10 @@ __device__ __forceinline__ uint32_t encode_fp8x4_not_nan(float v0, float v1, flo
 #endif
 }
 
-// The same for any four values, device fast path: the conversions plus a SIMD canonicalization
-// of NaN codes (satfinite never yields a NaN code for a non-NaN input: E4M3 NaN is x7F, E5M2
-// NaNs are x7D..x7F).
-__device__ __forceinline__ uint32_t encode_fp8x4(float v0, float v1, float v2, float v3,
-                                                 Fp8 f) {
-  const uint32_t code = encode_fp8x4_not_nan(v0, v1, v2, v3, f);
+// Four codes of encode_fp8x4_not_nan with each NaN code made the canonical x7F: a SIMD
+// canonicalization (satfinite never yields a NaN code for a non-NaN input: E4M3 NaN is x7F,
+// E5M2 NaNs are x7D..x7F). Kernels that know a block holds no NaN (its amax is not NaN) skip it.
+__device__ __forceinline__ uint32_t canonical_nan_fp8x4(uint32_t code, Fp8 f) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   const uint32_t mag = code & 0x7F7F7F7Fu;
   const uint32_t limit = f == Fp8::kE4M3 ? 0x7E7E7E7Eu : 0x7C7C7C7Cu;
@@ -322,6 +320,13 @@ __device__ __forceinline__ uint32_t encode_fp8x4(float v0, float v1, float v2, f
 #else
   return code;  // encode_fp8 writes NaN's canonical code itself
 #endif
+}
+
+// The same for any four values, device fast path: the conversions, then the NaN codes made
+// canonical.
+__device__ __forceinline__ uint32_t encode_fp8x4(float v0, float v1, float v2, float v3,
+                                                 Fp8 f) {
+  return canonical_nan_fp8x4(encode_fp8x4_not_nan(v0, v1, v2, v3, f), f);
 }
 #endif
 

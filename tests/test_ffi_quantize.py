@@ -162,6 +162,25 @@ def test_quantize_both_directions_matches_reference(platform, name, rng, prng_ke
     check(platform, rng, prng_key, name, shape)
 
 
+# Whole 128 x 128 tiles, both copies: on the GPU Float8Block's whole-tile kernels of the
+# training step (ffi/quantize/fp8_block_1x128.cuh for bfloat16 1x128 blocks,
+# fp8_block_128x128.cuh for float32 and bfloat16 128x128 blocks; they serve only these), with
+# and without NaN, infinities, outliers, a zero row and a subnormal row among the random values.
+WHOLE_TILE_SHAPES = {"cpu": [(128, 256)], "gpu": [(128, 128), (1024, 1536), (384, 4096)]}
+WHOLE_TILE_CASES = [("block_1x128", jnp.bfloat16), ("block_1x128_e5m2_nopow2_eps", jnp.bfloat16),
+                    ("block_128x128", jnp.float32), ("block_128x128", jnp.bfloat16),
+                    ("block_128x128_nopow2", jnp.float32)]
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("name,dtype", WHOLE_TILE_CASES,
+                         ids=[f"{n}-{np.dtype(d).name}" for n, d in WHOLE_TILE_CASES])
+@pytest.mark.parametrize("special", [False, True], ids=["random", "special"])
+def test_block_whole_tiles_match_reference(platform, name, dtype, special, rng, prng_key):
+  for shape in WHOLE_TILE_SHAPES[platform]:
+    check(platform, rng, prng_key, name, shape, dtype=dtype, special=special)
+
+
 # Configs that differ from another one only in each element's arithmetic (E5M2, scales not
 # powers of two, an epsilon): that arithmetic does not depend on the copies asked for, and each
 # meets both directions and the special values in the tests around. On the CPU the single

@@ -3,7 +3,11 @@
 // producer's values). A format is chosen by its parameter type.
 #pragma once
 
+#include <type_traits>
+
 #include "quantize/fp8_block.cuh"
+#include "quantize/fp8_block_128x128.cuh"
+#include "quantize/fp8_block_1x128.cuh"
 #include "quantize/fp8_tensor.cuh"
 #include "quantize/mxfp8.cuh"
 
@@ -29,13 +33,37 @@ auto tile_kernel_of(const Fp8BlockParams& p, const P&) {
   return p.block_2d ? fp8_block_kernel<P, kExperts, true> : fp8_block_kernel<P, kExperts, false>;
 }
 
+// A Float8Block whole-tile kernel (a training step's activations and gradients:
+// fp8_block_1x128.cuh; its weights: fp8_block_128x128.cuh) and its dynamic shared memory, where
+// one serves the call; else a null kernel.
+template <typename P>
+struct WholeTileKernel {
+  void (*kernel)(Fp8BlockParams, P) = nullptr;
+  int smem = 0;
+};
+template <typename P>
+WholeTileKernel<P> whole_tile_kernel(const Fp8BlockParams& p, const P& prod) {
+  if constexpr (std::is_same_v<P, Direct<BF16>>) {
+    if (fp8_block_1x128_fast(p, prod)) return {fp8_block_1x128_bf16_kernel, FP8Tile<BF16>::kSmemBytes};
+  }
+  if constexpr (std::is_same_v<P, Direct<BF16>> || std::is_same_v<P, Direct<float>>) {
+    if (fp8_block_128x128_fast(p, prod)) return {fp8_block_128x128_kernel<typename P::Out>, 0};
+  }
+  return {};
+}
+
 // Launches the tile kernel of `p`'s format over the matrix `prod` produces, with the tile's
 // shared memory when it has a column phase.
 template <bool kExperts = false, bool kRaw = false, typename Params, typename P>
 cudaError_t launch_fp8_tiles(cudaStream_t stream, const Params& p, const P& prod) {
   using G = FP8Tile<typename P::Out>;
-  return launch_tiles(tile_kernel_of<kExperts, kRaw>(p, prod), num_tiles(p.R, p.C, G::TR, G::TC),
-                      keeps_tile(p) ? G::kSmemBytes : 0, stream, p, prod);
+  const unsigned tiles = num_tiles(p.R, p.C, G::TR, G::TC);
+  if constexpr (std::is_same_v<Params, Fp8BlockParams> && !kExperts) {
+    const WholeTileKernel<P> whole = whole_tile_kernel(p, prod);
+    if (whole.kernel) return launch_tiles(whole.kernel, tiles, whole.smem, stream, p, prod);
+  }
+  return launch_tiles(tile_kernel_of<kExperts, kRaw>(p, prod), tiles, keeps_tile(p) ? G::kSmemBytes : 0,
+                      stream, p, prod);
 }
 
 }  // namespace
