@@ -690,8 +690,9 @@ JQ_HD float exp_f32(float x) {
   return mul_rn(p * exp2i(n1), exp2i(ni - n1));  // the callers add 1
 }
 
-// Activation kinds of the fused kernels (the `act` attribute); activations.ACTIVATIONS order.
-enum class Act : int { kGelu = 0, kSilu = 1, kRelu = 2, kQuickGelu = 3, kSquaredRelu = 4 };
+// Activation kinds of the fused kernels (the `act` attribute); activations.ACTIVATIONS order,
+// then kGeluApprox: gelu whose CUDA kernels may use the hardware's approximations (gelu_approx).
+enum class Act : int { kGelu = 0, kSilu = 1, kRelu = 2, kQuickGelu = 3, kSquaredRelu = 4, kGeluApprox = 5 };
 
 JQ_HD float relu_value(float x) { return x > 0.0f ? x : (is_nan(x) ? x : 0.0f); }
 
@@ -710,7 +711,30 @@ JQ_HD void sigmoid_argument(Act a, float x, float* v, float* q) {
   }
 }
 
+JQ_HD float act_value(Act a, float x);
+
+// gelu (tanh approximation) as x / (1 + 2^t), t = -2 log2(e) sqrt(2 / pi) (x + 0.044715 x^3),
+// with the hardware's exp2 and reciprocal (ex2.approx, rcp.approx: ~2^-21 relative in all,
+// before the caller's rounding) on the device, where the spec's exp and correctly rounded
+// division cost ~75 instructions a value: Float8Block's whole-tile MLP kernel (Act::kGeluApprox,
+// docs/design.md decision 62), in the tolerance class of the GEMM epilogue's gelu (decision 60).
+// The host computes the spec's gelu.
+constexpr float kGeluApproxA = -0x1.26aec2p+1f;  // -2 log2(e) sqrt(2 / pi)
+constexpr float kGeluApproxB = -0x1.a5a7d0p-4f;  // kGeluApproxA * 0.044715
+JQ_HD float gelu_approx(float x) {
+#if defined(__CUDA_ARCH__)
+  const float t = x * __fmaf_rn(kGeluApproxB, x * x, kGeluApproxA);
+  float e, r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(t));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
+  return x * r;
+#else
+  return act_value(Act::kGelu, x);
+#endif
+}
+
 JQ_HD float act_value(Act a, float x) {
+  if (a == Act::kGeluApprox) return gelu_approx(x);
   if (a == Act::kRelu) return relu_value(x);
   if (a == Act::kSquaredRelu) {
     const float r = relu_value(x);

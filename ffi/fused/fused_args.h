@@ -82,9 +82,14 @@ inline ffi::Error decode_producer(const char* t, const ProducerOperands& in, con
     return invalid(t, "producer=" + std::to_string(at.producer) +
                           "; expected 1 (layernorm), 2 (rmsnorm), 3 (activation) or 4 (activation gradient)");
   }
-  if (at.act < 0 || at.act > 4) {
+  if (at.act < 0 || at.act > 5) {
     return invalid(t, "act=" + std::to_string(at.act) +
-                          "; expected 0 (gelu), 1 (silu), 2 (relu), 3 (quick_gelu) or 4 (squared_relu)");
+                          "; expected 0 (gelu), 1 (silu), 2 (relu), 3 (quick_gelu), 4 (squared_relu) or 5 "
+                          "(gelu, approximate on CUDA)");
+  }
+  if (at.act == 5 && (at.producer != 3 || at.gated)) {
+    return invalid(t, "act=5 (gelu, approximate on CUDA) is an ungated activation's (producer=3, gated=false); "
+                      "got producer=" + std::to_string(at.producer) + ", gated=" + (at.gated ? "true" : "false"));
   }
   if (at.out_type < 0 || at.out_type > 2) {
     return invalid(t, "out_type=" + std::to_string(at.out_type) + "; expected 0 (bfloat16), 1 (float16) or 2 (float32)");

@@ -8,6 +8,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "quantize/fp8_block_1x128.cuh"
 #include "quantize/tile.cuh"
 
 namespace jqffi {
@@ -180,6 +181,22 @@ struct ActProducer {
     if (gated) row_floats8(row + C, c, C, vec, h1);
 #pragma unroll
     for (int i = 0; i < 8; ++i) out[i] = c + i < C ? value(h0[i], h1[i]) : zero_of<T>();
+  }
+};
+
+// An MLP's gelu of bfloat16 h (Act::kGeluApprox, ungated) quantized by Float8Block's whole-tile
+// 1x128 kernel: the kernel turns each loaded word of h into two gelu values, jq::gelu_approx
+// inlined, rounded as ActProducer::value rounds. (The spec's gelu inlined here was ~75
+// instructions a value, slower than XLA's gelu and the plain kernel together.)
+template <>
+struct TileWords<ActProducer<BF16>> {
+  static constexpr bool kServed = true;
+  static bool serves(const ActProducer<BF16>& a) { return a.vec && !a.gated && a.act == jq::Act::kGeluApprox; }
+  __device__ static const BF16* data(const ActProducer<BF16>& a) { return a.h; }
+  __device__ static uint32_t word(uint32_t w) {
+    const BF16 lo = from_float<BF16>(jq::gelu_approx(__uint_as_float(w << 16)));
+    const BF16 hi = from_float<BF16>(jq::gelu_approx(__uint_as_float(w & 0xFFFF0000u)));
+    return uint32_t(lo.u) | (uint32_t(hi.u) << 16);
   }
 };
 

@@ -8,12 +8,29 @@
 namespace jqffi {
 namespace {
 
-// Whether fp8_block_1x128_bf16_kernel serves the call: 1x128 blocks, both copies, bfloat16 x
-// read directly, whole 128 x 128 tiles (R and C multiples of 128), 16-byte aligned rows and
+// What fp8_block_1x128_bf16_kernel reads for producer P: `kServed` producers give a bfloat16
+// matrix `data` of the quantized matrix's shape, 16-byte aligned rows where `serves`, each
+// loaded word (two values) turned into two of the quantized values by `word`. x itself here;
+// the fused producers' header adds the gelu of an MLP's fc1 output (fused/producers.cuh).
+template <typename P>
+struct TileWords {
+  static constexpr bool kServed = false;
+};
+template <>
+struct TileWords<Direct<BF16>> {
+  static constexpr bool kServed = true;
+  static bool serves(const Direct<BF16>& x) { return x.vec; }
+  __device__ static const BF16* data(const Direct<BF16>& x) { return x.x; }
+  __device__ static uint32_t word(uint32_t w) { return w; }
+};
+
+// Whether fp8_block_1x128_bf16_kernel serves the call: 1x128 blocks, both copies, a producer it
+// reads (TileWords), whole 128 x 128 tiles (R and C multiples of 128), 16-byte aligned rows and
 // copies, 32-bit element offsets, no column sums or expert layout.
-inline bool fp8_block_1x128_fast(const Fp8BlockParams& p, const Direct<BF16>& x) {
-  return !p.block_2d && p.do_row && p.do_col && p.col_sums == nullptr && p.expert_rows == 0 &&
-         x.vec && p.vec_row && p.vec_col && p.R % 128 == 0 && p.C % 128 == 0 &&
+template <typename P>
+inline bool fp8_block_1x128_fast(const Fp8BlockParams& p, const P& prod) {
+  return TileWords<P>::serves(prod) && !p.block_2d && p.do_row && p.do_col && p.col_sums == nullptr &&
+         p.expert_rows == 0 && p.vec_row && p.vec_col && p.R % 128 == 0 && p.C % 128 == 0 &&
          p.R * p.C < (int64_t(1) << 31) && aligned(p.col, 16);
 }
 
@@ -62,8 +79,9 @@ constexpr uint32_t kBf16NanAbove = 0x7F80u;  // |bits| above +inf's: NaN
 //   thread, and both columns' maxima in one shuffle reduction.
 // The bfloat16 |bits| order is the float32 one (a bfloat16 is a float32's upper half), NaN
 // above +inf, so every amax, scale and code is fp8_block_kernel's.
-__global__ void __launch_bounds__(kThreads, 4) fp8_block_1x128_bf16_kernel(const Fp8BlockParams p,
-                                                                          const Direct<BF16> prod) {
+template <typename P>
+__global__ void __launch_bounds__(kThreads, 4) fp8_block_1x128_bf16_kernel(const Fp8BlockParams p, const P prod) {
+  using Words = TileWords<P>;
   __shared__ uint32_t red[kThreads / 32];
   uint4* tile4 = shared_tile<uint4>();  // [128 rows][16 chunks]
   const uint32_t* tile = reinterpret_cast<const uint32_t*>(tile4);
@@ -75,13 +93,15 @@ __global__ void __launch_bounds__(kThreads, 4) fp8_block_1x128_bf16_kernel(const
   // Row phase: loads, the tile, and each pass's |bits| maximum (two halves).
   const int lr = tid >> 4, q = tid & 15;
   const uint32_t first = uint32_t(t.r0 + lr) * C + uint32_t(t.c0) + 8u * q;  // element offset, pass 0
-  const uint4* src = reinterpret_cast<const uint4*>(prod.x + first);
+  const uint4* src = reinterpret_cast<const uint4*>(Words::data(prod) + first);
   uint4 raw[8];
 #pragma unroll
   for (int pp = 0; pp < 8; ++pp) raw[pp] = __ldg(src + pp * 2u * C);  // 16 rows = 2C chunks
   uint32_t pass_max[8];
 #pragma unroll
   for (int pp = 0; pp < 8; ++pp) {
+    raw[pp] = make_uint4(Words::word(raw[pp].x), Words::word(raw[pp].y), Words::word(raw[pp].z),
+                         Words::word(raw[pp].w));
     tile4[(16 * pp + lr) * 16 + (q ^ pp)] = raw[pp];
     pass_max[pp] = __vmaxu2(__vmaxu2(raw[pp].x & kAbsBf16x2, raw[pp].y & kAbsBf16x2),
                             __vmaxu2(raw[pp].z & kAbsBf16x2, raw[pp].w & kAbsBf16x2));

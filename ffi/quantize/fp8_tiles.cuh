@@ -33,9 +33,9 @@ auto tile_kernel_of(const Fp8BlockParams& p, const P&) {
   return p.block_2d ? fp8_block_kernel<P, kExperts, true> : fp8_block_kernel<P, kExperts, false>;
 }
 
-// A Float8Block whole-tile kernel (a training step's activations and gradients:
-// fp8_block_1x128.cuh; its weights: fp8_block_128x128.cuh) and its dynamic shared memory, where
-// one serves the call; else a null kernel.
+// A Float8Block whole-tile kernel (a training step's activations and gradients, and an MLP's
+// gelu: fp8_block_1x128.cuh; its weights: fp8_block_128x128.cuh) and its dynamic shared memory,
+// where one serves the call; else a null kernel.
 template <typename P>
 struct WholeTileKernel {
   void (*kernel)(Fp8BlockParams, P) = nullptr;
@@ -43,8 +43,8 @@ struct WholeTileKernel {
 };
 template <typename P>
 WholeTileKernel<P> whole_tile_kernel(const Fp8BlockParams& p, const P& prod) {
-  if constexpr (std::is_same_v<P, Direct<BF16>>) {
-    if (fp8_block_1x128_fast(p, prod)) return {fp8_block_1x128_bf16_kernel, FP8Tile<BF16>::kSmemBytes};
+  if constexpr (TileWords<P>::kServed) {
+    if (fp8_block_1x128_fast(p, prod)) return {fp8_block_1x128_bf16_kernel<P>, FP8Tile<BF16>::kSmemBytes};
   }
   if constexpr (std::is_same_v<P, Direct<BF16>> || std::is_same_v<P, Direct<float>>) {
     if (fp8_block_128x128_fast(p, prod)) return {fp8_block_128x128_kernel<typename P::Out>, 0};

@@ -30,6 +30,10 @@ class Producer:
       bias, float32 `[K]`.
     activation: `jaxquant.numerics.activations.ACTIVATIONS` name (activations).
     gated: a gated unit: the activation's input is `[h0 | h1]` and its output `act(h0) * h1`.
+    approximate: an ungated gelu the CUDA kernels may compute with the hardware's exp2 and
+      reciprocal approximations (~2^-21 relative before rounding; Float8Block's whole-tile MLP
+      kernel, docs/design.md decision 62): the tolerance class of the GEMM epilogue's gelu, not
+      the spec's bits. The CPU handler and the reference compute the spec's gelu.
   """
 
   kind: str
@@ -39,6 +43,7 @@ class Producer:
   has_bias: bool = False
   activation: str = "gelu"
   gated: bool = False
+  approximate: bool = False
 
   def __post_init__(self):
     if self.kind not in PRODUCER_KINDS:
@@ -46,6 +51,10 @@ class Producer:
     object.__setattr__(self, "out_dtype", np.dtype(self.out_dtype))
     if self.kind in ("activation", "activation_grad"):
       object.__setattr__(self, "activation", _act.canonical(self.activation))
+    if self.approximate and (self.kind != "activation" or self.activation != "gelu"
+                             or self.gated):
+      raise ValueError(f"Producer.approximate is an ungated gelu activation's; got kind="
+                       f"{self.kind!r}, activation={self.activation!r}, gated={self.gated}")
 
   @property
   def norm(self) -> bool:

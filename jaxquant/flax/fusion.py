@@ -14,8 +14,9 @@ By default (`fuse_producers=None`) the modules do not fuse: the CUDA kernels mea
 than XLA's producer followed by the quantize kernel, and the CPU handlers are slower still
 (decision 20 of docs/design.md); `fuse_producers=True` takes them (as the tests do), False never
 fuses. Apart from those, a gelu `LayerNormMLP` with per-tensor FP8 `fc1` operands applies the
-gelu in `fc1`'s GEMM epilogue on CUDA (`fuse_gemm_activation`, `gemm_activation_reason`;
-decision 60), where the forward activation is not fused into `fc2`'s quantize.
+gelu in `fc1`'s GEMM epilogue on CUDA (`fuse_gemm_activation`, `gelu_kernel_plan`; decision
+60), and one with a Float8Block 1x128 `fc2` input in `fc2`'s whole-tile quantize kernel
+(decision 62), where the forward activation is not fused into `fc2`'s quantize otherwise.
 
 Parameters and delayed-scaling variables are exactly the unfused modules' (same names, shapes,
 initializers, scopes), so a checkpoint and a recipe change move freely between both paths; the
@@ -31,6 +32,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxquant.explain import Decision, record
 from jaxquant.flax.dense_general import _flat_init
@@ -45,7 +47,9 @@ from jaxquant.layers.fused_activation import (ActivationConfig, ActivationEpilog
 from jaxquant.layers.fused_norm import NormConfig, norm_quantized, out_dtypes
 from jaxquant.numerics import activations as _act
 from jaxquant.formats import format_of
-from jaxquant.ops.fused import auto_fusion_reason, auto_gemm_epilogue_reason, fusion_unsupported
+from jaxquant.ops.fused import (auto_fusion_reason, auto_gemm_epilogue_reason,
+                                auto_quantize_gelu_reason, fusion_unsupported)
+from jaxquant.quantizers import Float8BlockQuantizer
 
 # Gated shorthands with a fused kernel: the activation of the first half (the second is linear).
 FUSED_GATED = _act.GATED
@@ -116,30 +120,76 @@ def _gemm_epilogue_candidate(module: nn.Module, q1: Optional[DenseQuantizers]) -
   return None
 
 
-def _say_gemm_epilogue(module: nn.Module, q1: DenseQuantizers, reason: str) -> None:
-  """Tell `explain` why fc1's GEMM does not apply the activation, where the module asked for it
-  (`fuse_gemm_activation=True`) or it was a candidate."""
+def _quantize_gelu_candidate(module: nn.Module, q2: Optional[DenseQuantizers]) -> Optional[str]:
+  """None when fc2's input quantize could apply the module's activation (a gelu, ungated, with
+  a Float8Block 1x128 fc2 input: its whole-tile kernel's approximate gelu), else why not."""
+  act, _ = fused_activation(module.activations)
+  if act != ("gelu", False):
+    return (f"the quantize kernel applies gelu (the tanh approximation) only; activations="
+            f"{module.activations!r}")
+  if q2 is None or q2.unquantized:
+    return "nothing is quantized"
+  quantizer = q2.input
+  if not isinstance(quantizer, Float8BlockQuantizer) or tuple(quantizer.block) != (1, 128):
+    return (f"the gelu in fc2's input quantize is Float8Block's 1x128 whole-tile kernel's; fc2 "
+            f"reads {type(quantizer).__name__}")
+  return None
+
+
+# What `explain` calls each place of the gelu.
+_GELU_KERNELS = {"gemm": "gelu in fc1's GEMM epilogue", "quantize": "gelu in fc2's input quantize"}
+
+
+def _say_gelu_kernel(module: nn.Module, q1: DenseQuantizers, q2: Optional[DenseQuantizers],
+                     reason: str) -> None:
+  """Tell `explain` why the gelu runs in neither fused kernel, where the module asked for one
+  (`fuse_gemm_activation=True`) or one was a candidate."""
   if module.fuse_gemm_activation or _gemm_epilogue_candidate(module, q1) is None:
-    record(Decision("producer", q1.roles[0], "gelu in fc1's GEMM epilogue", "unfused", reason))
+    record(Decision("producer", q1.roles[0], _GELU_KERNELS["gemm"], "unfused", reason))
+  elif _quantize_gelu_candidate(module, q2) is None:
+    record(Decision("producer", q2.roles[0], _GELU_KERNELS["quantize"], "unfused", reason))
 
 
-def gemm_activation_reason(module: nn.Module, q1: Optional[DenseQuantizers], sharding,
-                           fuse_forward: bool) -> Optional[str]:
-  """None when a `LayerNormMLP`'s `fc1` GEMM applies the activation in its epilogue
-  (`jaxquant.ops.gemm_gelu`: gelu, per-tensor FP8 operands, an unsharded layer), else why not.
-  `module.fuse_gemm_activation`: None (default) as `auto_gemm_epilogue_reason` says (CUDA),
-  True wherever those hold, False never."""
+def gelu_kernel_plan(module: nn.Module, q1: Optional[DenseQuantizers],
+                     q2: Optional[DenseQuantizers], sharding1, sharded: bool,
+                     fuse_forward: bool) -> tuple[Optional[str], Optional[str]]:
+  """Where a `LayerNormMLP`'s gelu runs beside its quantized GEMMs: `("gemm", None)` in `fc1`'s
+  GEMM epilogue (`jaxquant.ops.gemm_gelu`: per-tensor FP8 fc1 operands), `("quantize", None)`
+  in `fc2`'s Float8Block input quantize (the whole-tile kernel's approximate gelu, decision
+  62), or `(None, why not)`. `module.fuse_gemm_activation`: None (default) as
+  `auto_gemm_epilogue_reason` / `auto_quantize_gelu_reason` say (CUDA), True wherever the
+  formats allow, False never. `sharding1`: fc1's; `sharded`: either layer's."""
   setting = module.fuse_gemm_activation
   if setting is False:
-    return "fuse_gemm_activation=False"
-  reason = _gemm_epilogue_candidate(module, q1)
-  if reason is not None:
-    return reason
-  if sharding is not None:
-    return "fc1 is sharded (logical axes): its GEMM and gelu run apart"
+    return None, "fuse_gemm_activation=False"
+  gemm_reason = _gemm_epilogue_candidate(module, q1)
+  kind = "gemm" if gemm_reason is None else "quantize"
+  if kind == "quantize" and _quantize_gelu_candidate(module, q2) is not None:
+    return None, gemm_reason
+  if kind == "gemm" and sharding1 is not None:
+    return None, "fc1 is sharded (logical axes): its GEMM and gelu run apart"
+  if kind == "quantize" and sharded:
+    return None, ("the MLP is sharded (logical axes): the quantize kernel's gelu takes whole "
+                  "rows of features")
   if fuse_forward:
-    return "the forward activation is fused into fc2's quantize (fuse_producers)"
-  return None if setting else auto_gemm_epilogue_reason()
+    return None, "the forward activation is fused into fc2's quantize (fuse_producers)"
+  if not setting:
+    reason = auto_gemm_epilogue_reason() if kind == "gemm" else auto_quantize_gelu_reason()
+    if reason is not None:
+      return None, reason
+  return kind, None
+
+
+def whole_tile_reason(h_shape: tuple, dtype) -> Optional[str]:
+  """None when the quantize kernel's gelu serves fc1's output `h` (bfloat16, rows and features
+  multiples of 128: the whole-tile kernel), else why not."""
+  rows = int(np.prod(h_shape[:-1], dtype=np.int64))
+  if np.dtype(dtype) != np.dtype(jnp.bfloat16):
+    return f"the quantize kernel's gelu reads bfloat16, not {np.dtype(dtype).name}"
+  if rows % 128 or h_shape[-1] % 128:
+    return (f"the quantize kernel's gelu takes whole 128 x 128 tiles; fc1's output is "
+            f"{rows} x {h_shape[-1]}")
+  return None
 
 
 def norm_fusion_reason(quantizers: Optional[DenseQuantizers], sharding) -> Optional[str]:
@@ -291,18 +341,19 @@ def mlp_quantizers(module: nn.Module) -> Optional[tuple[DenseQuantizers, DenseQu
   reason = platform_reason(module.fuse_producers)
   if reason is None and all(fusion_unsupported(q) is not None for q in candidates):
     reason = fusion_unsupported(q1.input)
-  gemm_reason = gemm_activation_reason(module, q1, None, False)
-  if reason is not None and gemm_reason is not None:
+  _, gelu_reason = gelu_kernel_plan(module, q1, q2, None, False, False)
+  if reason is not None and gelu_reason is not None:
     _unfused(q1.roles[0], module.norm_type, reason)
-    _say_gemm_epilogue(module, q1, gemm_reason)
+    _say_gelu_kernel(module, q1, q2, gelu_reason)
     return None
   return q1, q2
 
 
 def mlp_fusion_plan(module: nn.Module, part1: Parts, part2: Parts
-                    ) -> tuple[bool, bool, bool, bool]:
-  """(fuse the norm, the forward activation, the backward activation, the activation into
-  fc1's GEMM) of a `LayerNormMLP`, recording why for each one that is not."""
+                    ) -> tuple[bool, bool, bool, Optional[str]]:
+  """(fuse the norm, the forward activation, the backward activation; where the gelu runs
+  beside a GEMM: "gemm", "quantize" or None, `gelu_kernel_plan`) of a `LayerNormMLP`,
+  recording why for each one that is not."""
   q1, q2 = part1.quantizers, part2.quantizers
   act, act_reason = fused_activation(module.activations)
   sharded = part1.sharding is not None or part2.sharding is not None
@@ -318,17 +369,17 @@ def mlp_fusion_plan(module: nn.Module, part1: Parts, part2: Parts
   norm_reason = norm_fusion_reason(q1, part1.sharding) or platform_reason(module.fuse_producers)
   forward_reason = reason(None if q2 is None else q2.input)
   backward_reason = reason(None if q1 is None else q1.grad_output)
-  gemm_reason = gemm_activation_reason(module, q1, part1.sharding, forward_reason is None)
+  gelu_kernel, gelu_reason = gelu_kernel_plan(module, q1, q2, part1.sharding, sharded,
+                                              forward_reason is None)
   name = act[0] if act else "activation"
   for role, what, why in ((q1.roles[0], module.norm_type, norm_reason),
                           (q2.roles[0], name, forward_reason),
                           (q1.roles[2], f"{name} gradient", backward_reason)):
     if why is not None:
       _unfused(role, what, why)
-  if gemm_reason is not None and forward_reason is not None:
-    _say_gemm_epilogue(module, q1, gemm_reason)
-  return (norm_reason is None, forward_reason is None, backward_reason is None,
-          gemm_reason is None)
+  if gelu_reason is not None and forward_reason is not None:
+    _say_gelu_kernel(module, q1, q2, gelu_reason)
+  return (norm_reason is None, forward_reason is None, backward_reason is None, gelu_kernel)
 
 
 def layernorm_mlp(module: nn.Module, inputs: jax.Array, spec: NormSpec, scale, bias,
@@ -338,7 +389,7 @@ def layernorm_mlp(module: nn.Module, inputs: jax.Array, spec: NormSpec, scale, b
   """`LayerNormMLP`'s body with the fusions `fuse` (from `mlp_fusion_plan`): `(y, ln_out)`.
   Without any fusion it is the unfused body (`Dense` / `DenseGeneral` contractions).
   `weights`: the two `DenseParts.quantized_weight` methods (the weight cache of `fc1`, `fc2`)."""
-  fuse_norm, fuse_forward, fuse_backward, fuse_gemm = fuse
+  fuse_norm, fuse_forward, fuse_backward, gelu_kernel = fuse
   act = fused_activation(module.activations)[0]
   gated = part1.kernel.ndim == 3
   q1, q2 = part1.quantizers, part2.quantizers
@@ -350,9 +401,16 @@ def layernorm_mlp(module: nn.Module, inputs: jax.Array, spec: NormSpec, scale, b
     x, qx = ln_out, None
   # Kernels stay in param_dtype (quantized weights are read from it, as Dense's).
   x, _, bias1 = nn.dtypes.promote_dtype(x, part1.kernel, part1.bias, dtype=module.dtype)
+  if gelu_kernel == "quantize":  # known only now: fc1's output shape and dtype
+    reason = whole_tile_reason(x.shape[:-1] + part1.kernel.shape[-1:], x.dtype)
+    if reason is not None:
+      record(Decision("producer", q2.roles[0], _GELU_KERNELS["quantize"], "unfused", reason))
+      gelu_kernel = None
   epilogue = None
-  if fuse_gemm:  # a = gelu(h) from fc1's GEMM; its gradient as fuse_backward says
+  if gelu_kernel == "gemm":  # a = gelu(h) from fc1's GEMM; its gradient as fuse_backward says
     epilogue = ActivationEpilogue(*act, in_gemm=True, fused_gradient=fuse_backward)
+  elif gelu_kernel == "quantize":  # a = gelu(h) in fc2's input quantize
+    epilogue = ActivationEpilogue(*act, in_quantize=True, fused_gradient=fuse_backward)
   elif fuse_backward:
     epilogue = ActivationEpilogue(*act)
   weight1 = None if weights is None else weights[0](x, part1)
@@ -360,8 +418,12 @@ def layernorm_mlp(module: nn.Module, inputs: jax.Array, spec: NormSpec, scale, b
               precision=module.precision, sharding=part1.sharding, x_quantized=qx,
               epilogue=epilogue, weight=weight1)
   qa = None
-  if fuse_gemm:
+  if gelu_kernel == "gemm":
     a = fc1[0]
+  elif gelu_kernel == "quantize":
+    config = ActivationConfig(act[0], act[1], q2.input, q2.roles[0], approximate=True)
+    state2 = None if part2.states is None else part2.states[0]
+    a, qa = activation_routed(fc1[0], fc1[1], state2, config)
   elif fuse_forward:
     config = ActivationConfig(act[0], act[1], q2.input, q2.roles[0])
     state2 = None if part2.states is None else part2.states[0]
@@ -384,6 +446,6 @@ def layernorm_mlp(module: nn.Module, inputs: jax.Array, spec: NormSpec, scale, b
   return y, ln_out
 
 
-__all__ = ["DenseParts", "NormSpec", "Parts", "fused_activation", "layernorm_dense",
-           "layernorm_mlp", "mlp_fusion_plan", "mlp_quantizers", "norm_fusion_reason",
-           "platform_reason"]
+__all__ = ["DenseParts", "NormSpec", "Parts", "fused_activation", "gelu_kernel_plan",
+           "layernorm_dense", "layernorm_mlp", "mlp_fusion_plan", "mlp_quantizers",
+           "norm_fusion_reason", "platform_reason", "whole_tile_reason"]

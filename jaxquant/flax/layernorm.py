@@ -218,10 +218,12 @@ class LayerNormMLP(nn.Module):
       the dense layers read where the formats have fused kernels (`jaxquant.flax.fusion`):
       None (default): not yet (decision 20 of docs/design.md), True: wherever the formats
       allow, False never.
-    fuse_gemm_activation: apply the gelu in `fc1`'s GEMM epilogue, which writes `gelu(h)` and
-      `h` (`jaxquant.ops.gemm_gelu`; gelu, per-tensor FP8 `fc1` operands, bfloat16 outputs, an
-      unsharded layer, the forward activation not fused by `fuse_producers`): None (default)
-      on CUDA (decision 60 of docs/design.md), True wherever it applies, False never.
+    fuse_gemm_activation: apply the gelu in a kernel beside the quantized GEMMs: `fc1`'s GEMM
+      epilogue, which writes `gelu(h)` and `h` (`jaxquant.ops.gemm_gelu`; per-tensor FP8 `fc1`
+      operands, decision 60), or else `fc2`'s input quantize, whose whole-tile kernel computes
+      an approximate gelu of `h` (a Float8Block 1x128 `fc2` input, decision 62); a gelu,
+      bfloat16 outputs, an unsharded layer, the forward activation not fused by
+      `fuse_producers`: None (default) on CUDA, True wherever it applies, False never.
   """
 
   intermediate_dim: int = 2048

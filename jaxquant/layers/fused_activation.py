@@ -85,14 +85,18 @@ class ActivationEpilogue:
 
   With `in_gemm` the GEMM itself applies the activation (`jaxquant.ops.gemm_gelu`: gelu only,
   ungated) and `a` is the activation; otherwise `a` is a placeholder and the forward activation
-  is `fc2`'s fused input (`activation_routed`). With `fused_gradient=False` the gradient runs
-  unfused: the activation's derivative at `h` (`gelu_gradient` for the GEMM's gelu, else
-  JAX's), then the quantize.
+  is `fc2`'s fused input (`activation_routed`), with `in_quantize` the approximate gelu of
+  Float8Block's whole-tile quantize kernel (`ActivationConfig.approximate`, gelu only, ungated).
+  With `fused_gradient=False` the gradient runs unfused: the activation's derivative at `h`
+  (`gelu_gradient` for the GEMM's or the quantize kernel's gelu, else JAX's), then the
+  quantize.
 
   Attributes:
     activation: `jaxquant.numerics.activations.ACTIVATIONS` name (or an alias).
     gated: `fc1`'s output is `[..., 2, N]`, the activation `act(h0) * h1`.
     in_gemm: the forward GEMM writes `(act(h), h)` (its epilogue).
+    in_quantize: the forward gelu runs in `fc2`'s input quantize (`activation_routed` with an
+      approximate `ActivationConfig`).
     fused_gradient: the activation-gradient kernel quantizes `dh` (where the format has one).
   """
 
@@ -100,12 +104,17 @@ class ActivationEpilogue:
   gated: bool = False
   in_gemm: bool = False
   fused_gradient: bool = True
+  in_quantize: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "activation", _act.canonical(self.activation))
-    if self.in_gemm and (self.activation != "gelu" or self.gated):
-      raise ValueError(f"in_gemm: the GEMM's epilogue applies gelu (ungated) only; got "
-                       f"activation={self.activation!r}, gated={self.gated}")
+    for name, kernel in (("in_gemm", "the GEMM's epilogue"),
+                         ("in_quantize", "the quantize kernel")):
+      if getattr(self, name) and (self.activation != "gelu" or self.gated):
+        raise ValueError(f"{name}: {kernel} applies gelu (ungated) only; got "
+                         f"activation={self.activation!r}, gated={self.gated}")
+    if self.in_gemm and self.in_quantize:
+      raise ValueError("in_gemm and in_quantize: the gelu runs in one kernel, not both")
 
   def outputs(self, h: jax.Array):
     """`(a, h)`: `a` a placeholder of the activation's shape (its cotangent is `da`)."""
@@ -145,7 +154,7 @@ class ActivationEpilogue:
       record(Decision(
           "producer", role, f"activation gradient {self.activation}, then quantize", "unfused",
           reason))
-    if self.in_gemm:
+    if self.in_gemm or self.in_quantize:
       dh = gelu_gradient(da, h)
     else:
       _, vjp = jax.vjp(lambda v: jax_activation(self.activation, self.gated, v), h)
@@ -171,12 +180,15 @@ class ActivationConfig:
     activation, gated: as `ActivationEpilogue`'s.
     quantizer: `fc2`'s input quantizer (`jaxquant.ops.fused.fusion_unsupported` is None).
     role: `fc2`'s input role, for `jaxquant.explain`.
+    approximate: an ungated gelu computed with the CUDA kernels' hardware approximations
+      (`jaxquant.backends.producers.Producer.approximate`).
   """
 
   activation: str
   gated: bool
   quantizer: Quantizer
   role: Any = None
+  approximate: bool = False
 
 
 def _quantize_activation(config: ActivationConfig, h: jax.Array, state):
@@ -184,7 +196,8 @@ def _quantize_activation(config: ActivationConfig, h: jax.Array, state):
   h2d = h.reshape(-1, 2 * n if config.gated else n)
   qa = fused_ops.activation_quantize(h2d, activation=config.activation, gated=config.gated,
                                      quantizer=config.quantizer, rowwise=True, columnwise=True,
-                                     state=state, role=config.role)
+                                     state=state, role=config.role,
+                                     approximate=config.approximate)
   return jnp.zeros(_activation_shape(h.shape, config.gated), h.dtype), qa
 
 

@@ -37,7 +37,8 @@ from jaxquant.settings import env_choice
 from jaxquant.tensors import QuantizedTensor
 
 __all__ = ["NormQuantized", "activation_grad_quantize", "activation_quantize",
-           "auto_fusion_reason", "fusion_unsupported", "norm_quantize"]
+           "auto_fusion_reason", "auto_quantize_gelu_reason", "fusion_unsupported",
+           "norm_quantize"]
 
 
 def fusion_unsupported(quantizer: Quantizer) -> Optional[str]:
@@ -115,6 +116,25 @@ def auto_gemm_epilogue_reason() -> Optional[str]:
                     "takes it)")
 
 
+def auto_quantize_gelu_reason() -> Optional[str]:
+  """None when an MLP's gelu runs in Float8Block's fc2 input quantize kernel by default here
+  (`activation_quantize(..., approximate=True)`), else why not.
+
+  On CUDA with the extension's fused Float8Block target, yes (docs/design.md decision 62: the
+  whole-tile kernel with the gelu costs less than XLA's gelu fusion it replaces). On CPU the
+  target's handler computes the spec's gelu in a plain loop, and the unfused arithmetic stays
+  the CPU default (`fuse_gemm_activation=True` takes it). `JAXQUANT_GEMM_EPILOGUE=on|off`
+  overrides `auto` here too (a module's explicit `fuse_gemm_activation` wins)."""
+  setting = env_choice("JAXQUANT_GEMM_EPILOGUE", ("auto", "on", "off"), "auto")
+  if setting == "off":
+    return "JAXQUANT_GEMM_EPILOGUE=off"
+  if setting == "on":
+    return None
+  return _cuda_gate(("jaxquant_fused_quantize_fp8_block",), "fused Float8Block target",
+                    "the fused target's handler is a plain loop (fuse_gemm_activation=True "
+                    "takes it)")
+
+
 def _implementation(producer: Producer, inputs: Inputs, quantizer: Quantizer):
   """(backend module, path name, reason) for one fused call."""
   ffi = dispatch.ffi_module()
@@ -132,6 +152,7 @@ def _record(role, producer: Producer, quantizer: Quantizer, rowwise: bool, colum
   what = producer.kind.replace("_", " ")
   if producer.activation and not producer.norm:
     what = f"{what} {producer.activation}{' gated' if producer.gated else ''}"
+    what += " (approximate)" if producer.approximate else ""
   record(Decision("quantize", role,
                                     f"fused {what}+quantize {directions}: {quantizer}", path,
                                     reason))
@@ -199,14 +220,16 @@ def norm_quantize(x2d: jax.Array, scale: Optional[jax.Array], bias: Optional[jax
 
 def activation_quantize(h2d: jax.Array, *, activation: str, gated: bool, quantizer: Quantizer,
                         rowwise: bool = True, columnwise: bool = True, state: Any = None,
-                        role: Any = None) -> QuantizedTensor:
+                        role: Any = None, approximate: bool = False) -> QuantizedTensor:
   """`act(h)` (gated: `act(h0) * h1` of `h2d = [h0 | h1]`) quantized; the output keeps h's
-  dtype."""
+  dtype. `approximate`: an ungated gelu the CUDA kernels may compute with hardware
+  approximations (`Producer.approximate`)."""
   reason = fusion_unsupported(quantizer)
   if reason is not None:
     raise ValueError(f"quantizer: {reason}")
   dtype = np.dtype(h2d.dtype)
-  producer = Producer("activation", dtype, activation=activation, gated=gated)
+  producer = Producer("activation", dtype, activation=activation, gated=gated,
+                      approximate=approximate)
   inputs = Inputs(h2d)
   impl, path, why = _implementation(producer, inputs, quantizer)
   _record(role, producer, quantizer, rowwise, columnwise, path, why)

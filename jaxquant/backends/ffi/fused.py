@@ -73,9 +73,13 @@ def unsupported(producer: Producer, inputs: Inputs, quantizer: Quantizer,
   return None
 
 
+# The `act` code of an approximate gelu (jq::Act::kGeluApprox): after ACTIVATIONS' codes.
+GELU_APPROX_CODE = len(_act.ACTIVATIONS)
+
+
 def _attrs(producer: Producer) -> dict:
-  return dict(producer=np.int32(PRODUCER_CODES[producer.kind]),
-              act=np.int32(_act.ACTIVATIONS.index(producer.activation)),
+  act = GELU_APPROX_CODE if producer.approximate else _act.ACTIVATIONS.index(producer.activation)
+  return dict(producer=np.int32(PRODUCER_CODES[producer.kind]), act=np.int32(act),
               out_type=np.int32(OUT_TYPES[producer.out_dtype]), gated=producer.gated,
               has_scale=producer.has_scale, has_bias=producer.has_bias)
 
