@@ -15,8 +15,9 @@ than XLA's producer followed by the quantize kernel, and the CPU handlers are sl
 (decision 20 of docs/design.md); `fuse_producers=True` takes them (as the tests do), False never
 fuses. Apart from those, a gelu `LayerNormMLP` with per-tensor FP8 `fc1` operands applies the
 gelu in `fc1`'s GEMM epilogue on CUDA (`fuse_gemm_activation`, `gelu_kernel_plan`; decision
-60), and one with a Float8Block 1x128 `fc2` input in `fc2`'s whole-tile quantize kernel
-(decision 62), where the forward activation is not fused into `fc2`'s quantize otherwise.
+60), where the forward activation is not fused into `fc2`'s quantize otherwise; one with a
+Float8Block 1x128 `fc2` input can apply it in `fc2`'s whole-tile quantize kernel when asked
+(`fuse_gemm_activation=True`; decision 62).
 
 Parameters and delayed-scaling variables are exactly the unfused modules' (same names, shapes,
 initializers, scopes), so a checkpoint and a recipe change move freely between both paths; the

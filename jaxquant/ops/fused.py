@@ -120,19 +120,22 @@ def auto_quantize_gelu_reason() -> Optional[str]:
   """None when an MLP's gelu runs in Float8Block's fc2 input quantize kernel by default here
   (`activation_quantize(..., approximate=True)`), else why not.
 
-  On CUDA with the extension's fused Float8Block target, yes (docs/design.md decision 62: the
-  whole-tile kernel with the gelu costs less than XLA's gelu fusion it replaces). On CPU the
-  target's handler computes the spec's gelu in a plain loop, and the unfused arithmetic stays
-  the CPU default (`fuse_gemm_activation=True` takes it). `JAXQUANT_GEMM_EPILOGUE=on|off`
-  overrides `auto` here too (a module's explicit `fuse_gemm_activation` wins)."""
+  Nowhere, for now (docs/design.md decision 62): on an H200 it removed 0.76 ms of XLA's kernels
+  from the d2048 modules step but the step did not get faster (41.95 against 41.28 ms in one
+  process, `bench/jobs/s38e.txt`; its GEMMs ran slower back to back). On CPU the target's
+  handler computes the spec's gelu in a plain loop. `fuse_gemm_activation=True` or
+  `JAXQUANT_GEMM_EPILOGUE=on` takes it (a module's explicit `fuse_gemm_activation` wins)."""
   setting = env_choice("JAXQUANT_GEMM_EPILOGUE", ("auto", "on", "off"), "auto")
   if setting == "off":
     return "JAXQUANT_GEMM_EPILOGUE=off"
   if setting == "on":
     return None
-  return _cuda_gate(("jaxquant_fused_quantize_fp8_block",), "fused Float8Block target",
+  gate = _cuda_gate(("jaxquant_fused_quantize_fp8_block",), "fused Float8Block target",
                     "the fused target's handler is a plain loop (fuse_gemm_activation=True "
                     "takes it)")
+  return gate or ("the quantize kernel's gelu measured no faster in the step than XLA's gelu "
+                  "(decision 62); fuse_gemm_activation=True or JAXQUANT_GEMM_EPILOGUE=on "
+                  "takes it")
 
 
 def _implementation(producer: Producer, inputs: Inputs, quantizer: Quantizer):
