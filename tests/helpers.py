@@ -1,5 +1,6 @@
 """Small helpers shared by the tests: a jitted `ops.quantize` (one compilation per quantizer and
-shape keeps the suite fast on CPU) and byte views of storages."""
+shape keeps the suite fast on CPU), byte views of storages, and a Flax module's loss and
+gradients compared with another's."""
 
 from __future__ import annotations
 
@@ -55,3 +56,32 @@ def assert_same_leaves(a, b, msg=""):
     ub = u.view(np.uint8) if u.dtype.itemsize == 1 else u.view(f"u{u.dtype.itemsize}")
     vb = v.view(np.uint8) if v.dtype.itemsize == 1 else v.view(f"u{v.dtype.itemsize}")
     np.testing.assert_array_equal(ub, vb, err_msg=f"{msg}: leaf {i} differs")
+
+
+def module_loss(module):
+  """The mean square of `module`'s output, as a function of (variables, x)."""
+  def loss(variables, x):
+    y, _ = module.apply(variables, x, mutable=[k for k in variables if k != "params"])
+    return jnp.mean(jnp.square(y.astype(jnp.float32)))
+  return loss
+
+
+def module_grads(module, x):
+  """`(loss, (variable gradients, x's gradient))` of `module_loss` at fresh variables (key 0)."""
+  variables = jax.jit(module.init)(jax.random.key(0), x)
+  return jax.jit(jax.value_and_grad(module_loss(module), argnums=(0, 1)))(variables, x)
+
+
+def assert_trains_alike(got, want, *, loss_rtol: float = 0.02, grad_rtol: float = 0.1):
+  """Two `module_grads` results: the same variables, the loss within `loss_rtol`, and each
+  parameter's and x's gradient within `grad_rtol` (relative norm of the difference), none zero."""
+  (loss, (g_vars, g_x)), (loss0, (g_vars0, g_x0)) = got, want
+  assert jax.tree_util.tree_structure(g_vars) == jax.tree_util.tree_structure(g_vars0)
+  np.testing.assert_allclose(float(loss), float(loss0), rtol=loss_rtol)
+  for a, b in zip(jax.tree_util.tree_leaves(g_vars["params"]) + [g_x],
+                  jax.tree_util.tree_leaves(g_vars0["params"]) + [g_x0]):
+    a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+    b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+    assert np.abs(a).max() > 0
+    rel = np.linalg.norm(a - b) / np.linalg.norm(b)
+    assert rel < grad_rtol, rel

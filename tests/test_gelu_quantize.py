@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import helpers
 import jaxquant as jq
 import jaxquant.flax as jf
 from jaxquant.backends.ffi import fused as ffi_fused
@@ -133,27 +134,11 @@ def test_approximate_is_an_ungated_gelu_only():
 
 # ------------------------------------------ layer ---------------------------------------------
 
-def _loss(module):
-  def loss(variables, x):
-    y, _ = module.apply(variables, x, mutable=[k for k in variables if k != "params"])
-    return jnp.mean(jnp.square(y.astype(jnp.float32)))
-  return loss
-
-
-def _grads(module, x):
-  variables = jax.jit(module.init)(jax.random.key(0), x)
-  return jax.jit(jax.value_and_grad(_loss(module), argnums=(0, 1)))(variables, x)
-
-
 def _records(module, x) -> dict:
-  report = jq.explain(jax.grad(_loss(module)), jax.eval_shape(module.init, jax.random.key(0), x),
-                      x)
+  report = jq.explain(jax.grad(helpers.module_loss(module)),
+                      jax.eval_shape(module.init, jax.random.key(0), x), x)
   return {d.detail: (d.path, d.reason) for d in report
           if "gelu in fc2's input quantize" in d.detail or "(approximate)" in d.detail}
-
-
-def _f64(x) -> np.ndarray:
-  return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
 
 
 def test_mlp_with_the_quantize_gelu_trains_like_the_unfused_mlp(rng):
@@ -166,17 +151,9 @@ def test_mlp_with_the_quantize_gelu_trains_like_the_unfused_mlp(rng):
   records = _records(fused, x)
   paths = [path for detail, (path, _) in records.items() if "(approximate)" in detail]
   assert len(paths) == 1 and paths[0] not in ("unfused", "reference"), records
-  (loss, (g_vars, g_x)) = _grads(fused, x)
-  (loss0, (g_vars0, g_x0)) = _grads(jf.LayerNormMLP(128, fuse_gemm_activation=False, **common),
-                                    x)
-  assert jax.tree_util.tree_structure(g_vars) == jax.tree_util.tree_structure(g_vars0)
-  np.testing.assert_allclose(float(loss), float(loss0), rtol=0.02)
-  for got, want in zip(jax.tree_util.tree_leaves(g_vars["params"]) + [g_x],
-                       jax.tree_util.tree_leaves(g_vars0["params"]) + [g_x0]):
-    got, want = _f64(got), _f64(want)
-    assert np.abs(got).max() > 0
-    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
-    assert rel < 0.1, rel
+  helpers.assert_trains_alike(
+      helpers.module_grads(fused, x),
+      helpers.module_grads(jf.LayerNormMLP(128, fuse_gemm_activation=False, **common), x))
 
 
 def test_where_the_quantize_gelu_does_not_apply_explain_says_why(rng):

@@ -27,6 +27,7 @@ import pytest
 
 import jaxquant as jq
 import jaxquant.flax as jf
+import helpers
 import oracle
 from jaxquant import ops
 from jaxquant.backends.ffi import gemm as ffi_gemm
@@ -184,16 +185,7 @@ def _x(rng, shape=(2, 16, 64)):
   return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
 
 
-def _loss(module):
-  def loss(variables, x):
-    y, _ = module.apply(variables, x, mutable=[k for k in variables if k != "params"])
-    return jnp.mean(jnp.square(y.astype(jnp.float32)))
-  return loss
-
-
-def _grads(module, x):
-  variables = jax.jit(module.init)(jax.random.key(0), x)
-  return jax.jit(jax.value_and_grad(_loss(module), argnums=(0, 1)))(variables, x)
+_loss, _grads = helpers.module_loss, helpers.module_grads
 
 
 @pytest.mark.parametrize("recipe", [jq.Float8CurrentScaling(), jq.DelayedScaling()],
@@ -208,20 +200,11 @@ def test_mlp_with_the_epilogue_trains_like_the_unfused_mlp(rng, recipe):
                       x)
   assert [d.path for d in report if d.detail.endswith("gelu epilogue")] in (
       ["ffi-cpu gemm-fp8-gelu"], ["cublaslt-fp8-gelu"])
-  (loss, (g_vars, g_x)) = _grads(fused, x)
-  (loss0, (g_vars0, g_x0)) = _grads(jf.LayerNormMLP(128, fuse_gemm_activation=False, **common),
-                                    x)
   # Same parameters and variables; values within FP8 rounding of the unfused module's (the
   # epilogue rounds gelu(h) from float32 h, the unfused gelu reads h rounded to bfloat16, and
   # fc2's FP8 quantization can round the two to neighbouring codes).
-  assert jax.tree_util.tree_structure(g_vars) == jax.tree_util.tree_structure(g_vars0)
-  np.testing.assert_allclose(float(loss), float(loss0), rtol=0.02)
-  for got, want in zip(jax.tree_util.tree_leaves(g_vars["params"]) + [g_x],
-                       jax.tree_util.tree_leaves(g_vars0["params"]) + [g_x0]):
-    got, want = _f64(got), _f64(want)
-    assert np.abs(got).max() > 0
-    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
-    assert rel < 0.1, rel
+  helpers.assert_trains_alike(
+      _grads(fused, x), _grads(jf.LayerNormMLP(128, fuse_gemm_activation=False, **common), x))
 
 
 def _gemm_record(module, x):

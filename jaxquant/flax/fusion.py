@@ -106,15 +106,25 @@ def _rowwise_family(quantizer) -> str:
   return format_of(leaf).gemm_family(leaf)
 
 
+def _gelu_kernel_inputs_reason(module: nn.Module, quantizers: Optional[DenseQuantizers],
+                               kernel: str) -> Optional[str]:
+  """Why `kernel` cannot apply the module's activation beside `quantizers`' GEMM whatever the
+  format: not an ungated gelu, or nothing quantized (None: it could)."""
+  act, _ = fused_activation(module.activations)
+  if act != ("gelu", False):
+    return (f"{kernel} applies gelu (the tanh approximation) only; activations="
+            f"{module.activations!r}")
+  if quantizers is None or quantizers.unquantized:
+    return "nothing is quantized"
+  return None
+
+
 def _gemm_epilogue_candidate(module: nn.Module, q1: Optional[DenseQuantizers]) -> Optional[str]:
   """None when fc1's GEMM could apply the module's activation in its epilogue (a gelu,
   ungated, with per-tensor FP8 fc1 operands), else why not."""
-  act, _ = fused_activation(module.activations)
-  if act != ("gelu", False):
-    return (f"the GEMM's epilogue applies gelu (the tanh approximation) only; activations="
-            f"{module.activations!r}")
-  if q1 is None or q1.unquantized:
-    return "nothing is quantized"
+  reason = _gelu_kernel_inputs_reason(module, q1, "the GEMM's epilogue")
+  if reason is not None:
+    return reason
   families = {t: _rowwise_family(q1.quantizer(t)) for t in ("input", "weight")}
   if set(families.values()) != {"fp8"}:
     return f"the gelu epilogue is cuBLASLt's per-tensor FP8 GEMM's; fc1 reads {families}"
@@ -124,12 +134,9 @@ def _gemm_epilogue_candidate(module: nn.Module, q1: Optional[DenseQuantizers]) -
 def _quantize_gelu_candidate(module: nn.Module, q2: Optional[DenseQuantizers]) -> Optional[str]:
   """None when fc2's input quantize could apply the module's activation (a gelu, ungated, with
   a Float8Block 1x128 fc2 input: its whole-tile kernel's approximate gelu), else why not."""
-  act, _ = fused_activation(module.activations)
-  if act != ("gelu", False):
-    return (f"the quantize kernel applies gelu (the tanh approximation) only; activations="
-            f"{module.activations!r}")
-  if q2 is None or q2.unquantized:
-    return "nothing is quantized"
+  reason = _gelu_kernel_inputs_reason(module, q2, "the quantize kernel")
+  if reason is not None:
+    return reason
   quantizer = q2.input
   if not isinstance(quantizer, Float8BlockQuantizer) or tuple(quantizer.block) != (1, 128):
     return (f"the gelu in fc2's input quantize is Float8Block's 1x128 whole-tile kernel's; fc2 "
