@@ -52,8 +52,8 @@ WholeTileKernel<P> whole_tile_kernel(const Fp8BlockParams& p, const P& prod) {
   return {};
 }
 
-// Launches the tile kernel of `p`'s format over the matrix `prod` produces (a Float8Block
-// whole-tile kernel where one serves), with the tile's shared memory when it has a column phase.
+// Launches the tile kernel of `p`'s format over the matrix `prod` produces, with the tile's
+// shared memory when it has a column phase.
 template <bool kExperts = false, bool kRaw = false, typename Params, typename P>
 cudaError_t launch_fp8_tiles(cudaStream_t stream, const Params& p, const P& prod) {
   using G = FP8Tile<typename P::Out>;
