@@ -3,26 +3,11 @@
 // other cases). Same numerics as fp8_block_kernel, bit for bit; a third fewer instructions.
 #pragma once
 
+#include "quantize/bf16_words.cuh"
 #include "quantize/fp8_block.cuh"
 
 namespace jqffi {
 namespace {
-
-// What fp8_block_1x128_bf16_kernel reads for producer P: `kServed` producers give a bfloat16
-// matrix `data` of the quantized matrix's shape, 16-byte aligned rows where `serves`, each
-// loaded word (two values) turned into two of the quantized values by `word`. x itself here;
-// the fused producers' header adds the gelu of an MLP's fc1 output (fused/producers.cuh).
-template <typename P>
-struct TileWords {
-  static constexpr bool kServed = false;
-};
-template <>
-struct TileWords<Direct<BF16>> {
-  static constexpr bool kServed = true;
-  static bool serves(const Direct<BF16>& x) { return x.vec; }
-  __device__ static const BF16* data(const Direct<BF16>& x) { return x.x; }
-  __device__ static uint32_t word(uint32_t w) { return w; }
-};
 
 // Whether fp8_block_1x128_bf16_kernel serves the call: 1x128 blocks, both copies, a producer it
 // reads (TileWords), whole 128 x 128 tiles (R and C multiples of 128), 16-byte aligned rows and
@@ -33,39 +18,6 @@ inline bool fp8_block_1x128_fast(const Fp8BlockParams& p, const P& prod) {
          p.expert_rows == 0 && p.vec_row && p.vec_col && p.R % 128 == 0 && p.C % 128 == 0 &&
          p.R * p.C < (int64_t(1) << 31) && aligned(p.col, 16);
 }
-
-// Two passes' maxima in one word: the larger bfloat16 half of a in the low half, of b in the
-// high half.
-__device__ __forceinline__ uint32_t pack_pass_maxima(uint32_t a, uint32_t b) {
-  return __vmaxu2(__byte_perm(a, b, 0x5410), __byte_perm(a, b, 0x7632));
-}
-
-// The float32 |bits| of a bfloat16 half (hi: the upper one) of a packed word.
-__device__ __forceinline__ uint32_t bf16_half_bits(uint32_t w, bool hi) {
-  return hi ? (w & 0xFFFF0000u) : (w << 16);
-}
-
-// Four codes of the bfloat16 pairs w0, w1 (values lo, hi, lo, hi) times scale; NaN codes made
-// canonical only where the block holds a NaN (`nan`).
-__device__ __forceinline__ uint32_t bf16_codes4(uint32_t w0, uint32_t w1, float scale, jq::Fp8 fmt, bool nan) {
-  const uint32_t code = jq::encode_fp8x4_not_nan(__uint_as_float(w0 << 16) * scale,
-                                                 __uint_as_float(w0 & 0xFFFF0000u) * scale,
-                                                 __uint_as_float(w1 << 16) * scale,
-                                                 __uint_as_float(w1 & 0xFFFF0000u) * scale, fmt);
-  return nan ? jq::canonical_nan_fp8x4(code, fmt) : code;
-}
-
-// Four codes of one bfloat16 half (hi: the upper) of words w[0..3] (four rows of one column).
-__device__ __forceinline__ uint32_t bf16_column_codes4(const uint32_t* w, bool hi, float scale, jq::Fp8 fmt,
-                                                       bool nan) {
-  const uint32_t code = jq::encode_fp8x4_not_nan(
-      __uint_as_float(bf16_half_bits(w[0], hi)) * scale, __uint_as_float(bf16_half_bits(w[1], hi)) * scale,
-      __uint_as_float(bf16_half_bits(w[2], hi)) * scale, __uint_as_float(bf16_half_bits(w[3], hi)) * scale, fmt);
-  return nan ? jq::canonical_nan_fp8x4(code, fmt) : code;
-}
-
-constexpr uint32_t kAbsBf16x2 = 0x7FFF7FFFu;
-constexpr uint32_t kBf16NanAbove = 0x7F80u;  // |bits| above +inf's: NaN
 
 // Tile 128 x 128, 256 threads, the tile in shared memory as 64 words (bfloat16 pairs) a row,
 // 16-byte chunks XOR-swizzled by the row's 16-row chunk (fp8_block_kernel's layout).

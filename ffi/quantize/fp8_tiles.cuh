@@ -9,6 +9,7 @@
 #include "quantize/fp8_block_128x128.cuh"
 #include "quantize/fp8_block_1x128.cuh"
 #include "quantize/fp8_tensor.cuh"
+#include "quantize/fp8_tensor_bf16.cuh"
 #include "quantize/mxfp8.cuh"
 
 namespace jqffi {
@@ -61,6 +62,11 @@ cudaError_t launch_fp8_tiles(cudaStream_t stream, const Params& p, const P& prod
   if constexpr (std::is_same_v<Params, Fp8BlockParams> && !kExperts) {
     const WholeTileKernel<P> whole = whole_tile_kernel(p, prod);
     if (whole.kernel) return launch_tiles(whole.kernel, tiles, whole.smem, stream, p, prod);
+  }
+  if constexpr (std::is_same_v<Params, Fp8TensorParams> && TileWords<P>::kServed) {
+    if (fp8_tensor_bf16_fast(p, prod)) {
+      return launch_tiles(fp8_tensor_bf16_kernel<P>, tiles, FP8Tile<BF16>::kSmemBytes, stream, p, prod);
+    }
   }
   return launch_tiles(tile_kernel_of<kExperts, kRaw>(p, prod), tiles, keeps_tile(p) ? G::kSmemBytes : 0,
                       stream, p, prod);

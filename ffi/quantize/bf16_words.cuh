@@ -1,0 +1,71 @@
+// bfloat16 words, two values at a time: what the whole-tile quantize kernels read
+// (`TileWords`), their |bits| maxima and their FP8 codes.
+#pragma once
+
+#include "quantize/tile.cuh"
+
+namespace jqffi {
+namespace {
+
+// What the whole-tile bfloat16 kernels (fp8_block_1x128.cuh, fp8_tensor_bf16.cuh) read for
+// producer P: `kServed` producers give a bfloat16 matrix `data` of the quantized matrix's shape,
+// 16-byte aligned rows where `serves`, each loaded word (two values) turned into two of the
+// quantized values by `word`. x itself here; the fused producers' header adds the gelu of an
+// MLP's fc1 output (fused/producers.cuh).
+template <typename P>
+struct TileWords {
+  static constexpr bool kServed = false;
+};
+template <>
+struct TileWords<Direct<BF16>> {
+  static constexpr bool kServed = true;
+  static bool serves(const Direct<BF16>& x) { return x.vec; }
+  __device__ static const BF16* data(const Direct<BF16>& x) { return x.x; }
+  __device__ static uint32_t word(uint32_t w) { return w; }
+};
+
+// Two passes' maxima in one word: the larger bfloat16 half of a in the low half, of b in the
+// high half.
+__device__ __forceinline__ uint32_t pack_pass_maxima(uint32_t a, uint32_t b) {
+  return __vmaxu2(__byte_perm(a, b, 0x5410), __byte_perm(a, b, 0x7632));
+}
+
+// The float32 |bits| of a bfloat16 half (hi: the upper one) of a packed word.
+__device__ __forceinline__ uint32_t bf16_half_bits(uint32_t w, bool hi) {
+  return hi ? (w & 0xFFFF0000u) : (w << 16);
+}
+
+// Four codes of the bfloat16 pairs w0, w1 (values lo, hi, lo, hi) times scale; NaN codes made
+// canonical only where the block holds a NaN (`nan`).
+__device__ __forceinline__ uint32_t bf16_codes4(uint32_t w0, uint32_t w1, float scale, jq::Fp8 fmt, bool nan) {
+  const uint32_t code = jq::encode_fp8x4_not_nan(__uint_as_float(w0 << 16) * scale,
+                                                 __uint_as_float(w0 & 0xFFFF0000u) * scale,
+                                                 __uint_as_float(w1 << 16) * scale,
+                                                 __uint_as_float(w1 & 0xFFFF0000u) * scale, fmt);
+  return nan ? jq::canonical_nan_fp8x4(code, fmt) : code;
+}
+
+// Four codes of one bfloat16 half (hi: the upper) of words w[0..3] (four rows of one column).
+__device__ __forceinline__ uint32_t bf16_column_codes4(const uint32_t* w, bool hi, float scale, jq::Fp8 fmt,
+                                                       bool nan) {
+  const uint32_t code = jq::encode_fp8x4_not_nan(
+      __uint_as_float(bf16_half_bits(w[0], hi)) * scale, __uint_as_float(bf16_half_bits(w[1], hi)) * scale,
+      __uint_as_float(bf16_half_bits(w[2], hi)) * scale, __uint_as_float(bf16_half_bits(w[3], hi)) * scale, fmt);
+  return nan ? jq::canonical_nan_fp8x4(code, fmt) : code;
+}
+
+constexpr uint32_t kAbsBf16x2 = 0x7FFF7FFFu;
+constexpr uint32_t kBf16NanAbove = 0x7F80u;  // |bits| above +inf's: NaN
+
+// The larger |bits| of each half over a uint4 of bfloat16 pairs.
+__device__ __forceinline__ uint32_t abs_max_bf16x2(uint4 w) {
+  return __vmaxu2(__vmaxu2(w.x & kAbsBf16x2, w.y & kAbsBf16x2), __vmaxu2(w.z & kAbsBf16x2, w.w & kAbsBf16x2));
+}
+
+// Whether either half of packed |bits| maxima is a NaN's.
+__device__ __forceinline__ bool has_nan_bf16x2(uint32_t m) {
+  return (m & 0xFFFFu) > kBf16NanAbove || (m >> 16) > kBf16NanAbove;
+}
+
+}  // namespace
+}  // namespace jqffi
