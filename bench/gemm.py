@@ -64,6 +64,18 @@ def cases(x, w):
                 jax.jit(lambda a, b, acc=acc: ffi_gemm.gemm(a, b, out_dtype=bf16,
                                                             accumulation=acc)), (qx, qw),
                 {"JAXQUANT_GEMM_AUTOTUNE": "1"}))
+  # The forward's epilogues as the layers use them: a bias, and fc1's bias + gelu with the
+  # pre-activation written too (`jaxquant_gemm_fp8_gelu`); beside XLA's FP8 dot + bias.
+  bias = jnp.asarray(np.random.default_rng(1).standard_normal(w.shape[0]), bf16)
+  out.append(("fp8 e4m3 x e4m3 (fast acc, bias)", ffi_gemm.gemm_path(qx, qw),
+              jax.jit(lambda a, b, c: ffi_gemm.gemm(a, b, out_dtype=bf16, bias=c,
+                                                    accumulation="fast")), (qx, qw, bias)))
+  out.append(("fp8 e4m3 x e4m3 (fast acc, bias + gelu + aux)", "cublaslt-fp8-gelu",
+              jax.jit(lambda a, b, c: ffi_gemm.gemm_gelu(a, b, bias=c)), (qx, qw, bias)))
+  out.append(("XLA fp8 dot (e5m2 x e4m3)", "xla", jax.jit(dot_nt),
+              (x.astype(jnp.float8_e5m2), w8)))
+  out.append(("XLA fp8 dot (e4m3) + bias", "xla",
+              jax.jit(lambda a, b, c: dot_nt(a, b) + c), (x8, w8, bias)))
   out.append(("fp8 e4m3 x e5m2 (fast acc)", ffi_gemm.gemm_path(qx, qw5),
               jax.jit(lambda a, b: ffi_gemm.gemm(a, b, out_dtype=bf16, accumulation="fast")),
               (qx, qw5)))
