@@ -6,8 +6,10 @@ XLA's own FP8 dot and `jax.nn.scaled_matmul` (MXFP8, NVFP4).
 
 TFLOP/s = 2 M N K / time; time = median over repeats of (R back-to-back calls) / R, after
 warm-up (which includes the opt-in one-time cuBLASLt algorithm timing of the "autotuned" rows),
-on freshly drawn random inputs (never zeros). Operands are quantized once, outside the
-timed region (quantize kernels are benchmarked by bench/quantize.py). C = A[M,K] B[N,K]^T.
+on freshly drawn random inputs (never zeros); with --kernels, time = the GPU kernels' time a
+call in a profiler trace of 20 calls (no host dispatch), and the main kernel is named.
+Operands are quantized once, outside the timed region (quantize kernels are benchmarked by
+bench/quantize.py). C = A[M,K] B[N,K]^T.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxquant as jq
+import e2e_trace  # bench/e2e_trace.py: the trace's GPU kernels
 from timing import bench  # bench/timing.py (this folder is on sys.path when run)
 from jaxquant.backends.ffi import gemm as ffi_gemm
 
@@ -119,6 +123,22 @@ def cases(x, w):
   return out
 
 
+def kernel_time(fn, fargs, calls: int = 20) -> tuple[float, str]:
+  """(GPU seconds a call, the longest kernel's name) from a profiler trace of `calls` calls:
+  the kernels alone, without the host's dispatch of each call."""
+  jax.block_until_ready(fn(*fargs))
+  with tempfile.TemporaryDirectory() as logdir:
+    with jax.profiler.trace(logdir, create_perfetto_trace=True):
+      for _ in range(calls):
+        out = fn(*fargs)
+      jax.block_until_ready(out)
+    times, _ = e2e_trace.kernel_times(e2e_trace.latest_trace(logdir))
+  if not times:
+    raise RuntimeError("no GPU kernels in the trace (--kernels needs a GPU)")
+  top = max(times, key=times.get) if times else "?"
+  return sum(times.values()) / calls * 1e-6, top
+
+
 @jax.jit
 def _reference_f32(a, b):
   """(float32 product of the dequantized operands, |A| @ |B|^T), both at HIGHEST precision."""
@@ -147,6 +167,9 @@ def main(argv=None) -> int:
   parser.add_argument("--only", default=None, help="substring filter on case names")
   parser.add_argument("--core-after-first", action="store_true",
                       help="shapes after the first run only the core cases")
+  parser.add_argument("--kernels", action="store_true",
+                      help="time the GPU kernels from a profiler trace (no host dispatch) and "
+                           "name the main kernel")
   parser.add_argument("--accuracy", action="store_true",
                       help="also report max |C - C_ref| / (|A||B|^T) (first shape only)")
   args = parser.parse_args(argv)
@@ -171,7 +194,11 @@ def main(argv=None) -> int:
       try:
         if path is None:
           path = ffi_gemm.gemm_path(*fargs)
-        t = bench(fn, *fargs)
+        kernel = ""
+        if args.kernels:
+          t, kernel = kernel_time(fn, fargs)
+        else:
+          t = bench(fn, *fargs)
         err = accuracy(name, fargs) if args.accuracy and shape == args.shapes[0] else None
       except Exception as e:  # noqa: BLE001 - report and continue with the other cases
         print(f"  {shape} {name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
@@ -182,10 +209,12 @@ def main(argv=None) -> int:
       tflops = 2 * m * n * k / t / 1e12
       base = tflops if name == "bf16 jnp.dot" else base
       row = dict(shape=shape, case=name, path=path, ms=t * 1e3, tflops=tflops,
-                 vs_bf16=tflops / base if base else None, rel_err=err, card=card)
+                 vs_bf16=tflops / base if base else None, rel_err=err, card=card,
+                 kernel=kernel)
       results.append(row)
       print(f"  {shape:18s} {name:32s} {path:30s} {t * 1e3:8.3f} ms {tflops:7.1f} TFLOP/s "
-            f"{row['vs_bf16']:5.2f}x" + (f"  err {err:.2e}" if err is not None else ""),
+            f"{row['vs_bf16']:5.2f}x" + (f"  err {err:.2e}" if err is not None else "")
+            + (f"  {kernel[:70]}" if kernel else ""),
             flush=True)
     del x, w
   print("\n| shape | case | path | ms | TFLOP/s | vs bf16 | max err / (|A||B|) |")
