@@ -23,7 +23,7 @@ from typing import Optional
 
 GEMM = re.compile(r"gemm|nvjet|cutlass|xmma|matmul|cublas|wgmma|sm90_|triton_dot", re.I)
 # jaxquant's FFI quantize / amax / transpose kernels (ffi/quantize, ffi/grouped, ffi/fused).
-QUANTIZE = re.compile(r"amax_kernel|fp8_tensor_kernel|fp8_tensor_bf16_kernel|mxfp8_kernel|fp8_block_|nvfp4_|"
+QUANTIZE = re.compile(r"amax_kernel|fp8_tensor_|mxfp8_kernel|fp8_block_|nvfp4_|"
                       r"transpose_kernel|grouped_quantize|jaxquant", re.I)
 
 
