@@ -10,6 +10,7 @@
 #include "quantize/fp8_block_1x128.cuh"
 #include "quantize/fp8_tensor.cuh"
 #include "quantize/fp8_tensor_bf16.cuh"
+#include "quantize/fp8_tensor_f32.cuh"
 #include "quantize/mxfp8.cuh"
 
 namespace jqffi {
@@ -67,6 +68,9 @@ cudaError_t launch_fp8_tiles(cudaStream_t stream, const Params& p, const P& prod
     if (fp8_tensor_bf16_fast(p, prod)) {
       return launch_tiles(fp8_tensor_bf16_kernel<P>, tiles, FP8Tile<BF16>::kSmemBytes, stream, p, prod);
     }
+  }
+  if constexpr (std::is_same_v<Params, Fp8TensorParams> && std::is_same_v<P, Direct<float>>) {
+    if (fp8_tensor_f32_fast(p, prod)) return launch_tiles(fp8_tensor_f32_kernel, tiles, 0, stream, p, prod);
   }
   return launch_tiles(tile_kernel_of<kExperts, kRaw>(p, prod), tiles, keeps_tile(p) ? G::kSmemBytes : 0,
                       stream, p, prod);
