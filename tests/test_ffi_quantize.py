@@ -165,8 +165,8 @@ def test_quantize_both_directions_matches_reference(platform, name, rng, prng_ke
 # Whole 128 x 128 tiles, both copies: on the GPU the whole-tile kernels of the training step
 # (ffi/quantize/fp8_block_1x128.cuh for bfloat16 1x128 blocks, fp8_block_128x128.cuh for float32
 # and bfloat16 128x128 blocks, fp8_tensor_bf16.cuh / fp8_tensor_f32.cuh for bfloat16 / float32
-# per-tensor FP8; they serve only these), with and without NaN, infinities, outliers, a zero row and a subnormal row among the
-# random values.
+# per-tensor FP8; they serve only these), with and without NaN, infinities, outliers, a zero
+# row and a subnormal row among the random values.
 WHOLE_TILE_SHAPES = {"cpu": [(128, 256)], "gpu": [(128, 128), (1024, 1536), (384, 4096)]}
 WHOLE_TILE_CASES = [("block_1x128", jnp.bfloat16), ("block_1x128_e5m2_nopow2_eps", jnp.bfloat16),
                     ("block_128x128", jnp.float32), ("block_128x128", jnp.bfloat16),
