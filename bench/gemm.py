@@ -135,7 +135,7 @@ def kernel_time(fn, fargs, calls: int = 20) -> tuple[float, str]:
     times, _ = e2e_trace.kernel_times(e2e_trace.latest_trace(logdir))
   if not times:
     raise RuntimeError("no GPU kernels in the trace (--kernels needs a GPU)")
-  top = max(times, key=times.get) if times else "?"
+  top = max(times, key=times.get)
   return sum(times.values()) / calls * 1e-6, top
 
 
