@@ -239,9 +239,10 @@ def fused_norm_input(spec: NormSpec, inputs: jax.Array, scale, bias, kernel, den
 
 
 def layernorm_dense(module: nn.Module, inputs: jax.Array, spec: NormSpec, scale, bias, kernel,
-                    dense_bias, *, write_y: bool):
+                    dense_bias, *, write_y: bool, epilogue: Any = None):
   """`LayerNormDense`'s quantized contraction with the fused normalization, or None when it
-  does not apply (the caller normalizes and contracts as before); `(y, ln_out or None)`."""
+  does not apply (the caller normalizes and contracts as before); `(y, ln_out or None)`.
+  `epilogue`: `jaxquant.dense`'s (a `SplitOutput`)."""
   quantizers = module_quantizers(module)
   if quantizers is None or quantizers.unquantized:
     return None  # nothing is quantized: Flax's norm and contraction
@@ -259,7 +260,8 @@ def layernorm_dense(module: nn.Module, inputs: jax.Array, spec: NormSpec, scale,
       x, kernel, quantizers, state=None if states is None else states[1], key=key,
       sharding=sharding))
   y = dense(x, kernel, dense_bias, quantizers, key=key, states=states,
-            precision=module.precision, sharding=sharding, x_quantized=qx, weight=weight)
+            precision=module.precision, sharding=sharding, x_quantized=qx, weight=weight,
+            epilogue=epilogue)
   return y, ln_out
 
 

@@ -24,6 +24,7 @@ from jaxquant.flax.dense_general import DenseGeneral, _as_tuple, _flat_init
 from jaxquant.flax import fusion
 from jaxquant.flax.norm import apply_norm, check_norm_type, norm_parameters
 from jaxquant.flax.quantization import logical_init, quantized_contraction
+from jaxquant.layers.split_output import SplitOutput
 from jaxquant.recipes import Recipe
 
 default_kernel_init = nn.initializers.lecun_normal()
@@ -131,6 +132,10 @@ class LayerNormDense(nn.Module):
     fuse_producers: let the normalization kernel write the quantized input where the input
       format has fused kernels (`jaxquant.flax.fusion`): None (default): not yet (decision 20
       of docs/design.md), True: wherever the format allows, False never.
+    split_output: return the first feature axis's entries as a tuple of arrays (a packed
+      projection's q, k and v: `features=(3, heads, head_dim)`), their values the output's
+      slices; their gradients reach the contraction apart, not joined by XLA outside it
+      (`jaxquant.layers.split_output`).
   """
 
   features: Union[int, Sequence[int]]
@@ -153,11 +158,18 @@ class LayerNormDense(nn.Module):
   input_axes: tuple = ()
   reduce_dtype: Optional[Any] = None
   fuse_producers: Optional[bool] = None
+  split_output: bool = False
 
   @nn.compact
   def __call__(self, inputs: jax.Array):
     check_norm_type(self.norm_type)
     features = _as_tuple(self.features, "features")
+    epilogue = None
+    if self.split_output:
+      if len(features) < 2:
+        raise ValueError(f"split_output: features={features} has one axis; split_output "
+                         "returns the first of several (e.g. (3, heads, head_dim))")
+      epilogue = SplitOutput(len(features))
     kernel_axes = tuple(self.kernel_axes)
     if kernel_axes and len(kernel_axes) != 1 + len(features):
       raise ValueError(f"kernel_axes={kernel_axes}: expected {1 + len(features)} names "
@@ -173,13 +185,15 @@ class LayerNormDense(nn.Module):
     fused = None
     if self.fuse_producers is not False:
       fused = fusion.layernorm_dense(self, inputs, _norm_spec(self), scale, ln_bias, kernel,
-                                     bias, write_y=self.return_layernorm_output)
+                                     bias, write_y=self.return_layernorm_output,
+                                     epilogue=epilogue)
     if fused is not None:  # the norm kernel wrote the quantized input (jaxquant.flax.fusion)
       y, ln_out = fused
       return (y, ln_out) if self.return_layernorm_output else y
     ln_out = _apply_norm(self, inputs, scale, ln_bias)
     x, _, bias = nn.dtypes.promote_dtype(ln_out, kernel, bias, dtype=self.dtype)
-    y = quantized_contraction(self, x, kernel, bias, precision=self.precision)  # as Dense's
+    y = quantized_contraction(self, x, kernel, bias, precision=self.precision,  # as Dense's
+                              epilogue=epilogue)
     return (y, ln_out) if self.return_layernorm_output else y
 
 

@@ -242,12 +242,14 @@ def module_weight(module: nn.Module, prepare: Callable[[], Operand]) -> Optional
 def quantized_contraction(module: nn.Module, inputs: jax.Array, kernel: jax.Array,
                           bias: Optional[jax.Array], *, contracting_dims: int = 1,
                           precision: Any = None, recipe: Optional[Recipe] = None,
-                          name: Optional[str] = None) -> jax.Array:
+                          name: Optional[str] = None, epilogue: Any = None) -> jax.Array:
   """`jaxquant.dense` of a module's (promoted) operands, with the module's quantizers, state
-  and key; a plain contraction when no recipe is active."""
+  and key; a plain contraction when no recipe is active. `epilogue`: `jaxquant.dense`'s
+  (here a `SplitOutput`, which also applies without a recipe)."""
   quantizers = module_quantizers(module, name=name, recipe=recipe)
   if quantizers is None:
-    return dense(inputs, kernel, bias, contracting_dims=contracting_dims, precision=precision)
+    return dense(inputs, kernel, bias, contracting_dims=contracting_dims, precision=precision,
+                 epilogue=epilogue)
   sharding = module_sharding(module, kernel.shape, kernel.dtype)
   key, states = module_key(module, quantizers), module_states(module, quantizers)
   weight = module_weight(module, lambda: prepare_weight(
@@ -255,4 +257,4 @@ def quantized_contraction(module: nn.Module, inputs: jax.Array, kernel: jax.Arra
       contracting_dims=contracting_dims, sharding=sharding))
   return dense(inputs, kernel, bias, quantizers, key=key, states=states,
                contracting_dims=contracting_dims, precision=precision, sharding=sharding,
-               weight=weight)
+               weight=weight, epilogue=epilogue)

@@ -46,6 +46,7 @@ from jax.custom_derivatives import CustomVJPPrimal
 
 from jaxquant.layers import collective_gemm, operands, shared_inputs
 from jaxquant.layers.shard_major import shard_major
+from jaxquant.layers.split_output import SplitOutput
 from jaxquant import explain as _explain
 from jaxquant import ops
 from jaxquant import sharding as _sharding
@@ -178,7 +179,8 @@ class _Config:
   out_shape: tuple[int, ...]  # trailing axes of the kernel and the output
   plan: Optional[_sharding.DensePlan] = None  # specs under a mesh (None: unsharded/unknown)
   # What replaces the output and quantizes the output gradient (the fused activation of an MLP,
-  # jaxquant.layers.fused_activation.ActivationEpilogue), or None.
+  # jaxquant.layers.fused_activation.ActivationEpilogue), or the output's parts
+  # (jaxquant.layers.split_output.SplitOutput, whose cotangents the backward joins), or None.
   epilogue: Any = None
 
   def constrain(self, value, spec):
@@ -334,6 +336,8 @@ def _outputs(config: _Config, y):
   """(what the layer returns, the epilogue's residual h or None) of `_forward`'s `y`."""
   if config.epilogue is None:
     return y, None
+  if isinstance(config.epilogue, SplitOutput):  # the parts; the backward needs no residual
+    return config.epilogue.outputs(y), None
   if config.epilogue.in_gemm:
     return y, y[1]
   return config.epilogue.outputs(y), y
@@ -380,7 +384,10 @@ def _bwd(config, residuals, dy):
   _, _, key_g = _keys(key)
   roles = q.roles
   plan = config.plan
-  if config.epilogue is not None:  # dy is the epilogue's cotangent; it quantizes dy itself
+  if isinstance(config.epilogue, SplitOutput):  # the parts' cotangents, joined
+    dy = config.epilogue.join(dy, config.batch_shape + config.out_shape, config.x_dtype)
+  if config.epilogue is not None and not isinstance(config.epilogue, SplitOutput):
+    # dy is the epilogue's cotangent; it quantizes dy itself
     dqy, dbias = config.epilogue.gradient(
         dy, y, q.grad_output, states[2], rowwise=w_col is not None, columnwise=x_col is not None,
         dbias=config.bias_dtype is not None, key=key_g, role=roles[2])
@@ -514,7 +521,9 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
     epilogue: `jaxquant.layers.fused_activation.ActivationEpilogue`: the layer returns what
       the epilogue makes of its output (`(a, h)`; with `in_gemm` the GEMM's epilogue computes
       `a = gelu(h)`, unsharded layers only), and the epilogue quantizes the output gradient
-      (fused with the activation's derivative, or after JAX's).
+      (fused with the activation's derivative, or after JAX's). Or
+      `jaxquant.layers.split_output.SplitOutput`: the output's first feature axis as a tuple
+      of parts, whose gradients reach this contraction's backward apart.
 
   Returns:
     `[..., N1..Nn]` in `x`'s dtype (with an epilogue: the epilogue's outputs).
@@ -536,12 +545,16 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
   if quantizers is not None and not isinstance(quantizers, DenseQuantizers):
     raise TypeError(f"quantizers: expected DenseQuantizers or None, got "
                     f"{type(quantizers).__name__}")
-  if x_quantized is not None or epilogue is not None:
+  split = epilogue if isinstance(epilogue, SplitOutput) else None
+  if split is not None and split.feature_ndim != len(out_features):
+    raise ValueError(f"epilogue: SplitOutput(feature_ndim={split.feature_ndim}) but the kernel "
+                     f"has {len(out_features)} output axes {tuple(out_features)}")
+  if x_quantized is not None or (epilogue is not None and split is None):
     _check_fusion(quantizers, x_quantized, x, contracting_dims)
   relayout = (None if quantizers is None  # XLA contracts the axes as they are
               else shard_major(sharding, kernel.shape, contracting_dims))
   if relayout is not None:  # a sharded inner output axis: contract in shard-major order
-    if epilogue is not None:
+    if epilogue is not None and split is None:
       raise ValueError(f"epilogue: the kernel's sharded output axis ({sharding.kernel}) is not "
                        "the leading one; a fused activation epilogue needs it to be")
     relayout.check_blocks(quantizers, sharding.mesh or _sharding.current_mesh())
@@ -553,7 +566,8 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
     y = dense(x, relayout.kernel(kernel, contracting_dims), relayout.bias(bias), quantizers,
               key=key, states=states, contracting_dims=contracting_dims, precision=precision,
               sharding=relayout.sharding, weight=weight, x_quantized=x_quantized)
-    return relayout.output(y)
+    y = relayout.output(y)
+    return y if split is None else split.outputs(y)  # (autodiff joins the parts' gradients)
   if runs_unquantized(quantizers, sharding):
     kernel = kernel.astype(x.dtype)  # a parameter-dtype kernel: Flax's promotion
     y = jax.lax.dot_general(x, kernel, ((tuple(range(x.ndim - contracting_dims, x.ndim)),
@@ -561,7 +575,7 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
                             precision=precision)
     if bias is not None:
       y = y + bias.reshape((1,) * len(batch_shape) + tuple(out_features))
-    return y
+    return y if split is None else split.outputs(y)
   if states is None:
     if quantizers.stateful:
       raise ValueError("states: the quantizers are stateful (delayed scaling); pass "

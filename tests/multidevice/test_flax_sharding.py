@@ -179,3 +179,46 @@ def test_layernorm_mlp_dense_general_take_input_axes(devices, rng, fuse):
       model, boxed, x, mesh, RULES, rng, per_layer.LINEAR + (jf.LayerNormDense,))
   mlp = set() if fuse else {("mlp", "fc1"), ("mlp", "fc2")}
   assert set(found) == mlp | {("ln_dense",), ("head",)}, found
+
+
+class PackedQKV(nn.Module):
+  """A packed `(3, heads, head_dim)` projection returning its parts itself (`split_output`) or
+  sliced by the model; `kernel_axes` as `LayerNormDense`'s."""
+
+  split: bool
+  kernel_axes: tuple
+
+  @nn.compact
+  def __call__(self, x):
+    out = jf.LayerNormDense((3, 4, 32), recipe=jq.DelayedScaling(), split_output=self.split,
+                            input_axes=("batch", "length", "act_embed"),
+                            kernel_axes=self.kernel_axes, name="qkv")(x)
+    return out if self.split else tuple(out[:, :, i] for i in range(3))
+
+
+@pytest.mark.parametrize("kernel_axes", [("embed", None, None, None), ("embed", None, "mlp", None)],
+                         ids=["fsdp", "heads-tp"])
+def test_split_output_sharded_matches_the_sliced_projection(devices, rng, kernel_axes):
+  """Under a mesh the parts' gradients give the sliced projection's loss, gradients and
+  delayed-scaling states bit for bit: joined in the contraction's backward (the kernel sharded
+  over its input axis), or by autodiff after the shard-major contraction (heads sharded: an
+  inner output axis, `jaxquant.layers.shard_major`)."""
+  mesh = sharded.make_mesh(devices, "tp")
+  x = jnp.asarray(rng.standard_normal((8, 32, 128)), jnp.float32)
+  weights = jnp.asarray(rng.standard_normal((3, 8, 32, 4, 32)), jnp.float32)
+  results = []
+  for split in (False, True):
+    model = PackedQKV(split, kernel_axes)
+
+    def loss(variables, x, model=model):  # (the states' "gradients" are their updates)
+      parts = model.apply(variables, x)
+      return sum(jnp.sum(p.astype(jnp.float32) * w) for p, w in zip(parts, weights))
+
+    boxed = jax.jit(model.init)(jax.random.key(0), x)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+      variables, xs = sharded.place_flax(boxed, x, mesh, RULES)
+      results.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(variables, xs))
+  got, want = jax.device_get(results[1]), jax.device_get(results[0])
+  assert float(jnp.max(jnp.abs(got[1][1]))) > 0  # x's gradient
+  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
