@@ -169,7 +169,7 @@ class LayerNormDense(nn.Module):
       if len(features) < 2:
         raise ValueError(f"split_output: features={features} has one axis; split_output "
                          "returns the first of several (e.g. (3, heads, head_dim))")
-      epilogue = SplitOutput(len(features))
+      epilogue = SplitOutput()
     kernel_axes = tuple(self.kernel_axes)
     if kernel_axes and len(kernel_axes) != 1 + len(features):
       raise ValueError(f"kernel_axes={kernel_axes}: expected {1 + len(features)} names "

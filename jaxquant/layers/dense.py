@@ -337,7 +337,7 @@ def _outputs(config: _Config, y):
   if config.epilogue is None:
     return y, None
   if isinstance(config.epilogue, SplitOutput):  # the parts; the backward needs no residual
-    return config.epilogue.outputs(y), None
+    return config.epilogue.outputs(y, len(config.out_shape)), None
   if config.epilogue.in_gemm:
     return y, y[1]
   return config.epilogue.outputs(y), y
@@ -385,7 +385,8 @@ def _bwd(config, residuals, dy):
   roles = q.roles
   plan = config.plan
   if isinstance(config.epilogue, SplitOutput):  # the parts' cotangents, joined
-    dy = config.epilogue.join(dy, config.batch_shape + config.out_shape, config.x_dtype)
+    dy = config.epilogue.join(dy, config.batch_shape + config.out_shape,
+                              len(config.out_shape), config.x_dtype)
   if config.epilogue is not None and not isinstance(config.epilogue, SplitOutput):
     # dy is the epilogue's cotangent; it quantizes dy itself
     dqy, dbias = config.epilogue.gradient(
@@ -522,8 +523,8 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
       the epilogue makes of its output (`(a, h)`; with `in_gemm` the GEMM's epilogue computes
       `a = gelu(h)`, unsharded layers only), and the epilogue quantizes the output gradient
       (fused with the activation's derivative, or after JAX's). Or
-      `jaxquant.layers.split_output.SplitOutput`: the output's first feature axis as a tuple
-      of parts, whose gradients reach this contraction's backward apart.
+      `jaxquant.layers.split_output.SplitOutput()`: the output's first feature axis (of two
+      or more) as a tuple of parts, whose gradients reach this contraction's backward apart.
 
   Returns:
     `[..., N1..Nn]` in `x`'s dtype (with an epilogue: the epilogue's outputs).
@@ -546,9 +547,9 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
     raise TypeError(f"quantizers: expected DenseQuantizers or None, got "
                     f"{type(quantizers).__name__}")
   split = epilogue if isinstance(epilogue, SplitOutput) else None
-  if split is not None and split.feature_ndim != len(out_features):
-    raise ValueError(f"epilogue: SplitOutput(feature_ndim={split.feature_ndim}) but the kernel "
-                     f"has {len(out_features)} output axes {tuple(out_features)}")
+  if split is not None and len(out_features) < 2:
+    raise ValueError(f"epilogue: SplitOutput splits the first of several output axes; the "
+                     f"kernel has one, {tuple(out_features)}")
   if x_quantized is not None or (epilogue is not None and split is None):
     _check_fusion(quantizers, x_quantized, x, contracting_dims)
   relayout = (None if quantizers is None  # XLA contracts the axes as they are
@@ -567,7 +568,8 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
               key=key, states=states, contracting_dims=contracting_dims, precision=precision,
               sharding=relayout.sharding, weight=weight, x_quantized=x_quantized)
     y = relayout.output(y)
-    return y if split is None else split.outputs(y)  # (autodiff joins the parts' gradients)
+    # (autodiff joins the parts' gradients)
+    return y if split is None else split.outputs(y, len(out_features))
   if runs_unquantized(quantizers, sharding):
     kernel = kernel.astype(x.dtype)  # a parameter-dtype kernel: Flax's promotion
     y = jax.lax.dot_general(x, kernel, ((tuple(range(x.ndim - contracting_dims, x.ndim)),
@@ -575,7 +577,7 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
                             precision=precision)
     if bias is not None:
       y = y + bias.reshape((1,) * len(batch_shape) + tuple(out_features))
-    return y if split is None else split.outputs(y)
+    return y if split is None else split.outputs(y, len(out_features))
   if states is None:
     if quantizers.stateful:
       raise ValueError("states: the quantizers are stateful (delayed scaling); pass "

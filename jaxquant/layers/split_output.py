@@ -20,34 +20,22 @@ from jax.custom_derivatives import SymbolicZero
 
 @dataclasses.dataclass(frozen=True)
 class SplitOutput:
-  """`jaxquant.dense`'s epilogue returning the output's first feature axis as separate arrays.
+  """`jaxquant.dense`'s epilogue returning the output's first feature axis (of the kernel's
+  output axes, at least two) as separate arrays, each keeping the other feature axes."""
 
-  Attributes:
-    feature_ndim: how many trailing axes of the output are features (the kernel's output
-      axes); the first of them is split, each part keeping the others.
-  """
-
-  feature_ndim: int
   in_gemm = False  # (read by jaxquant.layers.dense: no GEMM epilogue)
 
-  def __post_init__(self):
-    if not isinstance(self.feature_ndim, int) or self.feature_ndim < 2:
-      raise ValueError(f"feature_ndim={self.feature_ndim!r}: the output needs at least two "
-                       "feature axes, the first one split into parts (e.g. (3, heads, "
-                       "head_dim))")
-
-  def axis(self, ndim: int) -> int:
-    """The split axis of an output with `ndim` axes."""
-    return ndim - self.feature_ndim
-
-  def outputs(self, y: jax.Array) -> tuple[jax.Array, ...]:
-    """The parts of `y` along its first feature axis."""
-    axis = self.axis(y.ndim)
+  @staticmethod
+  def outputs(y: jax.Array, feature_ndim: int) -> tuple[jax.Array, ...]:
+    """The parts of `y` (its last `feature_ndim` axes the features) along its first feature
+    axis."""
+    axis = y.ndim - feature_ndim
     return tuple(jax.lax.index_in_dim(y, i, axis, keepdims=False) for i in range(y.shape[axis]))
 
-  def join(self, cotangents, shape: tuple[int, ...], dtype) -> jax.Array:
+  @staticmethod
+  def join(cotangents, shape: tuple[int, ...], feature_ndim: int, dtype) -> jax.Array:
     """The output's cotangent `[*shape]` from the parts' (a symbolic zero: zeros)."""
-    axis = self.axis(len(shape))
+    axis = len(shape) - feature_ndim
     part_shape = shape[:axis] + shape[axis + 1:]
     parts = [jnp.zeros(part_shape, dtype) if isinstance(c, SymbolicZero) or c is None
              else c.astype(dtype) for c in cotangents]
