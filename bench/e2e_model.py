@@ -153,8 +153,10 @@ class ModulesBlock(nn.Module):
   def __call__(self, x, mask):
     cfg = self.config
     head_dim = cfg.d_model // cfg.heads
-    qkv = jqf.LayerNormDense((3, cfg.heads, head_dim), dtype=cfg.dtype, name="qkv")(x)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    # q, k and v returned apart (`split_output`): their gradients reach the projection's
+    # backward where the attention wrote them, quantized there without a joining copy.
+    q, k, v = jqf.LayerNormDense((3, cfg.heads, head_dim), dtype=cfg.dtype, split_output=True,
+                                 name="qkv")(x)
     if cfg.attention == "cudnn":
       h = attention_core(q, k, v, "cudnn")
     else:

@@ -19,7 +19,12 @@ enum class Producer : int32_t {
   kRmsNorm = 2,    // x [R, C] -> norm_value(x, -, rsigma, scale, bias)
   kAct = 3,        // h [R, C] (gated: [R, 2C]) -> act(h) (gated: act(h0) * h1)
   kDact = 4,       // dy [R, N], h [R, C] (C = N, gated 2N) -> dy * act'(h) (gated: dh0 | dh1)
+  kParts = 5,      // a [R, Cp] and the `more` operands (each [R, Cp], a's dtype) side by side:
+                   // [a | more0 | more1 ...], C = parts * Cp (a packed projection's dq | dk | dv)
 };
+
+// The most parts a kParts producer joins (the device producer holds their pointers by value).
+constexpr int kMaxParts = 8;
 
 inline const char* out_type_name(jq::OutType t) {
   switch (t) {
@@ -41,9 +46,11 @@ inline jq::OutType out_type_of(In t) {
   return t == In::kBF16 ? jq::OutType::kBF16 : (t == In::kF16 ? jq::OutType::kF16 : jq::OutType::kF32);
 }
 
-// The six operands every fused target starts with: a, b, mean, rsigma, scale, bias.
+// The six operands every fused target starts with: a, b, mean, rsigma, scale, bias; and the
+// operands after the target's own (`more`: a kParts producer's other parts, else none).
 struct ProducerOperands {
   ffi::AnyBuffer a, b, mean, rsigma, scale, bias;
+  const ffi::RemainingArgs* more = nullptr;
 };
 
 // The producer attributes every fused target takes.
@@ -61,7 +68,9 @@ struct FusedArgs {
   Input a, b;  // a: x (norms), h (act), dy (dact); b: h (dact)
   const float *mean = nullptr, *rsigma = nullptr, *scale = nullptr, *bias = nullptr;
   int64_t R = 0, C = 0;  // the produced matrix
-  int64_t N = 0;         // dact: the columns of dy (C / 2 when gated)
+  int64_t N = 0;         // dact: the columns of dy (C / 2 when gated); parts: a part's (Cp)
+  const void* parts[kMaxParts] = {};  // parts: a's data, then the `more` operands'
+  int nparts = 0;
 
   bool norm() const { return producer == Producer::kLayerNorm || producer == Producer::kRmsNorm; }
   bool layernorm() const { return producer == Producer::kLayerNorm; }
@@ -72,15 +81,60 @@ inline ffi::Error expect_placeholder(const char* t, const char* what, const ffi:
                 {ffi::DataType::F32}, {});
 }
 
+// A kParts producer's operands (a already decoded into f->a): b, mean, rsigma, scale and bias
+// placeholders; the other parts `more`, each a's dtype and shape; an ungated producer keeping
+// its input's dtype.
+inline ffi::Error decode_parts(const char* t, const ProducerOperands& in, const ProducerAttrs& at, FusedArgs* f) {
+  JQ_RETURN_IF_ERROR(expect_placeholder(t, "b", in.b));
+  JQ_RETURN_IF_ERROR(expect_placeholder(t, "mean", in.mean));
+  JQ_RETURN_IF_ERROR(expect_placeholder(t, "rsigma", in.rsigma));
+  JQ_RETURN_IF_ERROR(expect_placeholder(t, "scale", in.scale));
+  JQ_RETURN_IF_ERROR(expect_placeholder(t, "bias", in.bias));
+  if (at.gated) return invalid(t, "gated: a parts producer (producer=5) joins parts; it has no gate");
+  if (out_type_of(f->a.type) != f->out) {
+    return invalid(t, std::string("parts keep their dtype: the parts are ") + out_type_name(out_type_of(f->a.type)) +
+                          ", out_type is " + out_type_name(f->out));
+  }
+  const size_t more = in.more ? in.more->size() : 0;
+  if (1 + more > size_t(kMaxParts)) {
+    return invalid(t, std::to_string(1 + more) + " parts; at most " + std::to_string(kMaxParts));
+  }
+  f->R = f->a.rows;
+  f->N = f->a.cols;
+  f->parts[0] = f->a.data;
+  for (size_t i = 0; i < more; ++i) {
+    auto part = in.more->get<ffi::AnyBuffer>(i);
+    if (part.has_error()) return invalid(t, "part " + std::to_string(i + 1) + " is not a buffer");
+    Input p;
+    JQ_RETURN_IF_ERROR(decode_input(t, *part, &p));
+    if (p.type != f->a.type || p.rows != f->R || p.cols != f->N) {
+      return invalid(t, "part " + std::to_string(i + 1) + " is " + out_type_name(out_type_of(p.type)) +
+                            dims_str({p.rows, p.cols}) + "; every part is the first's dtype and shape, " +
+                            out_type_name(out_type_of(f->a.type)) + dims_str({f->R, f->N}));
+    }
+    f->parts[i + 1] = p.data;
+  }
+  f->nparts = int(1 + more);
+  f->C = f->nparts * f->N;
+  if (f->C >= (int64_t{1} << 31)) return invalid(t, "the joined parts have >= 2^31 columns");
+  return ffi::Error::Success();
+}
+
 // Operands of every fused target: a, b, mean, rsigma, scale, bias (unused ones are float32[]
 // placeholders).
 inline ffi::Error decode_producer(const char* t, const ProducerOperands& in, const ProducerAttrs& at,
                                   FusedArgs* f) {
   const ffi::AnyBuffer &a = in.a, &b = in.b, &mean = in.mean, &rsigma = in.rsigma, &scale = in.scale,
                        &bias = in.bias;
-  if (at.producer < 1 || at.producer > 4) {
+  if (at.producer < 1 || at.producer > 5) {
     return invalid(t, "producer=" + std::to_string(at.producer) +
-                          "; expected 1 (layernorm), 2 (rmsnorm), 3 (activation) or 4 (activation gradient)");
+                          "; expected 1 (layernorm), 2 (rmsnorm), 3 (activation), 4 (activation gradient) or "
+                          "5 (column parts)");
+  }
+  const size_t more = in.more ? in.more->size() : 0;
+  if (at.producer != 5 && more) {
+    return invalid(t, std::to_string(more) + " operands after the target's own; only a parts producer "
+                          "(producer=5) takes more (its other parts)");
   }
   if (at.act < 0 || at.act > 5) {
     return invalid(t, "act=" + std::to_string(at.act) +
@@ -100,6 +154,7 @@ inline ffi::Error decode_producer(const char* t, const ProducerOperands& in, con
   f->gated = at.gated;
   const auto f32 = {ffi::DataType::F32};
   JQ_RETURN_IF_ERROR(decode_input(t, a, &f->a));
+  if (f->producer == Producer::kParts) return decode_parts(t, in, at, f);
   if (f->norm()) {
     f->R = f->a.rows;
     f->C = f->a.cols;
@@ -173,7 +228,9 @@ inline ffi::Error read_y(const char* t, RetReader& r, const FusedArgs& f, bool w
 
 inline ffi::Error read_col_sums(const char* t, RetReader& r, const FusedArgs& f, bool col_sums, FusedOutputs* o) {
   if (!col_sums) return ffi::Error::Success();
-  if (f.producer != Producer::kDact) return invalid(t, "col_sums: only an activation gradient sums columns (dbias)");
+  if (f.producer != Producer::kDact && f.producer != Producer::kParts) {
+    return invalid(t, "col_sums: only an activation gradient or column parts sum columns (dbias)");
+  }
   void* p;
   JQ_RETURN_IF_ERROR(r.next("column sums", {ffi::DataType::F32}, {ceil_div(f.R, 128), f.C}, &p));
   o->col_sums = static_cast<float*>(p);
@@ -202,7 +259,7 @@ ffi::Error read_fused_results(const char* t, ffi::RemainingRets rets, bool write
   return r.done();
 }
 
-// jaxquant_fused_quantize_fp8(the six, s) -> [y], jaxquant_quantize_fp8's results, [col_sums]
+// jaxquant_fused_quantize_fp8(the six, s, [parts]) -> [y], jaxquant_quantize_fp8's results, [col_sums]
 inline ffi::Error decode_fused_fp8(const ProducerOperands& in, ffi::AnyBuffer s, ffi::RemainingRets rets,
                                    const ProducerAttrs& at, bool write_y, bool col_sums, bool rowwise,
                                    bool columnwise, bool delayed, bool pow2_scale, float amax_epsilon,
@@ -214,7 +271,7 @@ inline ffi::Error decode_fused_fp8(const ProducerOperands& in, ffi::AnyBuffer s,
   return read_fused_results(t, rets, write_y, col_sums, d);
 }
 
-// jaxquant_fused_quantize_mxfp8(the six) -> [y], jaxquant_quantize_mxfp8's results, [col_sums]
+// jaxquant_fused_quantize_mxfp8(the six, [parts]) -> [y], jaxquant_quantize_mxfp8's results, [col_sums]
 inline ffi::Error decode_fused_mxfp8(const ProducerOperands& in, ffi::RemainingRets rets, const ProducerAttrs& at,
                                      bool write_y, bool col_sums, bool rowwise, bool columnwise,
                                      FusedQuantizeArgs<Mxfp8Args>* d) {
@@ -225,7 +282,7 @@ inline ffi::Error decode_fused_mxfp8(const ProducerOperands& in, ffi::RemainingR
   return read_fused_results(t, rets, write_y, col_sums, d);
 }
 
-// jaxquant_fused_quantize_fp8_block(the six) -> [y], jaxquant_quantize_fp8_block's results,
+// jaxquant_fused_quantize_fp8_block(the six, [parts]) -> [y], jaxquant_quantize_fp8_block's results,
 // [col_sums]
 inline ffi::Error decode_fused_fp8_block(const ProducerOperands& in, ffi::RemainingRets rets,
                                          const ProducerAttrs& at, bool write_y, bool col_sums, bool rowwise,
@@ -238,7 +295,7 @@ inline ffi::Error decode_fused_fp8_block(const ProducerOperands& in, ffi::Remain
   return read_fused_results(t, rets, write_y, col_sums, d);
 }
 
-// jaxquant_fused_amax(the six, gate) -> amax f32[] of the produced matrix; with gated_amax only
+// jaxquant_fused_amax(the six, gate, [parts]) -> amax f32[] of the produced matrix; with gated_amax only
 // when the float32[] gate is 0 (a delayed-scaling state with no scale yet), else 0.
 struct FusedAmaxArgs {
   FusedArgs f;
@@ -340,18 +397,18 @@ auto BindNormStats(Binding binding) {
   return Attrs<bool>(std::move(modes), "has_scale", "has_bias");
 }
 
-// jaxquant_fused_amax: the six, gate -> amax.
+// jaxquant_fused_amax: the six, gate, the other parts (producer=5) -> amax.
 template <typename Binding>
 auto BindFusedAmax(Binding binding) {
-  return Attrs<bool>(BindProducerAttrs(Rets<1>(Args<7>(std::move(binding)))), "gated_amax");
+  return Attrs<bool>(BindProducerAttrs(Rets<1>(Args<7>(std::move(binding)).RemainingArgs())), "gated_amax");
 }
 
 // `binding` followed by what every fused quantize target takes before the quantize target's
-// attributes: the six operands and kExtra more, the results ([y], the quantize target's,
+// attributes: the six operands, kExtra more, a parts producer's other parts, the results ([y], the quantize target's,
 // [col_sums]), the producer attributes, write_y and col_sums.
 template <size_t kExtra, typename Binding>
 auto FusedQuantizeHead(Binding&& binding) {
-  auto producer = BindProducerAttrs(Args<6 + kExtra>(std::move(binding)).RemainingRets());
+  auto producer = BindProducerAttrs(Args<6 + kExtra>(std::move(binding)).RemainingArgs().RemainingRets());
   return Attrs<bool>(std::move(producer), "write_y", "col_sums");
 }
 

@@ -31,6 +31,10 @@ float produced_value(const FusedArgs& f, int64_t r, int64_t c) {
       const float a = jq::act_value(f.act, h0);
       return f.gated ? a * input_value(f.a, r * width + f.C + c) : a;
     }
+    case Producer::kParts: {  // column c of part c / Cp
+      const int64_t part = c / f.N;
+      return input_value(Input{f.parts[part], f.R, f.N, f.a.type}, r * f.N + (c - part * f.N));
+    }
     default: {  // activation gradient
       if (!f.gated) return jq::act_backward(f.act, input_value(f.a, r * f.N + c), input_value(f.b, r * f.C + c));
       if (c < f.N) {
@@ -129,10 +133,10 @@ ffi::Error NormStatsCpu(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer b
 
 ffi::Error FusedAmaxCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer mean, ffi::AnyBuffer rsigma,
                         ffi::AnyBuffer scale, ffi::AnyBuffer bias, ffi::AnyBuffer gate,
-                        ffi::Result<ffi::AnyBuffer> amax, int32_t producer, int32_t act, int32_t out_type, bool gated,
+                        ffi::RemainingArgs more, ffi::Result<ffi::AnyBuffer> amax, int32_t producer, int32_t act, int32_t out_type, bool gated,
                         bool has_scale, bool has_bias, bool gated_amax) {
   FusedAmaxArgs d;
-  JQ_RETURN_IF_ERROR(decode_fused_amax({a, b, mean, rsigma, scale, bias}, gate, amax,
+  JQ_RETURN_IF_ERROR(decode_fused_amax({a, b, mean, rsigma, scale, bias, &more}, gate, amax,
                                        {producer, act, out_type, gated, has_scale, has_bias}, gated_amax, &d));
   *d.amax = d.gate && *d.gate != 0.0f ? 0.f : amax_of(produce(d.f));
   return ffi::Error::Success();
@@ -150,12 +154,12 @@ Matrix produce_outputs(const FusedQuantizeArgs<Q>& d) {
 }
 
 ffi::Error FusedQuantizeFp8Cpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer mean, ffi::AnyBuffer rsigma,
-                               ffi::AnyBuffer scale, ffi::AnyBuffer bias, ffi::AnyBuffer s, ffi::RemainingRets rets,
+                               ffi::AnyBuffer scale, ffi::AnyBuffer bias, ffi::AnyBuffer s, ffi::RemainingArgs more, ffi::RemainingRets rets,
                                int32_t producer, int32_t act, int32_t out_type, bool gated, bool has_scale,
                                bool has_bias, bool write_y, bool col_sums, bool rowwise, bool columnwise,
                                bool delayed, bool pow2_scale, float amax_epsilon) {
   FusedQuantizeArgs<Fp8TensorArgs> d;
-  JQ_RETURN_IF_ERROR(decode_fused_fp8({a, b, mean, rsigma, scale, bias}, s, rets,
+  JQ_RETURN_IF_ERROR(decode_fused_fp8({a, b, mean, rsigma, scale, bias, &more}, s, rets,
                                       {producer, act, out_type, gated, has_scale, has_bias}, write_y, col_sums,
                                       rowwise, columnwise, delayed, pow2_scale, amax_epsilon, &d));
   quantize_matrix(produce_outputs(d), d.q);
@@ -163,11 +167,11 @@ ffi::Error FusedQuantizeFp8Cpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffe
 }
 
 ffi::Error FusedQuantizeMxfp8Cpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer mean, ffi::AnyBuffer rsigma,
-                                 ffi::AnyBuffer scale, ffi::AnyBuffer bias, ffi::RemainingRets rets, int32_t producer,
+                                 ffi::AnyBuffer scale, ffi::AnyBuffer bias, ffi::RemainingArgs more, ffi::RemainingRets rets, int32_t producer,
                                  int32_t act, int32_t out_type, bool gated, bool has_scale, bool has_bias,
                                  bool write_y, bool col_sums, bool rowwise, bool columnwise) {
   FusedQuantizeArgs<Mxfp8Args> d;
-  JQ_RETURN_IF_ERROR(decode_fused_mxfp8({a, b, mean, rsigma, scale, bias}, rets,
+  JQ_RETURN_IF_ERROR(decode_fused_mxfp8({a, b, mean, rsigma, scale, bias, &more}, rets,
                                         {producer, act, out_type, gated, has_scale, has_bias}, write_y, col_sums,
                                         rowwise, columnwise, &d));
   quantize_matrix(produce_outputs(d), d.q);
@@ -175,12 +179,12 @@ ffi::Error FusedQuantizeMxfp8Cpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuf
 }
 
 ffi::Error FusedQuantizeFp8BlockCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer mean, ffi::AnyBuffer rsigma,
-                                    ffi::AnyBuffer scale, ffi::AnyBuffer bias, ffi::RemainingRets rets,
+                                    ffi::AnyBuffer scale, ffi::AnyBuffer bias, ffi::RemainingArgs more, ffi::RemainingRets rets,
                                     int32_t producer, int32_t act, int32_t out_type, bool gated, bool has_scale,
                                     bool has_bias, bool write_y, bool col_sums, bool rowwise, bool columnwise,
                                     bool block_2d, bool pow2_scale, float amax_epsilon) {
   FusedQuantizeArgs<Fp8BlockArgs> d;
-  JQ_RETURN_IF_ERROR(decode_fused_fp8_block({a, b, mean, rsigma, scale, bias}, rets,
+  JQ_RETURN_IF_ERROR(decode_fused_fp8_block({a, b, mean, rsigma, scale, bias, &more}, rets,
                                             {producer, act, out_type, gated, has_scale, has_bias}, write_y,
                                             col_sums, rowwise, columnwise, block_2d, pow2_scale, amax_epsilon, &d));
   quantize_matrix(produce_outputs(d), d.q);

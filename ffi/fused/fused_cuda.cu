@@ -35,11 +35,11 @@ ffi::Error NormStatsCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s
 
 ffi::Error FusedAmaxCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer mean,
                          ffi::AnyBuffer rsigma, ffi::AnyBuffer scale, ffi::AnyBuffer bias, ffi::AnyBuffer gate,
-                         ffi::Result<ffi::AnyBuffer> amax, int32_t producer, int32_t act, int32_t out_type, bool gated,
+                         ffi::RemainingArgs more, ffi::Result<ffi::AnyBuffer> amax, int32_t producer, int32_t act, int32_t out_type, bool gated,
                          bool has_scale, bool has_bias, bool gated_amax) {
   const char* t = "jaxquant_fused_amax";
   FusedAmaxArgs d;
-  JQ_RETURN_IF_ERROR(decode_fused_amax({a, b, mean, rsigma, scale, bias}, gate, amax,
+  JQ_RETURN_IF_ERROR(decode_fused_amax({a, b, mean, rsigma, scale, bias, &more}, gate, amax,
                                        {producer, act, out_type, gated, has_scale, has_bias}, gated_amax, &d));
   JQ_RETURN_IF_ERROR(clear(stream, d.amax, 4));
   const int64_t total = d.f.R * ceil_div(d.f.C, 8);

@@ -19,6 +19,8 @@
 namespace jqffi {
 namespace {
 
+static_assert(kMaxProducerParts == kMaxParts, "producers.cuh and fused_args.h hold as many parts");
+
 // Calls fn(producer) with the device producer of `f` (y: the normalized output, or null). A
 // normalization writes its input's type or float32; an activation keeps its input's type.
 template <typename F>
@@ -42,6 +44,13 @@ ffi::Error with_producer(const char* t, const FusedArgs& f, void* y, F&& fn) {
       } else {
         served = false;
       }
+    } else if (f.producer == Producer::kParts) {
+      PartsProducer<In> parts{{}, f.R, f.C, f.N, f.N % 8 == 0};
+      for (int k = 0; k < f.nparts; ++k) {
+        parts.part[k] = static_cast<const In*>(f.parts[k]);
+        parts.vec = parts.vec && aligned(f.parts[k], 16);
+      }
+      fn(parts);
     } else if (f.producer == Producer::kAct) {
       fn(ActProducer<In>{a, f.R, f.C, aligned(a, 16) && f.C % 8 == 0, f.gated, f.act});
     } else {

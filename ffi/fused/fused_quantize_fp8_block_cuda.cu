@@ -7,12 +7,12 @@ namespace {
 
 ffi::Error FusedQuantizeFp8BlockCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer mean,
                                      ffi::AnyBuffer rsigma, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
-                                     ffi::RemainingRets rets, int32_t producer, int32_t act, int32_t out_type,
+                                     ffi::RemainingArgs more, ffi::RemainingRets rets, int32_t producer, int32_t act, int32_t out_type,
                                      bool gated, bool has_scale, bool has_bias, bool write_y, bool col_sums,
                                      bool rowwise, bool columnwise, bool block_2d, bool pow2_scale,
                                      float amax_epsilon) {
   FusedQuantizeArgs<Fp8BlockArgs> d;
-  JQ_RETURN_IF_ERROR(decode_fused_fp8_block({a, b, mean, rsigma, scale, bias}, rets,
+  JQ_RETURN_IF_ERROR(decode_fused_fp8_block({a, b, mean, rsigma, scale, bias, &more}, rets,
                                             {producer, act, out_type, gated, has_scale, has_bias}, write_y,
                                             col_sums, rowwise, columnwise, block_2d, pow2_scale, amax_epsilon, &d));
   return quantize_produced(stream, d, fp8_block_params(d.q, d.f.R, d.f.C, d.o.col_sums));

@@ -7,11 +7,11 @@ namespace {
 
 ffi::Error FusedQuantizeMxfp8Cuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer mean,
                                   ffi::AnyBuffer rsigma, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
-                                  ffi::RemainingRets rets, int32_t producer, int32_t act, int32_t out_type,
+                                  ffi::RemainingArgs more, ffi::RemainingRets rets, int32_t producer, int32_t act, int32_t out_type,
                                   bool gated, bool has_scale, bool has_bias, bool write_y, bool col_sums,
                                   bool rowwise, bool columnwise) {
   FusedQuantizeArgs<Mxfp8Args> d;
-  JQ_RETURN_IF_ERROR(decode_fused_mxfp8({a, b, mean, rsigma, scale, bias}, rets,
+  JQ_RETURN_IF_ERROR(decode_fused_mxfp8({a, b, mean, rsigma, scale, bias, &more}, rets,
                                         {producer, act, out_type, gated, has_scale, has_bias}, write_y, col_sums,
                                         rowwise, columnwise, &d));
   return quantize_produced(stream, d, mxfp8_params(d.q, d.f.R, d.f.C, d.o.col_sums));

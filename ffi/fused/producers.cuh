@@ -192,12 +192,67 @@ template <>
 struct TileWords<ActProducer<BF16>> {
   static constexpr bool kServed = true;
   static bool serves(const ActProducer<BF16>& a) { return a.vec && !a.gated && a.act == jq::Act::kGeluApprox; }
-  __device__ static const BF16* data(const ActProducer<BF16>& a) { return a.h; }
+  __device__ static TileSource source(const ActProducer<BF16>& a, uint32_t r0, uint32_t c0, uint32_t C) {
+    return {a.h + r0 * C + c0, C};
+  }
   __device__ static uint32_t word(uint32_t w) {
     const BF16 lo = from_float<BF16>(jq::gelu_approx(__uint_as_float(w << 16)));
     const BF16 hi = from_float<BF16>(jq::gelu_approx(__uint_as_float(w & 0xFFFF0000u)));
     return uint32_t(lo.u) | (uint32_t(hi.u) << 16);
   }
+};
+
+// The most parts a PartsProducer joins (fused_args.h's kMaxParts).
+constexpr int kMaxProducerParts = 8;
+
+// Column parts side by side: [part 0 | part 1 | ...], each [R, Cp] (a packed projection's dq,
+// dk and dv where the attention wrote them), C = parts * Cp: the values as they are, no
+// arithmetic. The whole-tile kernels read a tile from the one part it lies in (TileWords below).
+template <typename T>
+struct PartsProducer {
+  using Out = T;
+  const T* part[kMaxProducerParts];
+  int64_t R, C, Cp;
+  bool vec;  // every part 16-byte aligned and Cp % 8 == 0: 8 columns lie in one part
+
+  // Part k's data, by selects over the parameter array (an indexed load would copy the array
+  // to the stack first).
+  __device__ __forceinline__ const T* part_at(int64_t k) const {
+    const T* at = part[0];
+#pragma unroll
+    for (int i = 1; i < kMaxProducerParts; ++i) at = k == i ? part[i] : at;
+    return at;
+  }
+
+  __device__ __forceinline__ void load8(int64_t r, int64_t c, T* out) const {
+    if (r >= R || c >= C) {
+      zeros8(out);
+      return;
+    }
+    if (vec && c + 8 <= C) {
+      const int64_t k = c / Cp;
+      jqffi::load8(part_at(k), R, Cp, r, c - k * Cp, true, out);
+      return;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int64_t k = (c + i) / Cp;
+      out[i] = c + i < C ? part_at(k)[r * Cp + (c + i - k * Cp)] : zero_of<T>();
+    }
+  }
+};
+
+// Parts of whole tiles (Cp % 128 == 0: each 128-column tile in one part) for the whole-tile
+// bfloat16 kernels: the tile's rows are read where its part holds them.
+template <>
+struct TileWords<PartsProducer<BF16>> {
+  static constexpr bool kServed = true;
+  static bool serves(const PartsProducer<BF16>& p) { return p.vec && p.Cp % 128 == 0; }
+  __device__ static TileSource source(const PartsProducer<BF16>& p, uint32_t r0, uint32_t c0, uint32_t) {
+    const uint32_t Cp = uint32_t(p.Cp), k = c0 / Cp;
+    return {p.part_at(k) + r0 * Cp + (c0 - k * Cp), Cp};
+  }
+  __device__ static uint32_t word(uint32_t w) { return w; }
 };
 
 // The gradient through an activation: dy [R, N] times act'(h), h [R, C]; gated (C = 2N):

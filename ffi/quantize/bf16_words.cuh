@@ -7,11 +7,18 @@
 namespace jqffi {
 namespace {
 
+// Where a whole-tile kernel reads its 128 x 128 tile: element (i, j) of the tile at
+// `first[i * stride + j]` (element offsets below 2^31).
+struct TileSource {
+  const BF16* first;
+  uint32_t stride;
+};
+
 // What the whole-tile bfloat16 kernels (fp8_block_1x128.cuh, fp8_tensor_bf16.cuh) read for
-// producer P: `kServed` producers give a bfloat16 matrix `data` of the quantized matrix's shape,
-// 16-byte aligned rows where `serves`, each loaded word (two values) turned into two of the
-// quantized values by `word`. x itself here; the fused producers' header adds the gelu of an
-// MLP's fc1 output (fused/producers.cuh).
+// producer P: `kServed` producers give each tile (r0, c0) of the quantized R x C matrix as a
+// bfloat16 `source` with 16-byte aligned rows where `serves`, each loaded word (two values)
+// turned into two of the quantized values by `word`. x itself here; the fused producers' header
+// adds the gelu of an MLP's fc1 output and a packed projection's parts (fused/producers.cuh).
 template <typename P>
 struct TileWords {
   static constexpr bool kServed = false;
@@ -20,7 +27,9 @@ template <>
 struct TileWords<Direct<BF16>> {
   static constexpr bool kServed = true;
   static bool serves(const Direct<BF16>& x) { return x.vec; }
-  __device__ static const BF16* data(const Direct<BF16>& x) { return x.x; }
+  __device__ static TileSource source(const Direct<BF16>& x, uint32_t r0, uint32_t c0, uint32_t C) {
+    return {x.x + r0 * C + c0, C};
+  }
   __device__ static uint32_t word(uint32_t w) { return w; }
 };
 
@@ -55,6 +64,19 @@ __device__ __forceinline__ uint32_t bf16_column_codes4(const uint32_t* w, bool h
 }
 
 constexpr uint32_t kAbsBf16x2 = 0x7FFF7FFFu;
+
+// column_tile_sum (tile.cuh) of one bfloat16 half (hi: the upper) of words w[0..15]: the 16
+// rows of column c a whole-tile kernel's column phase holds, the column's 8 chunks in lanes
+// j = lane % 8. Every lane must call it (shuffles).
+__device__ __forceinline__ void bf16_column_tile_sum(const uint32_t* w, bool hi, int j, int64_t c, int64_t tile_row,
+                                                     int64_t C, float* out) {
+  float s = __uint_as_float(bf16_half_bits(w[0], hi)) + __uint_as_float(bf16_half_bits(w[1], hi));
+#pragma unroll
+  for (int i = 2; i < 16; ++i) s = s + __uint_as_float(bf16_half_bits(w[i], hi));
+#pragma unroll
+  for (int o = 1; o < 8; o <<= 1) s = s + __shfl_xor_sync(0xFFFFFFFFu, s, o);
+  if (j == 0) out[tile_row * C + c] = s;
+}
 constexpr uint32_t kBf16NanAbove = 0x7F80u;  // |bits| above +inf's: NaN
 
 // The larger |bits| of each half over a uint4 of bfloat16 pairs.

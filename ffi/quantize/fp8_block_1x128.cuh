@@ -11,10 +11,10 @@ namespace {
 
 // Whether fp8_block_1x128_bf16_kernel serves the call: 1x128 blocks, both copies, a producer it
 // reads (TileWords), whole 128 x 128 tiles (R and C multiples of 128), 16-byte aligned rows and
-// copies, 32-bit element offsets, no column sums or expert layout.
+// copies, 32-bit element offsets, no expert layout.
 template <typename P>
 inline bool fp8_block_1x128_fast(const Fp8BlockParams& p, const P& prod) {
-  return TileWords<P>::serves(prod) && !p.block_2d && p.do_row && p.do_col && p.col_sums == nullptr &&
+  return TileWords<P>::serves(prod) && !p.block_2d && p.do_row && p.do_col &&
          p.expert_rows == 0 && p.vec_row && p.vec_col && p.R % 128 == 0 && p.C % 128 == 0 &&
          p.R * p.C < (int64_t(1) << 31) && aligned(p.col, 16);
 }
@@ -45,10 +45,11 @@ __global__ void __launch_bounds__(kThreads, 4) fp8_block_1x128_bf16_kernel(const
   // Row phase: loads, the tile, and each pass's |bits| maximum (two halves).
   const int lr = tid >> 4, q = tid & 15;
   const uint32_t first = uint32_t(t.r0 + lr) * C + uint32_t(t.c0) + 8u * q;  // element offset, pass 0
-  const uint4* src = reinterpret_cast<const uint4*>(Words::data(prod) + first);
+  const TileSource in = Words::source(prod, uint32_t(t.r0), uint32_t(t.c0), C);
+  const uint4* src = reinterpret_cast<const uint4*>(in.first + uint32_t(lr) * in.stride + 8u * q);
   uint4 raw[8];
 #pragma unroll
-  for (int pp = 0; pp < 8; ++pp) raw[pp] = __ldg(src + pp * 2u * C);  // 16 rows = 2C chunks
+  for (int pp = 0; pp < 8; ++pp) raw[pp] = __ldg(src + pp * 2u * in.stride);  // 16 rows = 2 strides of chunks
   uint32_t pass_max[8];
 #pragma unroll
   for (int pp = 0; pp < 8; ++pp) {
@@ -128,6 +129,10 @@ __global__ void __launch_bounds__(kThreads, 4) fp8_block_1x128_bf16_kernel(const
     *reinterpret_cast<uint4*>(col_out) = make_uint4(q0[0], q0[1], q0[2], q0[3]);
     *reinterpret_cast<uint4*>(col_out + R) = make_uint4(q1[0], q1[1], q1[2], q1[3]);
     if (j < 2) p.col_scale[(c + j) * col_nb + t.r0 / 128] = jq::rcp_f32(j ? scale1 : scale0);
+    if (p.col_sums) {  // a bias gradient's per-tile column sums (uniform: every lane shuffles)
+      bf16_column_tile_sum(w, false, j, c, t.r0 / 128, p.C, p.col_sums);
+      bf16_column_tile_sum(w, true, j, c + 1, t.r0 / 128, p.C, p.col_sums);
+    }
   }
 }
 

@@ -11,11 +11,10 @@ namespace {
 
 // Whether fp8_tensor_bf16_kernel serves the call: both copies, a producer it reads (TileWords),
 // whole 128 x 128 tiles (R and C multiples of 128), 16-byte aligned rows and copies, 32-bit
-// element offsets, no column sums.
+// element offsets (column sums, a bias gradient's, come from the column phase).
 template <typename P>
 inline bool fp8_tensor_bf16_fast(const Fp8TensorParams& p, const P& prod) {
-  return TileWords<P>::serves(prod) && p.do_row && p.do_col && p.col_sums == nullptr && p.vec_row &&
-         p.vec_col && p.R % 128 == 0 && p.C % 128 == 0 && p.R * p.C < (int64_t(1) << 31) &&
+  return TileWords<P>::serves(prod) && p.do_row && p.do_col && p.vec_row && p.vec_col && p.R % 128 == 0 && p.C % 128 == 0 && p.R * p.C < (int64_t(1) << 31) &&
          aligned(p.col, 16);
 }
 
@@ -40,10 +39,11 @@ __global__ void __launch_bounds__(kThreads, 4) fp8_tensor_bf16_kernel(const Fp8T
   // Row phase: thread (lr = tid / 16, q = tid % 16) holds columns 8q .. 8q+7 of tile rows 16 pp + lr.
   const int lr = tid >> 4, q = tid & 15;
   const uint32_t first = uint32_t(t.r0 + lr) * C + uint32_t(t.c0) + 8u * q;
-  const uint4* src = reinterpret_cast<const uint4*>(Words::data(prod) + first);
+  const TileSource in = Words::source(prod, uint32_t(t.r0), uint32_t(t.c0), C);
+  const uint4* src = reinterpret_cast<const uint4*>(in.first + uint32_t(lr) * in.stride + 8u * q);
   uint4 raw[8];
 #pragma unroll
-  for (int pp = 0; pp < 8; ++pp) raw[pp] = __ldg(src + pp * 2u * C);  // 16 rows = 2C chunks
+  for (int pp = 0; pp < 8; ++pp) raw[pp] = __ldg(src + pp * 2u * in.stride);  // 16 rows = 2 strides of chunks
   uint8_t* row_out = p.row + first;
   uint32_t thread_max = 0;
 #pragma unroll
@@ -89,6 +89,10 @@ __global__ void __launch_bounds__(kThreads, 4) fp8_tensor_bf16_kernel(const Fp8T
     uint8_t* col_out = p.col + (uint32_t(t.c0) + 2u * cp) * R + uint32_t(t.r0) + 16u * j;
     *reinterpret_cast<uint4*>(col_out) = make_uint4(q0[0], q0[1], q0[2], q0[3]);
     *reinterpret_cast<uint4*>(col_out + R) = make_uint4(q1[0], q1[1], q1[2], q1[3]);
+    if (p.col_sums) {  // a bias gradient's per-tile column sums (uniform: every lane shuffles)
+      bf16_column_tile_sum(w, false, j, t.c0 + 2 * cp, t.r0 / 128, p.C, p.col_sums);
+      bf16_column_tile_sum(w, true, j, t.c0 + 2 * cp + 1, t.r0 / 128, p.C, p.col_sums);
+    }
   }
 }
 

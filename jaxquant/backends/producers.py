@@ -15,7 +15,7 @@ import numpy as np
 from jaxquant.numerics import activations as _act
 from jaxquant.tensors import ScaledTensor
 
-PRODUCER_KINDS = ("layernorm", "rmsnorm", "activation", "activation_grad")
+PRODUCER_KINDS = ("layernorm", "rmsnorm", "activation", "activation_grad", "parts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +23,8 @@ class Producer:
   """What computes the matrix a fused target quantizes (static).
 
   Attributes:
-    kind: "layernorm", "rmsnorm", "activation" or "activation_grad".
+    kind: "layernorm", "rmsnorm", "activation", "activation_grad" or "parts" (column parts
+      side by side, `[a | *more]`: a packed projection's dq, dk and dv, read where they are).
     out_dtype: the produced values are rounded to it (bfloat16, float16 or float32).
     epsilon: the normalization's epsilon.
     has_scale, has_bias: a normalization's scale (already `1 + gamma` when zero-centered) and
@@ -63,8 +64,9 @@ class Producer:
 
 @dataclasses.dataclass(frozen=True)
 class Inputs:
-  """The producer's arrays: `a` = x (norms), h (activation) or dy (gradient); `b` = h
-  (gradient); per-row `mean`, `rsigma` and per-column `scale`, `bias` of a normalization."""
+  """The producer's arrays: `a` = x (norms), h (activation), dy (gradient) or the first part;
+  `b` = h (gradient); per-row `mean`, `rsigma` and per-column `scale`, `bias` of a
+  normalization; `more` = the other parts (each `a`'s shape and dtype)."""
 
   a: jax.Array
   b: Optional[jax.Array] = None
@@ -72,6 +74,7 @@ class Inputs:
   rsigma: Optional[jax.Array] = None
   scale: Optional[jax.Array] = None
   bias: Optional[jax.Array] = None
+  more: tuple = ()
 
 
 def output_shape(producer: Producer, inputs: Inputs) -> tuple[int, int]:
@@ -80,6 +83,8 @@ def output_shape(producer: Producer, inputs: Inputs) -> tuple[int, int]:
     return rows, cols // 2
   if producer.kind == "activation_grad" and producer.gated:
     return rows, 2 * cols
+  if producer.kind == "parts":
+    return rows, cols * (1 + len(inputs.more))
   return rows, cols
 
 

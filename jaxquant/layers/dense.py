@@ -384,10 +384,14 @@ def _bwd(config, residuals, dy):
   _, _, key_g = _keys(key)
   roles = q.roles
   plan = config.plan
-  if isinstance(config.epilogue, SplitOutput):  # the parts' cotangents, joined
+  split = _split_gradient(config, dy, states[2], w_col is not None, x_col is not None)
+  if isinstance(config.epilogue, SplitOutput) and split is None:  # the parts, joined
     dy = config.epilogue.join(dy, config.batch_shape + config.out_shape,
                               len(config.out_shape), config.x_dtype)
-  if config.epilogue is not None and not isinstance(config.epilogue, SplitOutput):
+  if split is not None:  # the parts quantized where they lie
+    dqy, dbias = split
+    dbias = None if dbias is None else dbias.reshape(config.out_shape).astype(config.bias_dtype)
+  elif config.epilogue is not None and not isinstance(config.epilogue, SplitOutput):
     # dy is the epilogue's cotangent; it quantizes dy itself
     dqy, dbias = config.epilogue.gradient(
         dy, y, q.grad_output, states[2], rowwise=w_col is not None, columnwise=x_col is not None,
@@ -437,6 +441,18 @@ def _bwd(config, residuals, dy):
                 ops.update_state(q.grad_output, states[2], dqy, role=roles[2]))
   # No cotangent for the quantized operands: the kernel and x gradients above are theirs.
   return dx, dkernel, dbias, None, new_states, None, None
+
+
+def _split_gradient(config: _Config, dy, state, rowwise: bool, columnwise: bool):
+  """(dy quantized, bias gradient or None) from a `SplitOutput`'s parts where its parts quantize
+  serves, else None (not a split output, or the parts are joined first)."""
+  if not isinstance(config.epilogue, SplitOutput):
+    return None
+  return config.epilogue.gradient(
+      dy, config.batch_shape + config.out_shape, len(config.out_shape), config.x_dtype,
+      config.quantizers.grad_output, state, rowwise=rowwise, columnwise=columnwise,
+      dbias=config.bias_dtype is not None, sharded=config.plan is not None,
+      role=config.quantizers.roles[2])
 
 
 def _data_parallel_wgrad(config: _Config, x_col, dy_col, swap: bool):

@@ -38,7 +38,7 @@ from jaxquant.tensors import QuantizedTensor
 
 __all__ = ["NormQuantized", "activation_grad_quantize", "activation_quantize",
            "auto_fusion_reason", "auto_quantize_gelu_reason", "fusion_unsupported",
-           "norm_quantize"]
+           "norm_quantize", "parts_quantize"]
 
 
 def fusion_unsupported(quantizer: Quantizer) -> Optional[str]:
@@ -153,7 +153,9 @@ def _record(role, producer: Producer, quantizer: Quantizer, rowwise: bool, colum
             path: str, reason: str) -> None:
   directions = "+".join(d for d, on in (("rowwise", rowwise), ("columnwise", columnwise)) if on)
   what = producer.kind.replace("_", " ")
-  if producer.activation and not producer.norm:
+  if producer.kind == "parts":
+    what = "column parts"
+  elif producer.activation and not producer.norm:
     what = f"{what} {producer.activation}{' gated' if producer.gated else ''}"
     what += " (approximate)" if producer.approximate else ""
   record(Decision("quantize", role,
@@ -254,6 +256,31 @@ def activation_grad_quantize(dy2d: jax.Array, h2d: jax.Array, *, activation: str
   dtype = np.dtype(h2d.dtype)
   producer = Producer("activation_grad", dtype, activation=activation, gated=gated)
   inputs = Inputs(dy2d, b=h2d)
+  impl, path, why = _implementation(producer, inputs, quantizer)
+  _record(role, producer, quantizer, rowwise, columnwise, path, why)
+  fused = impl.fused_quantize(producer, inputs, quantizer, rowwise=rowwise, columnwise=columnwise,
+                              orig_dtype=dtype, state=state, col_sums=dbias)
+  bias_grad = pairwise_sum(fused.col_sums, axis=0) if dbias else None
+  return QuantizedTensor(fused.rowwise, fused.columnwise, quantizer), bias_grad
+
+
+def parts_quantize(parts, *, quantizer: Quantizer, rowwise: bool = True,
+                   columnwise: bool = True, state: Any = None, dbias: bool = False,
+                   role: Any = None) -> tuple[QuantizedTensor, Optional[jax.Array]]:
+  """The column parts `[rows, Cp]` side by side, `[p0 | p1 | ...]`, quantized where they lie:
+  a packed projection's dq, dk and dv (`jaxquant.layers.split_output`) without the copy that
+  joins them. Bit for bit `jnp.concatenate(parts, axis=1)` quantized. With `dbias`, also the
+  float32 column sums (per-tile sums in the kernel, then `reductions.pairwise_sum` over the
+  tiles, as `activation_grad_quantize`'s)."""
+  reason = fusion_unsupported(quantizer)
+  if reason is not None:
+    raise ValueError(f"quantizer: {reason}")
+  parts = tuple(parts)
+  if not parts:
+    raise ValueError("parts: expected at least one [rows, cols] array")
+  dtype = np.dtype(parts[0].dtype)
+  producer = Producer("parts", dtype)
+  inputs = Inputs(parts[0], more=parts[1:])
   impl, path, why = _implementation(producer, inputs, quantizer)
   _record(role, producer, quantizer, rowwise, columnwise, path, why)
   fused = impl.fused_quantize(producer, inputs, quantizer, rowwise=rowwise, columnwise=columnwise,

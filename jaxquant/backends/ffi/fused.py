@@ -31,11 +31,13 @@ from jaxquant.numerics import activations as _act
 from jaxquant.quantizers import HIGH_PRECISION_DTYPES, Quantizer
 from jaxquant.tensors import ScaledTensor
 
-PRODUCER_CODES = {"layernorm": 1, "rmsnorm": 2, "activation": 3, "activation_grad": 4}  # ffi/fused
+PRODUCER_CODES = {"layernorm": 1, "rmsnorm": 2, "activation": 3, "activation_grad": 4,
+                  "parts": 5}  # ffi/fused
 OUT_TYPES = {np.dtype(jnp.bfloat16): 0, np.dtype(jnp.float16): 1, np.dtype(jnp.float32): 2}
 TARGETS = ("jaxquant_norm_stats", "jaxquant_fused_amax", "jaxquant_fused_quantize_fp8",
            "jaxquant_fused_quantize_mxfp8", "jaxquant_fused_quantize_fp8_block")
 _MAX_DIM = 2**31 - 1
+MAX_PARTS = 8  # ffi/fused/fused_args.h, kMaxParts
 
 
 def unsupported(producer: Producer, inputs: Inputs, quantizer: Quantizer,
@@ -51,6 +53,10 @@ def unsupported(producer: Producer, inputs: Inputs, quantizer: Quantizer,
   if format_of(quantizer).fused_producer_kernel(quantizer) is None:
     return (f"no fused kernel quantizes {type(quantizer).__name__} (per-tensor FP8, MXFP8 and "
             "Float8Block have one)")
+  if producer.kind == "parts":
+    reason = _parts_unsupported(producer, inputs)
+    if reason is not None:
+      return reason
   for name, array in (("input", inputs.a), ("h", inputs.b)):
     if array is None:
       continue
@@ -70,6 +76,21 @@ def unsupported(producer: Producer, inputs: Inputs, quantizer: Quantizer,
             "output is the input's dtype or float32)")
   if producer.kind == "activation" and producer.gated and inputs.a.shape[1] % 2:
     return f"a gated unit's input holds two halves; got {inputs.a.shape[1]} columns"
+  return None
+
+
+def _parts_unsupported(producer: Producer, inputs: Inputs) -> Optional[str]:
+  parts = (inputs.a, *inputs.more)
+  if len(parts) > MAX_PARTS:
+    return f"the fused kernels join at most {MAX_PARTS} parts; got {len(parts)}"
+  if any(p.shape != inputs.a.shape or p.dtype != inputs.a.dtype for p in parts):
+    return ("the parts differ in shape or dtype: "
+            f"{[(tuple(p.shape), np.dtype(p.dtype).name) for p in parts]}")
+  if inputs.a.ndim == 2 and inputs.a.shape[1] * len(parts) > _MAX_DIM:
+    return f"the joined parts have {inputs.a.shape[1] * len(parts)} columns, >= 2^31"
+  if producer.out_dtype != np.dtype(inputs.a.dtype):
+    return (f"parts keep their dtype: {np.dtype(inputs.a.dtype).name} in, "
+            f"{producer.out_dtype.name} out")
   return None
 
 
@@ -106,15 +127,25 @@ def _operand_dims(producer: Producer, inputs: Inputs) -> tuple:
   if producer.kind == "activation":
     a = (("m", 1), ("h", 1)) if producer.gated else (("m", 1), ("k", 1))
     return (a, (), (), (), (), ())
+  if producer.kind == "parts":  # and the other parts: _more_dims
+    return ((("m", 1), ("n", 1)), (), (), (), (), ())
   if producer.gated:
     return ((("m", 1), ("n", 1)), (("m", 1), ("k", 1)), (), (), (), ())
   return ((("m", 1), ("k", 1)), (("m", 1), ("k", 1)), (), (), (), ())
 
 
+def _more_dims(inputs: Inputs) -> tuple:
+  """The layout of the operands after a target's own: the other parts, rows following "m"."""
+  return ((("m", 1), ("n", 1)),) * len(inputs.more)
+
+
 def _whole_rows(producer: Producer, inputs: Inputs) -> tuple:
   """The `Layout.blocks` that keep what a value needs on one shard: a normalized row, both
-  halves of a gated unit."""
+  halves of a gated unit, every part's columns (a shard of each would not be a shard of the
+  joined matrix)."""
   rows, cols = output_shape(producer, inputs)
+  if producer.kind == "parts":
+    return (("n", inputs.a.shape[1]), ("k", cols))
   if producer.norm:
     return (("k", cols),)
   if producer.gated and producer.kind == "activation":
@@ -164,12 +195,13 @@ def norm_stats(x2d: jax.Array, scale: Optional[jax.Array], bias: Optional[jax.Ar
 def producer_amax(producer: Producer, inputs: Inputs,
                   gate: Optional[jax.Array] = None) -> jax.Array:
   """The amax of the producer's output (only while the float32 `gate` is 0, when given)."""
-  layout = Layout(operands=_operand_dims(producer, inputs) + ((),), results=((),),
-                  reduce=((0, ("m", "k")),), blocks=_whole_rows(producer, inputs),
-                  what="jaxquant_fused_amax")
+  layout = Layout(operands=_operand_dims(producer, inputs) + ((),) + _more_dims(inputs),
+                  results=((),), reduce=((0, ("m", "k")),),
+                  blocks=_whole_rows(producer, inputs), what="jaxquant_fused_amax")
   gate_value = _placeholder() if gate is None else jnp.asarray(gate, jnp.float32).reshape(())
   (amax,) = calls.call("jaxquant_fused_amax", [_sds((), np.float32)], *_operands(inputs),
-                       gate_value, layout=layout, gated_amax=gate is not None, **_attrs(producer))
+                       gate_value, *inputs.more, layout=layout, gated_amax=gate is not None,
+                       **_attrs(producer))
   return amax
 
 
@@ -186,6 +218,7 @@ def fused_quantize(producer: Producer, inputs: Inputs, quantizer: Quantizer, *, 
                    col_sums: bool = False, amax: Optional[jax.Array] = None) -> Fused:
   """The producer's output quantized by `quantizer` in one pass over its inputs.
 
+  A "parts" producer's other parts (`inputs.more`) follow the target's own operands.
   Per-tensor current scaling takes the amax first (`amax` when the caller has it, e.g. from
   `norm_stats`, else `producer_amax` / `norm_stats` here; a `pmax` under a mesh); delayed
   scaling quantizes with the state's scale (the first step's from the gated amax, `amax` or a
@@ -254,10 +287,11 @@ def fused_quantize(producer: Producer, inputs: Inputs, quantizer: Quantizer, *, 
   if col_sums:
     results.append(_sds((-(-rows // 128), cols), np.float32))
     result_dims.append((("m", 128), ("k", 1)))
-  layout = Layout(operands=_operand_dims(producer, inputs) + extra_dims,
+  layout = Layout(operands=_operand_dims(producer, inputs) + extra_dims + _more_dims(inputs),
                   results=tuple(result_dims), reduce=reduce,
                   blocks=_whole_rows(producer, inputs), what=target)
-  outs = calls.call(target, results, *_operands(inputs), *operands_extra, layout=layout,
+  outs = calls.call(target, results, *_operands(inputs), *operands_extra, *inputs.more,
+                    layout=layout,
                     write_y=write_y, col_sums=col_sums, rowwise=rowwise, columnwise=columnwise,
                     **extra, **_attrs(producer))
   y = outs.pop(0) if write_y else None
