@@ -124,27 +124,27 @@ def test_parts_quantize_equals_the_joined_quantize_and_its_bias_gradient(rng):
       np.asarray(dbias), np.asarray(pairwise_sum(column_tile_sums(joined), axis=0)))
 
 
+def _fp8_call(a, more, cols: int, producer: int):
+  """jaxquant_fused_quantize_fp8 on `a` and the operands `more` after its own, rowwise only."""
+  results = [jax.ShapeDtypeStruct((a.shape[0], cols), jnp.float8_e4m3fn), F32(())]
+  return _raw_call("jaxquant_fused_quantize_fp8", results, a, P(), P(), P(), P(), P(), P(), *more,
+                   **PRODUCER_ATTRS, producer=np.int32(producer), write_y=False, col_sums=False,
+                   rowwise=True, columnwise=False, delayed=False, pow2_scale=False,
+                   amax_epsilon=np.float32(0))
+
+
 def test_parts_of_different_shapes_are_an_error():
   a = jnp.ones((8, 16), jnp.bfloat16)
-  b = jnp.ones((8, 8), jnp.bfloat16)
-  results = [jax.ShapeDtypeStruct((8, 32), jnp.float8_e4m3fn), F32(())]
   with pytest.raises(Exception, match=r"part 1 is bfloat16\(8, 8\); every part is the first's "
                                       r"dtype and shape, bfloat16\(8, 16\)"):
-    _raw_call("jaxquant_fused_quantize_fp8", results, a, P(), P(), P(), P(), P(), P(), b,
-              **PRODUCER_ATTRS, producer=np.int32(5), write_y=False, col_sums=False,
-              rowwise=True, columnwise=False, delayed=False, pow2_scale=False,
-              amax_epsilon=np.float32(0))
+    _fp8_call(a, [jnp.ones((8, 8), jnp.bfloat16)], 32, producer=5)
 
 
 def test_extra_operands_for_another_producer_are_an_error():
   h = jnp.ones((8, 16), jnp.bfloat16)
-  results = [jax.ShapeDtypeStruct((8, 16), jnp.float8_e4m3fn), F32(())]
   with pytest.raises(Exception, match=r"1 operands after the target's own; only a parts "
                                       r"producer \(producer=5\) takes more"):
-    _raw_call("jaxquant_fused_quantize_fp8", results, h, P(), P(), P(), P(), P(), P(), h,
-              **PRODUCER_ATTRS, producer=np.int32(3), write_y=False, col_sums=False,
-              rowwise=True, columnwise=False, delayed=False, pow2_scale=False,
-              amax_epsilon=np.float32(0))
+    _fp8_call(h, [h], 16, producer=3)
 
 
 def test_unsupported_parts_are_named():

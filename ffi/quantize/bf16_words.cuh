@@ -33,6 +33,18 @@ struct TileWords<Direct<BF16>> {
   __device__ static uint32_t word(uint32_t w) { return w; }
 };
 
+// The row phase's loads of a whole-tile kernel: thread (lr = tid / 16, q = tid % 16) gets
+// columns 8q .. 8q+7 of tile rows 16 pp + lr (pp = 0..7) of tile t, read where producer P's
+// `source` holds them, every load issued first.
+template <typename P>
+__device__ __forceinline__ void load_tile_rows(const P& prod, const TileIndex& t, uint32_t C, int lr, int q,
+                                               uint4 (&raw)[8]) {
+  const TileSource in = TileWords<P>::source(prod, uint32_t(t.r0), uint32_t(t.c0), C);
+  const uint4* src = reinterpret_cast<const uint4*>(in.first + uint32_t(lr) * in.stride + 8u * q);
+#pragma unroll
+  for (int pp = 0; pp < 8; ++pp) raw[pp] = __ldg(src + pp * 2u * in.stride);  // 16 rows = 2 strides of chunks
+}
+
 // Two passes' maxima in one word: the larger bfloat16 half of a in the low half, of b in the
 // high half.
 __device__ __forceinline__ uint32_t pack_pass_maxima(uint32_t a, uint32_t b) {
@@ -64,6 +76,20 @@ __device__ __forceinline__ uint32_t bf16_column_codes4(const uint32_t* w, bool h
 }
 
 constexpr uint32_t kAbsBf16x2 = 0x7FFF7FFFu;
+
+// The column phase's words of a whole-tile kernel: rows 16j .. 16j+15 of the tile's column pair
+// cp (one bfloat16 pair a row) from the swizzled shared tile (64 words a row), and their packed
+// |bits| maximum.
+__device__ __forceinline__ uint32_t load_column_pair(const uint32_t* tile, int j, int cp, uint32_t (&w)[16]) {
+  const uint32_t* at = tile + 16 * j * 64 + (((cp >> 2) ^ j) << 2) + (cp & 3);
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    w[i] = at[64 * i];
+    m = __vmaxu2(m, w[i] & kAbsBf16x2);
+  }
+  return m;
+}
 
 // column_tile_sum (tile.cuh) of one bfloat16 half (hi: the upper) of words w[0..15]: the 16
 // rows of column c a whole-tile kernel's column phase holds, the column's 8 chunks in lanes

@@ -45,11 +45,8 @@ __global__ void __launch_bounds__(kThreads, 4) fp8_block_1x128_bf16_kernel(const
   // Row phase: loads, the tile, and each pass's |bits| maximum (two halves).
   const int lr = tid >> 4, q = tid & 15;
   const uint32_t first = uint32_t(t.r0 + lr) * C + uint32_t(t.c0) + 8u * q;  // element offset, pass 0
-  const TileSource in = Words::source(prod, uint32_t(t.r0), uint32_t(t.c0), C);
-  const uint4* src = reinterpret_cast<const uint4*>(in.first + uint32_t(lr) * in.stride + 8u * q);
   uint4 raw[8];
-#pragma unroll
-  for (int pp = 0; pp < 8; ++pp) raw[pp] = __ldg(src + pp * 2u * in.stride);  // 16 rows = 2 strides of chunks
+  load_tile_rows(prod, t, C, lr, q, raw);
   uint32_t pass_max[8];
 #pragma unroll
   for (int pp = 0; pp < 8; ++pp) {
@@ -105,14 +102,8 @@ __global__ void __launch_bounds__(kThreads, 4) fp8_block_1x128_bf16_kernel(const
 #pragma unroll
   for (int it = 0; it < 2; ++it) {
     const int cp = it * 32 + warp * 4 + (lane >> 3);
-    const uint32_t* at = tile + 16 * j * 64 + (((cp >> 2) ^ j) << 2) + (cp & 3);
     uint32_t w[16];
-    uint32_t m = 0;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      w[i] = at[64 * i];
-      m = __vmaxu2(m, w[i] & kAbsBf16x2);
-    }
+    uint32_t m = load_column_pair(tile, j, cp, w);
 #pragma unroll
     for (int o = 1; o < 8; o <<= 1) m = __vmaxu2(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
     const float scale0 = jq::scale_from_amax(__uint_as_float(m << 16), fmax, p.pow2_scale, p.amax_epsilon);

@@ -14,8 +14,8 @@ namespace {
 // element offsets (column sums, a bias gradient's, come from the column phase).
 template <typename P>
 inline bool fp8_tensor_bf16_fast(const Fp8TensorParams& p, const P& prod) {
-  return TileWords<P>::serves(prod) && p.do_row && p.do_col && p.vec_row && p.vec_col && p.R % 128 == 0 && p.C % 128 == 0 && p.R * p.C < (int64_t(1) << 31) &&
-         aligned(p.col, 16);
+  return TileWords<P>::serves(prod) && p.do_row && p.do_col && p.vec_row && p.vec_col && p.R % 128 == 0 &&
+         p.C % 128 == 0 && p.R * p.C < (int64_t(1) << 31) && aligned(p.col, 16);
 }
 
 // fp8_block_1x128_bf16_kernel's tile and mappings with the tensor's one scale, known before a
@@ -39,11 +39,8 @@ __global__ void __launch_bounds__(kThreads, 4) fp8_tensor_bf16_kernel(const Fp8T
   // Row phase: thread (lr = tid / 16, q = tid % 16) holds columns 8q .. 8q+7 of tile rows 16 pp + lr.
   const int lr = tid >> 4, q = tid & 15;
   const uint32_t first = uint32_t(t.r0 + lr) * C + uint32_t(t.c0) + 8u * q;
-  const TileSource in = Words::source(prod, uint32_t(t.r0), uint32_t(t.c0), C);
-  const uint4* src = reinterpret_cast<const uint4*>(in.first + uint32_t(lr) * in.stride + 8u * q);
   uint4 raw[8];
-#pragma unroll
-  for (int pp = 0; pp < 8; ++pp) raw[pp] = __ldg(src + pp * 2u * in.stride);  // 16 rows = 2 strides of chunks
+  load_tile_rows(prod, t, C, lr, q, raw);
   uint8_t* row_out = p.row + first;
   uint32_t thread_max = 0;
 #pragma unroll
@@ -71,14 +68,8 @@ __global__ void __launch_bounds__(kThreads, 4) fp8_tensor_bf16_kernel(const Fp8T
 #pragma unroll
   for (int it = 0; it < 2; ++it) {
     const int cp = it * 32 + warp * 4 + (lane >> 3);
-    const uint32_t* at = tile + 16 * j * 64 + (((cp >> 2) ^ j) << 2) + (cp & 3);
     uint32_t w[16];
-    uint32_t m = 0;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      w[i] = at[64 * i];
-      m = __vmaxu2(m, w[i] & kAbsBf16x2);
-    }
+    uint32_t m = load_column_pair(tile, j, cp, w);
     const bool nan0 = (m & 0xFFFFu) > kBf16NanAbove, nan1 = (m >> 16) > kBf16NanAbove;
     uint32_t q0[4], q1[4];
 #pragma unroll

@@ -253,13 +253,21 @@ def activation_grad_quantize(dy2d: jax.Array, h2d: jax.Array, *, activation: str
   reason = fusion_unsupported(quantizer)
   if reason is not None:
     raise ValueError(f"quantizer: {reason}")
-  dtype = np.dtype(h2d.dtype)
-  producer = Producer("activation_grad", dtype, activation=activation, gated=gated)
-  inputs = Inputs(dy2d, b=h2d)
+  producer = Producer("activation_grad", np.dtype(h2d.dtype), activation=activation,
+                      gated=gated)
+  return _gradient_quantize(producer, Inputs(dy2d, b=h2d), quantizer, rowwise=rowwise,
+                            columnwise=columnwise, state=state, dbias=dbias, role=role)
+
+
+def _gradient_quantize(producer: Producer, inputs: Inputs, quantizer: Quantizer, *,
+                       rowwise: bool, columnwise: bool, state: Any, dbias: bool,
+                       role: Any) -> tuple[QuantizedTensor, Optional[jax.Array]]:
+  """A gradient producer's output quantized, and its float32 column sums with `dbias` (per-tile
+  sums in the kernel, then `reductions.pairwise_sum` over the tiles)."""
   impl, path, why = _implementation(producer, inputs, quantizer)
   _record(role, producer, quantizer, rowwise, columnwise, path, why)
   fused = impl.fused_quantize(producer, inputs, quantizer, rowwise=rowwise, columnwise=columnwise,
-                              orig_dtype=dtype, state=state, col_sums=dbias)
+                              orig_dtype=producer.out_dtype, state=state, col_sums=dbias)
   bias_grad = pairwise_sum(fused.col_sums, axis=0) if dbias else None
   return QuantizedTensor(fused.rowwise, fused.columnwise, quantizer), bias_grad
 
@@ -278,12 +286,6 @@ def parts_quantize(parts, *, quantizer: Quantizer, rowwise: bool = True,
   parts = tuple(parts)
   if not parts:
     raise ValueError("parts: expected at least one [rows, cols] array")
-  dtype = np.dtype(parts[0].dtype)
-  producer = Producer("parts", dtype)
-  inputs = Inputs(parts[0], more=parts[1:])
-  impl, path, why = _implementation(producer, inputs, quantizer)
-  _record(role, producer, quantizer, rowwise, columnwise, path, why)
-  fused = impl.fused_quantize(producer, inputs, quantizer, rowwise=rowwise, columnwise=columnwise,
-                              orig_dtype=dtype, state=state, col_sums=dbias)
-  bias_grad = pairwise_sum(fused.col_sums, axis=0) if dbias else None
-  return QuantizedTensor(fused.rowwise, fused.columnwise, quantizer), bias_grad
+  return _gradient_quantize(Producer("parts", np.dtype(parts[0].dtype)),
+                            Inputs(parts[0], more=parts[1:]), quantizer, rowwise=rowwise,
+                            columnwise=columnwise, state=state, dbias=dbias, role=role)
