@@ -8,10 +8,10 @@ reach its backward apart, where `gradient` quantizes them where they lie
 (`jaxquant.ops.fused.parts_quantize`: the kernels read each tile from its part) with the bias
 gradient as the kernel's column sums, docs/design.md decision 64. Where that cannot serve (a
 format without fused kernels, a sharded layer, `JAXQUANT_FUSE_PRODUCERS=off`: the A/B switch of
-every fused producer) `join` stacks them and the dense quantizes the
-joined gradient, recorded for `jaxquant.explain`. Values and gradients are the unsplit
-layer's, bit for bit, but for the bias gradient of the parts path: float32 column sums in the
-kernels' fixed order (as the fused MLP's), where the unsplit layer reduces in dy's dtype.
+every fused producer) `join` stacks them and the dense quantizes the joined gradient, recorded
+for `jaxquant.explain`. Values and gradients are the unsplit layer's, bit for bit, but for the
+bias gradient of the parts path: float32 column sums in the kernels' fixed order (as the fused
+MLP's), where the unsplit layer reduces in dy's dtype.
 """
 
 from __future__ import annotations
