@@ -76,6 +76,7 @@ __device__ __forceinline__ uint32_t bf16_column_codes4(const uint32_t* w, bool h
 }
 
 constexpr uint32_t kAbsBf16x2 = 0x7FFF7FFFu;
+constexpr uint32_t kBf16NanAbove = 0x7F80u;  // |bits| above +inf's: NaN
 
 // The column phase's words of a whole-tile kernel: rows 16j .. 16j+15 of the tile's column pair
 // cp (one bfloat16 pair a row) from the swizzled shared tile (64 words a row), and their packed
@@ -103,7 +104,6 @@ __device__ __forceinline__ void bf16_column_tile_sum(const uint32_t* w, bool hi,
   for (int o = 1; o < 8; o <<= 1) s = s + __shfl_xor_sync(0xFFFFFFFFu, s, o);
   if (j == 0) out[tile_row * C + c] = s;
 }
-constexpr uint32_t kBf16NanAbove = 0x7F80u;  // |bits| above +inf's: NaN
 
 // The larger |bits| of each half over a uint4 of bfloat16 pairs.
 __device__ __forceinline__ uint32_t abs_max_bf16x2(uint4 w) {

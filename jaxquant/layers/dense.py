@@ -384,18 +384,18 @@ def _bwd(config, residuals, dy):
   _, _, key_g = _keys(key)
   roles = q.roles
   plan = config.plan
-  split = _split_gradient(config, dy, states[2], w_col is not None, x_col is not None)
-  if isinstance(config.epilogue, SplitOutput) and split is None:  # the parts, joined
-    dy = config.epilogue.join(dy, config.batch_shape + config.out_shape,
-                              len(config.out_shape), config.x_dtype)
-  if split is not None:  # the parts quantized where they lie
-    dqy, dbias = split
-    dbias = None if dbias is None else dbias.reshape(config.out_shape).astype(config.bias_dtype)
-  elif config.epilogue is not None and not isinstance(config.epilogue, SplitOutput):
-    # dy is the epilogue's cotangent; it quantizes dy itself
-    dqy, dbias = config.epilogue.gradient(
+  epilogue, quantized = config.epilogue, None
+  if isinstance(epilogue, SplitOutput):  # the parts' cotangents: quantized where they lie,
+    quantized = _split_gradient(config, dy, states[2], w_col is not None, x_col is not None)
+    if quantized is None:  # or joined, then quantized as a plain output gradient
+      dy = epilogue.join(dy, config.batch_shape + config.out_shape, len(config.out_shape),
+                         config.x_dtype)
+  elif epilogue is not None:  # dy is the epilogue's cotangent; it quantizes dy itself
+    quantized = epilogue.gradient(
         dy, y, q.grad_output, states[2], rowwise=w_col is not None, columnwise=x_col is not None,
         dbias=config.bias_dtype is not None, key=key_g, role=roles[2])
+  if quantized is not None:
+    dqy, dbias = quantized
     dbias = None if dbias is None else dbias.reshape(config.out_shape).astype(config.bias_dtype)
   else:
     dy_nd = dy
@@ -445,9 +445,7 @@ def _bwd(config, residuals, dy):
 
 def _split_gradient(config: _Config, dy, state, rowwise: bool, columnwise: bool):
   """(dy quantized, bias gradient or None) from a `SplitOutput`'s parts where its parts quantize
-  serves, else None (not a split output, or the parts are joined first)."""
-  if not isinstance(config.epilogue, SplitOutput):
-    return None
+  serves, else None (the parts are joined first)."""
   return config.epilogue.gradient(
       dy, config.batch_shape + config.out_shape, len(config.out_shape), config.x_dtype,
       config.quantizers.grad_output, state, rowwise=rowwise, columnwise=columnwise,

@@ -17,6 +17,7 @@ MLP's), where the unsplit layer reduces in dy's dtype.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional
 
 import jax
@@ -78,9 +79,7 @@ class SplitOutput:
       record(Decision("quantize", role, f"output gradient's {shape[axis]} parts joined, then "
                       "quantized", "joined", reason))
       return None
-    rows = 1
-    for n in shape[:axis]:
-      rows *= n
+    rows = math.prod(shape[:axis])
     parts = [p.reshape(rows, -1)
              for p in _materialized(cotangents, shape[:axis] + shape[axis + 1:], dtype)]
     return fused_ops.parts_quantize(parts, quantizer=quantizer,
